@@ -1,0 +1,37 @@
+"""The ``tiermem`` command on a machine without CUDA: probe runs and says so; bad input exits 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+
+
+def run(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "tiermem.cli", *args], capture_output=True, text=True, cwd=cwd)
+
+
+def test_probe_json(tmp_path):
+    r = run("probe", "--size", "4MiB", "--reps", "1", "--json", "--save", str(tmp_path / "p.json"),
+            "--nvme-path", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert json.loads((tmp_path / "p.json").read_text()) == result
+    rows = {row["link"]: row for row in result["rows"]}
+    assert rows["arena -> NVMe (posix)"]["tiermem"] > 0 and rows["arena -> NVMe (posix)"]["ratio"] > 0
+    assert rows["NVMe -> arena (posix)"]["raw"] > 0
+    assert rows["CPU AdamW"]["tiermem"] > 0
+    if not torch.cuda.is_available():
+        assert rows["arena -> GPU"]["note"] == "no CUDA on this machine"
+    assert not list(tmp_path.glob("*.nvme"))  # the probe cleans up
+
+
+def test_bad_input_exits_2(tmp_path):
+    for args in (["probe", "--size", "lots"], ["probe", "--nvme-path", str(tmp_path / "missing")],
+                 ["probe", "--size", "10"]):
+        r = run(*args)
+        assert r.returncode == 2, args
+        assert r.stderr.startswith("tiermem: error:") and "Traceback" not in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1

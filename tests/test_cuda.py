@@ -1,0 +1,54 @@
+"""GPU paths: CUDA registration of the arena, H2D/D2H through the mover, GPU slots, and the kvikio
+backend straight to and from GPU memory. Skipped without CUDA (run on the GPU machine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiermem.catalog import TensorSpec
+from tiermem.config import load_store_config
+from tiermem.store import Store
+from tiermem.tiers.dram import DramArena
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (runs on the GPU machine)")
+
+
+def test_arena_is_registered_as_pinned(store_name):
+    with DramArena.create(store_name, 64 << 20, pin=True) as arena:
+        assert arena.pinned
+        v = arena.view(arena.allocate(1 << 20))
+        assert v.is_pinned()
+
+
+@pytest.mark.parametrize("backend", ["posix", "kvikio"])
+def test_store_on_gpu(nvme_dir, store_name, backend):
+    if backend == "kvikio":
+        pytest.importorskip("kvikio")
+    cfg = load_store_config({"tiers": {"gpu": {"device": "cuda"}, "dram": {"budget": "1GiB"},
+                                       "nvme": {"path": str(nvme_dir), "budget": "1GiB", "backend": backend}},
+                             "placement": {"param": "dram", "master": "nvme", "exp_avg": "gpu"},
+                             "name": store_name})
+    specs = [TensorSpec(f"l{i}.{k}", (1000, 333), torch.float32, k, i)
+             for i in range(4) for k in ("param", "master", "exp_avg")]
+    with Store.open(cfg, specs) as store:
+        assert store.dram.pinned and store.nvme.backend_name == backend
+        vals = {s.name: torch.randn(s.shape, device="cuda") for s in specs}
+        for n, v in vals.items():
+            store.write(n, v).result()
+        for n, v in vals.items():
+            assert torch.equal(store.read(n).result(), v.cpu()), n
+        for kind in ("param", "master", "exp_avg"):
+            view = store.fetch(2, kind).result()
+            t = view.tensors[f"l2.{kind}"]
+            assert t.is_cuda and torch.equal(t, vals[f"l2.{kind}"])
+            view.release()
+        # grads computed on the GPU go home after the producing kernel, not before
+        g = torch.randn(1000, 333, device="cuda")
+        out = g * 3
+        store.store_group(1, "master", {"l1.master": out}).result()
+        assert torch.equal(store.read("l1.master").result(), (g * 3).cpu())
+        stats = store.stats()
+        assert stats["links"]["dram->gpu"]["bytes"] > 0 and stats["links"]["gpu->dram"]["bytes"] > 0
+        key = "nvme->gpu"
+        assert stats["links"][key]["bytes"] > 0 or backend == "posix"

@@ -1,0 +1,57 @@
+"""The shared-memory arena: shared by name across processes, removed on close, detectable when left
+behind, and one-line errors when it cannot be made."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tiermem.cli import main
+from tiermem.errors import StorageError
+from tiermem.tiers.dram import DramArena, list_arenas
+
+
+def test_views_are_zero_copy_and_shared_with_another_process(store_name):
+    with DramArena.create(store_name, 1 << 20) as arena:
+        e = arena.allocate(10_000)
+        assert e.offset % 4096 == 0
+        v = arena.view(e, 8).view(torch.int64)
+        v.fill_(1234567)
+        code = ("import sys, torch; from tiermem.tiers.dram import DramArena\n"
+                f"a = DramArena.attach({store_name!r})\n"
+                f"v = a.view(type('E', (), {{'offset': {e.offset}, 'nbytes': 8}})(), 8).view(torch.int64)\n"
+                "assert v.item() == 1234567, v.item()\n"
+                "v.fill_(42); a.close()\n")
+        subprocess.run([sys.executable, "-c", code], check=True)
+        assert v.item() == 42  # the other process wrote into our memory
+        path = arena.path
+        assert path.exists()
+    assert not path.exists()  # the owner removes it on close
+
+
+def test_left_behind_arena_is_detected_and_cleaned(store_name, capsys):
+    code = ("import os; from tiermem.tiers.dram import DramArena\n"
+            f"DramArena.create({store_name!r}, 1 << 16)\nos._exit(0)\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    info = [a for a in list_arenas() if a.name == store_name]
+    assert len(info) == 1 and not info[0].alive and info[0].pid != os.getpid()
+    with pytest.raises(StorageError, match="left behind by pid .* `tiermem arenas --clean`"):
+        DramArena.create(store_name, 1 << 16)
+    assert main(["arenas", "--clean"]) == 0
+    assert "left behind" in capsys.readouterr().out
+    assert not info[0].path.exists()
+
+
+def test_arena_errors(tmp_path, store_name):
+    with pytest.raises(StorageError, match="does not exist"):
+        DramArena.create(store_name, 1 << 16, tmp_path / "nope")
+    with pytest.raises(StorageError, match="free; lower tiers.dram.budget"):
+        DramArena.create(store_name, 1 << 50)
+    assert not any(a.name == store_name for a in list_arenas())
+    with DramArena.create(store_name, 1 << 16):
+        with pytest.raises(StorageError, match="owned by running pid"):
+            DramArena.create(store_name, 1 << 16)

@@ -1,0 +1,59 @@
+"""Placement: static and auto, budgets as hard limits refused before anything is allocated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiermem.catalog import TensorSpec
+from tiermem.errors import BudgetError
+from tiermem.placement import make_plan
+from tiermem.store import Store
+from tiermem.tiers.dram import list_arenas
+
+MiB = 1 << 20
+
+
+def model_specs(layers=4, n=MiB // 4):  # each tensor 1 MiB in fp32
+    specs = []
+    for i in range(layers):
+        for kind in ("param", "grad", "master", "exp_avg", "exp_avg_sq"):
+            specs.append(TensorSpec(f"layers.{i}.w:{kind}", (n,), torch.float32, kind, i))
+    for kind in ("param", "master", "exp_avg", "exp_avg_sq"):
+        specs.append(TensorSpec(f"embed:{kind}", (n // 4,), torch.float32, kind, "embed"))
+    return specs
+
+
+def test_static_placement(make_cfg):
+    plan = make_plan(model_specs(), make_cfg(placement={"exp_avg": "nvme", "exp_avg_sq": "nvme"}))
+    assert plan.where[(2, "exp_avg")] == "nvme" and plan.where[(2, "param")] == "dram"
+    assert plan.where[("embed", "param")] == "dram"  # unnamed kinds stay in DRAM
+    assert plan.need()["nvme"] == 2 * 4 * MiB + 2 * MiB // 4
+    assert plan.slot_bytes == MiB and plan.n_slots == 3
+
+
+def test_auto_spills_coldest_kinds_of_last_layers(make_cfg):
+    cfg = make_cfg(dram_budget="16MiB", nvme_budget="1GiB")
+    plan = make_plan(model_specs(), cfg)
+    assert all(plan.where[("embed", k)] == "gpu" for k in ("param", "master", "exp_avg", "exp_avg_sq"))
+    assert plan.need()["dram"] <= 16 * MiB
+    assert plan.where[(3, "exp_avg_sq")] == "nvme"  # coldest kind, last layer first
+    assert plan.where[(0, "param")] == "dram"  # hottest stays
+    moved = [k for k, t in plan.where.items() if t == "nvme"]
+    assert all(k[1] in ("exp_avg_sq", "exp_avg") for k in moved)
+
+
+def test_over_budget_is_refused_before_allocation(make_cfg, store_name):
+    cfg = make_cfg(placement={"exp_avg": "nvme"}, dram_budget="4MiB", nvme_budget="2MiB")
+    with pytest.raises(BudgetError) as e:
+        Store.open(cfg, model_specs())
+    msg = str(e.value)  # dram: 16 MiB of layer state, 0.75 of embed, 2 of staging for NVMe reads
+    assert "needs" in msg and "dram 18.8 MiB (budget 4.0 MiB)" in msg and "nvme 4.2 MiB (budget 2.0 MiB)" in msg
+    assert "raise tiers.dram.budget" in msg
+    assert not any(a.name == store_name for a in list_arenas())
+
+
+def test_nvme_placement_without_tier(make_cfg):
+    cfg = make_cfg(nvme=False, dram_budget="1MiB")
+    with pytest.raises(BudgetError, match="dram"):
+        make_plan(model_specs(), cfg)

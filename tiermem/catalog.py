@@ -1,0 +1,122 @@
+"""The catalog: every named tensor of the store, where it lives, and a version per group.
+
+A tensor has a name, shape, dtype, kind (param, grad, master, exp_avg, exp_avg_sq) and a group (a layer
+index, or a named shared group such as "embed"). An entry records its home tier and extent and whether
+its bytes there are valid: an extent becomes valid only when a write to it has completed. Each group has
+a version a reader can wait on ("group g at version >= v"): the optimizer bumps it after an update and
+the next forward pass waits for it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tiermem.config import KINDS
+from tiermem.tiers.extents import Extent
+
+Group = int | str
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    kind: str
+    group: Group
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown kind {self.kind!r}; kinds are {', '.join(KINDS)}")
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass
+class Entry:
+    spec: TensorSpec
+    tier: str
+    extent: Extent
+    valid: bool = False
+
+
+@dataclass
+class GroupState:
+    version: int = 0
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    wait_seconds: float = 0.0
+
+
+class Catalog:
+    def __init__(self):
+        self._entries: dict[str, Entry] = {}
+        self._by_group: dict[tuple[Group, str], list[str]] = {}
+        self._groups: dict[Group, GroupState] = {}
+        self._lock = threading.Lock()
+
+    def add(self, spec: TensorSpec, tier: str, extent: Extent) -> Entry:
+        with self._lock:
+            if spec.name in self._entries:
+                raise ValueError(f"tensor {spec.name!r} already exists")
+            entry = Entry(spec, tier, extent)
+            self._entries[spec.name] = entry
+            self._by_group.setdefault((spec.group, spec.kind), []).append(spec.name)
+            self._groups.setdefault(spec.group, GroupState())
+            return entry
+
+    def remove(self, name: str) -> Entry:
+        with self._lock:
+            entry = self._entries.pop(name)
+            names = self._by_group[(entry.spec.group, entry.spec.kind)]
+            names.remove(name)
+            if not names:
+                del self._by_group[(entry.spec.group, entry.spec.kind)]
+            return entry
+
+    def __getitem__(self, name: str) -> Entry:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise KeyError(f"no tensor named {name!r} in the store") from None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def entries(self) -> list[Entry]:
+        return list(self._entries.values())
+
+    def group_entries(self, group: Group, kind: str) -> list[Entry]:
+        return [self._entries[n] for n in self._by_group.get((group, kind), [])]
+
+    def groups(self) -> list[Group]:
+        return list(self._groups)
+
+    # -- versions ------------------------------------------------------------------------------
+    def version(self, group: Group) -> int:
+        return self._groups[group].version
+
+    def bump(self, group: Group, to: int | None = None) -> int:
+        state = self._groups[group]
+        with state.cond:
+            state.version = state.version + 1 if to is None else to
+            state.cond.notify_all()
+            return state.version
+
+    def wait_version(self, group: Group, at_least: int, timeout: float | None = None) -> float:
+        """Block until ``group`` is at version >= ``at_least``; returns the seconds waited."""
+        state = self._groups[group]
+        t0 = time.perf_counter()
+        with state.cond:
+            if not state.cond.wait_for(lambda: state.version >= at_least, timeout):
+                raise TimeoutError(f"group {group!r} did not reach version {at_least} (at {state.version})")
+        waited = time.perf_counter() - t0
+        state.wait_seconds += waited
+        return waited

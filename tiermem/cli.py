@@ -1,0 +1,80 @@
+"""The ``tiermem`` command: ``probe`` (measure this machine's links) and ``arenas`` (list or clean
+shared-memory arenas left behind). A user error prints one line and exits with code 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tiermem.errors import UserError
+from tiermem.sizes import format_size, parse_size
+
+
+def _probe(args) -> int:
+    from tiermem.probe import render, run_probe
+
+    size = parse_size(args.size, "--size")
+    if size < (1 << 20):
+        raise UserError("--size must be at least 1MiB")
+    arena_size = parse_size(args.arena_size, "--arena-size") if args.arena_size else None
+    if args.nvme_path and not Path(args.nvme_path).is_dir():
+        raise UserError(f"--nvme-path {args.nvme_path} is not a directory")
+    result = run_probe(size, args.nvme_path, args.arena_dir, args.reps, arena_size)
+    if args.save:
+        Path(args.save).write_text(json.dumps(result, indent=1))
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        render(result)
+    return 0
+
+
+def _arenas(args) -> int:
+    from tiermem.tiers.dram import list_arenas
+
+    arenas = list_arenas(args.dir)
+    if not arenas:
+        print(f"no tiermem arenas in {args.dir}")
+    for a in arenas:
+        state = "running" if a.alive else "left behind"
+        print(f"{a.path}  {format_size(a.size)}  pid {a.pid} ({state})")
+        if args.clean and not a.alive:
+            a.path.unlink(missing_ok=True)
+            print(f"  removed {a.path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tiermem", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    pr = sub.add_parser("probe", help="measure every link on this machine, through tiermem and raw")
+    pr.add_argument("--size", default="2GiB", help="bytes per transfer (default 2GiB)")
+    pr.add_argument("--nvme-path", help="directory on the disk to measure (default: a temporary one in .)")
+    pr.add_argument("--arena-dir", default="/dev/shm", help="where the DRAM arena file goes")
+    pr.add_argument("--arena-size", help="size of the arena whose setup time is measured (default --size)")
+    pr.add_argument("--reps", type=int, default=3, help="repetitions per figure; the median is shown")
+    pr.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    pr.add_argument("--save", help="also write the JSON to this file (the planner reads it)")
+    pr.set_defaults(fn=_probe)
+    ar = sub.add_parser("arenas", help="list shared-memory arenas, and which were left behind")
+    ar.add_argument("--dir", default="/dev/shm")
+    ar.add_argument("--clean", action="store_true", help="remove arenas whose owner is gone")
+    ar.set_defaults(fn=_arenas)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except UserError as e:
+        print(f"tiermem: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

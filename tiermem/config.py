@@ -1,0 +1,130 @@
+"""The tiermem config: tier budgets and paths, and the placement policy.
+
+    tiers:
+      gpu:  {budget: 40GiB}
+      dram: {budget: 96GiB}                       # arena file under /dev/shm unless path says otherwise
+      nvme: {path: /mnt/nvme/tiermem, budget: 1TiB, backend: auto}
+    placement: auto                               # or {param: dram, grad: dram, master: dram, exp_avg: nvme, ...}
+
+The same schema is read by ``tiermem serve --config`` and inline under a training YAML's ``tiermem:`` key.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from tiermem.errors import ConfigError, nearest
+from tiermem.schema import load_dataclass
+from tiermem.sizes import parse_size
+
+KINDS = ("param", "grad", "master", "exp_avg", "exp_avg_sq")
+TIERS = ("gpu", "dram", "nvme")
+
+
+def _size(value: Any, where: str) -> int:
+    return parse_size(value, where)
+
+
+def _opt_size(value: Any, where: str) -> int | None:
+    return None if value in (None, "auto") else parse_size(value, where)
+
+
+@dataclass
+class GpuTierConfig:
+    """HBM for streamed layer slots and resident groups. ``budget: auto`` = what the placement needs."""
+
+    budget: int | None = field(default=None, metadata={"convert": _opt_size})
+    device: str = "cuda"  # "cuda", "cuda:N", or "cpu" (the CPU stand-in the tests use)
+    slots: int = 3  # streamed-layer slots per kind fetched to the GPU (current, next, the one being freed)
+
+
+@dataclass
+class DramTierConfig:
+    """The shared-memory arena; registered with CUDA as pinned memory when a GPU is present."""
+
+    budget: int | None = field(default=None, metadata={"convert": _opt_size})
+    path: str = "/dev/shm"  # directory that holds the arena file
+    pin: Literal["auto", "true", "false"] = "auto"
+    preallocate: bool = True  # fallocate the arena so a full /dev/shm fails at start, not mid-run
+
+
+@dataclass
+class NvmeTierConfig:
+    """Preallocated files in a directory, read and written through kvikio or POSIX I/O."""
+
+    path: str | None = None
+    budget: int | None = field(default=None, metadata={"convert": _opt_size})
+    backend: Literal["auto", "kvikio", "posix"] = "auto"
+    threads: int = 8  # I/O threads (posix) or kvikio's thread pool size
+    io_chunk: int = field(default=16 << 20, metadata={"convert": _size})  # split large requests
+    direct: bool = True  # O_DIRECT where the filesystem allows it
+
+
+@dataclass
+class TiersConfig:
+    gpu: GpuTierConfig = field(default_factory=GpuTierConfig)
+    dram: DramTierConfig = field(default_factory=DramTierConfig)
+    nvme: NvmeTierConfig | None = None
+
+
+def _placement(value: Any, where: str) -> str | dict[str, str]:
+    if value == "auto":
+        return "auto"
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected 'auto' or a mapping kind -> tier, got {value!r}")
+    out = {}
+    for kind, tier in value.items():
+        if kind not in KINDS:
+            raise ConfigError(f"{where}: unknown kind '{kind}'{nearest(str(kind), KINDS)}; kinds are "
+                              + ", ".join(KINDS))
+        if tier not in TIERS:
+            raise ConfigError(f"{where}.{kind}: unknown tier '{tier}'{nearest(str(tier), TIERS)}; tiers are "
+                              + ", ".join(TIERS))
+        out[kind] = tier
+    return out
+
+
+@dataclass
+class StoreConfig:
+    """The whole tiermem config."""
+
+    tiers: TiersConfig = field(default_factory=TiersConfig)
+    placement: str | dict[str, str] = field(default="auto", metadata={"convert": _placement})
+    name: str | None = None  # names the arena and NVMe files; default tiermem-<pid>
+
+    def store_name(self) -> str:
+        return self.name or f"tiermem-{os.getpid()}"
+
+
+def load_store_config(source: str | Path | dict[str, Any] | None, where: str = "tiermem") -> StoreConfig:
+    """Read a config from a YAML file path or an inline mapping (None gives the defaults)."""
+    if source is None:
+        return StoreConfig()
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"tiermem config file not found: {path}")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"{path}: not valid YAML{at}: {getattr(e, 'problem', e)}") from None
+        where = str(path)
+    else:
+        data = source
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping at the top level")
+    cfg = load_dataclass(StoreConfig, data, "")
+    for kind, tier in (cfg.placement.items() if isinstance(cfg.placement, dict) else ()):
+        if tier == "nvme" and cfg.tiers.nvme is None:
+            raise ConfigError(f"placement puts '{kind}' on nvme but tiers.nvme is not configured; "
+                              "add tiers: {nvme: {path: DIR, budget: SIZE}}")
+    if cfg.tiers.nvme is not None and not cfg.tiers.nvme.path:
+        raise ConfigError("tiers.nvme.path is required: the directory that holds the NVMe tier's files")
+    return cfg

@@ -1,0 +1,34 @@
+"""Errors that reach the user.
+
+A ``UserError`` is a mistake the user can fix (bad config, missing path, budget too small, disk full).
+The command-line entry points print its one-line message and exit with code 2, without a traceback.
+Anything else is an internal error and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+
+class UserError(Exception):
+    """A user-fixable problem; its message is one line that says what is wrong and how to fix it."""
+
+    exit_code = 2
+
+
+class ConfigError(UserError):
+    """The configuration is malformed or inconsistent."""
+
+
+class BudgetError(UserError):
+    """A placement does not fit under the tier budgets."""
+
+
+class StorageError(UserError):
+    """A tier's backing storage cannot be used (missing path, no space, I/O failure)."""
+
+
+def nearest(name: str, valid: list[str] | tuple[str, ...] | set[str]) -> str:
+    """A ' (did you mean X?)' hint for an unknown name, or '' when nothing is close."""
+    match = difflib.get_close_matches(name, sorted(valid), n=1, cutoff=0.5)
+    return f" (did you mean '{match[0]}'?)" if match else ""

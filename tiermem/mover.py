@@ -1,0 +1,213 @@
+"""The mover: asynchronous transfers between any two tiers, with per-link accounting.
+
+A transfer goes from one ``Location`` (tier, extent, bytes) to another and returns a future that
+completes when the bytes have arrived. GPU copies run on one CUDA stream per direction and are
+completed in order by a watcher thread that waits on their events; without CUDA the same copies run
+on one worker thread per direction. NVMe transfers go through the tier's backend; NVMe <-> GPU goes
+straight through kvikio when that backend is in use, else through a temporary extent of the arena.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tiermem.futures import forward, then
+from tiermem.links import LinkStats
+from tiermem.tiers.dram import DramArena
+from tiermem.tiers.extents import Extent, OutOfSpace
+from tiermem.tiers.gpu import GpuTier
+from tiermem.tiers.nvme import NvmeTier
+
+LINKS = ("dram->gpu", "gpu->dram", "nvme->dram", "dram->nvme", "nvme->gpu", "gpu->nvme", "dram->dram", "gpu->gpu")
+
+
+@dataclass(frozen=True)
+class Location:
+    tier: str
+    extent: Extent
+    nbytes: int
+
+
+class _StreamLane:
+    """One direction of GPU copies: a CUDA stream plus a thread that completes futures in order.
+
+    Without CUDA it is a single worker thread that does the copy itself.
+    """
+
+    def __init__(self, name: str, device: torch.device, link: LinkStats):
+        self.device, self.link = device, link
+        self.cuda = device.type == "cuda"
+        self._queue: queue.Queue = queue.Queue()
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=f"tiermem-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, dst: torch.Tensor, src: torch.Tensor, wait_event=None) -> cf.Future:
+        fut: cf.Future = cf.Future()
+        nbytes = src.numel() * src.element_size()
+        if not self.cuda:
+            self._queue.put((None, fut, nbytes, dst, src, time.perf_counter()))
+            return fut
+        with self._lock:  # enqueue order = completion order
+            with torch.cuda.stream(self.stream):
+                if wait_event is not None:
+                    self.stream.wait_event(wait_event)
+                dst.copy_(src, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self.stream)
+            self._queue.put((ev, fut, nbytes, dst, src, time.perf_counter()))
+        return fut
+
+    def _run(self) -> None:
+        last_end = 0.0
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            ev, fut, nbytes, dst, src, t_submit = item
+            try:
+                if ev is None:
+                    dst.copy_(src)
+                else:
+                    ev.synchronize()
+            except BaseException as e:  # noqa: BLE001
+                fut.set_exception(e)
+                continue
+            end = time.perf_counter()
+            # a lane runs its copies back to back: this one was busy from when it could start
+            self.link.add_busy(end - max(t_submit, last_end), nbytes)
+            last_end = end
+            fut.set_result(nbytes)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+
+class Mover:
+    def __init__(self, gpu: GpuTier | None, dram: DramArena | None, nvme: NvmeTier | None):
+        self.gpu, self.dram, self.nvme = gpu, dram, nvme
+        self.links = {name: LinkStats(name) for name in LINKS}
+        dev = gpu.device if gpu is not None else torch.device("cpu")
+        self._h2d = _StreamLane("h2d", dev, self.links["dram->gpu"])
+        self._d2h = _StreamLane("d2h", dev, self.links["gpu->dram"])
+        self._local = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tiermem-copy")
+
+    # -- endpoints ---------------------------------------------------------------------------
+    # An endpoint is a Location in a tier, or a plain tensor (on the GPU, or in host memory).
+    def tier_of(self, ep) -> str:
+        if isinstance(ep, Location):
+            return ep.tier
+        return "gpu" if ep.device.type == "cuda" or (self.gpu is not None and _same_buffer(ep, self.gpu)) \
+            else "dram"
+
+    def view(self, ep) -> torch.Tensor:
+        if not isinstance(ep, Location):
+            return ep.reshape(-1).view(torch.uint8)
+        if ep.tier == "gpu":
+            return self.gpu.view(ep.extent, ep.nbytes)
+        if ep.tier == "dram":
+            return self.dram.view(ep.extent, ep.nbytes)
+        raise ValueError("NVMe locations have no memory view")
+
+    @staticmethod
+    def nbytes(ep) -> int:
+        return ep.nbytes if isinstance(ep, Location) else ep.numel() * ep.element_size()
+
+    # -- transfers ------------------------------------------------------------------------------
+    def copy(self, src, dst, wait_event=None) -> cf.Future:
+        """Move the bytes of ``src`` to ``dst`` (Locations or tensors of equal size).
+
+        ``wait_event`` (a CUDA event) orders a copy after the compute that produced its source or last
+        read its destination.
+        """
+        n = self.nbytes(src)
+        if n != self.nbytes(dst):
+            raise ValueError(f"size mismatch: {n} -> {self.nbytes(dst)}")
+        key = f"{self.tier_of(src)}->{self.tier_of(dst)}"
+        if key == "dram->gpu":
+            return self._h2d.submit(self.view(dst), self.view(src), wait_event)
+        if key == "gpu->dram":
+            return self._d2h.submit(self.view(dst), self.view(src), wait_event)
+        if key == "nvme->dram":
+            return self._io(self.links[key], self.nvme.pread, self.view(dst), src.extent)
+        if key == "dram->nvme":
+            return self._io(self.links[key], self.nvme.pwrite, self.view(src), dst.extent)
+        if key == "nvme->gpu":
+            if self.nvme.direct_to_gpu:
+                if wait_event is not None:
+                    wait_event.synchronize()
+                return self._io(self.links[key], self.nvme.pread, self.view(dst), src.extent)
+            return self._staged(src, dst, wait_event)
+        if key == "gpu->nvme":
+            if self.nvme.direct_to_gpu:
+                if wait_event is not None:
+                    wait_event.synchronize()
+                return self._io(self.links[key], self.nvme.pwrite, self.view(src), dst.extent)
+            return self._staged(src, dst, wait_event)
+        if key in ("dram->dram", "gpu->gpu"):
+            link = self.links[key]
+            s, d = self.view(src), self.view(dst)
+
+            def local() -> int:
+                if wait_event is not None:
+                    wait_event.synchronize()
+                link.start()
+                d.copy_(s)
+                if d.is_cuda:
+                    torch.cuda.current_stream(d.device).synchronize()
+                link.finish(n)
+                return n
+
+            return self._local.submit(local)
+        raise ValueError(f"no link {key}")
+
+    def _io(self, link: LinkStats, op, buf: torch.Tensor, extent: Extent) -> cf.Future:
+        link.start()
+        fut = op(buf, extent)
+        n = buf.numel()
+
+        def account(f: cf.Future) -> None:
+            link.finish(n if f.exception() is None else 0)
+
+        fut.add_done_callback(account)
+        return fut
+
+    def _staged(self, src: Location, dst: Location, wait_event=None) -> cf.Future:
+        """NVMe <-> GPU through a temporary arena extent (posix backend)."""
+        n = self.nbytes(src)
+        try:
+            tmp = Location("dram", self.dram.allocate(n), n)
+        except OutOfSpace as e:
+            raise RuntimeError(f"no arena space to stage an NVMe<->GPU transfer: {e}") from None
+        first = self.copy(src, tmp, wait_event)
+        fut = then(first, lambda _: self.copy(tmp, dst))
+        out: cf.Future = cf.Future()
+
+        def release(f: cf.Future) -> None:
+            self.dram.free(tmp.extent)
+
+        fut.add_done_callback(release)
+        forward(fut, out)
+        return out
+
+    def stats(self) -> dict:
+        return {name: link.snapshot() for name, link in self.links.items()}
+
+    def close(self) -> None:
+        self._h2d.close()
+        self._d2h.close()
+        self._local.shutdown(wait=True)
+
+
+def _same_buffer(t: torch.Tensor, gpu: GpuTier) -> bool:
+    """True when ``t`` is a view into the GPU tier's buffer (the CPU stand-in has host tensors there)."""
+    buf = gpu.view(Extent(0, gpu.capacity))
+    return buf.device == t.device and buf.data_ptr() <= t.data_ptr() < buf.data_ptr() + max(gpu.capacity, 1)

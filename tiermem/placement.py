@@ -1,0 +1,153 @@
+"""Placement: which tier holds each (group, kind), checked against the tier budgets before anything is
+allocated.
+
+Static placement maps kind -> tier for every group (kinds not named stay in DRAM). ``auto`` is a first,
+simple policy (the cost model refines it later): small shared groups (embeddings, final norm, LM head:
+groups named by a string) live wholly on the GPU when they fit; everything else goes to DRAM, hottest
+kind first (param, grad, master, exp_avg, exp_avg_sq); what does not fit spills to NVMe, coldest kinds
+of the last layers first. The GPU also holds ``slots`` streaming slots sized from the largest group.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+
+from tiermem.catalog import Group, TensorSpec
+from tiermem.config import KINDS, StoreConfig
+from tiermem.errors import BudgetError
+from tiermem.sizes import align_up, format_size
+
+ALIGN = 4096
+HOT_FIRST = KINDS  # param, grad, master, exp_avg, exp_avg_sq
+
+
+@dataclass
+class Plan:
+    where: dict[tuple[Group, str], str]
+    group_bytes: dict[tuple[Group, str], int]
+    slot_bytes: int
+    n_slots: int
+    staging_bytes: int
+    budgets: dict[str, int | None] = field(default_factory=dict)
+
+    def need(self) -> dict[str, int]:
+        out = {"gpu": self.slot_bytes * self.n_slots, "dram": self.staging_bytes, "nvme": 0}
+        for key, tier in self.where.items():
+            out[tier] += self.group_bytes[key]
+        return out
+
+    def bytes_by_kind(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {t: defaultdict(int) for t in ("gpu", "dram", "nvme")}
+        for key, tier in self.where.items():
+            out[tier][key[1]] += self.group_bytes[key]
+        return {t: dict(v) for t, v in out.items()}
+
+
+def default_budgets(cfg: StoreConfig) -> dict[str, int | None]:
+    """Budgets from config; unset ones from what the machine has."""
+    t = cfg.tiers
+    gpu = t.gpu.budget
+    if gpu is None and t.gpu.device.startswith("cuda") and torch.cuda.is_available():
+        gpu = torch.cuda.get_device_properties(torch.device(t.gpu.device)).total_memory // 2
+    dram = t.dram.budget
+    if dram is None:
+        shm = shutil.disk_usage(t.dram.path).free if os.path.isdir(t.dram.path) else 0
+        dram = int(min(shm, psutil.virtual_memory().available) * 0.9)
+    nvme = None
+    if t.nvme is not None:
+        nvme = t.nvme.budget
+        if nvme is None:
+            nvme = int(shutil.disk_usage(_existing_parent(t.nvme.path)).free * 0.9)
+    return {"gpu": gpu, "dram": dram, "nvme": nvme}
+
+
+def _existing_parent(path: str) -> str:
+    while path and not os.path.isdir(path):
+        path = os.path.dirname(path.rstrip("/")) or "/"
+    return path or "/"
+
+
+def make_plan(specs: list[TensorSpec], cfg: StoreConfig, streamed_kinds: tuple[str, ...] = ("param",),
+              budgets: dict[str, int | None] | None = None) -> Plan:
+    budgets = default_budgets(cfg) if budgets is None else budgets
+    group_bytes: dict[tuple[Group, str], int] = defaultdict(int)
+    for s in specs:
+        group_bytes[(s.group, s.kind)] += align_up(s.nbytes, ALIGN)
+    where: dict[tuple[Group, str], str] = {}
+    if isinstance(cfg.placement, dict):
+        for key in group_bytes:
+            where[key] = cfg.placement.get(key[1], "dram")
+    else:
+        _auto(group_bytes, where, budgets, cfg, streamed_kinds)
+    plan = _finish(group_bytes, where, cfg, streamed_kinds, budgets)
+    check_budgets(plan)
+    return plan
+
+
+def _finish(group_bytes, where, cfg, streamed_kinds, budgets) -> Plan:
+    streamed = [b for (g, k), b in group_bytes.items() if k in streamed_kinds and where[(g, k)] != "gpu"]
+    slot = max(streamed, default=0)
+    n_slots = cfg.tiers.gpu.slots if slot else 0
+    on_nvme = defaultdict(int)
+    for (g, k), tier in where.items():
+        if tier == "nvme":
+            on_nvme[g] += group_bytes[(g, k)]
+    staging = 2 * max(on_nvme.values(), default=0)
+    return Plan(dict(where), dict(group_bytes), slot, n_slots, staging, budgets)
+
+
+def _auto(group_bytes, where, budgets, cfg, streamed_kinds) -> None:
+    for key in group_bytes:
+        where[key] = "dram"
+    # shared (string-named) groups wholly on the GPU while they fit beside the slots
+    gpu_budget = budgets.get("gpu")
+    probe = _finish(group_bytes, where, cfg, streamed_kinds, budgets)
+    gpu_used = probe.slot_bytes * probe.n_slots
+    for g in sorted({g for g, _ in group_bytes if isinstance(g, str)}):
+        size = sum(b for (gg, _), b in group_bytes.items() if gg == g)
+        if gpu_budget is None or gpu_used + size <= gpu_budget:
+            for key in group_bytes:
+                if key[0] == g:
+                    where[key] = "gpu"
+            gpu_used += size
+    # spill to NVMe, coldest kinds of the last groups first, until DRAM fits
+    dram_budget = budgets.get("dram")
+    if dram_budget is None or cfg.tiers.nvme is None:
+        return
+    order = sorted((key for key, tier in where.items() if tier == "dram"),
+                   key=lambda k: (-HOT_FIRST.index(k[1]), -_order(k[0])))
+    for key in order:
+        plan = _finish(group_bytes, where, cfg, streamed_kinds, budgets)
+        if plan.need()["dram"] <= dram_budget:
+            return
+        where[key] = "nvme"
+
+
+def _order(group: Group) -> int:
+    return group if isinstance(group, int) else -1
+
+
+def check_budgets(plan: Plan) -> None:
+    need = plan.need()
+    over = [t for t in ("gpu", "dram", "nvme") if plan.budgets.get(t) is not None and need[t] > plan.budgets[t]]
+    if need["nvme"] and plan.budgets.get("nvme") is None:
+        raise BudgetError("placement puts state on nvme but no NVMe tier is configured; add tiers.nvme "
+                          "with a path and budget, or place every kind on gpu or dram")
+    if not over:
+        return
+    def budget(t: str) -> str:
+        b = plan.budgets.get(t)
+        return "no limit" if b is None else f"budget {format_size(b)}"
+
+    parts = ", ".join(f"{t} {format_size(need[t])} ({budget(t)})" for t in ("gpu", "dram", "nvme")
+                      if need[t] or t in over)
+    fix = {"gpu": "raise tiers.gpu.budget or place fewer kinds on gpu",
+           "dram": "raise tiers.dram.budget or move cold kinds (exp_avg, exp_avg_sq, master) to nvme",
+           "nvme": "raise tiers.nvme.budget or choose a larger disk"}
+    raise BudgetError(f"placement does not fit: needs {parts}; " + "; ".join(fix[t] for t in over))

@@ -1,0 +1,217 @@
+"""``tiermem probe``: measure every link of this machine, through tiermem and raw, in the same run.
+
+Rows: arena -> GPU and GPU -> arena (against a plain pinned torch copy), NVMe tier -> arena and arena
+-> NVMe tier for each usable backend (against plain O_DIRECT ``os.preadv``/``os.pwritev`` on the same
+file), NVMe -> GPU through kvikio, arena setup (create + cudaHostRegister) against a ``pin_memory=True``
+allocation, and the CPU AdamW rate (torch fused AdamW, all cores). The planner reads the saved JSON.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tiermem.mover import Location, Mover
+from tiermem.sizes import format_size
+from tiermem.tiers.dram import DramArena
+from tiermem.tiers.gpu import GpuTier
+from tiermem.tiers.nvme import NvmeTier
+from tiermem.tiers.nvme_kvikio import kvikio_usable
+
+RAW_BLOCK = 64 << 20
+
+
+def _median_rate(fn, nbytes: int, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def _row(link: str, ours: float | None, raw: float | None, unit: str = "GB/s", note: str = "",
+         raw_what: str = "") -> dict:
+    ratio = ours / raw if ours is not None and raw else None
+    return {"link": link, "tiermem": ours, "raw": raw, "ratio": ratio, "unit": unit, "note": note,
+            "raw_is": raw_what}
+
+
+def probe_gpu(arena: DramArena, size: int, reps: int) -> list[dict]:
+    if not torch.cuda.is_available():
+        return [_row("arena -> GPU", None, None, note="no CUDA on this machine"),
+                _row("GPU -> arena", None, None, note="no CUDA on this machine")]
+    dev = torch.device("cuda")
+    gpu = GpuTier(dev, size, 0, 0)
+    mover = Mover(gpu, arena, None)
+    src = Location("dram", arena.allocate(size), size)
+    dst = Location("gpu", gpu.allocate(size), size)
+    arena.view(src.extent).random_(0, 255)
+    pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    g = gpu.view(dst.extent)
+    ours_h2d = lambda: mover.copy(src, dst).result()
+    ours_d2h = lambda: mover.copy(dst, src).result()
+
+    def raw_h2d():
+        g.copy_(pinned, non_blocking=True)
+        torch.cuda.synchronize()
+
+    def raw_d2h():
+        pinned.copy_(g, non_blocking=True)
+        torch.cuda.synchronize()
+
+    for fn in (ours_h2d, ours_d2h, raw_h2d, raw_d2h):  # warm up
+        fn()
+    h2d, d2h = _median_rate(ours_h2d, size, reps), _median_rate(ours_d2h, size, reps)
+    rh, rd = _median_rate(raw_h2d, size, reps), _median_rate(raw_d2h, size, reps)
+    mover.close()
+    arena.free(src.extent)
+    gpu.close()
+    return [_row("arena -> GPU", h2d, rh, raw_what="pinned torch copy"),
+            _row("GPU -> arena", d2h, rd, raw_what="pinned torch copy")]
+
+
+def _raw_direct(path: Path, buf: torch.Tensor, write: bool) -> None:
+    fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+    try:
+        mv = memoryview(buf.numpy())
+        op = os.pwritev if write else os.preadv
+        for off in range(0, len(mv), RAW_BLOCK):
+            piece = mv[off: off + RAW_BLOCK]
+            done = 0
+            while done < len(piece):
+                done += op(fd, [piece[done:]], off + done)
+    finally:
+        os.close(fd)
+
+
+def probe_nvme(arena: DramArena, directory: Path, size: int, reps: int, name: str) -> list[dict]:
+    rows = []
+    usable, why = kvikio_usable(directory)
+    backends = ["posix"] + (["kvikio"] if usable else [])
+    buf_loc = Location("dram", arena.allocate(size), size)
+    buf = arena.view(buf_loc.extent)
+    buf.random_(0, 255)
+    for backend in backends:
+        tier = NvmeTier(directory, f"{name}-{backend}", size, backend=backend)
+        try:
+            mover = Mover(None, arena, tier)
+            loc = Location("nvme", tier.allocate(size), size)
+            w = _median_rate(lambda: mover.copy(buf_loc, loc).result(), size, reps)
+            r = _median_rate(lambda: mover.copy(loc, buf_loc).result(), size, reps)
+            raw_ok = True
+            try:
+                rw = _median_rate(lambda: _raw_direct(tier.path, buf, True), size, reps)
+                rr = _median_rate(lambda: _raw_direct(tier.path, buf, False), size, reps)
+            except OSError:  # the filesystem refuses O_DIRECT (tmpfs)
+                raw_ok, rw, rr = False, None, None
+            note = f"{backend}: {tier.backend.reason}"
+            raw_what = "O_DIRECT preadv/pwritev, 64 MiB blocks" if raw_ok else "n/a: no O_DIRECT here"
+            rows += [_row(f"arena -> NVMe ({backend})", w, rw, note=note, raw_what=raw_what),
+                     _row(f"NVMe -> arena ({backend})", r, rr, note=note, raw_what=raw_what)]
+            if backend == "kvikio" and torch.cuda.is_available():
+                gpu = GpuTier(torch.device("cuda"), size, 0, 0)
+                m2 = Mover(gpu, arena, tier)
+                g = Location("gpu", gpu.allocate(size), size)
+                rg = _median_rate(lambda: m2.copy(loc, g).result(), size, reps)
+                rows.append(_row("NVMe -> GPU (kvikio)", rg, rr, note=note, raw_what=raw_what))
+                m2.close()
+                gpu.close()
+            mover.close()
+        finally:
+            tier.close()
+    if not usable:
+        rows.append(_row("NVMe (kvikio)", None, None, note=why))
+    arena.free(buf_loc.extent)
+    return rows
+
+
+def probe_arena_setup(directory: Path, size: int, name: str) -> list[dict]:
+    pin = torch.cuda.is_available()
+    t0 = time.perf_counter()
+    arena = DramArena.create(f"{name}-setup", size, directory, pin=pin)
+    total = time.perf_counter() - t0
+    reg = arena.register_seconds
+    arena.close()
+    note = f"{format_size(size)}: create+fallocate {total - reg:.2f} s, cudaHostRegister {reg:.2f} s"
+    raw = None
+    if pin:
+        baseline = min(size, 4 << 30)
+        t0 = time.perf_counter()
+        t = torch.empty(baseline, dtype=torch.uint8, pin_memory=True)
+        raw = (time.perf_counter() - t0) * size / baseline
+        del t
+        note += f"; pin_memory=True of {format_size(baseline)} scaled to the same size"
+    else:
+        note += "; no CUDA: not registered"
+    row = _row("arena setup", total, raw, unit="s", note=note, raw_what="pin_memory=True allocation")
+    row["ratio"] = raw / total if raw else None  # > 1: faster than the baseline
+    return [row]
+
+
+def probe_adamw(n_params: int = 1 << 26, steps: int = 5) -> list[dict]:
+    p = torch.nn.Parameter(torch.randn(n_params))
+    p.grad = torch.randn(n_params)
+    try:
+        opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
+        opt.step()
+        what = "fused"
+    except (RuntimeError, TypeError):
+        opt = torch.optim.AdamW([p], lr=1e-3, foreach=True)
+        opt.step()
+        what = "foreach (fused not available on CPU in this torch)"
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        opt.step()
+    rate = n_params * steps / (time.perf_counter() - t0) / 1e9
+    return [_row("CPU AdamW", rate, None, unit="G params/s",
+                 note=f"torch {what}, {torch.get_num_threads()} threads, {n_params / 1e6:.0f}M params")]
+
+
+def run_probe(size: int, nvme_path: str | None, arena_dir: str = "/dev/shm", reps: int = 3,
+              arena_size: int | None = None) -> dict:
+    name = f"tiermem-probe-{os.getpid()}"
+    rows: list[dict] = []
+    pin = torch.cuda.is_available()
+    arena = DramArena.create(name, 2 * size + (8 << 20), arena_dir, pin=pin)
+    try:
+        rows += probe_gpu(arena, size, reps)
+        if nvme_path:
+            d = Path(nvme_path)
+            rows += probe_nvme(arena, d, size, reps, name)
+        else:
+            with tempfile.TemporaryDirectory(dir=".", prefix=".tiermem-probe-") as d:
+                rows += probe_nvme(arena, Path(d), size, reps, name)
+    finally:
+        arena.close()
+    rows += probe_arena_setup(Path(arena_dir), arena_size or size, name)
+    rows += probe_adamw()
+    return {"machine": _machine(), "size": size, "rows": rows}
+
+
+def _machine() -> dict:
+    info = {"cpus": os.cpu_count(), "torch": torch.__version__}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def render(result: dict) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=f"tiermem probe ({format_size(result['size'])} transfers)")
+    for col in ("link", "tiermem", "raw", "ratio", "note"):
+        table.add_column(col, justify="right" if col in ("tiermem", "raw", "ratio") else "left")
+    for r in result["rows"]:
+        fmt = (lambda v: "-" if v is None else f"{v:.2f} {r['unit']}")
+        table.add_row(r["link"], fmt(r["tiermem"]), fmt(r["raw"]),
+                      "-" if r["ratio"] is None else f"{r['ratio']:.2f}",
+                      escape(r["note"] + (f" (raw: {r['raw_is']})" if r["raw_is"] else "")))
+    Console(width=200).print(table)

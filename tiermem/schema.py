@@ -1,0 +1,123 @@
+"""Typed config loading: a YAML mapping into a dataclass, with one-line errors.
+
+Unknown keys are an error naming the key and the nearest valid one. A field may carry a converter in
+its metadata (``field(metadata={"convert": parse_size})``) that turns the raw YAML value into the
+field's value and raises ConfigError on bad input. Shared by the store's config and the trainer's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any
+
+from tiermem.errors import ConfigError, nearest
+
+
+def _describe(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: unexpected value {value!r}")
+    if origin is typing.Literal:
+        options = typing.get_args(tp)
+        if value in options:
+            return value
+        hint = nearest(str(value), [str(o) for o in options])
+        raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(str, options))}{hint}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return load_dataclass(tp, value, where)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        ktp, vtp = typing.get_args(tp)
+        return {_coerce(k, ktp, where): _coerce(v, vtp, f"{where}.{k}") for k, v in value.items()}
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        (etp,) = typing.get_args(tp)
+        return [_coerce(v, etp, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    raise TypeError(f"unsupported config field type {_describe(tp)} at {where}")
+
+
+def load_dataclass(cls: type, data: dict[str, Any], where: str = "") -> Any:
+    """Build ``cls`` from ``data``, checking keys and types; ``where`` prefixes error messages."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or cls.__name__}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else str(key)
+        if key not in fields:
+            raise ConfigError(f"unknown config key '{path}'{nearest(str(key), list(fields))}")
+        convert = fields[key].metadata.get("convert")
+        kwargs[key] = convert(value, path) if convert and value is not None else _coerce(value, hints[key], path)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a required field is missing
+        missing = [n for n, f in fields.items() if n not in kwargs
+                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise ConfigError(f"{where or cls.__name__}: missing required key '{missing[0]}'") from e
+        raise
+
+
+def to_plain(obj: Any) -> Any:
+    """A dataclass tree as plain dicts/lists, for writing the resolved config."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {k: to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_plain(v) for v in obj]
+    return obj

@@ -1,0 +1,51 @@
+"""Byte sizes as people write them: '40GiB', '1.5 GB', '512MiB', 4096."""
+
+from __future__ import annotations
+
+import re
+
+from tiermem.errors import ConfigError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
+}
+_PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | float | str, what: str = "size") -> int:
+    """Parse a byte count; raise ConfigError naming ``what`` when it is not one."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}: expected a size like '40GiB' or a byte count, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{what}: a size cannot be negative ({value})")
+        return value
+    if isinstance(value, float):
+        if value < 0 or value != int(value):
+            raise ConfigError(f"{what}: expected a whole number of bytes, got {value}")
+        return int(value)
+    if isinstance(value, str):
+        m = _PATTERN.match(value)
+        if m and m.group(2).lower() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ConfigError(
+        f"{what}: cannot read {value!r} as a size; write e.g. '40GiB', '512MiB', '1.5GB' or a byte count"
+    )
+
+
+def format_size(n: float) -> str:
+    """Human-readable binary size: 1536 -> '1.5 KiB'."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def align_up(n: int, alignment: int) -> int:
+    """Round ``n`` up to a multiple of ``alignment``."""
+    return (n + alignment - 1) // alignment * alignment

@@ -1,0 +1,356 @@
+"""The store: tiers + catalog + mover + placement behind one API, used embedded or by the service.
+
+    store = Store.open(cfg, specs)                  # plan under the budgets, make the tiers, allocate
+    store.write(name, tensor).result()              # load a tensor into its home tier
+    view = store.fetch(group, "param").result()     # the group's tensors on the GPU (resident or a slot)
+    ... compute with view.tensors ...; view.release()
+    store.store_group(group, "grad", grads)         # hand tensors back to their home
+    store.move(name, "nvme")                        # re-place one tensor
+    store.stats()                                   # JSON-serialisable snapshot
+
+Operations on the same (group, kind) run in the order they were submitted.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from tiermem.catalog import Catalog, Entry, Group, TensorSpec
+from tiermem.config import KINDS, TIERS, StoreConfig
+from tiermem.errors import BudgetError
+from tiermem.futures import all_of, done_future, then
+from tiermem.mover import Location, Mover
+from tiermem.placement import Plan, make_plan
+from tiermem.sizes import align_up, format_size
+from tiermem.tiers.dram import DramArena
+from tiermem.tiers.extents import OutOfSpace
+from tiermem.tiers.gpu import ALIGN as GPU_ALIGN
+from tiermem.tiers.gpu import GpuTier
+from tiermem.tiers.nvme import NvmeTier
+
+
+@dataclass
+class GroupView:
+    """One group's tensors of one kind, as typed views in some memory; ``release`` gives the memory back."""
+
+    group: Group
+    kind: str
+    tensors: dict[str, torch.Tensor]
+    _release: object = field(default=None, repr=False)
+
+    def release(self, write_back: bool = False) -> cf.Future:
+        fn, self._release = self._release, None
+        return fn(write_back) if fn is not None else done_future()
+
+
+def _typed(raw: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    return raw[: spec.nbytes].view(spec.dtype).view(spec.shape)
+
+
+class Store:
+    def __init__(self, cfg: StoreConfig, capacity: dict[str, int], slot_bytes: int = 0, n_slots: int = 0,
+                 pin: bool | None = None, plan: Plan | None = None):
+        self.cfg, self.plan = cfg, plan
+        self.name = cfg.store_name()
+        self.catalog = Catalog()
+        t = cfg.tiers
+        device = torch.device(t.gpu.device if (t.gpu.device == "cpu" or torch.cuda.is_available()) else "cpu")
+        if pin is None:
+            pin = device.type == "cuda" if t.dram.pin == "auto" else t.dram.pin == "true"
+        self.gpu = self.dram = self.nvme = None
+        try:
+            self.gpu = GpuTier(device, capacity.get("gpu", 0), slot_bytes, n_slots)
+            self.dram = DramArena.create(self.name, max(capacity.get("dram", 0), 4096), t.dram.path, pin=pin,
+                                         preallocate=t.dram.preallocate)
+            if t.nvme is not None and capacity.get("nvme", 0) > 0:
+                self.nvme = NvmeTier(t.nvme.path, self.name, capacity["nvme"], t.nvme.backend, t.nvme.threads,
+                                     t.nvme.io_chunk, t.nvme.direct)
+        except BaseException:
+            self._close_tiers()
+            raise
+        self.mover = Mover(self.gpu, self.dram, self.nvme)
+        self._tails: dict[tuple[Group, str], cf.Future] = {}
+        self._tail_lock = threading.Lock()
+        self.waits: dict[str, float] = defaultdict(float)
+        self._closed = False
+
+    @classmethod
+    def open(cls, cfg: StoreConfig, specs: list[TensorSpec], streamed_kinds: tuple[str, ...] = ("param",),
+             budgets: dict[str, int | None] | None = None, pin: bool | None = None) -> Store:
+        """Plan ``specs`` under the budgets (refusing before anything is allocated), then allocate them."""
+        plan = make_plan(specs, cfg, streamed_kinds, budgets)
+        need = plan.need()
+        resident = need["gpu"] - plan.slot_bytes * plan.n_slots
+        cap = {"gpu": resident + GPU_ALIGN * len(specs), "dram": need["dram"], "nvme": need["nvme"]}
+        store = cls(cfg, cap, plan.slot_bytes + GPU_ALIGN * len(specs), plan.n_slots, pin=pin, plan=plan)
+        try:
+            for s in specs:
+                store.create(s, plan.where[(s.group, s.kind)])
+        except BaseException:
+            store.close()
+            raise
+        return store
+
+    # -- tensors ------------------------------------------------------------------------------
+    def tier(self, name: str):
+        return {"gpu": self.gpu, "dram": self.dram, "nvme": self.nvme}[name]
+
+    def create(self, spec: TensorSpec, tier: str) -> Entry:
+        """Reserve room for ``spec`` on ``tier``; its bytes are invalid until written."""
+        if tier not in TIERS or self.tier(tier) is None:
+            raise BudgetError(f"cannot place {spec.name} on {tier}: that tier is not configured")
+        try:
+            extent = self.tier(tier).allocate(spec.nbytes)
+        except OutOfSpace:
+            raise BudgetError(f"{tier} tier is full: no room for {spec.name} ({format_size(spec.nbytes)}); "
+                              f"raise tiers.{tier}.budget") from None
+        return self.catalog.add(spec, tier, extent)
+
+    def delete(self, name: str) -> cf.Future:
+        entry = self.catalog[name]
+
+        def run(_):
+            self.catalog.remove(name)
+            self.tier(entry.tier).free(entry.extent)
+            return done_future()
+
+        return self._ordered(entry, run)
+
+    def location(self, entry: Entry) -> Location:
+        return Location(entry.tier, entry.extent, entry.spec.nbytes)
+
+    def _ordered(self, key_or_entry, fn) -> cf.Future:
+        """Run ``fn`` (returning a future) after every earlier operation on the same (group, kind)."""
+        key = key_or_entry if isinstance(key_or_entry, tuple) else (key_or_entry.spec.group, key_or_entry.spec.kind)
+        with self._tail_lock:
+            prev = self._tails.get(key) or done_future()
+            fut = then(prev, fn, run_on_error=True)
+            self._tails[key] = fut
+        return fut
+
+    def write(self, name: str, tensor: torch.Tensor) -> cf.Future:
+        """Copy ``tensor`` (any device; same shape and dtype as declared) into the tensor's home."""
+        entry = self.catalog[name]
+        spec = entry.spec
+        if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+            raise ValueError(f"{name}: expected {spec.dtype} {list(spec.shape)}, got {tensor.dtype} "
+                             f"{list(tensor.shape)}")
+        src = tensor.contiguous()
+        wait = _event_now(src)
+
+        def run(_):
+            entry.valid = False
+            fut = self.mover.copy(src, self.location(entry), wait)
+            return then(fut, lambda _: _mark_valid(entry, src))
+
+        return self._ordered(entry, run)
+
+    def read(self, name: str, out: torch.Tensor | None = None) -> cf.Future:
+        """A future for the tensor's bytes, copied into ``out`` or a new host tensor."""
+        entry = self.catalog[name]
+        spec = entry.spec
+        if out is None:
+            out = torch.empty(spec.shape, dtype=spec.dtype)
+
+        def run(_):
+            if not entry.valid:
+                raise ValueError(f"tensor {name!r} has no valid data (never written, or its last write failed)")
+            return then(self.mover.copy(self.location(entry), out), lambda _: done_future(out))
+
+        return self._ordered(entry, run)
+
+    def move(self, name: str, tier: str) -> cf.Future:
+        """Re-place one tensor on ``tier``: copy, then switch its home, then free the old extent."""
+        entry = self.catalog[name]
+
+        def run(_):
+            if tier == entry.tier:
+                return done_future(entry)
+            try:
+                extent = self.tier(tier).allocate(entry.spec.nbytes)
+            except (OutOfSpace, BudgetError, AttributeError):
+                raise BudgetError(f"cannot move {name} to {tier}: no room there") from None
+            new = Location(tier, extent, entry.spec.nbytes)
+            copied = self.mover.copy(self.location(entry), new) if entry.valid else done_future()
+
+            def switch(f: cf.Future) -> None:
+                if f.exception() is not None:
+                    self.tier(tier).free(extent)
+                    return
+                old_tier, old_extent = entry.tier, entry.extent
+                entry.tier, entry.extent = tier, extent
+                self.tier(old_tier).free(old_extent)
+
+            copied.add_done_callback(switch)
+            return then(copied, lambda _: done_future(entry))
+
+        return self._ordered(entry, run)
+
+    # -- groups ---------------------------------------------------------------------------------
+    def fetch(self, group: Group, kind: str = "param") -> cf.Future:
+        """The group's tensors of ``kind`` on the GPU: views of resident ones, else copies into a slot.
+
+        Blocks while every slot is taken (the trainer is then ahead of the store's memory).
+        """
+        entries = self.catalog.group_entries(group, kind)
+        if not entries:
+            raise KeyError(f"no {kind} tensors in group {group!r}")
+        if all(e.tier == "gpu" for e in entries):
+            return done_future(GroupView(group, kind, {e.spec.name: _typed(self.gpu.view(e.extent), e.spec)
+                                                       for e in entries}))
+        t0 = time.perf_counter()
+        slot = self.gpu.acquire_slot()
+        self.waits["gpu_slot"] += time.perf_counter() - t0
+        views, copies, off = {}, [], 0
+        for e in entries:
+            raw = self.gpu.view(slot.extent)[off: off + e.spec.nbytes]
+            off += align_up(e.spec.nbytes, GPU_ALIGN)
+            views[e.spec.name] = _typed(raw, e.spec)
+            copies.append((e, raw))
+
+        def run(_):
+            futs = [self.mover.copy(self.location(e), raw, slot.free_event) for e, raw in copies]
+            return all_of(futs)
+
+        def release(write_back: bool) -> cf.Future:
+            fut = self.store_group(group, kind, views) if write_back else done_future()
+            self.gpu.release_slot(slot)
+            return fut
+
+        view = GroupView(group, kind, views, release)
+        return then(self._ordered((group, kind), run), lambda _: done_future(view))
+
+    def stage(self, group: Group, kind: str) -> cf.Future:
+        """The group's tensors of ``kind`` in memory the CPU (DRAM) or GPU can compute on.
+
+        DRAM- and GPU-resident tensors are handed out as views. NVMe-resident ones are read into
+        temporary arena extents; ``release(write_back=True)`` writes them back and frees the extents.
+        """
+        entries = self.catalog.group_entries(group, kind)
+        views, temps = {}, []
+        for e in entries:
+            if e.tier in ("dram", "gpu"):
+                views[e.spec.name] = _typed(self.mover.view(self.location(e)), e.spec)
+            else:
+                try:
+                    tmp = Location("dram", self.dram.allocate(e.spec.nbytes), e.spec.nbytes)
+                except OutOfSpace:
+                    for _, t in temps:
+                        self.dram.free(t.extent)
+                    raise BudgetError("no DRAM room to stage NVMe-resident state; raise tiers.dram.budget") \
+                        from None
+                temps.append((e, tmp))
+                views[e.spec.name] = _typed(self.mover.view(tmp), e.spec)
+
+        def run(_):
+            return all_of([self.mover.copy(self.location(e), tmp) for e, tmp in temps if e.valid])
+
+        def release(write_back: bool) -> cf.Future:
+            if write_back:
+                fut = self.store_group(group, kind, {e.spec.name: views[e.spec.name] for e, _ in temps})
+            else:
+                fut = done_future()
+            return then(fut, lambda _: _freeall_of(self.dram, [t for _, t in temps]), run_on_error=True)
+
+        view = GroupView(group, kind, views, release)
+        return then(self._ordered((group, kind), run), lambda _: done_future(view))
+
+    def store_group(self, group: Group, kind: str, tensors: dict[str, torch.Tensor]) -> cf.Future:
+        """Copy ``tensors`` (name -> tensor, any device) into their homes; completes when all have landed."""
+        entries = {e.spec.name: e for e in self.catalog.group_entries(group, kind)}
+        work = []
+        for name, t in tensors.items():
+            e = entries.get(name)
+            if e is None:
+                raise KeyError(f"{name!r} is not a {kind} tensor of group {group!r}")
+            work.append((e, t.contiguous()))
+        wait = _event_now(*[t for _, t in work])
+
+        def run(_):
+            futs = []
+            for e, t in work:
+                same = (e.tier != "nvme" and self.mover.view(self.location(e)).data_ptr() == t.data_ptr())
+                if same:  # a view of its own home: nothing to copy
+                    futs.append(done_future())
+                    e.valid = True
+                    continue
+                e.valid = False
+                futs.append(then(self.mover.copy(t, self.location(e), wait), lambda _, e=e, t=t: _mark_valid(e, t)))
+            return all_of(futs)
+
+        return self._ordered((group, kind), run)
+
+    def mark_valid(self, group: Group, kind: str) -> None:
+        """Declare the bytes of a group's resident tensors valid after writing them through views in place."""
+        for e in self.catalog.group_entries(group, kind):
+            e.valid = True
+
+    def wait(self, fut: cf.Future, what: str):
+        """``fut.result()``, accounting the time blocked under ``what`` in the stats' waits."""
+        t0 = time.perf_counter()
+        try:
+            return fut.result()
+        finally:
+            self.waits[what] += time.perf_counter() - t0
+
+    # -- stats and lifetime ---------------------------------------------------------------------
+    def stats(self) -> dict:
+        from tiermem.stats import snapshot
+
+        return snapshot(self)
+
+    def _close_tiers(self) -> None:
+        for t in (self.nvme, self.dram, self.gpu):
+            if t is not None:
+                t.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._tail_lock:
+            tails = list(self._tails.values())
+        for f in tails:
+            try:
+                f.result()
+            except Exception:  # noqa: BLE001 - failures were reported to whoever waited on them
+                pass
+        if hasattr(self, "mover"):
+            self.mover.close()
+        self._close_tiers()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _event_now(*tensors: torch.Tensor):
+    """A CUDA event on the current stream when any tensor is on the GPU, so copies wait for its producer."""
+    for t in tensors:
+        if t.is_cuda:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(t.device))
+            return ev
+    return None
+
+
+def _mark_valid(entry: Entry, keep_alive: torch.Tensor) -> cf.Future:
+    entry.valid = True
+    return done_future()
+
+
+def _freeall_of(dram: DramArena, temps: list[Location]) -> cf.Future:
+    for t in temps:
+        dram.free(t.extent)
+    return done_future()
+
+
+__all__ = ["Store", "GroupView", "TensorSpec", "KINDS"]

@@ -1,0 +1,194 @@
+"""The DRAM tier: one shared-memory arena, mapped once, carved into 4 KiB-aligned extents.
+
+The arena is a file (``<dir>/<name>.arena``, /dev/shm by default) so that another process can map the
+same bytes by name (the service and its trainers do). Its first 4 KiB page is a header that records
+the owner's pid, so an arena left behind by a dead process is detectable (``list_arenas``). With a GPU
+present the whole mapping is registered with CUDA as pinned memory by one ``cudaHostRegister`` call;
+tensors handed out are zero-copy views into it.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+from tiermem.errors import StorageError
+from tiermem.sizes import align_up, format_size
+from tiermem.tiers.extents import Extent, ExtentAllocator
+
+HEADER = 4096
+MAGIC = b"TIERMEM-ARENA-1\n"
+SUFFIX = ".arena"
+
+
+@dataclass
+class ArenaInfo:
+    """What the header of an arena file says, and whether its owner still runs."""
+
+    path: Path
+    name: str
+    pid: int
+    size: int
+    created: float
+    alive: bool
+
+
+def _read_header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        raw = f.read(HEADER)
+    if not raw.startswith(MAGIC):
+        raise StorageError(f"{path} is not a tiermem arena (bad header)")
+    return json.loads(raw[len(MAGIC):].rstrip(b"\0").decode())
+
+
+def list_arenas(directory: str | Path = "/dev/shm") -> list[ArenaInfo]:
+    """Every tiermem arena file in ``directory``; ``alive`` is False for ones whose owner is gone."""
+    out = []
+    for path in sorted(Path(directory).glob(f"*{SUFFIX}")):
+        try:
+            h = _read_header(path)
+        except (OSError, StorageError, ValueError):
+            continue
+        alive = psutil.pid_exists(h["pid"])
+        out.append(ArenaInfo(path, h["name"], h["pid"], h["size"], h["created"], alive))
+    return out
+
+
+def cuda_register(ptr: int, nbytes: int) -> None:
+    """Pin an existing host mapping with one cudaHostRegister call."""
+    rc = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+    if int(rc) != 0:
+        raise RuntimeError(f"cudaHostRegister of {format_size(nbytes)} failed with CUDA error {int(rc)}")
+
+
+def cuda_unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+class DramArena:
+    """A shared-memory arena with an extent allocator. Create with ``create``, map another's with ``attach``."""
+
+    def __init__(self, path: Path, name: str, size: int, mm: mmap.mmap, owner: bool, pin: bool):
+        self.path, self.name, self.size, self.owner = path, name, size, owner
+        self._mm = mm
+        self._base = torch.frombuffer(mm, dtype=torch.uint8)
+        self.allocator = ExtentAllocator(size, 4096, base=HEADER) if owner else None
+        self.register_seconds = 0.0
+        self.pinned = False
+        if pin:
+            t0 = time.perf_counter()
+            cuda_register(self._base.data_ptr(), size)
+            self.register_seconds = time.perf_counter() - t0
+            self.pinned = True
+
+    @classmethod
+    def create(cls, name: str, capacity: int, directory: str | Path = "/dev/shm", pin: bool = False,
+               preallocate: bool = True) -> DramArena:
+        """Make a new arena of ``capacity`` usable bytes; fails with one line if it cannot."""
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise StorageError(f"DRAM arena directory {directory} does not exist; set tiers.dram.path "
+                               "to an existing directory (a tmpfs such as /dev/shm)")
+        size = HEADER + align_up(capacity, 4096)
+        path = directory / f"{name}{SUFFIX}"
+        st = os.statvfs(directory)
+        free = st.f_bavail * st.f_frsize
+        if size > free:
+            raise StorageError(f"DRAM arena needs {format_size(size)} but {directory} has {format_size(free)} free; "
+                               "lower tiers.dram.budget, move state to nvme, or free shared memory")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            info = next((a for a in list_arenas(directory) if a.path == path), None)
+            who = (f"owned by running pid {info.pid}" if info and info.alive
+                   else f"left behind by pid {info.pid}, which is gone; remove it with `tiermem arenas --clean`"
+                   if info else "not a tiermem arena")
+            raise StorageError(f"arena {path} already exists ({who})") from None
+        except PermissionError:
+            raise StorageError(f"cannot create the DRAM arena in {directory}: permission denied") from None
+        try:
+            os.ftruncate(fd, size)
+            if preallocate:
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as e:
+                    if e.errno == 28:  # ENOSPC
+                        raise StorageError(f"DRAM arena of {format_size(size)} does not fit in {directory}; "
+                                           "lower tiers.dram.budget or free shared memory") from None
+                    if e.errno not in (95, 22):  # EOPNOTSUPP/EINVAL: filesystem cannot preallocate
+                        raise
+            header = MAGIC + json.dumps({"name": name, "pid": os.getpid(), "size": size,
+                                         "created": time.time()}).encode()
+            os.pwrite(fd, header.ljust(HEADER, b"\0"), 0)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        try:
+            return cls(path, name, size, mm, owner=True, pin=pin)
+        except BaseException:
+            mm.close()
+            path.unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def attach(cls, name: str, directory: str | Path = "/dev/shm", pin: bool = False) -> DramArena:
+        """Map an arena another process created (not the owner: closing does not remove it)."""
+        path = Path(directory) / f"{name}{SUFFIX}"
+        if not path.exists():
+            raise StorageError(f"no arena named {name} in {directory}")
+        size = _read_header(path)["size"]
+        fd = os.open(path, os.O_RDWR)
+        try:
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(path, name, size, mm, owner=False, pin=pin)
+
+    @property
+    def capacity(self) -> int:
+        return self.size - HEADER
+
+    def allocate(self, nbytes: int) -> Extent:
+        return self.allocator.allocate(nbytes)
+
+    def free(self, extent: Extent) -> None:
+        self.allocator.free(extent)
+
+    def view(self, extent: Extent, nbytes: int | None = None) -> torch.Tensor:
+        """A uint8 tensor over the extent's bytes (the first ``nbytes`` of them), sharing the arena's memory."""
+        n = extent.nbytes if nbytes is None else nbytes
+        return self._base[extent.offset: extent.offset + n]
+
+    def address(self, extent: Extent) -> int:
+        return self._base.data_ptr() + extent.offset
+
+    def close(self) -> None:
+        """Unpin, unmap, and (for the owner) remove the arena file."""
+        if self._base is None:
+            return
+        if self.pinned:
+            cuda_unregister(self._base.data_ptr())
+            self.pinned = False
+        self._base = None
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # views still alive: the mapping goes when the last one does
+        if self.owner:
+            self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> DramArena:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,94 @@
+"""The GPU tier: one block of HBM holding resident groups and a pool of fixed-size streaming slots.
+
+A slot holds one group's tensors of one kind while the trainer computes with them. ``acquire_slot``
+blocks until one is free; ``release_slot`` records an event on the caller's stream so the next copy into
+the slot waits for the last kernel that read it. Without CUDA (``device: cpu``) the same pool is backed
+by host memory, so the tests run the same code paths on the CPU.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tiermem.errors import BudgetError
+from tiermem.sizes import align_up, format_size
+from tiermem.tiers.extents import Extent, ExtentAllocator, OutOfSpace
+
+ALIGN = 512
+
+
+@dataclass
+class Slot:
+    index: int
+    extent: Extent
+    free_event: object | None = field(default=None, repr=False)  # torch.cuda.Event after release
+
+
+class GpuTier:
+    def __init__(self, device: torch.device, resident_bytes: int, slot_bytes: int, n_slots: int):
+        self.device = device
+        self.slot_bytes = align_up(slot_bytes, ALIGN) if n_slots else 0
+        self.capacity = align_up(resident_bytes, ALIGN) + self.slot_bytes * n_slots
+        try:
+            self._buffer = torch.empty(max(self.capacity, ALIGN), dtype=torch.uint8, device=device)
+        except torch.OutOfMemoryError:
+            raise BudgetError(f"GPU tier: cannot allocate {format_size(self.capacity)} on {device}; "
+                              "lower tiers.gpu.budget or place fewer groups on the GPU") from None
+        self.allocator = ExtentAllocator(max(self.capacity, ALIGN), ALIGN)
+        self._slots = [Slot(i, self.allocator.allocate(self.slot_bytes)) for i in range(n_slots)]
+        self._free = list(self._slots)
+        self._cond = threading.Condition()
+        self.slot_wait_seconds = 0.0
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def allocate(self, nbytes: int) -> Extent:
+        try:
+            return self.allocator.allocate(nbytes)
+        except OutOfSpace:
+            raise BudgetError(f"GPU tier is full: no room for {format_size(nbytes)} "
+                              f"({format_size(self.allocator.free_bytes())} free); raise tiers.gpu.budget") from None
+
+    def free(self, extent: Extent) -> None:
+        self.allocator.free(extent)
+
+    def view(self, extent: Extent, nbytes: int | None = None) -> torch.Tensor:
+        n = extent.nbytes if nbytes is None else nbytes
+        return self._buffer[extent.offset: extent.offset + n]
+
+    @property
+    def n_slots(self) -> int:
+        return len(self._slots)
+
+    def slots_free(self) -> int:
+        with self._cond:
+            return len(self._free)
+
+    def acquire_slot(self, timeout: float | None = None) -> Slot:
+        if not self._slots:
+            raise RuntimeError("GPU tier has no streaming slots")
+        t0 = time.perf_counter()
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._free, timeout):
+                raise TimeoutError("no GPU slot became free")
+            slot = self._free.pop(0)
+        self.slot_wait_seconds += time.perf_counter() - t0
+        return slot
+
+    def release_slot(self, slot: Slot) -> None:
+        if self.is_cuda:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            slot.free_event = ev
+        with self._cond:
+            self._free.append(slot)
+            self._cond.notify()
+
+    def close(self) -> None:
+        self._buffer = None

@@ -1,0 +1,134 @@
+"""The NVMe tier: one preallocated file in a directory, carved into 4 KiB-aligned extents.
+
+I/O is asynchronous (``pread``/``pwrite`` return futures) through a backend: ``posix`` (runs anywhere)
+or ``kvikio`` (GPUDirect Storage where the machine has it, compat mode otherwise; GPU buffers go
+straight to and from the file). ``auto`` takes kvikio when it is installed and can do I/O here.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import errno
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from tiermem.errors import StorageError
+from tiermem.sizes import align_up, format_size
+from tiermem.tiers.extents import Extent, ExtentAllocator
+from tiermem.tiers.nvme_kvikio import KvikioBackend, kvikio_usable
+from tiermem.tiers.nvme_posix import PosixBackend
+
+log = logging.getLogger(__name__)
+SUFFIX = ".nvme"
+
+
+def check_directory(path: Path, need: int) -> Path:
+    """Make sure ``path`` is a writable directory with ``need`` bytes free; one-line errors otherwise."""
+    if not path.exists():
+        if not path.parent.is_dir():
+            raise StorageError(f"NVMe tier path {path} does not exist (nor its parent); create it or "
+                               "set tiers.nvme.path to an existing directory")
+        try:
+            path.mkdir(mode=0o700)
+        except OSError as e:
+            raise StorageError(f"cannot create NVMe tier directory {path}: {os.strerror(e.errno)}") from None
+    if not path.is_dir():
+        raise StorageError(f"NVMe tier path {path} is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise StorageError(f"NVMe tier path {path} is not writable by this user; choose another tiers.nvme.path")
+    free = shutil.disk_usage(path).free
+    if need > free:
+        raise StorageError(f"NVMe tier needs {format_size(need)} but {path} has {format_size(free)} free; "
+                           "lower tiers.nvme.budget, free disk space, or choose another tiers.nvme.path")
+    return path
+
+
+def choose_backend(want: str, directory: Path) -> tuple[str, str]:
+    """Resolve ``auto``; returns (backend, why)."""
+    if want == "posix":
+        return "posix", "configured"
+    ok, why = kvikio_usable(directory)
+    if want == "kvikio":
+        if not ok:
+            raise StorageError(f"tiers.nvme.backend is kvikio but {why}; use backend: posix or auto")
+        return "kvikio", why
+    return ("kvikio", why) if ok else ("posix", why)
+
+
+class NvmeTier:
+    def __init__(self, directory: str | Path, name: str, capacity: int, backend: str = "auto",
+                 threads: int = 8, io_chunk: int = 16 << 20, direct: bool = True):
+        directory = Path(directory)
+        capacity = align_up(max(capacity, 4096), 4096)
+        check_directory(directory, capacity)
+        self.path = directory / f"{name}{SUFFIX}"
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise StorageError(f"NVMe tier file {self.path} already exists (another store, or one left "
+                               "behind); remove it or give this store another name") from None
+        try:
+            try:
+                os.posix_fallocate(fd, 0, capacity)
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise StorageError(f"NVMe tier: no space for {format_size(capacity)} in {directory}; "
+                                       "lower tiers.nvme.budget or free disk space") from None
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                os.ftruncate(fd, capacity)
+                log.warning("NVMe tier: %s cannot preallocate; the file is sparse", directory)
+        except BaseException:
+            os.close(fd)
+            self.path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        self.capacity = capacity
+        self.allocator = ExtentAllocator(capacity, 4096)
+        try:
+            self.backend_name, why = choose_backend(backend, directory)
+            if self.backend_name == "kvikio":
+                self.backend = KvikioBackend(self.path, threads, io_chunk)
+            else:
+                self.backend = PosixBackend(self.path, threads, io_chunk, direct)
+        except BaseException:
+            self.path.unlink(missing_ok=True)
+            raise
+        self.backend_reason = why if backend == "auto" else "configured"
+        log.info("NVMe tier %s: %s backend (%s; %s)", self.path, self.backend_name, self.backend.reason,
+                 self.backend_reason)
+
+    def allocate(self, nbytes: int) -> Extent:
+        return self.allocator.allocate(nbytes)
+
+    def free(self, extent: Extent) -> None:
+        self.allocator.free(extent)
+
+    def pread(self, buf: torch.Tensor, extent: Extent) -> cf.Future:
+        """Read the first ``buf.nbytes`` bytes of ``extent`` into ``buf``."""
+        self._check(buf, extent)
+        return self.backend.pread(buf, extent.offset)
+
+    def pwrite(self, buf: torch.Tensor, extent: Extent) -> cf.Future:
+        """Write ``buf`` at the start of ``extent``."""
+        self._check(buf, extent)
+        return self.backend.pwrite(buf, extent.offset)
+
+    @property
+    def direct_to_gpu(self) -> bool:
+        return self.backend_name == "kvikio"
+
+    @staticmethod
+    def _check(buf: torch.Tensor, extent: Extent) -> None:
+        if buf.numel() * buf.element_size() > extent.nbytes:
+            raise ValueError(f"buffer of {buf.numel() * buf.element_size()} bytes overruns {extent}")
+
+    def close(self) -> None:
+        if self.backend is not None:
+            self.backend.close()
+            self.backend = None
+            self.path.unlink(missing_ok=True)
