@@ -41,6 +41,7 @@ def kvikio_usable(directory: Path) -> tuple[bool, str]:
 
 def _mode() -> str:
     import kvikio
+    import kvikio.defaults
 
     try:
         compat = kvikio.defaults.is_compat_mode_preferred()
@@ -51,6 +52,7 @@ def _mode() -> str:
 
 def _set_threads(n: int) -> None:
     import kvikio
+    import kvikio.defaults
 
     try:
         kvikio.defaults.set({"num_threads": n})
