@@ -55,3 +55,13 @@ def test_arena_errors(tmp_path, store_name):
     with DramArena.create(store_name, 1 << 16):
         with pytest.raises(StorageError, match="owned by running pid"):
             DramArena.create(store_name, 1 << 16)
+
+
+def test_anonymous_arena_is_private(store_name):
+    with DramArena.create(store_name, 1 << 20, "anonymous") as arena:
+        assert arena.path is None
+        v = arena.view(arena.allocate(4096))
+        v.fill_(9)
+        assert int(v.sum()) == 9 * 4096
+    with pytest.raises(StorageError, match="cannot be shared"):
+        DramArena.attach(store_name, "anonymous")

@@ -57,7 +57,10 @@ def default_budgets(cfg: StoreConfig) -> dict[str, int | None]:
         gpu = torch.cuda.get_device_properties(torch.device(t.gpu.device)).total_memory // 2
     dram = t.dram.budget
     if dram is None:
-        shm = shutil.disk_usage(t.dram.path).free if os.path.isdir(t.dram.path) else 0
+        if t.dram.path == "anonymous":
+            shm = psutil.virtual_memory().available
+        else:
+            shm = shutil.disk_usage(t.dram.path).free if os.path.isdir(t.dram.path) else 0
         dram = int(min(shm, psutil.virtual_memory().available) * 0.9)
     nvme = None
     if t.nvme is not None:

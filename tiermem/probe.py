@@ -26,9 +26,11 @@ from tiermem.tiers.nvme_kvikio import kvikio_usable
 RAW_BLOCK = 64 << 20
 
 
-def _median_rate(fn, nbytes: int, reps: int) -> float:
+def _median_rate(fn, nbytes: int, reps: int, before=None) -> float:
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()  # untimed
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -76,6 +78,24 @@ def probe_gpu(arena: DramArena, size: int, reps: int) -> list[dict]:
             _row("GPU -> arena", d2h, rd, raw_what="pinned torch copy")]
 
 
+def _drop_cache(path: Path) -> None:
+    """Flush and evict the file's pages, so a read measures the disk, not the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _synced(fn, path: Path):
+    """``fn`` then fsync: a write counts only once it is on the disk."""
+    def run():
+        fn()
+        _drop_cache(path)
+    return run
+
+
 def _raw_direct(path: Path, buf: torch.Tensor, write: bool) -> None:
     fd = os.open(path, os.O_RDWR | os.O_DIRECT)
     try:
@@ -99,15 +119,16 @@ def probe_nvme(arena: DramArena, directory: Path, size: int, reps: int, name: st
     buf.random_(0, 255)
     for backend in backends:
         tier = NvmeTier(directory, f"{name}-{backend}", size, backend=backend)
+        drop = lambda: _drop_cache(tier.path)
         try:
             mover = Mover(None, arena, tier)
             loc = Location("nvme", tier.allocate(size), size)
-            w = _median_rate(lambda: mover.copy(buf_loc, loc).result(), size, reps)
-            r = _median_rate(lambda: mover.copy(loc, buf_loc).result(), size, reps)
+            w = _median_rate(_synced(lambda: mover.copy(buf_loc, loc).result(), tier.path), size, reps)
+            r = _median_rate(lambda: mover.copy(loc, buf_loc).result(), size, reps, before=drop)
             raw_ok = True
             try:
-                rw = _median_rate(lambda: _raw_direct(tier.path, buf, True), size, reps)
-                rr = _median_rate(lambda: _raw_direct(tier.path, buf, False), size, reps)
+                rw = _median_rate(_synced(lambda: _raw_direct(tier.path, buf, True), tier.path), size, reps)
+                rr = _median_rate(lambda: _raw_direct(tier.path, buf, False), size, reps, before=drop)
             except OSError:  # the filesystem refuses O_DIRECT (tmpfs)
                 raw_ok, rw, rr = False, None, None
             note = f"{backend}: {tier.backend.reason}"
@@ -118,7 +139,7 @@ def probe_nvme(arena: DramArena, directory: Path, size: int, reps: int, name: st
                 gpu = GpuTier(torch.device("cuda"), size, 0, 0)
                 m2 = Mover(gpu, arena, tier)
                 g = Location("gpu", gpu.allocate(size), size)
-                rg = _median_rate(lambda: m2.copy(loc, g).result(), size, reps)
+                rg = _median_rate(lambda: m2.copy(loc, g).result(), size, reps, before=drop)
                 rows.append(_row("NVMe -> GPU (kvikio)", rg, rr, note=note, raw_what=raw_what))
                 m2.close()
                 gpu.close()
@@ -131,14 +152,16 @@ def probe_nvme(arena: DramArena, directory: Path, size: int, reps: int, name: st
     return rows
 
 
-def probe_arena_setup(directory: Path, size: int, name: str) -> list[dict]:
+def probe_arena_setup(directory: Path | str, size: int, name: str) -> list[dict]:
     pin = torch.cuda.is_available()
     t0 = time.perf_counter()
-    arena = DramArena.create(f"{name}-setup", size, directory, pin=pin)
+    arena = DramArena.create(f"{name}-setup", size, str(directory), pin=pin)
     total = time.perf_counter() - t0
     reg = arena.register_seconds
     arena.close()
-    note = f"{format_size(size)}: create+fallocate {total - reg:.2f} s, cudaHostRegister {reg:.2f} s"
+    touch = arena.touch_seconds
+    note = (f"{format_size(size)} in {directory}: create {total - reg - touch:.2f} s, touch pages {touch:.2f} s, "
+            f"cudaHostRegister {reg:.2f} s")
     raw = None
     if pin:
         baseline = min(size, 4 << 30)
@@ -149,7 +172,8 @@ def probe_arena_setup(directory: Path, size: int, name: str) -> list[dict]:
         note += f"; pin_memory=True of {format_size(baseline)} scaled to the same size"
     else:
         note += "; no CUDA: not registered"
-    row = _row("arena setup", total, raw, unit="s", note=note, raw_what="pin_memory=True allocation")
+    label = "arena setup" + (" (anonymous)" if str(directory) == "anonymous" else "")
+    row = _row(label, total, raw, unit="s", note=note, raw_what="pin_memory=True allocation")
     row["ratio"] = raw / total if raw else None  # > 1: faster than the baseline
     return [row]
 
@@ -189,7 +213,9 @@ def run_probe(size: int, nvme_path: str | None, arena_dir: str = "/dev/shm", rep
                 rows += probe_nvme(arena, Path(d), size, reps, name)
     finally:
         arena.close()
-    rows += probe_arena_setup(Path(arena_dir), arena_size or size, name)
+    rows += probe_arena_setup(arena_dir, arena_size or size, name)
+    if arena_dir != "anonymous":
+        rows += probe_arena_setup("anonymous", arena_size or size, name)
     rows += probe_adamw()
     return {"machine": _machine(), "size": size, "rows": rows}
 

@@ -34,7 +34,7 @@ def snapshot(store) -> dict:
             info.update(device=str(tier.device), slots=tier.n_slots, slots_free=tier.slots_free(),
                         slot_bytes=tier.slot_bytes)
         elif name == "dram":
-            info.update(path=str(tier.path), pinned=tier.pinned)
+            info.update(path=str(tier.path or "anonymous"), pinned=tier.pinned)
         else:
             info.update(path=str(tier.path), backend=tier.backend_name, backend_mode=tier.backend.reason)
         tiers[name] = info

@@ -19,3 +19,11 @@ python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest.log" | ta
 mkdir -p .probe-disk
 python3 -m tiermem.cli probe --size 2GiB --arena-size 64GiB --nvme-path .probe-disk --save "$OUT/probe.json"
 rm -rf .probe-disk
+# a tmpfs mounted with huge=always (where we may mount one): how fast a shared arena can be set up
+mkdir -p /mnt/tiermem-huge && mount -t tmpfs -o huge=always,size=80G tmpfs /mnt/tiermem-huge 2>/dev/null \
+  && python3 -c "
+from tiermem.tiers.dram import DramArena
+import time; t0 = time.perf_counter()
+a = DramArena.create('huge-probe', 64 << 30, '/mnt/tiermem-huge', pin=True)
+print(f'64 GiB arena on a huge=always tmpfs: {time.perf_counter() - t0:.2f} s (touch {a.touch_seconds:.2f} s, register {a.register_seconds:.2f} s)')
+a.close()" ; umount /mnt/tiermem-huge 2>/dev/null

@@ -5,10 +5,17 @@ same bytes by name (the service and its trainers do). Its first 4 KiB page is a 
 the owner's pid, so an arena left behind by a dead process is detectable (``list_arenas``). With a GPU
 present the whole mapping is registered with CUDA as pinned memory by one ``cudaHostRegister`` call;
 tensors handed out are zero-copy views into it.
+
+Registration pins every page, and most of its cost is faulting 4 KiB pages into the page tables one
+by one; so before registering, the arena's pages are touched by many threads at once (measured on the
+H200 machine: 64 GiB in 17.6 s this way, against 40 s for fallocate + register). ``directory:
+anonymous`` makes a private arena of transparent huge pages instead (no file, nothing to share or
+leave behind; 16 GiB in 0.85 s there), for a single process that needs no sharing.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import mmap
 import os
@@ -24,6 +31,8 @@ from tiermem.sizes import align_up, format_size
 from tiermem.tiers.extents import Extent, ExtentAllocator
 
 HEADER = 4096
+ANONYMOUS = "anonymous"
+TOUCH_STEP = 256 << 20
 MAGIC = b"TIERMEM-ARENA-1\n"
 SUFFIX = ".arena"
 
@@ -72,26 +81,43 @@ def cuda_unregister(ptr: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
+def _touch_parallel(base: torch.Tensor) -> None:
+    """Fault every page in, from many threads (one torch thread each), so registration only pins."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with cf.ThreadPoolExecutor(max(os.cpu_count() or 1, 1)) as ex:
+            list(ex.map(lambda o: base[o: o + TOUCH_STEP].zero_(), range(0, base.numel(), TOUCH_STEP)))
+    finally:
+        torch.set_num_threads(prev)
+
+
 class DramArena:
     """A shared-memory arena with an extent allocator. Create with ``create``, map another's with ``attach``."""
 
-    def __init__(self, path: Path, name: str, size: int, mm: mmap.mmap, owner: bool, pin: bool):
+    def __init__(self, path: Path | None, name: str, size: int, mm: mmap.mmap, owner: bool, pin: bool):
         self.path, self.name, self.size, self.owner = path, name, size, owner
         self._mm = mm
         self._base = torch.frombuffer(mm, dtype=torch.uint8)
         self.allocator = ExtentAllocator(size, 4096, base=HEADER) if owner else None
         self.register_seconds = 0.0
         self.pinned = False
+        self.touch_seconds = 0.0
         if pin:
             t0 = time.perf_counter()
+            if owner:
+                _touch_parallel(self._base)
+            self.touch_seconds = time.perf_counter() - t0
             cuda_register(self._base.data_ptr(), size)
-            self.register_seconds = time.perf_counter() - t0
+            self.register_seconds = time.perf_counter() - t0 - self.touch_seconds
             self.pinned = True
 
     @classmethod
     def create(cls, name: str, capacity: int, directory: str | Path = "/dev/shm", pin: bool = False,
-               preallocate: bool = True) -> DramArena:
+               preallocate: bool = False) -> DramArena:
         """Make a new arena of ``capacity`` usable bytes; fails with one line if it cannot."""
+        if str(directory) == ANONYMOUS:
+            return cls._anonymous(name, capacity, pin)
         directory = Path(directory)
         if not directory.is_dir():
             raise StorageError(f"DRAM arena directory {directory} does not exist; set tiers.dram.path "
@@ -141,8 +167,22 @@ class DramArena:
             raise
 
     @classmethod
+    def _anonymous(cls, name: str, capacity: int, pin: bool) -> DramArena:
+        size = HEADER + align_up(capacity, 4096)
+        avail = psutil.virtual_memory().available
+        if size > avail:
+            raise StorageError(f"DRAM arena needs {format_size(size)} but only {format_size(avail)} of RAM is "
+                               "available; lower tiers.dram.budget or move state to nvme")
+        mm = mmap.mmap(-1, size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        return cls(None, name, size, mm, owner=True, pin=pin)
+
+    @classmethod
     def attach(cls, name: str, directory: str | Path = "/dev/shm", pin: bool = False) -> DramArena:
         """Map an arena another process created (not the owner: closing does not remove it)."""
+        if str(directory) == ANONYMOUS:
+            raise StorageError("an anonymous arena cannot be shared; set tiers.dram.path to a tmpfs directory")
         path = Path(directory) / f"{name}{SUFFIX}"
         if not path.exists():
             raise StorageError(f"no arena named {name} in {directory}")
@@ -184,7 +224,7 @@ class DramArena:
             self._mm.close()
         except BufferError:
             pass  # views still alive: the mapping goes when the last one does
-        if self.owner:
+        if self.owner and self.path is not None:
             self.path.unlink(missing_ok=True)
 
     def __enter__(self) -> DramArena:

@@ -92,7 +92,7 @@ class NvmeTier:
         try:
             self.backend_name, why = choose_backend(backend, directory)
             if self.backend_name == "kvikio":
-                self.backend = KvikioBackend(self.path, threads, io_chunk)
+                self.backend = KvikioBackend(self.path, threads, io_chunk, direct)
             else:
                 self.backend = PosixBackend(self.path, threads, io_chunk, direct)
         except BaseException:

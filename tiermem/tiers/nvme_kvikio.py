@@ -50,29 +50,32 @@ def _mode() -> str:
     return "compat mode (POSIX inside kvikio, no GPUDirect)" if compat else "GPUDirect Storage"
 
 
-def _set_threads(n: int) -> None:
+def _configure(threads: int, direct: bool) -> None:
+    """kvikio's thread pool size; in compat mode, O_DIRECT for aligned I/O (else reads hit the page cache)."""
     import kvikio
     import kvikio.defaults
 
     try:
-        kvikio.defaults.set({"num_threads": n})
-    except (AttributeError, TypeError):
-        kvikio.defaults.num_threads_reset(n)
+        kvikio.defaults.set({"num_threads": threads})
+        if direct:
+            kvikio.defaults.set({"auto_direct_io_read": True, "auto_direct_io_write": True})
+    except (AttributeError, TypeError, KeyError):  # older kvikio
+        kvikio.defaults.num_threads_reset(threads)
 
 
 class KvikioBackend:
     name = "kvikio"
 
-    def __init__(self, path: Path, threads: int = 8, io_chunk: int = 16 << 20):
+    def __init__(self, path: Path, threads: int = 8, io_chunk: int = 16 << 20, direct: bool = True):
         import kvikio
 
-        _set_threads(threads)
+        _configure(threads, direct)
         self.path = path
         self.io_chunk = io_chunk
         self._file = kvikio.CuFile(path, "r+")
         self._waiters = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="tiermem-kvikio")
         self.reason = _mode()
-        self.direct = True
+        self.direct = direct
 
     @staticmethod
     def _array(buf: torch.Tensor):
