@@ -26,15 +26,27 @@ from tiermem.tiers.nvme_kvikio import kvikio_usable
 RAW_BLOCK = 64 << 20
 
 
-def _median_rate(fn, nbytes: int, reps: int, before=None) -> float:
-    times = []
+def _paired_rates(ours, raw, nbytes: int, reps: int, before=None) -> tuple[float, float | None]:
+    """Median GB/s of ``ours`` and ``raw``, timed alternately so drift of the link hits both alike.
+
+    ``raw`` may raise OSError (no O_DIRECT on this filesystem): then its rate is None.
+    """
+    t_ours, t_raw = [], []
     for _ in range(reps):
-        if before is not None:
-            before()  # untimed
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times) / 1e9
+        for fn, times in ((ours, t_ours), (raw, t_raw)):
+            if times is None:
+                continue
+            if before is not None:
+                before()  # untimed
+            t0 = time.perf_counter()
+            try:
+                fn()
+            except OSError:
+                t_raw = None
+                continue
+            times.append(time.perf_counter() - t0)
+    rate = lambda ts: nbytes / statistics.median(ts) / 1e9
+    return rate(t_ours), (rate(t_raw) if t_raw else None)
 
 
 def _row(link: str, ours: float | None, raw: float | None, unit: str = "GB/s", note: str = "",
@@ -69,8 +81,8 @@ def probe_gpu(arena: DramArena, size: int, reps: int) -> list[dict]:
 
     for fn in (ours_h2d, ours_d2h, raw_h2d, raw_d2h):  # warm up
         fn()
-    h2d, d2h = _median_rate(ours_h2d, size, reps), _median_rate(ours_d2h, size, reps)
-    rh, rd = _median_rate(raw_h2d, size, reps), _median_rate(raw_d2h, size, reps)
+    h2d, rh = _paired_rates(ours_h2d, raw_h2d, size, reps)
+    d2h, rd = _paired_rates(ours_d2h, raw_d2h, size, reps)
     mover.close()
     arena.free(src.extent)
     gpu.close()
@@ -123,14 +135,11 @@ def probe_nvme(arena: DramArena, directory: Path, size: int, reps: int, name: st
         try:
             mover = Mover(None, arena, tier)
             loc = Location("nvme", tier.allocate(size), size)
-            w = _median_rate(_synced(lambda: mover.copy(buf_loc, loc).result(), tier.path), size, reps)
-            r = _median_rate(lambda: mover.copy(loc, buf_loc).result(), size, reps, before=drop)
-            raw_ok = True
-            try:
-                rw = _median_rate(_synced(lambda: _raw_direct(tier.path, buf, True), tier.path), size, reps)
-                rr = _median_rate(lambda: _raw_direct(tier.path, buf, False), size, reps, before=drop)
-            except OSError:  # the filesystem refuses O_DIRECT (tmpfs)
-                raw_ok, rw, rr = False, None, None
+            w, rw = _paired_rates(_synced(lambda: mover.copy(buf_loc, loc).result(), tier.path),
+                                  _synced(lambda: _raw_direct(tier.path, buf, True), tier.path), size, reps)
+            r, rr = _paired_rates(lambda: mover.copy(loc, buf_loc).result(),
+                                  lambda: _raw_direct(tier.path, buf, False), size, reps, before=drop)
+            raw_ok = rw is not None
             note = f"{backend}: {tier.backend.reason}"
             raw_what = "O_DIRECT preadv/pwritev, 64 MiB blocks" if raw_ok else "n/a: no O_DIRECT here"
             rows += [_row(f"arena -> NVMe ({backend})", w, rw, note=note, raw_what=raw_what),
@@ -139,7 +148,8 @@ def probe_nvme(arena: DramArena, directory: Path, size: int, reps: int, name: st
                 gpu = GpuTier(torch.device("cuda"), size, 0, 0)
                 m2 = Mover(gpu, arena, tier)
                 g = Location("gpu", gpu.allocate(size), size)
-                rg = _median_rate(lambda: m2.copy(loc, g).result(), size, reps, before=drop)
+                rg, rr = _paired_rates(lambda: m2.copy(loc, g).result(),
+                                       lambda: _raw_direct(tier.path, buf, False), size, reps, before=drop)
                 rows.append(_row("NVMe -> GPU (kvikio)", rg, rr, note=note, raw_what=raw_what))
                 m2.close()
                 gpu.close()
