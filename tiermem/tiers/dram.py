@@ -8,9 +8,9 @@ tensors handed out are zero-copy views into it.
 
 Registration pins every page, and most of its cost is faulting 4 KiB pages into the page tables one
 by one; so before registering, the arena's pages are touched by many threads at once (measured on the
-H200 machine: 64 GiB in 17.6 s this way, against 40 s for fallocate + register). ``directory:
+H200 machine: 64 GiB in 17.6-22.6 s this way, against 40 s for fallocate + register). ``directory:
 anonymous`` makes a private arena of transparent huge pages instead (no file, nothing to share or
-leave behind; 16 GiB in 0.85 s there), for a single process that needs no sharing.
+leave behind; 64 GiB in 2.8-3.4 s there), for a single process that needs no sharing.
 """
 
 from __future__ import annotations
@@ -90,7 +90,8 @@ def huge_pages(directory: Path) -> bool:
         with open("/proc/mounts") as f:
             for line in f:
                 _, mnt, fstype, options = line.split()[:4]
-                if str(directory.resolve()).startswith(mnt) and len(mnt) > len(best) and fstype == "tmpfs":
+                inside = directory.resolve().is_relative_to(mnt)
+                if inside and len(mnt) > len(best) and fstype == "tmpfs":
                     best, opts = mnt, options
     except OSError:
         return False
@@ -177,7 +178,7 @@ class DramArena:
             raise
         os.close(fd)
         if pin and size > (8 << 30) and not huge_pages(directory):
-            log.info("pinning a %s arena of 4 KiB pages in %s takes ~0.25 s/GiB; a tmpfs mounted with "
+            log.info("pinning a %s arena of 4 KiB pages in %s takes ~0.3 s/GiB; a tmpfs mounted with "
                      "huge=always (or tiers.dram.path: anonymous) sets up ~6x faster", format_size(size), directory)
         try:
             return cls(path, name, size, mm, owner=True, pin=pin)
