@@ -22,6 +22,12 @@ from tiermem.tiers.extents import Extent
 Group = int | str
 
 
+def state_name(base: str, kind: str) -> str:
+    """The store's name for one kind of state of a tensor: the base name for the compute copy
+    (``param``), ``kind/base`` for the others (``grad/…``, ``master/…``, ``exp_avg/…``, ``exp_avg_sq/…``)."""
+    return base if kind == "param" else f"{kind}/{base}"
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str

@@ -50,7 +50,11 @@ class GroupView:
 
 
 def _typed(raw: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
-    return raw[: spec.nbytes].view(spec.dtype).view(spec.shape)
+    """A typed tensor over ``raw``'s bytes. It aliases the tier's memory without being an autograd view
+    of the tier's buffer, so in-place writes elsewhere in the buffer do not bump its version counter."""
+    t = raw[: spec.nbytes].view(spec.dtype)
+    alias = torch.empty(0, dtype=spec.dtype, device=t.device)
+    return alias.set_(t.untyped_storage(), t.storage_offset(), spec.shape)
 
 
 class Store:

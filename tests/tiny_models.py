@@ -1,0 +1,64 @@
+"""Tiny random Hugging Face models of each supported family, saved as safetensors directories, and a
+tokenized dataset to train them on. Shared by the trainer's tests."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128)
+
+
+def hf_config(family: str, **extra):
+    import transformers as T
+
+    if family == "llama":
+        return T.LlamaConfig(**COMMON, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+                             pad_token_id=0, **extra)
+    if family == "mistral":
+        return T.MistralConfig(**COMMON, sliding_window=None, **extra)
+    if family == "qwen2":
+        return T.Qwen2Config(**COMMON, **extra)
+    if family == "qwen3":
+        return T.Qwen3Config(**COMMON, head_dim=12, tie_word_embeddings=True, **extra)
+    raise ValueError(family)
+
+
+def save_tiny_model(family: str, path: Path, seed: int = 0, **extra) -> Path:
+    import transformers as T
+
+    torch.manual_seed(seed)
+    model = T.AutoModelForCausalLM.from_config(hf_config(family, **extra), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # non-trivial norms and biases, so their gradients matter
+            if name.endswith("norm.weight"):
+                p.uniform_(0.8, 1.2)
+            elif name.endswith(".bias"):
+                p.normal_(0, 0.05)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def write_tokenized_dataset(data_dir: Path, n_rows: int = 14, vocab: int = 96, seed: int = 0,
+                            name: str = "toy") -> str:
+    """Rows of 5..20 tokens; most with the first few labels masked (like a prompt), some without labels."""
+    rng = random.Random(seed)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with (data_dir / f"{name}.jsonl").open("w") as f:
+        for i in range(n_rows):
+            ids = [rng.randrange(1, vocab) for _ in range(rng.randrange(5, 21))]
+            row = {"input_ids": ids}
+            if i % 3:
+                cut = rng.randrange(1, len(ids) - 1)
+                row["labels"] = [-100] * cut + ids[cut:]
+            f.write(json.dumps(row) + "\n")
+    info = data_dir / "dataset_info.json"
+    entries = json.loads(info.read_text()) if info.is_file() else {}
+    entries[name] = {"file_name": f"{name}.jsonl", "formatting": "tokenized"}
+    info.write_text(json.dumps(entries))
+    return name

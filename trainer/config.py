@@ -1,0 +1,191 @@
+"""The training config: LLaMA-Factory's YAML keys with LLaMA-Factory's meanings, plus tiermem's own.
+
+    tiermem-train my.yaml learning_rate=2e-5 tiermem.tiers.dram.budget=64GiB
+
+``load_train_config`` reads the YAML, applies ``key=value`` overrides (values parsed as YAML; dotted
+keys reach into the inline ``tiermem`` mapping), checks every key and type, and resolves defaults.
+Unknown keys are an error naming the nearest valid key; LLaMA-Factory keys this trainer does not use are
+an error saying why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from tiermem.errors import ConfigError
+from tiermem.schema import load_dataclass, to_plain
+
+SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+
+# LLaMA-Factory / Hugging Face keys that tiermem recognises but does not take, and why.
+NOT_TAKEN = {
+    "deepspeed": "tiermem replaces DeepSpeed offload; remove the key",
+    "fsdp": "tiermem trains on one GPU without FSDP; remove the key",
+    "fp16": "fp16 training is not supported; use bf16: true or bf16: false (fp32)",
+    "lora_rank": "only finetuning_type: full is supported",
+    "lora_target": "only finetuning_type: full is supported",
+    "quantization_bit": "quantized training is not supported",
+    "eval_dataset": "evaluation is not supported yet (issue 4)",
+    "val_size": "evaluation is not supported yet (issue 4)",
+    "eval_steps": "evaluation is not supported yet (issue 4)",
+    "eval_strategy": "evaluation is not supported yet (issue 4)",
+    "per_device_eval_batch_size": "evaluation is not supported yet (issue 4)",
+    "do_eval": "evaluation is not supported yet (issue 4)",
+    "save_only_model": "checkpoints are not supported yet (issue 6)",
+    "save_total_limit": "checkpoints are not supported yet (issue 6)",
+    "packing": "packing is not configurable yet: stage pt always packs, tokenized rows are never packed",
+}
+
+
+@dataclass
+class TrainConfig:
+    # model
+    model_name_or_path: str
+    output_dir: str
+    dataset: str
+    stage: Literal["pt", "sft"] = "sft"
+    do_train: bool = True
+    finetuning_type: str = "full"
+    tiermem_init: Literal["pretrained", "random"] = "pretrained"
+    # data
+    dataset_dir: str = "data"
+    template: str | None = None
+    cutoff_len: int = 2048
+    max_samples: int | None = None
+    # output
+    overwrite_output_dir: bool = False
+    logging_steps: int = 10
+    save_steps: int | None = None
+    plot_loss: bool = False
+    report_to: str = "none"
+    # optimisation
+    per_device_train_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 5e-5
+    num_train_epochs: float = 3.0
+    max_steps: int = -1
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
+    warmup_ratio: float = 0.0
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    bf16: bool = False
+    seed: int = 42
+    resume_from_checkpoint: str | None = None
+    # tiermem's own
+    tiermem: Any = None  # a path to a tiermem config file, or the same mapping inline
+    tiermem_server: str | None = None
+    loss_chunk_tokens: int = 4096  # tokens per chunk of the LM-head loss (bounds the logits' memory)
+
+
+def _parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    out = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"bad override {item!r}: expected key=value (e.g. learning_rate=2e-5)")
+        try:
+            parsed = yaml.safe_load(value) if value else None
+        except yaml.YAMLError:
+            raise ConfigError(f"bad override {item!r}: the value is not valid YAML") from None
+        out.append((key.strip(), parsed))
+    return out
+
+
+def _apply(data: dict, key: str, value: Any) -> None:
+    if "." not in key:
+        data[key] = value
+        return
+    head, rest = key.split(".", 1)
+    if head != "tiermem":
+        raise ConfigError(f"override {key}: only the inline 'tiermem' mapping takes dotted keys")
+    node = data.get("tiermem")
+    if node is None:
+        node = data["tiermem"] = {}
+    if not isinstance(node, dict):
+        raise ConfigError(f"override {key}: 'tiermem' is a file path here; edit that file instead")
+    parts = rest.split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {key}: '{p}' is not a mapping")
+    node[parts[-1]] = value
+
+
+def read_yaml(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{p}: not valid YAML{at}: {getattr(e, 'problem', e)}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a mapping of keys to values at the top level")
+    return data
+
+
+def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
+    data = read_yaml(path)
+    for key, value in _parse_overrides(overrides or []):
+        _apply(data, key, value)
+    for key in data:
+        if key in NOT_TAKEN:
+            raise ConfigError(f"{path}: '{key}' is not supported: {NOT_TAKEN[key]}")
+    cfg = load_dataclass(TrainConfig, data, "")
+    validate(cfg)
+    return cfg
+
+
+def validate(c: TrainConfig) -> None:
+    if not c.do_train:
+        raise ConfigError("do_train: false — tiermem-train only trains (evaluation and prediction are not "
+                          "supported yet)")
+    if c.finetuning_type != "full":
+        raise ConfigError(f"finetuning_type: {c.finetuning_type} is not supported; tiermem does full-parameter "
+                          "training only (finetuning_type: full)")
+    if c.report_to not in ("none", "None"):
+        raise ConfigError(f"report_to: {c.report_to} is not supported; use report_to: none (tiermem writes "
+                          "trainer_log.jsonl in output_dir)")
+    if c.tiermem_server:
+        raise ConfigError("tiermem_server: attaching to a tiermem service is not supported yet (issue 5); "
+                          "remove the key to run the store embedded")
+    if c.resume_from_checkpoint:
+        raise ConfigError("resume_from_checkpoint: checkpoints are not supported yet (issue 6)")
+    if c.save_steps is not None:
+        raise ConfigError("save_steps: intermediate checkpoints are not supported yet (issue 6); remove the key "
+                          "(the final model is always exported to output_dir)")
+    positive = {"cutoff_len": c.cutoff_len, "per_device_train_batch_size": c.per_device_train_batch_size,
+                "gradient_accumulation_steps": c.gradient_accumulation_steps, "logging_steps": c.logging_steps,
+                "loss_chunk_tokens": c.loss_chunk_tokens}
+    for k, v in positive.items():
+        if v <= 0:
+            raise ConfigError(f"{k} must be positive, got {v}")
+    if c.max_samples is not None and c.max_samples <= 0:
+        raise ConfigError(f"max_samples must be positive, got {c.max_samples}")
+    if c.learning_rate < 0 or c.weight_decay < 0 or c.max_grad_norm < 0:
+        raise ConfigError("learning_rate, weight_decay and max_grad_norm must not be negative")
+    if not 0 <= c.warmup_ratio <= 1:
+        raise ConfigError(f"warmup_ratio must be in [0, 1], got {c.warmup_ratio}")
+    if c.max_steps <= 0 and c.num_train_epochs <= 0:
+        raise ConfigError("set max_steps or a positive num_train_epochs")
+    if c.tiermem is not None and not isinstance(c.tiermem, (str, dict)):
+        raise ConfigError("tiermem: expected a path to a tiermem config file or an inline mapping")
+
+
+def resolved(c: TrainConfig, store_cfg) -> dict:
+    """The config as it will run, for ``output_dir/training_args.yaml``."""
+    out = to_plain(c)
+    out["tiermem"] = to_plain(store_cfg)
+    return out

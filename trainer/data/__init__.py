@@ -1,0 +1,1 @@
+"""Training data: the dataset registry, reading rows, tokenizing, batching."""

@@ -1,0 +1,60 @@
+"""The model's tokenizer, read from ``tokenizer.json`` with the ``tokenizers`` library, and its special
+tokens (eos, bos, pad) from tokenizer_config.json / config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tiermem.errors import ConfigError
+
+
+@dataclass
+class Tokenizer:
+    backend: object
+    eos_id: int
+    bos_id: int | None
+    pad_id: int
+    add_bos: bool
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.backend.decode(ids, skip_special_tokens=False)
+
+
+def _token(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    from tokenizers import Tokenizer as Backend
+
+    d = Path(model_dir)
+    path = d / "tokenizer.json"
+    if not path.is_file():
+        raise ConfigError(f"model_name_or_path: {d} has no tokenizer.json (needed to tokenize text)")
+    backend = Backend.from_file(str(path))
+    tcfg = json.loads((d / "tokenizer_config.json").read_text()) if (d / "tokenizer_config.json").is_file() else {}
+    mcfg = json.loads((d / "config.json").read_text()) if (d / "config.json").is_file() else {}
+
+    def tid(key: str) -> int | None:
+        tok = _token(tcfg.get(key))
+        if tok is not None and backend.token_to_id(tok) is not None:
+            return backend.token_to_id(tok)
+        val = mcfg.get(f"{key}_id")
+        return val[0] if isinstance(val, list) else val
+
+    eos = tid("eos_token")
+    if eos is None:
+        raise ConfigError(f"{d}: no eos token in tokenizer_config.json or config.json")
+    bos = tid("bos_token")
+    pad = tid("pad_token")
+    return Tokenizer(backend, eos, bos, eos if pad is None else pad, bool(tcfg.get("add_bos_token", False)))

@@ -1,0 +1,187 @@
+"""The step schedule (DESIGN.md): one optimizer step over all of its micro-batches, layer by layer.
+
+1. Forward, layer-major: for each layer, wait for its weights on the GPU, run every micro-batch through
+   it, keep each micro-batch's boundary activation, release the layer.
+2. Loss: final norm + LM head + cross-entropy, chunked over tokens, with its backward.
+3. Backward, layer-major, with recompute: for each layer from the last, recompute its forward from the
+   boundary activation per micro-batch and backpropagate; accumulate the layer's gradient (fp32) on the
+   GPU, hand it to the store and add its squared norm to the step's total.
+4. Clip by the exact global norm and start the store's optimizer, which updates the groups in forward
+   order while the next step's forward consumes them (forward of layer i waits only for update i).
+
+The loss of a step is the mean over all its unmasked label tokens (labels shifted by one), as the
+Hugging Face Trainer computes it. The executor computes on the store's GPU device (the CPU in tests).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tiermem.catalog import state_name
+from tiermem.prefetch import Prefetcher
+from trainer.model.config import ModelConfig
+from trainer.model.layers import decoder_layer, head_loss_backward, rope_tables, shift_labels
+from trainer.model.weights import EMBED, LM_HEAD, NORM, all_weights
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean over the step's trained tokens
+    grad_norm: float  # before clipping
+    tokens: int  # non-padding tokens
+    trained_tokens: int
+    seconds: float
+    wait_transfer: float  # the GPU stood idle waiting for weights to arrive
+    wait_optimizer: float  # ... waiting for the optimizer to finish a group's update
+
+    @property
+    def compute(self) -> float:
+        return max(self.seconds - self.wait_transfer - self.wait_optimizer, 0.0)
+
+
+class Executor:
+    def __init__(self, store, cfg: ModelConfig, dtype: torch.dtype, optimizer, max_grad_norm: float,
+                 loss_chunk_tokens: int):
+        self.store, self.cfg, self.dtype, self.optimizer = store, cfg, dtype, optimizer
+        self.device = store.gpu.device
+        self.max_grad_norm = max_grad_norm
+        self.loss_chunk = loss_chunk_tokens
+        self.prefetch = Prefetcher(store, health=optimizer.check)
+        self.local_names = {}
+        for w in all_weights(cfg):
+            self.local_names.setdefault(w.group, {})[w.name] = w.local
+        self._rope = None
+        self._waits = [0.0, 0.0]
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _rope_for(self, t: int):
+        if self._rope is None or self._rope[0].shape[0] < t:
+            self._rope = rope_tables(self.cfg, t, self.device, self.dtype)
+        return self._rope
+
+    def _drain(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _take(self, req) -> dict[str, torch.Tensor]:
+        view, on_opt, on_xfer = Prefetcher.take(req, self._drain)
+        self._waits[0] += on_xfer
+        self._waits[1] += on_opt
+        return view
+
+    def _weights(self, view) -> dict[str, torch.Tensor]:
+        names = self.local_names[view.group]
+        return {names[k]: t for k, t in view.tensors.items()}
+
+    def _hand_grads(self, group, grads: dict[str, torch.Tensor]) -> None:
+        self.store.store_group(group, "grad", {state_name(n, "grad"): g for n, g in grads.items()})
+
+    # -- one step --------------------------------------------------------------------------------
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor, int]], step: int, lr: float) -> StepResult:
+        """Run optimizer step ``step`` (0-based) over ``batches`` [(input_ids, labels, n_tokens)] at ``lr``."""
+        cfg, dev = self.cfg, self.device
+        t_start = time.perf_counter()
+        self._waits = [0.0, 0.0]
+        L, tied = cfg.num_layers, cfg.tie_word_embeddings
+        req = self.prefetch.request
+        r_embed = req("embed", "param", step)
+        r_fwd = [req(i, "param", step) for i in range(L)]
+        r_head = req("head", "param", step)
+        r_tied = req("embed", "param", step) if tied else None
+        r_bwd = [req(i, "param", step) for i in reversed(range(L))]
+
+        ids = [b[0].to(dev, non_blocking=True) for b in batches]
+        targets = [shift_labels(b[1]).to(dev, non_blocking=True) for b in batches]
+        trained = sum(int((shift_labels(b[1]) != -100).sum()) for b in batches)
+        tokens = sum(b[2] for b in batches)
+        rope = self._rope_for(max(x.shape[1] for x in ids))
+        scale = 1.0 / max(trained, 1)
+
+        # 1. forward, layer-major, keeping every micro-batch's boundary activations
+        with torch.no_grad():
+            view = self._take(r_embed)
+            acts = [[F.embedding(x, view.tensors[EMBED]) for x in ids]]
+            view.release()
+            for i in range(L):
+                view = self._take(r_fwd[i])
+                w = self._weights(view)
+                acts.append([decoder_layer(w, x, rope, cfg) for x in acts[i]])
+                view.release()
+
+        # 2. loss + its backward, chunked over tokens
+        view = self._take(r_head)
+        tied_view = self._take(r_tied) if tied else None
+        head_w = (tied_view or view).tensors[EMBED if tied else LM_HEAD]
+        loss = torch.zeros((), dtype=torch.float32, device=dev)
+        g_norm = g_head = None
+        grads_y = []
+        for mb, h in enumerate(acts[L]):
+            part, gh, gnw, ghw = head_loss_backward(h, targets[mb], view.tensors[NORM], head_w, cfg.rms_norm_eps,
+                                                    scale, self.loss_chunk)
+            loss += part
+            grads_y.append(gh)
+            g_norm = gnw if g_norm is None else g_norm.add_(gnw)
+            g_head = ghw if g_head is None else g_head.add_(ghw)
+        acts[L] = None
+        view.release()
+        if tied_view is not None:
+            tied_view.release()
+        sumsq = g_norm.pow(2).sum()
+        head_grads = {NORM: g_norm}
+        if not tied:
+            head_grads[LM_HEAD] = g_head
+            sumsq = sumsq + g_head.pow(2).sum()
+        self._hand_grads("head", head_grads)
+
+        # 3. backward, layer-major, with recompute
+        for n, i in enumerate(reversed(range(L))):
+            view = self._take(r_bwd[n])
+            w = self._weights(view)
+            acc: list[torch.Tensor] | None = None
+            for mb in range(len(ids)):
+                x = acts[i][mb].detach().requires_grad_()
+                leaves = {k: t.detach().requires_grad_() for k, t in w.items()}
+                with torch.enable_grad():
+                    y = decoder_layer(leaves, x, rope, cfg)
+                    outs = torch.autograd.grad(y, [x, *leaves.values()], grads_y[mb])
+                grads_y[mb] = outs[0]
+                acts[i][mb] = None
+                if acc is None:
+                    acc = [g.float() for g in outs[1:]]
+                else:
+                    for a, g in zip(acc, outs[1:]):
+                        a.add_(g)
+            view.release()
+            sumsq = sumsq + sum(a.pow(2).sum() for a in acc)
+            self._hand_grads(i, dict(zip(view.tensors.keys(), acc)))
+
+        # the embedding's gradient: every micro-batch's input gradient, plus the tied LM head's
+        hidden = cfg.hidden_size
+        g_embed = g_head if tied else torch.zeros((cfg.vocab_size, hidden), dtype=torch.float32, device=dev)
+        for x, gy in zip(ids, grads_y):
+            g_embed.index_add_(0, x.reshape(-1), gy.reshape(-1, hidden).float())
+        if cfg.pad_token_id is not None and 0 <= cfg.pad_token_id < cfg.vocab_size:
+            g_embed[cfg.pad_token_id] = 0
+        sumsq = sumsq + g_embed.pow(2).sum()
+        self._hand_grads("embed", {EMBED: g_embed})
+        del grads_y, acts
+
+        # 4. exact global-norm clipping, then the store's optimizer (overlaps the next forward)
+        norm = math.sqrt(float(sumsq))
+        loss_value = float(loss) * scale
+        grad_scale = None
+        if self.max_grad_norm > 0:
+            coef = self.max_grad_norm / (norm + 1e-6)
+            if coef < 1.0:
+                grad_scale = 1.0 / coef
+        self.optimizer.step(step + 1, lr, grad_scale)
+        seconds = time.perf_counter() - t_start
+        return StepResult(loss_value, norm, tokens, trained, seconds, self._waits[0], self._waits[1])
+
+    def close(self) -> None:
+        self.prefetch.close()

@@ -1,0 +1,170 @@
+"""A training run from a resolved config: check everything, open the store, load the model into it,
+train for the planned steps, export the model.
+
+Every check that can fail on user input (model directory, data, placement budgets) runs before anything
+is written to ``output_dir``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from tiermem.catalog import TensorSpec, state_name
+from tiermem.config import StoreConfig, load_store_config
+from tiermem.errors import ConfigError
+from tiermem.optim import AdamWConfig, StoreAdamW
+from tiermem.sizes import format_size
+from tiermem.store import Store
+from trainer.config import TrainConfig, read_yaml, resolved
+from trainer.data.batches import StepPlan, collate
+from trainer.data.prepare import prepare_rows
+from trainer.executor import Executor
+from trainer.model.config import load_model_config
+from trainer.model.hf_io import export_model, import_weights, init_weights, weight_files
+from trainer.model.weights import all_weights, group_order
+from trainer.report import Reporter, plot_loss
+from trainer.schedule import lr_factor, warmup_steps
+
+
+def store_config(value) -> StoreConfig:
+    """The tiermem config of a training run: a file path, an inline mapping, or the defaults.
+
+    Embedded runs default the DRAM arena to ``anonymous`` (private huge pages: nothing to share, nothing
+    left behind, fast to pin) and the GPU tier to the CPU when there is no CUDA.
+    """
+    data = read_yaml(value) if isinstance(value, str) else copy.deepcopy(value or {})
+    tiers = data.setdefault("tiers", {}) or {}
+    data["tiers"] = tiers
+    for key in ("dram", "gpu"):
+        if tiers.get(key) is None:
+            tiers[key] = {}
+    tiers["dram"].setdefault("path", "anonymous")
+    tiers["gpu"].setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
+    return load_store_config(data, str(value) if isinstance(value, str) else "tiermem")
+
+
+def state_specs(model_cfg, dtype: torch.dtype) -> list[TensorSpec]:
+    specs = []
+    for w in all_weights(model_cfg):
+        specs.append(TensorSpec(w.name, w.shape, dtype, "param", w.group))
+        kinds = (("master",) if dtype != torch.float32 else ()) + ("grad", "exp_avg", "exp_avg_sq")
+        for kind in kinds:
+            specs.append(TensorSpec(state_name(w.name, kind), w.shape, torch.float32, kind, w.group))
+    return specs
+
+
+def run(cfg: TrainConfig, console: Console | None = None) -> dict:
+    console = console or Console()
+    model_dir = Path(cfg.model_name_or_path)
+    mcfg = load_model_config(model_dir)
+    if mcfg.sliding_window is not None and cfg.cutoff_len > mcfg.sliding_window:
+        raise ConfigError(f"cutoff_len {cfg.cutoff_len} exceeds the model's sliding_window {mcfg.sliding_window}; "
+                          "sliding-window attention is not supported yet: lower cutoff_len")
+    out = Path(cfg.output_dir)
+    if out.is_file() or (out.is_dir() and any(out.iterdir()) and not cfg.overwrite_output_dir):
+        raise ConfigError(f"output_dir {out} already exists and is not empty; set overwrite_output_dir: true "
+                          "or choose another output_dir")
+    if cfg.tiermem_init == "pretrained":
+        weight_files(model_dir)
+    if cfg.plot_loss:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ConfigError("plot_loss: true needs matplotlib (pip install matplotlib)") from None
+    torch.manual_seed(cfg.seed)
+    rows = prepare_rows(cfg, mcfg, model_dir)
+    plan = StepPlan(len(rows), cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps, cfg.seed)
+    total = plan.total_steps(cfg.num_train_epochs, cfg.max_steps)
+    warmup = warmup_steps(total, cfg.warmup_steps, cfg.warmup_ratio)
+    scfg = store_config(cfg.tiermem)
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    n_params = mcfg.num_params()
+    console.print(f"[bold]tiermem-train[/]: {mcfg.family} {n_params / 1e6:,.1f}M params, {mcfg.num_layers} layers, "
+                  f"{'bf16' if cfg.bf16 else 'fp32'}; {len(rows)} rows ({rows.dropped} dropped) from "
+                  f"{', '.join(rows.sources)}; {total} steps of {cfg.per_device_train_batch_size}x"
+                  f"{cfg.gradient_accumulation_steps} rows (warmup {warmup})")
+
+    store = Store.open(scfg, state_specs(mcfg, dtype), streamed_kinds=("param",))
+    optimizer = executor = None
+    try:
+        _describe_store(store, console)
+        kinds = {"param": dtype, **({"master": torch.float32} if cfg.bf16 else {})}
+        with _bar(console) as bar:
+            what = "initialising" if cfg.tiermem_init == "random" else "loading"
+            task = bar.add_task(f"{what} weights", total=n_params)
+            adv = lambda n: bar.advance(task, n)
+            if cfg.tiermem_init == "random":
+                init_weights(store, mcfg, kinds, cfg.seed, store.gpu.device, adv)
+            else:
+                import_weights(store, mcfg, model_dir, kinds, adv)
+
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "training_args.yaml").write_text(yaml.safe_dump(resolved(cfg, scfg), sort_keys=False))
+        decay = {w.name: w.decay for w in all_weights(mcfg)}
+        optimizer = StoreAdamW(store, group_order(mcfg), decay,
+                               AdamWConfig(cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.weight_decay),
+                               has_master=cfg.bf16)
+        executor = Executor(store, mcfg, dtype, optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens)
+        report = Reporter(out, total, n_params, console.print)
+        t0 = time.perf_counter()
+        rows_seen = 0
+        with _bar(console) as bar:
+            task = bar.add_task("training", total=total)
+            for step in range(total):
+                batches = []
+                for idx in plan.rows_of_step(step):
+                    batches.append(collate([rows.input_ids[i] for i in idx], [rows.labels[i] for i in idx],
+                                           _pad_id(mcfg)))
+                    rows_seen += len(idx)
+                lr = cfg.learning_rate * lr_factor(cfg.lr_scheduler_type, step, total, warmup)
+                result = executor.step(batches, step, lr)
+                report.step(step + 1, result, lr, plan.epoch_of(step + 1), time.perf_counter() - t0,
+                            step + 1 == total, cfg.logging_steps)
+                bar.advance(task)
+            optimizer.wait()
+        runtime = time.perf_counter() - t0
+        with _bar(console) as bar:
+            task = bar.add_task("exporting", total=n_params)
+            export_model(store, mcfg, out, "master" if cfg.bf16 else "param", dtype, model_dir,
+                         lambda n: bar.advance(task, n))
+        results = report.results(plan.epoch_of(total), runtime, total, rows_seen)
+        if cfg.plot_loss:
+            plot_loss(out, report.losses)
+        (out / "store_stats.json").write_text(json.dumps(store.stats(), indent=1, default=str) + "\n")
+        console.print(f"done: {total} steps in {runtime:.1f}s, train_loss {results['train_loss']:.4f}; "
+                      f"model saved to {out}")
+        return results
+    finally:
+        if executor is not None:
+            executor.close()
+        if optimizer is not None:
+            optimizer.close()
+        store.close()
+
+
+def _pad_id(mcfg) -> int:
+    return mcfg.pad_token_id if mcfg.pad_token_id is not None else 0
+
+
+def _describe_store(store: Store, console: Console) -> None:
+    by = store.plan.bytes_by_kind()
+    parts = []
+    for tier in ("gpu", "dram", "nvme"):
+        kinds = by.get(tier) or {}
+        if kinds:
+            parts.append(f"{tier}: " + ", ".join(f"{k} {format_size(v)}" for k, v in kinds.items()))
+    console.print("store: " + "; ".join(parts) + f"; {store.plan.n_slots} GPU slots of "
+                  f"{format_size(store.plan.slot_bytes)}")
+
+
+def _bar(console: Console) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                    console=console, transient=True)

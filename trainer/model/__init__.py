@@ -1,0 +1,1 @@
+"""The Llama family as a stateless layer template, and Hugging Face import/export."""

@@ -1,0 +1,177 @@
+"""Hugging Face model directories in and out of the store, one tensor at a time.
+
+Import reads ``model.safetensors`` or the shards named by ``model.safetensors.index.json`` tensor by
+tensor (memory-mapped) and writes each into the store as its compute copy and, in bf16 mode, its fp32
+master. Export streams each tensor out of the store into sharded safetensors files written by a small
+streaming writer (header first, then each tensor's bytes), plus ``model.safetensors.index.json``,
+config.json and the tokenizer files, so ``AutoModelForCausalLM.from_pretrained(output_dir)`` loads it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import torch
+
+from tiermem.catalog import state_name
+from tiermem.errors import ConfigError
+from trainer.model.config import ModelConfig
+from trainer.model.weights import LM_HEAD, Weight, all_weights, init_weight
+
+SHARD_BYTES = 5 * 10**9
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def weight_files(model_dir: str | Path) -> list[Path]:
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ConfigError(f"{index}: not a valid safetensors index ({e})") from None
+        missing = [s for s in shards if not (d / s).is_file()]
+        if missing:
+            raise ConfigError(f"{d}: shard {missing[0]} named in the index is missing")
+        return [d / s for s in shards]
+    if (d / "model.safetensors").is_file():
+        return [d / "model.safetensors"]
+    if any(d.glob("*.bin")) or any(d.glob("*.pth")):
+        raise ConfigError(f"{d}: only safetensors weights are supported; convert the .bin/.pth weights first")
+    raise ConfigError(f"{d}: no model.safetensors or model.safetensors.index.json (use tiermem_init: random "
+                      "to start from config.json alone)")
+
+
+def _write_all(store, w: Weight, t: torch.Tensor, kinds: dict[str, torch.dtype]) -> list:
+    return [store.write(state_name(w.name, kind), t.to(dtype)) for kind, dtype in kinds.items()]
+
+
+def import_weights(store, cfg: ModelConfig, model_dir: str | Path, kinds: dict[str, torch.dtype],
+                   progress=None) -> None:
+    """Load every weight of ``model_dir`` into the store as each kind in ``kinds`` (kind -> dtype)."""
+    from safetensors import safe_open
+
+    wanted = {w.name: w for w in all_weights(cfg)}
+    seen = set()
+    for path in weight_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                w = wanted.get(key)
+                if w is None:
+                    if key.endswith("rotary_emb.inv_freq") or (key == LM_HEAD and cfg.tie_word_embeddings):
+                        continue
+                    raise ConfigError(f"{path}: unexpected tensor {key} (does config.json match the weights?)")
+                t = f.get_tensor(key)
+                if tuple(t.shape) != w.shape:
+                    raise ConfigError(f"{path}: {key} has shape {list(t.shape)}, config.json implies {list(w.shape)}")
+                for fut in _write_all(store, w, t, kinds):
+                    fut.result()
+                seen.add(key)
+                if progress:
+                    progress(t.numel())
+    missing = [n for n in wanted if n not in seen]
+    if missing:
+        raise ConfigError(f"{model_dir}: weights lack {missing[0]}" + (f" and {len(missing) - 1} more"
+                                                                         if len(missing) > 1 else ""))
+
+
+def init_weights(store, cfg: ModelConfig, kinds: dict[str, torch.dtype], seed: int, device: torch.device,
+                 progress=None) -> None:
+    """Random initialisation from config.json alone (``tiermem_init: random``)."""
+    gen = torch.Generator(device).manual_seed(seed)
+    for w in all_weights(cfg):
+        t = init_weight(w, cfg, gen, device)
+        for fut in _write_all(store, w, t, kinds):
+            fut.result()
+        if progress:
+            progress(t.numel())
+
+
+class _ShardWriter:
+    """Writes one safetensors file: the header (all names, dtypes, shapes, offsets), then the bytes in order."""
+
+    def __init__(self, path: Path, items: list[tuple[str, tuple[int, ...], torch.dtype]]):
+        header, off = {}, 0
+        for name, shape, dtype in items:
+            n = dtype.itemsize
+            for s in shape:
+                n *= s
+            header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
+            off += n
+        header["__metadata__"] = {"format": "pt"}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.path, self.tmp = path, path.with_name(path.name + ".tmp")
+        self.f = self.tmp.open("wb")
+        self.f.write(struct.pack("<Q", len(raw)) + raw)
+        self.size = off
+
+    def write(self, t: torch.Tensor) -> None:
+        self.f.write(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+
+    def close(self) -> None:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        os.replace(self.tmp, self.path)
+
+
+def export_model(store, cfg: ModelConfig, out_dir: str | Path, source_kind: str, dtype: torch.dtype,
+                 model_dir: str | Path, progress=None) -> list[Path]:
+    """Write the model in Hugging Face format to ``out_dir``, reading ``source_kind`` (param or master)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = all_weights(cfg)
+    shards, cur, size = [], [], 0
+    for w in weights:
+        n = dtype.itemsize
+        for s in w.shape:
+            n *= s
+        if cur and size + n > SHARD_BYTES:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(w)
+        size += n
+    shards.append(cur)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    for stale in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
+        if stale.name not in names:
+            stale.unlink()
+    weight_map, total = {}, 0
+    for name, shard in zip(names, shards):
+        writer = _ShardWriter(out / name, [(w.name, w.shape, dtype) for w in shard])
+        for w in shard:
+            t = store.read(state_name(w.name, source_kind)).result()
+            writer.write(t.to(dtype))
+            weight_map[w.name] = name
+            if progress:
+                progress(t.numel())
+        writer.close()
+        total += writer.size
+    if len(shards) > 1:
+        _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+    config = dict(cfg.raw)
+    dname = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    config["torch_dtype"] = dname
+    if "dtype" in config:
+        config["dtype"] = dname
+    _write_json(out / "config.json", config)
+    src = Path(model_dir)
+    for fname in TOKENIZER_FILES:
+        if (src / fname).is_file() and src.resolve() != out.resolve():
+            shutil.copyfile(src / fname, out / fname)
+    return [out / n for n in names]
+
+
+def _write_json(path: Path, data) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)

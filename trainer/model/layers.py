@@ -1,0 +1,99 @@
+"""The Llama-family computation as plain functions of the weights they are handed.
+
+Nothing here owns a parameter: ``decoder_layer(w, x, rope, cfg)`` computes one decoder layer with the
+tensors in ``w`` (names relative to the layer, e.g. "self_attn.q_proj.weight"), which may be views into
+a streaming slot. Llama 2/3 and Mistral, Qwen2 (q/k/v biases) and Qwen3 (q/k RMSNorm) differ only in
+which tensors ``w`` holds. Attention is SDPA, causal, with grouped KV heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from trainer.model.config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def rope_tables(cfg: ModelConfig, seq_len: int, device: torch.device, dtype: torch.dtype):
+    """cos and sin of shape [seq_len, head_dim] for positions 0..seq_len-1."""
+    inv = cfg.inv_freq().to(device)
+    pos = torch.arange(seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(pos, inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+def _linear(x, w, name):
+    return F.linear(x, w[name + ".weight"], w.get(name + ".bias"))
+
+
+def decoder_layer(w: dict[str, torch.Tensor], x: torch.Tensor, rope, cfg: ModelConfig) -> torch.Tensor:
+    """One decoder layer: x [B, T, H] -> [B, T, H]."""
+    b, t, _ = x.shape
+    cos, sin = rope[0][:t], rope[1][:t]
+    h = rms_norm(x, w["input_layernorm.weight"], cfg.rms_norm_eps)
+    q = _linear(h, w, "self_attn.q_proj").view(b, t, cfg.num_heads, cfg.head_dim)
+    k = _linear(h, w, "self_attn.k_proj").view(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = _linear(h, w, "self_attn.v_proj").view(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, w["self_attn.q_norm.weight"], cfg.rms_norm_eps)
+        k = rms_norm(k, w["self_attn.k_norm.weight"], cfg.rms_norm_eps)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    gqa = cfg.num_heads != cfg.num_kv_heads
+    a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    a = a.transpose(1, 2).reshape(b, t, cfg.q_size)
+    x = x + _linear(a, w, "self_attn.o_proj")
+    h = rms_norm(x, w["post_attention_layernorm.weight"], cfg.rms_norm_eps)
+    m = F.silu(_linear(h, w, "mlp.gate_proj")) * _linear(h, w, "mlp.up_proj")
+    return x + _linear(m, w, "mlp.down_proj")
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Targets for each position: the next token's label (-100 after the last)."""
+    return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+
+
+def head_loss_backward(h: torch.Tensor, targets: torch.Tensor, norm_w: torch.Tensor, head_w: torch.Tensor,
+                       eps: float, scale: float, chunk_tokens: int):
+    """Final norm + LM head + summed cross-entropy over ``targets`` (-100 ignored), and its backward for
+    a loss of ``sum * scale``, chunked over tokens so no [tokens, vocab] logits tensor exists.
+
+    Returns (loss_sum, grad_h, grad_norm_w fp32, grad_head_w fp32).
+    """
+    hidden = h.shape[-1]
+    x = h.detach().requires_grad_()
+    nw = norm_w.detach().requires_grad_()
+    hw = head_w.detach().requires_grad_()
+    with torch.enable_grad():
+        normed = rms_norm(x, nw, eps)
+    flat = normed.detach().reshape(-1, hidden)
+    tgt = targets.reshape(-1)
+    grad_flat = torch.empty_like(flat)
+    grad_hw = torch.zeros(head_w.shape, dtype=torch.float32, device=head_w.device)
+    loss = torch.zeros((), dtype=torch.float32, device=h.device)
+    for s in range(0, flat.shape[0], chunk_tokens):
+        xc = flat[s: s + chunk_tokens].requires_grad_()
+        with torch.enable_grad():
+            logits = F.linear(xc, hw).float()
+            part = F.cross_entropy(logits, tgt[s: s + chunk_tokens], ignore_index=-100, reduction="sum")
+            gx, gw = torch.autograd.grad(part * scale, [xc, hw])
+        grad_flat[s: s + chunk_tokens] = gx
+        grad_hw += gw
+        loss += part.detach()
+    with torch.enable_grad():
+        gh, gnw = torch.autograd.grad(normed, [x, nw], grad_flat.view_as(normed))
+    return loss, gh, gnw.float(), grad_hw

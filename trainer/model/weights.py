@@ -1,0 +1,83 @@
+"""The model's tensors by Hugging Face name, grouped the way the store streams them.
+
+Groups are "embed" (the token embedding), 0..L-1 (one per decoder layer) and "head" (the final norm
+and, unless tied to the embedding, the LM head). Inside a layer the template uses names relative to
+the layer ("self_attn.q_proj.weight"); the store and checkpoints use full names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from trainer.model.config import ModelConfig
+
+EMBED = "model.embed_tokens.weight"
+NORM = "model.norm.weight"
+LM_HEAD = "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class Weight:
+    name: str  # the Hugging Face name
+    shape: tuple[int, ...]
+    group: int | str
+    decay: bool  # weight decay applies (not to biases or normalisation weights)
+
+    @property
+    def local(self) -> str:
+        """The name inside its layer (for decoder layers), else the full name."""
+        if isinstance(self.group, int):
+            return self.name.split(".", 3)[3]
+        return self.name
+
+
+def layer_weights(cfg: ModelConfig, i: int) -> list[Weight]:
+    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    p = f"model.layers.{i}."
+    out = [Weight(p + "input_layernorm.weight", (h,), i, False)]
+    for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+        out.append(Weight(p + f"self_attn.{proj}.weight", (rows, h), i, True))
+        if cfg.attention_bias:
+            out.append(Weight(p + f"self_attn.{proj}.bias", (rows,), i, False))
+    out.append(Weight(p + "self_attn.o_proj.weight", (h, q), i, True))
+    if cfg.o_bias:
+        out.append(Weight(p + "self_attn.o_proj.bias", (h,), i, False))
+    if cfg.qk_norm:
+        out.append(Weight(p + "self_attn.q_norm.weight", (cfg.head_dim,), i, False))
+        out.append(Weight(p + "self_attn.k_norm.weight", (cfg.head_dim,), i, False))
+    out.append(Weight(p + "post_attention_layernorm.weight", (h,), i, False))
+    for proj, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+        out.append(Weight(p + f"mlp.{proj}.weight", shape, i, True))
+        if cfg.mlp_bias:
+            out.append(Weight(p + f"mlp.{proj}.bias", (shape[0],), i, False))
+    return out
+
+
+def all_weights(cfg: ModelConfig) -> list[Weight]:
+    """Every tensor, in forward order: embedding, layers, final norm, LM head."""
+    out = [Weight(EMBED, (cfg.vocab_size, cfg.hidden_size), "embed", True)]
+    for i in range(cfg.num_layers):
+        out += layer_weights(cfg, i)
+    out.append(Weight(NORM, (cfg.hidden_size,), "head", False))
+    if not cfg.tie_word_embeddings:
+        out.append(Weight(LM_HEAD, (cfg.vocab_size, cfg.hidden_size), "head", True))
+    return out
+
+
+def group_order(cfg: ModelConfig) -> list[int | str]:
+    """Groups in forward order: the order the optimizer updates them and the next forward needs them."""
+    return ["embed", *range(cfg.num_layers), "head"]
+
+
+def init_weight(w: Weight, cfg: ModelConfig, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """A freshly initialised fp32 tensor, as Hugging Face initialises these models (normal(0, std) for
+    matrices and embeddings, ones for norms, zeros for biases)."""
+    if w.name.endswith("norm.weight"):
+        return torch.ones(w.shape, device=device)
+    if w.name.endswith(".bias"):
+        return torch.zeros(w.shape, device=device)
+    t = torch.empty(w.shape, device=device)
+    t.normal_(0.0, cfg.initializer_range, generator=gen)
+    return t

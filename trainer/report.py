@@ -1,0 +1,96 @@
+"""What a run shows and leaves behind: the dense per-step line, ``trainer_log.jsonl`` (LLaMA-Factory's
+fields), ``train_results.json`` and the loss plot ``training_loss.png``."""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import timedelta
+from pathlib import Path
+
+
+def _hms(seconds: float) -> str:
+    return str(timedelta(seconds=int(seconds)))
+
+
+class Reporter:
+    def __init__(self, out_dir: Path, total_steps: int, n_params: int, print_fn):
+        self.out_dir, self.total, self.n_params, self.print = out_dir, total_steps, n_params, print_fn
+        self.log_path = out_dir / "trainer_log.jsonl"
+        self.log_path.write_text("")
+        self.window: list = []
+        self.losses: list[tuple[int, float]] = []
+        self.all_losses: list[float] = []
+        self.total_tokens = 0
+        self.train_seconds = 0.0
+
+    def step(self, step: int, result, lr: float, epoch: float, elapsed: float, force: bool, every: int) -> None:
+        self.window.append(result)
+        self.total_tokens += result.tokens
+        self.train_seconds += result.seconds
+        self.all_losses.append(result.loss)
+        if not force and step % every:
+            return
+        w, self.window = self.window, []
+        secs = sum(r.seconds for r in w)
+        toks = sum(r.tokens for r in w)
+        loss = sum(r.loss for r in w) / len(w)
+        tps = toks / secs if secs else 0.0
+        tflops = 6 * self.n_params * tps / 1e12
+        remaining = elapsed / step * (self.total - step)
+        compute, xfer, opt = (sum(getattr(r, k) for r in w) / len(w)
+                              for k in ("compute", "wait_transfer", "wait_optimizer"))
+        self.losses.append((step, loss))
+        self.print(f"step {step}/{self.total} | loss {loss:.4f} | grad_norm {w[-1].grad_norm:.3f} | lr {lr:.3e} | "
+                   f"{tps:,.0f} tok/s | {tflops:.1f} TFLOP/s | step {secs / len(w):.3f}s = compute {compute:.3f} + "
+                   f"wait transfer {xfer:.3f} + wait optimizer {opt:.3f} | ETA {_hms(remaining)}")
+        record = {"current_steps": step, "total_steps": self.total, "loss": round(loss, 6),
+                  "grad_norm": round(w[-1].grad_norm, 6), "lr": lr, "epoch": round(epoch, 4),
+                  "percentage": round(step / self.total * 100, 2), "elapsed_time": _hms(elapsed),
+                  "remaining_time": _hms(remaining), "throughput": round(tps, 2), "total_tokens": self.total_tokens,
+                  "tflops": round(tflops, 3), "step_seconds": round(secs / len(w), 4),
+                  "compute_seconds": round(compute, 4), "wait_transfer_seconds": round(xfer, 4),
+                  "wait_optimizer_seconds": round(opt, 4)}
+        with self.log_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def results(self, epoch: float, runtime: float, steps: int, rows_seen: int) -> dict:
+        res = {"epoch": round(epoch, 4), "train_loss": sum(self.all_losses) / max(len(self.all_losses), 1),
+               "train_runtime": round(runtime, 4), "train_samples_per_second": round(rows_seen / runtime, 3),
+               "train_steps_per_second": round(steps / runtime, 3),
+               "train_tokens_per_second": round(self.total_tokens / max(self.train_seconds, 1e-9), 2)}
+        (self.out_dir / "train_results.json").write_text(json.dumps(res, indent=2) + "\n")
+        return res
+
+
+def smooth(values: list[float]) -> list[float]:
+    """An exponential moving average whose weight grows with the curve's length (as TensorBoard's)."""
+    if not values:
+        return []
+    weight = 1.8 * (1 / (1 + math.exp(-0.05 * len(values))) - 0.5)
+    out, last = [], values[0]
+    for v in values:
+        last = last * weight + (1 - weight) * v
+        out.append(last)
+    return out
+
+
+def plot_loss(out_dir: Path, losses: list[tuple[int, float]]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [s for s, _ in losses]
+    values = [v for _, v in losses]
+    fig = plt.figure()
+    plt.plot(steps, values, color="#1f77b4", alpha=0.4, label="original")
+    plt.plot(steps, smooth(values), color="#1f77b4", label="smoothed")
+    plt.title(f"training loss of {out_dir}")
+    plt.xlabel("step")
+    plt.ylabel("loss")
+    plt.legend()
+    path = out_dir / "training_loss.png"
+    plt.savefig(path, format="png", dpi=100)
+    plt.close(fig)
+    return path
