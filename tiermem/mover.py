@@ -27,6 +27,14 @@ from tiermem.tiers.nvme import NvmeTier
 LINKS = ("dram->gpu", "gpu->dram", "nvme->dram", "dram->nvme", "nvme->gpu", "gpu->nvme", "dram->dram", "gpu->gpu")
 
 
+def host_sync(stream) -> None:
+    """Wait for ``stream``'s work with the calling thread asleep, not spinning on a core (which the CPU
+    optimizer's threads need)."""
+    ev = torch.cuda.Event(blocking=True)
+    ev.record(stream)
+    ev.synchronize()
+
+
 @dataclass(frozen=True)
 class Location:
     tier: str
@@ -60,7 +68,7 @@ class _StreamLane:
                 if wait_event is not None:
                     self.stream.wait_event(wait_event)
                 dst.copy_(src, non_blocking=True)
-                ev = torch.cuda.Event()
+                ev = torch.cuda.Event(blocking=True)  # waiters sleep: spinning threads starve CPU AdamW
                 ev.record(self.stream)
             self._queue.put((ev, fut, nbytes, dst, src, time.perf_counter()))
         return fut
@@ -162,7 +170,7 @@ class Mover:
                 link.start()
                 d.copy_(s)
                 if d.is_cuda:
-                    torch.cuda.current_stream(d.device).synchronize()
+                    host_sync(torch.cuda.current_stream(d.device))
                 link.finish(n)
                 return n
 

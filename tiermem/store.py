@@ -41,7 +41,7 @@ class GroupView:
 
     group: Group
     kind: str
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor] = field(repr=False)  # may alias memory gone after release
     _release: object = field(default=None, repr=False)
 
     def release(self, write_back: bool = False) -> cf.Future:
@@ -340,7 +340,7 @@ def _event_now(*tensors: torch.Tensor):
     """A CUDA event on the current stream when any tensor is on the GPU, so copies wait for its producer."""
     for t in tensors:
         if t.is_cuda:
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event(blocking=True)
             ev.record(torch.cuda.current_stream(t.device))
             return ev
     return None

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from tiermem.catalog import state_name
+from tiermem.mover import host_sync
 from tiermem.prefetch import Prefetcher
 from trainer.model.config import ModelConfig
 from trainer.model.layers import decoder_layer, head_loss_backward, rope_tables, shift_labels
@@ -66,7 +67,7 @@ class Executor:
 
     def _drain(self) -> None:
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            host_sync(torch.cuda.current_stream(self.device))
 
     def _take(self, req) -> dict[str, torch.Tensor]:
         view, on_opt, on_xfer = Prefetcher.take(req, self._drain)
@@ -172,6 +173,7 @@ class Executor:
         del grads_y, acts
 
         # 4. exact global-norm clipping, then the store's optimizer (overlaps the next forward)
+        self._drain()
         norm = math.sqrt(float(sumsq))
         loss_value = float(loss) * scale
         grad_scale = None

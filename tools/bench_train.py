@@ -1,0 +1,184 @@
+"""Benchmark: streamed training (tiermem, every piece of state in DRAM) against plain PyTorch on the GPU.
+
+    python tools/bench_train.py [--batch 4] [--accum 1] [--seq 4096] [--steps 5] [--layers 28] [--json FILE]
+
+Both train a random-init Llama-3B shape (hidden 3072, 28 layers, intermediate 8192, 24 heads, 8 KV heads,
+vocab 128256, untied: 3.6 B params) in bf16 on random tokens, in the same process:
+
+- plain PyTorch: the model in HBM with fp32 weights, bf16 autocast, activation checkpointing
+  (transformers' gradient checkpointing), fused AdamW on the GPU; ``accum`` micro-batches of ``batch``
+  rows a step;
+- tiermem: the trainer's executor over a store whose placement puts param, grad, master and both
+  moments in the DRAM arena; the same micro-batches a step; CPU AdamW in the store.
+
+Prints step time, tokens/s, TFLOP/s (6 N tokens), peak HBM and tiermem's step split (compute / GPU
+waiting on transfers / GPU waiting on the optimizer), and the ratio tiermem / plain. The first
+``--warmup`` steps of each are not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SHAPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 3072,
+         "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8,
+         "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+         "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 8192},
+         "tie_word_embeddings": False, "hidden_act": "silu", "initializer_range": 0.02}
+
+
+def batches(args, vocab: int, step: int):
+    g = torch.Generator().manual_seed(step)
+    out = []
+    for _ in range(args.accum):
+        ids = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
+        out.append((ids.pin_memory(), ids.clone().pin_memory(), ids.numel()))
+    return out
+
+
+def run_plain(args, raw: dict) -> dict:
+    import transformers as T
+
+    cfg = T.LlamaConfig(**{k: v for k, v in raw.items() if k != "architectures"})
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = T.LlamaForCausalLM(cfg).float()
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for step in range(args.warmup + args.steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for ids, labels, _ in batches(args, raw["vocab_size"], step):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=ids.cuda(non_blocking=True), labels=labels.cuda(non_blocking=True)).loss
+            (loss / args.accum).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated()
+    del model, opt
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"step_s": statistics.median(times), "times": times, "peak_hbm_gib": peak / 2**30}
+
+
+def run_tiermem(args, raw: dict, model_dir: Path) -> dict:
+    from tiermem.optim import AdamWConfig, StoreAdamW
+    from tiermem.store import Store
+    from trainer.executor import Executor
+    from trainer.loop import state_specs, store_config
+    from trainer.model.config import load_model_config
+    from trainer.model.hf_io import init_weights
+    from trainer.model.weights import all_weights, group_order
+
+    mcfg = load_model_config(model_dir)
+    scfg = store_config({"placement": {k: "dram" for k in ("param", "grad", "master", "exp_avg", "exp_avg_sq")},
+                         "tiers": {"gpu": {"slots": args.slots}}})
+    t0 = time.perf_counter()
+    store = Store.open(scfg, state_specs(mcfg, torch.bfloat16), streamed_kinds=("param",))
+    t_open = time.perf_counter() - t0
+    init_weights(store, mcfg, {"param": torch.bfloat16, "master": torch.float32}, 0, torch.device("cuda"))
+    t_init = time.perf_counter() - t0 - t_open
+    opt = StoreAdamW(store, group_order(mcfg), {w.name: w.decay for w in all_weights(mcfg)}, AdamWConfig(),
+                     has_master=True)
+    ex = Executor(store, mcfg, torch.bfloat16, opt, 1.0, args.loss_chunk)
+    torch.cuda.reset_peak_memory_stats()
+    starts, results, opt_s = [], [], []
+    total = args.warmup + args.steps
+    for step in range(total):
+        starts.append(time.perf_counter())
+        results.append(ex.step(batches(args, raw["vocab_size"], step), step, 1e-5))
+        if step > 0:
+            opt_s.append(opt.last_step_seconds)
+    opt.wait()  # the last update belongs to the last timed step
+    starts.append(time.perf_counter())
+    times = [starts[i + 1] - starts[i] for i in range(args.warmup, total)]
+    splits = results[args.warmup:]
+    peak = torch.cuda.max_memory_allocated()
+    stats = store.stats()
+    ex.close()
+    opt.close()
+    store.close()
+    n = len(splits)
+    return {"step_s": statistics.median(times), "times": times, "peak_hbm_gib": peak / 2**30,
+            "compute_s": sum(s.compute for s in splits) / n,
+            "wait_transfer_s": sum(s.wait_transfer for s in splits) / n,
+            "wait_optimizer_s": sum(s.wait_optimizer for s in splits) / n,
+            "optimizer_busy_s": statistics.median(opt_s or [opt.last_step_seconds]),
+            "optimizer_split": opt.last_split, "optimizer_threads": opt.threads,
+            "store_open_s": t_open, "init_s": t_init, "links": stats.get("links")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--accum", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--slots", type=int, default=3)
+    ap.add_argument("--loss-chunk", type=int, default=4096)
+    ap.add_argument("--only", choices=["plain", "tiermem"])
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_train needs a CUDA GPU")
+    raw = dict(SHAPE, num_hidden_layers=args.layers)
+    d = Path(tempfile.mkdtemp(prefix="tiermem-bench-"))
+    (d / "config.json").write_text(json.dumps(raw))
+    from trainer.model.config import model_config_from_dict
+
+    n_params = model_config_from_dict(raw).num_params()
+    tokens = args.batch * args.accum * args.seq
+    res = {"tokens_per_step": tokens, "params": n_params}
+    if args.only != "tiermem":
+        res["plain"] = run_plain(args, raw)
+    if args.only != "plain":
+        res["tiermem"] = run_tiermem(args, raw, d)
+    for k in ("plain", "tiermem"):
+        if k in res:
+            r = res[k]
+            r["tokens_per_s"] = tokens / r["step_s"]
+            r["tflops"] = 6 * n_params * tokens / r["step_s"] / 1e12
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+    print(f"Llama-3B shape ({n_params / 1e9:.2f} B params, {args.layers} layers), bf16, "
+          f"{args.accum}x{args.batch}x{args.seq} = {tokens} tokens/step")
+    print(f"{'':10} {'s/step':>8} {'tok/s':>9} {'TFLOP/s':>8} {'peak HBM':>9}  split")
+    for k in ("plain", "tiermem"):
+        if k not in res:
+            continue
+        r = res[k]
+        split = ""
+        if k == "tiermem":
+            split = (f"compute {r['compute_s']:.3f} + wait transfer {r['wait_transfer_s']:.3f} + wait optimizer "
+                     f"{r['wait_optimizer_s']:.3f} (optimizer busy {r['optimizer_busy_s']:.3f} s: "
+                     + ", ".join(f"{a} {b:.3f}" for a, b in r["optimizer_split"].items())
+                     + f"; {r['optimizer_threads']} threads)")
+        print(f"{k:10} {r['step_s']:8.3f} {r['tokens_per_s']:9.0f} {r['tflops']:8.1f} "
+              f"{r['peak_hbm_gib']:8.1f}G  {split}")
+    if "plain" in res and "tiermem" in res:
+        t = res["tiermem"]
+        print(f"ratio tiermem/plain tokens/s: {t['tokens_per_s'] / res['plain']['tokens_per_s']:.3f}; "
+              f"GPU waiting on PCIe: {t['wait_transfer_s'] / t['step_s'] * 100:.1f}% of the step")
+
+
+if __name__ == "__main__":
+    main()
