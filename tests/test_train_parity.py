@@ -90,15 +90,17 @@ def assert_same_weights(out_dir, ref: dict[str, torch.Tensor], tied: bool) -> No
         assert err <= tol, f"{n}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
-def test_fp32_training_matches_plain_pytorch(tmp_path, family):
+@pytest.mark.parametrize("family,gpu_share", [("llama", 0.0), ("mistral", 0.0), ("qwen2", 0.0), ("qwen3", 0.0),
+                                              ("llama", 0.5)])
+def test_fp32_training_matches_plain_pytorch(tmp_path, family, gpu_share):
     model_dir = save_tiny_model(family, tmp_path / "model")
     data_dir = tmp_path / "data"
     name = write_tokenized_dataset(data_dir)
     norms: list[float] = []
     ref = reference_training(model_dir, data_dir, name, norms)
     assert max(norms) > HP["max_grad_norm"], "the test must make clipping trigger"
-    assert run_cli(tmp_path, model_dir, data_dir, name, nvme_moments(tmp_path)) == 0
+    tiermem = dict(nvme_moments(tmp_path), optimizer={"gpu_share": gpu_share})
+    assert run_cli(tmp_path, model_dir, data_dir, name, tiermem) == 0
     out = tmp_path / "out"
     assert_same_weights(out, ref, tied=family == "qwen3")
     log = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
@@ -106,13 +108,16 @@ def test_fp32_training_matches_plain_pytorch(tmp_path, family):
     assert [r["grad_norm"] for r in log] == pytest.approx(norms, rel=1e-5)
 
 
-def test_auto_placement_with_resident_shared_groups_matches(tmp_path):
-    """Embeddings and head resident on the (CPU stand-in) GPU tier, layers streamed from DRAM."""
+@pytest.mark.parametrize("gpu_share", [0.0, 0.5, 1.0])
+def test_auto_placement_with_resident_shared_groups_matches(tmp_path, gpu_share):
+    """Embeddings and head resident on the (CPU stand-in) GPU tier, layers streamed from DRAM; a share of
+    the layers updated by the optimizer's GPU worker (state streamed to the "GPU" and back)."""
     model_dir = save_tiny_model("llama", tmp_path / "model")
     data_dir = tmp_path / "data"
     name = write_tokenized_dataset(data_dir)
     ref = reference_training(model_dir, data_dir, name, [])
-    tiermem = {"tiers": {"gpu": {"device": "cpu", "slots": 2}, "dram": {"budget": "64MiB"}}, "placement": "auto"}
+    tiermem = {"tiers": {"gpu": {"device": "cpu", "slots": 2}, "dram": {"budget": "64MiB"}}, "placement": "auto",
+               "optimizer": {"gpu_share": gpu_share}}
     assert run_cli(tmp_path, model_dir, data_dir, name, tiermem) == 0
     stats = json.loads((tmp_path / "out" / "store_stats.json").read_text())
     assert stats  # the run left its store's final snapshot

@@ -89,11 +89,33 @@ def _placement(value: Any, where: str) -> str | dict[str, str]:
     return out
 
 
+def _share(value: Any, where: str) -> float | None:
+    if value == "auto":
+        return None
+    try:
+        share = float(value)
+    except (TypeError, ValueError):
+        share = -1.0
+    if not 0.0 <= share <= 1.0:
+        raise ConfigError(f"{where}: expected 'auto' or a fraction between 0 and 1, got {value!r}")
+    return share
+
+
+@dataclass
+class OptimizerConfig:
+    """Where the optimizer step runs for groups whose state lives in DRAM or on NVMe."""
+
+    # fraction of those groups updated on the GPU (state streamed over PCIe and back) instead of by CPU
+    # AdamW; both run at once. auto: 0.5 with a CUDA GPU tier, else 0.
+    gpu_share: float | None = field(default=None, metadata={"convert": _share})
+
+
 @dataclass
 class StoreConfig:
     """The whole tiermem config."""
 
     tiers: TiersConfig = field(default_factory=TiersConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     placement: str | dict[str, str] = field(default="auto", metadata={"convert": _placement})
     name: str | None = None  # names the arena and NVMe files; default tiermem-<pid>
 

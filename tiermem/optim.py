@@ -1,26 +1,29 @@
-"""AdamW over store-resident groups, run where the state lives.
+"""AdamW over store-resident groups, run where it is cheapest.
 
-The optimizer updates one group at a time, in the order it is given (the order the next forward needs
-the groups), on one worker thread: torch's fused AdamW on CPU tensors (all cores) for groups whose
-state lives in DRAM or on NVMe, on GPU tensors for groups resident in HBM. NVMe-resident state is staged
-into the arena one group ahead and written back after. When a group has fp32 ``master`` weights the
-update writes the new compute copy (``param``, e.g. bf16) from them; without ``master`` the ``param``
-tensors are updated in place. Each finished group's version is bumped to the step number, which is
-what the next forward waits for.
+The optimizer updates the groups in the order it is given (the order the next forward needs them) and
+bumps each group's version to the step number when its new compute copy is home; the next forward waits
+for exactly that. Two workers run at once:
 
-Semantics are ``torch.optim.AdamW``'s: decoupled weight decay (only for tensors flagged to decay),
-bias correction, fp32 moments; gradients may be scaled by ``1 / grad_scale`` (global-norm clipping).
+- the **CPU worker** updates, in place, groups whose state lives in DRAM (NVMe-resident state staged
+  into the arena one group ahead and written back after) with torch's fused AdamW over all cores but
+  two; groups resident on the GPU tier are updated there, by the same code, with GPU tensors;
+- the **GPU worker** updates a share of the DRAM/NVMe-resident groups on the GPU (``optimizer.gpu_share``
+  in the tiermem config): it streams the group's weights, gradient and moments to the GPU, runs the same
+  fused AdamW there and streams the results back. The GPU idles while the next forward waits for the
+  optimizer, so this shortens the step when CPU AdamW is the bottleneck.
 
-The update runs on the device that holds the group's weights (``master``, else ``param``); state of the
-group held elsewhere is copied there and back. CPU updates use ``threads`` intra-op threads (default: all
-cores but two, which the trainer's thread and the copy lanes need; env ``TIERMEM_OPTIM_THREADS``).
+When a group has fp32 ``master`` weights the update also writes the new compute copy (``param``, e.g.
+bf16) from them; without ``master`` the ``param`` tensors are the weights and are updated in place.
+
+Semantics are ``torch.optim.AdamW``'s: decoupled weight decay (only for tensors flagged to decay), bias
+correction, fp32 moments; gradients may be divided by ``grad_scale`` (global-norm clipping).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import os
-import threading
 import time
 from dataclasses import dataclass
 
@@ -34,6 +37,8 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def default_threads() -> int:
+    """CPU AdamW threads: env TIERMEM_OPTIM_THREADS, else all cores but two (for the trainer's thread
+    and the copy lanes; a preempted thread stalls the whole parallel update)."""
     env = os.environ.get("TIERMEM_OPTIM_THREADS")
     if env:
         return max(1, int(env))
@@ -51,17 +56,32 @@ class AdamWConfig:
 
 class StoreAdamW:
     def __init__(self, store, groups: list[Group], decay: dict[str, bool], cfg: AdamWConfig, has_master: bool,
-                 threads: int | None = None):
+                 threads: int | None = None, gpu_share: float | None = None):
         self.store, self.groups, self.decay, self.cfg = store, list(groups), dict(decay), cfg
         self.has_master = has_master
+        self.p_kind = "master" if has_master else "param"
         self.threads = threads or default_threads()
-        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiermem-optim",
-                                           initializer=torch.set_num_threads, initargs=(self.threads,))
+        if gpu_share is None:
+            gpu_share = store.cfg.optimizer.gpu_share
+        if gpu_share is None:
+            gpu_share = 0.5 if store.gpu.is_cuda else 0.0
+        self.gpu_share = gpu_share
+        self.on_gpu = self._assign(gpu_share)
+        self._cpu = cf.ThreadPoolExecutor(1, "tiermem-optim-cpu", initializer=torch.set_num_threads,
+                                          initargs=(self.threads,))
+        self._gpu = cf.ThreadPoolExecutor(1, "tiermem-optim-gpu")
+        self._stream = torch.cuda.Stream(store.gpu.device) if store.gpu.is_cuda else None
         self._pending: cf.Future | None = None
         self._error: BaseException | None = None
-        self._lock = threading.Lock()
-        self.last_step_seconds = 0.0  # the last step's update, from start to the last group's version bump
-        self.last_split = {"adamw": 0.0, "compute_copy": 0.0, "staging": 0.0}
+        self.last_step_seconds = 0.0  # the last finished step's update, from its start to the last bump
+        self.last_split: dict[str, float] = {}  # ... and where its time went
+        self._busy, self._split, self._t0 = 0.0, {}, 0.0
+
+    def _assign(self, share: float) -> set[Group]:
+        """Spread ``share`` of the streamed groups evenly over the order, so both workers progress together."""
+        streamed = [g for g in self.groups
+                    if any(e.tier != "gpu" for e in self.store.catalog.group_entries(g, self.p_kind))]
+        return {g for n, g in enumerate(streamed) if int((n + 1) * share) > int(n * share)}
 
     # -- public --------------------------------------------------------------------------------
     def step(self, step: int, lr: float, grad_scale: float | None = None) -> cf.Future:
@@ -71,12 +91,21 @@ class StoreAdamW:
         store orders the reads after those writes.
         """
         self.check()
-        self._pending = self._pool.submit(self._run, step, lr, grad_scale)
+        if self._pending is not None and self._pending.done():
+            self.last_step_seconds, self.last_split = self._busy, dict(self._split)
+        self._t0, self._busy = time.perf_counter(), 0.0
+        self._split = {"cpu_adamw": 0.0, "cpu_compute_copy": 0.0, "cpu_staging": 0.0, "gpu_path": 0.0}
+        cpu = self._cpu.submit(self._guard, self._run_cpu, [g for g in self.groups if g not in self.on_gpu],
+                               step, lr, grad_scale)
+        gpu = self._gpu.submit(self._guard, self._run_gpu, [g for g in self.groups if g in self.on_gpu],
+                               step, lr, grad_scale)
+        self._pending = all_of([cpu, gpu])
         return self._pending
 
     def wait(self) -> None:
         if self._pending is not None:
             self._pending.result()
+            self.last_step_seconds, self.last_split = self._busy, dict(self._split)
         self.check()
 
     def check(self) -> None:
@@ -85,40 +114,53 @@ class StoreAdamW:
             raise RuntimeError("the optimizer failed") from self._error
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._cpu.shutdown(wait=True)
+        self._gpu.shutdown(wait=True)
 
-    # -- the update ------------------------------------------------------------------------------
-    def _run(self, step: int, lr: float, grad_scale: float | None) -> None:
-        t0 = time.perf_counter()
-        self._split = {"adamw": 0.0, "compute_copy": 0.0, "staging": 0.0}
+    def _guard(self, fn, *args) -> None:
         try:
-            p_kind = "master" if self.has_master else "param"
-            kinds = (p_kind, "grad", *MOMENTS) + (("param",) if self.has_master else ())
-            staged = {self.groups[0]: self._stage(self.groups[0], kinds)} if self.groups else {}
-            prev_writeback = done_future()
-            for n, g in enumerate(self.groups):
-                prev_writeback.result()  # bounds staging to two groups at once
-                if n + 1 < len(self.groups):
-                    staged[self.groups[n + 1]] = self._stage(self.groups[n + 1], kinds)
-                ts = time.perf_counter()
-                views = {k: f.result() for k, f in staged.pop(g).items()}
-                self._split["staging"] += time.perf_counter() - ts
-                self._update(g, views, p_kind, step, lr, grad_scale)
-                prev_writeback = self._finish(g, views, step)
+            fn(*args)
         except BaseException as e:
             self._error = e
             raise
         finally:
-            self.last_step_seconds = time.perf_counter() - t0
-            self.last_split = self._split
+            self._busy = max(self._busy, time.perf_counter() - self._t0)
+
+    def _adamw(self, lists, step: int, lr: float, grad_scale: float | None, dev: torch.device) -> None:
+        for decays, (ps, gs, ms, vs) in lists.items():
+            if not ps:
+                continue
+            steps = [torch.tensor(float(step), device=dev) for _ in ps]
+            scale = None if grad_scale is None else torch.tensor(grad_scale, dtype=torch.float32, device=dev)
+            torch._fused_adamw_(ps, gs, ms, vs, [], steps, lr=lr, beta1=self.cfg.beta1, beta2=self.cfg.beta2,
+                                weight_decay=self.cfg.weight_decay if decays else 0.0, eps=self.cfg.eps,
+                                amsgrad=False, maximize=False, grad_scale=scale, found_inf=None)
+
+    def _base(self, name: str) -> str:
+        return name if self.p_kind == "param" else name.split("/", 1)[1]
+
+    # -- the CPU worker (and groups resident on the GPU tier) ----------------------------------------
+    def _run_cpu(self, groups: list[Group], step: int, lr: float, grad_scale: float | None) -> None:
+        kinds = (self.p_kind, "grad", *MOMENTS) + (("param",) if self.has_master else ())
+        staged = {groups[0]: self._stage(groups[0], kinds)} if groups else {}
+        prev_writeback = done_future()
+        for n, g in enumerate(groups):
+            prev_writeback.result()  # bounds staging to two groups at once
+            if n + 1 < len(groups):
+                staged[groups[n + 1]] = self._stage(groups[n + 1], kinds)
+            ts = time.perf_counter()
+            views = {k: f.result() for k, f in staged.pop(g).items()}
+            self._split["cpu_staging"] += time.perf_counter() - ts
+            self._update_in_place(g, views, step, lr, grad_scale)
+            prev_writeback = self._finish(g, views, step)
 
     def _stage(self, g: Group, kinds) -> dict[str, cf.Future]:
         return {k: self.store.stage(g, k) for k in kinds if self.store.catalog.group_entries(g, k)}
 
-    def _update(self, g: Group, views, p_kind: str, step: int, lr: float, grad_scale: float | None) -> None:
-        cat = self.store.catalog
-        entries = cat.group_entries(g, p_kind)
-        dev = views[p_kind].tensors[entries[0].spec.name].device
+    def _update_in_place(self, g: Group, views, step: int, lr: float, grad_scale: float | None) -> None:
+        cat, pk = self.store.catalog, self.p_kind
+        entries = cat.group_entries(g, pk)
+        dev = views[pk].tensors[entries[0].spec.name].device
         back = []  # (home, working copy) for state held on another device than the weights
 
         def here(t: torch.Tensor) -> torch.Tensor:
@@ -130,8 +172,8 @@ class StoreAdamW:
 
         lists = {True: ([], [], [], []), False: ([], [], [], [])}
         for e in entries:
-            base = e.spec.name if p_kind == "param" else e.spec.name.split("/", 1)[1]
-            row = [here(views[p_kind].tensors[e.spec.name]), here(views["grad"].tensors[state_name(base, "grad")])]
+            base = self._base(e.spec.name)
+            row = [here(views[pk].tensors[e.spec.name]), here(views["grad"].tensors[state_name(base, "grad")])]
             for k in MOMENTS:
                 name = state_name(base, k)
                 t = views[k].tensors[name]
@@ -141,25 +183,17 @@ class StoreAdamW:
             for lst, t in zip(lists[self.decay.get(base, True)], row):
                 lst.append(t)
         t0 = time.perf_counter()
-        for decays, (ps, gs, ms, vs) in lists.items():
-            if not ps:
-                continue
-            steps = [torch.tensor(float(step), device=dev) for _ in ps]
-            scale = None if grad_scale is None else torch.tensor(grad_scale, dtype=torch.float32, device=dev)
-            torch._fused_adamw_(ps, gs, ms, vs, [], steps, lr=lr, beta1=self.cfg.beta1, beta2=self.cfg.beta2,
-                                weight_decay=self.cfg.weight_decay if decays else 0.0, eps=self.cfg.eps,
-                                amsgrad=False, maximize=False, grad_scale=scale, found_inf=None)
+        self._adamw(lists, step, lr, grad_scale, dev)
         t1 = time.perf_counter()
         for home, w in back:
-            if w is not None:
-                home.copy_(w)
+            home.copy_(w)
         if self.has_master:
             for e in cat.group_entries(g, "param"):
                 views["param"].tensors[e.spec.name].copy_(views["master"].tensors[state_name(e.spec.name, "master")])
         if any(t.is_cuda for v in views.values() for t in v.tensors.values()):
             host_sync(torch.cuda.current_stream())
-        self._split["adamw"] += t1 - t0
-        self._split["compute_copy"] += time.perf_counter() - t1
+        self._split["cpu_adamw"] += t1 - t0
+        self._split["cpu_compute_copy"] += time.perf_counter() - t1
 
     def _finish(self, g: Group, views, step: int) -> cf.Future:
         """Declare the updated state valid, write NVMe-staged state back, bump the group's version once
@@ -177,3 +211,45 @@ class StoreAdamW:
                 writebacks.append(fut)
         self.store.catalog.bump(g, to=step)
         return all_of(writebacks)
+
+    # -- the GPU worker ------------------------------------------------------------------------------
+    def _run_gpu(self, groups: list[Group], step: int, lr: float, grad_scale: float | None) -> None:
+        prev = done_future()
+        for g in groups:
+            t0 = time.perf_counter()
+            prev.result()  # the previous group's write-back: bounds the GPU memory in use to two groups
+            prev = self._update_streamed(g, step, lr, grad_scale)
+            self._split["gpu_path"] += time.perf_counter() - t0
+        prev.result()
+
+    def _update_streamed(self, g: Group, step: int, lr: float, grad_scale: float | None) -> cf.Future:
+        store, cat, pk, dev = self.store, self.store.catalog, self.p_kind, self.store.gpu.device
+        ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+        with ctx:
+            work, reads = {}, []
+            for k in (pk, "grad", *MOMENTS):
+                for e in cat.group_entries(g, k):
+                    t = torch.empty(e.spec.shape, dtype=e.spec.dtype, device=dev)
+                    if k in MOMENTS and not e.valid:
+                        t.zero_()
+                    else:
+                        reads.append(store.read(e.spec.name, out=t))
+                    work[e.spec.name] = t
+            store.wait(all_of(reads), "optimizer_fetch")
+            lists = {True: ([], [], [], []), False: ([], [], [], [])}
+            for e in cat.group_entries(g, pk):
+                base = self._base(e.spec.name)
+                row = [work[state_name(base, k)] for k in (pk, "grad", *MOMENTS)]
+                for lst, t in zip(lists[self.decay.get(base, True)], row):
+                    lst.append(t)
+            self._adamw(lists, step, lr, grad_scale, dev)
+            back = [store.store_group(g, k, {e.spec.name: work[e.spec.name] for e in cat.group_entries(g, k)})
+                    for k in (pk, *MOMENTS)]
+            if self.has_master:
+                params = {e.spec.name: work[state_name(e.spec.name, "master")].to(e.spec.dtype)
+                          for e in cat.group_entries(g, "param")}
+                store.store_group(g, "param", params).result()
+            else:
+                back[0].result()
+        cat.bump(g, to=step)
+        return all_of(back)

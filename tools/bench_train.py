@@ -89,7 +89,8 @@ def run_tiermem(args, raw: dict, model_dir: Path) -> dict:
 
     mcfg = load_model_config(model_dir)
     scfg = store_config({"placement": {k: "dram" for k in ("param", "grad", "master", "exp_avg", "exp_avg_sq")},
-                         "tiers": {"gpu": {"slots": args.slots}}})
+                         "tiers": {"gpu": {"slots": args.slots}},
+                         "optimizer": {"gpu_share": args.gpu_share}})
     t0 = time.perf_counter()
     store = Store.open(scfg, state_specs(mcfg, torch.bfloat16), streamed_kinds=("param",))
     t_open = time.perf_counter() - t0
@@ -121,7 +122,7 @@ def run_tiermem(args, raw: dict, model_dir: Path) -> dict:
             "wait_transfer_s": sum(s.wait_transfer for s in splits) / n,
             "wait_optimizer_s": sum(s.wait_optimizer for s in splits) / n,
             "optimizer_busy_s": statistics.median(opt_s or [opt.last_step_seconds]),
-            "optimizer_split": opt.last_split, "optimizer_threads": opt.threads,
+            "optimizer_split": opt.last_split, "optimizer_threads": opt.threads, "gpu_share": opt.gpu_share,
             "store_open_s": t_open, "init_s": t_init, "links": stats.get("links")}
 
 
@@ -135,6 +136,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--slots", type=int, default=3)
     ap.add_argument("--loss-chunk", type=int, default=4096)
+    ap.add_argument("--gpu-share", default="auto", help="tiermem optimizer.gpu_share (auto, or 0..1)")
     ap.add_argument("--only", choices=["plain", "tiermem"])
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -171,7 +173,7 @@ def main() -> None:
             split = (f"compute {r['compute_s']:.3f} + wait transfer {r['wait_transfer_s']:.3f} + wait optimizer "
                      f"{r['wait_optimizer_s']:.3f} (optimizer busy {r['optimizer_busy_s']:.3f} s: "
                      + ", ".join(f"{a} {b:.3f}" for a, b in r["optimizer_split"].items())
-                     + f"; {r['optimizer_threads']} threads)")
+                     + f"; {r['optimizer_threads']} threads, gpu_share {r['gpu_share']})")
         print(f"{k:10} {r['step_s']:8.3f} {r['tokens_per_s']:9.0f} {r['tflops']:8.1f} "
               f"{r['peak_hbm_gib']:8.1f}G  {split}")
     if "plain" in res and "tiermem" in res:
