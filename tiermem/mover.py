@@ -106,6 +106,10 @@ class Mover:
         dev = gpu.device if gpu is not None else torch.device("cpu")
         self._h2d = _StreamLane("h2d", dev, self.links["dram->gpu"])
         self._d2h = _StreamLane("d2h", dev, self.links["gpu->dram"])
+        # bulk lanes: long transfers (the optimizer's state) on their own streams, so a layer fetch the
+        # GPU is waiting for never queues behind them (they share the link's bandwidth instead)
+        self._h2d_bulk = _StreamLane("h2d-bulk", dev, self.links["dram->gpu"])
+        self._d2h_bulk = _StreamLane("d2h-bulk", dev, self.links["gpu->dram"])
         self._local = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tiermem-copy")
 
     # -- endpoints ---------------------------------------------------------------------------
@@ -130,20 +134,20 @@ class Mover:
         return ep.nbytes if isinstance(ep, Location) else ep.numel() * ep.element_size()
 
     # -- transfers ------------------------------------------------------------------------------
-    def copy(self, src, dst, wait_event=None) -> cf.Future:
+    def copy(self, src, dst, wait_event=None, bulk: bool = False) -> cf.Future:
         """Move the bytes of ``src`` to ``dst`` (Locations or tensors of equal size).
 
         ``wait_event`` (a CUDA event) orders a copy after the compute that produced its source or last
-        read its destination.
+        read its destination. ``bulk`` sends DRAM <-> GPU copies through the bulk lanes.
         """
         n = self.nbytes(src)
         if n != self.nbytes(dst):
             raise ValueError(f"size mismatch: {n} -> {self.nbytes(dst)}")
         key = f"{self.tier_of(src)}->{self.tier_of(dst)}"
         if key == "dram->gpu":
-            return self._h2d.submit(self.view(dst), self.view(src), wait_event)
+            return (self._h2d_bulk if bulk else self._h2d).submit(self.view(dst), self.view(src), wait_event)
         if key == "gpu->dram":
-            return self._d2h.submit(self.view(dst), self.view(src), wait_event)
+            return (self._d2h_bulk if bulk else self._d2h).submit(self.view(dst), self.view(src), wait_event)
         if key == "nvme->dram":
             return self._io(self.links[key], self.nvme.pread, self.view(dst), src.extent)
         if key == "dram->nvme":
@@ -210,8 +214,8 @@ class Mover:
         return {name: link.snapshot() for name, link in self.links.items()}
 
     def close(self) -> None:
-        self._h2d.close()
-        self._d2h.close()
+        for lane in (self._h2d, self._d2h, self._h2d_bulk, self._d2h_bulk):
+            lane.close()
         self._local.shutdown(wait=True)
 
 

@@ -82,6 +82,7 @@ class Store:
         self._tails: dict[tuple[Group, str], cf.Future] = {}
         self._tail_lock = threading.Lock()
         self.waits: dict[str, float] = defaultdict(float)
+        self._offered: dict[tuple[Group, str], tuple[dict[str, torch.Tensor], object]] = {}
         self._closed = False
 
     @classmethod
@@ -145,6 +146,7 @@ class Store:
         if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
             raise ValueError(f"{name}: expected {spec.dtype} {list(spec.shape)}, got {tensor.dtype} "
                              f"{list(tensor.shape)}")
+        self._offered.pop((spec.group, spec.kind), None)
         src = tensor.contiguous()
         wait = _event_now(src)
 
@@ -155,8 +157,9 @@ class Store:
 
         return self._ordered(entry, run)
 
-    def read(self, name: str, out: torch.Tensor | None = None) -> cf.Future:
-        """A future for the tensor's bytes, copied into ``out`` or a new host tensor."""
+    def read(self, name: str, out: torch.Tensor | None = None, bulk: bool = False) -> cf.Future:
+        """A future for the tensor's bytes, copied into ``out`` or a new host tensor (``bulk``: through the
+        mover's bulk lanes)."""
         entry = self.catalog[name]
         spec = entry.spec
         if out is None:
@@ -165,7 +168,7 @@ class Store:
         def run(_):
             if not entry.valid:
                 raise ValueError(f"tensor {name!r} has no valid data (never written, or its last write failed)")
-            return then(self.mover.copy(self.location(entry), out), lambda _: done_future(out))
+            return then(self.mover.copy(self.location(entry), out, bulk=bulk), lambda _: done_future(out))
 
         return self._ordered(entry, run)
 
@@ -219,8 +222,10 @@ class Store:
             copies.append((e, raw))
 
         def run(_):
-            futs = [self.mover.copy(self.location(e), raw, slot.free_event) for e, raw in copies]
-            return all_of(futs)
+            offered, ready = self._offered.pop((group, kind), (None, None))
+            if offered is not None and all(e.spec.name in offered for e, _ in copies):
+                return all_of([self.mover.copy(offered[e.spec.name], raw, ready) for e, raw in copies])
+            return all_of([self.mover.copy(self.location(e), raw, slot.free_event) for e, raw in copies])
 
         def release(write_back: bool) -> cf.Future:
             fut = self.store_group(group, kind, views) if write_back else done_future()
@@ -229,6 +234,16 @@ class Store:
 
         view = GroupView(group, kind, views, release)
         return then(self._ordered((group, kind), run), lambda _: done_future(view))
+
+    def offer(self, group: Group, kind: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Say that ``tensors`` (GPU memory) hold the current bytes of the group's ``kind`` tensors, so the
+        next ``fetch`` copies from them on the GPU instead of over PCIe (the GPU-side optimizer offers the
+        compute copy it has just made). Any later write to the group's ``kind`` withdraws the offer."""
+        self._offered[(group, kind)] = (dict(tensors), _event_now(*tensors.values()))
+
+    def take_offer(self, group: Group, kind: str):
+        """The tensors offered for the group's ``kind`` and an event marking them ready (or None), removed."""
+        return self._offered.pop((group, kind), None)
 
     def stage(self, group: Group, kind: str) -> cf.Future:
         """The group's tensors of ``kind`` in memory the CPU (DRAM) or GPU can compute on.
@@ -265,8 +280,10 @@ class Store:
         view = GroupView(group, kind, views, release)
         return then(self._ordered((group, kind), run), lambda _: done_future(view))
 
-    def store_group(self, group: Group, kind: str, tensors: dict[str, torch.Tensor]) -> cf.Future:
-        """Copy ``tensors`` (name -> tensor, any device) into their homes; completes when all have landed."""
+    def store_group(self, group: Group, kind: str, tensors: dict[str, torch.Tensor], bulk: bool = False) -> cf.Future:
+        """Copy ``tensors`` (name -> tensor, any device) into their homes; completes when all have landed
+        (``bulk``: through the mover's bulk lanes)."""
+        self._offered.pop((group, kind), None)
         entries = {e.spec.name: e for e in self.catalog.group_entries(group, kind)}
         work = []
         for name, t in tensors.items():
@@ -285,7 +302,8 @@ class Store:
                     e.valid = True
                     continue
                 e.valid = False
-                futs.append(then(self.mover.copy(t, self.location(e), wait), lambda _, e=e, t=t: _mark_valid(e, t)))
+                futs.append(then(self.mover.copy(t, self.location(e), wait, bulk=bulk),
+                                 lambda _, e=e, t=t: _mark_valid(e, t)))
             return all_of(futs)
 
         return self._ordered((group, kind), run)

@@ -121,6 +121,8 @@ def run_tiermem(args, raw: dict, model_dir: Path) -> dict:
             "compute_s": sum(s.compute for s in splits) / n,
             "wait_transfer_s": sum(s.wait_transfer for s in splits) / n,
             "wait_optimizer_s": sum(s.wait_optimizer for s in splits) / n,
+            "waits_by_phase": {ph: {k: sum(s.waits_by_phase.get(ph, {}).get(k, 0.0) for s in splits) / n
+                                    for k in ("transfer", "optimizer")} for ph in ("forward", "loss", "backward")},
             "optimizer_busy_s": statistics.median(opt_s or [opt.last_step_seconds]),
             "optimizer_split": opt.last_split, "optimizer_threads": opt.threads, "gpu_share": opt.gpu_share,
             "store_open_s": t_open, "init_s": t_init, "links": stats.get("links")}
@@ -176,6 +178,10 @@ def main() -> None:
                      + f"; {r['optimizer_threads']} threads, gpu_share {r['gpu_share']})")
         print(f"{k:10} {r['step_s']:8.3f} {r['tokens_per_s']:9.0f} {r['tflops']:8.1f} "
               f"{r['peak_hbm_gib']:8.1f}G  {split}")
+    if "tiermem" in res:
+        print("tiermem waits by phase (s/step): " + "; ".join(
+            f"{ph} transfer {w['transfer']:.3f} optimizer {w['optimizer']:.3f}"
+            for ph, w in res["tiermem"]["waits_by_phase"].items()))
     if "plain" in res and "tiermem" in res:
         t = res["tiermem"]
         print(f"ratio tiermem/plain tokens/s: {t['tokens_per_s'] / res['plain']['tokens_per_s']:.3f}; "

@@ -16,6 +16,7 @@ Hugging Face Trainer computes it. The executor computes on the store's GPU devic
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ class StepResult:
     seconds: float
     wait_transfer: float  # the GPU stood idle waiting for weights to arrive
     wait_optimizer: float  # ... waiting for the optimizer to finish a group's update
+    waits_by_phase: dict  # phase -> {"transfer": s, "optimizer": s} (forward, loss, backward)
 
     @property
     def compute(self) -> float:
@@ -58,6 +60,9 @@ class Executor:
             self.local_names.setdefault(w.group, {})[w.name] = w.local
         self._rope = None
         self._waits = [0.0, 0.0]
+        # the trainer's thread, the copy lanes, the prefetcher and the optimizer hand work to each other
+        # many times a step: a 5 ms GIL switch interval (Python's default) would add up to waits
+        sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
 
     # -- helpers ---------------------------------------------------------------------------------
     def _rope_for(self, t: int):
@@ -69,10 +74,13 @@ class Executor:
         if self.device.type == "cuda":
             host_sync(torch.cuda.current_stream(self.device))
 
-    def _take(self, req) -> dict[str, torch.Tensor]:
+    def _take(self, req, phase: str) -> dict[str, torch.Tensor]:
         view, on_opt, on_xfer = Prefetcher.take(req, self._drain)
         self._waits[0] += on_xfer
         self._waits[1] += on_opt
+        w = self._phase_waits.setdefault(phase, {"transfer": 0.0, "optimizer": 0.0})
+        w["transfer"] += on_xfer
+        w["optimizer"] += on_opt
         return view
 
     def _weights(self, view) -> dict[str, torch.Tensor]:
@@ -80,7 +88,11 @@ class Executor:
         return {names[k]: t for k, t in view.tensors.items()}
 
     def _hand_grads(self, group, grads: dict[str, torch.Tensor]) -> None:
-        self.store.store_group(group, "grad", {state_name(n, "grad"): g for n, g in grads.items()})
+        named = {state_name(n, "grad"): g for n, g in grads.items()}
+        if self.optimizer.grads_on_gpu(group):  # updated on the GPU: no round trip through DRAM
+            self.store.offer(group, "grad", named)
+        else:
+            self.store.store_group(group, "grad", named)
 
     # -- one step --------------------------------------------------------------------------------
     def step(self, batches: list[tuple[torch.Tensor, torch.Tensor, int]], step: int, lr: float) -> StepResult:
@@ -88,6 +100,7 @@ class Executor:
         cfg, dev = self.cfg, self.device
         t_start = time.perf_counter()
         self._waits = [0.0, 0.0]
+        self._phase_waits = {}
         L, tied = cfg.num_layers, cfg.tie_word_embeddings
         req = self.prefetch.request
         r_embed = req("embed", "param", step)
@@ -105,18 +118,18 @@ class Executor:
 
         # 1. forward, layer-major, keeping every micro-batch's boundary activations
         with torch.no_grad():
-            view = self._take(r_embed)
+            view = self._take(r_embed, "forward")
             acts = [[F.embedding(x, view.tensors[EMBED]) for x in ids]]
             view.release()
             for i in range(L):
-                view = self._take(r_fwd[i])
+                view = self._take(r_fwd[i], "forward")
                 w = self._weights(view)
                 acts.append([decoder_layer(w, x, rope, cfg) for x in acts[i]])
                 view.release()
 
         # 2. loss + its backward, chunked over tokens
-        view = self._take(r_head)
-        tied_view = self._take(r_tied) if tied else None
+        view = self._take(r_head, "loss")
+        tied_view = self._take(r_tied, "loss") if tied else None
         head_w = (tied_view or view).tensors[EMBED if tied else LM_HEAD]
         loss = torch.zeros((), dtype=torch.float32, device=dev)
         g_norm = g_head = None
@@ -141,7 +154,7 @@ class Executor:
 
         # 3. backward, layer-major, with recompute
         for n, i in enumerate(reversed(range(L))):
-            view = self._take(r_bwd[n])
+            view = self._take(r_bwd[n], "backward")
             w = self._weights(view)
             acc: list[torch.Tensor] | None = None
             for mb in range(len(ids)):
@@ -183,7 +196,8 @@ class Executor:
                 grad_scale = 1.0 / coef
         self.optimizer.step(step + 1, lr, grad_scale)
         seconds = time.perf_counter() - t_start
-        return StepResult(loss_value, norm, tokens, trained, seconds, self._waits[0], self._waits[1])
+        return StepResult(loss_value, norm, tokens, trained, seconds, self._waits[0], self._waits[1],
+                          self._phase_waits)
 
     def close(self) -> None:
         self.prefetch.close()
