@@ -22,8 +22,10 @@ HP = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, learning
           adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8)
 
 
-def reference_training(model_dir, data_dir, name, steps_seen: list) -> dict[str, torch.Tensor]:
-    """Plain PyTorch training under the Hugging Face Trainer's semantics."""
+def reference_training(model_dir, data_dir, name, steps_seen: list, losses: list | None = None,
+                       bf16: bool = False) -> dict[str, torch.Tensor]:
+    """Plain PyTorch training under the Hugging Face Trainer's semantics (``bf16``: fp32 weights with
+    bf16 autocast, the mixed-precision recipe)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     rows = [json.loads(line) for line in (data_dir / f"{name}.jsonl").read_text().splitlines()]
@@ -48,11 +50,16 @@ def reference_training(model_dir, data_dir, name, steps_seen: list) -> dict[str,
                 lab[r, : len(x)] = torch.tensor(rows[i].get("labels", x))
             micro.append((ids, lab))
         n_trained = sum(int((lab[:, 1:] != -100).sum()) for _, lab in micro)
+        total = 0.0
         for ids, lab in micro:
-            logits = model(input_ids=ids).logits
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                logits = model(input_ids=ids).logits
             loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
                                                      lab[:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
             (loss / n_trained).backward()
+            total += float(loss.detach()) / n_trained
+        if losses is not None:
+            losses.append(total)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), HP["max_grad_norm"])
         steps_seen.append(float(norm))
         opt.step()
@@ -97,7 +104,8 @@ def test_fp32_training_matches_plain_pytorch(tmp_path, family, gpu_share):
     data_dir = tmp_path / "data"
     name = write_tokenized_dataset(data_dir)
     norms: list[float] = []
-    ref = reference_training(model_dir, data_dir, name, norms)
+    losses: list[float] = []
+    ref = reference_training(model_dir, data_dir, name, norms, losses)
     assert max(norms) > HP["max_grad_norm"], "the test must make clipping trigger"
     tiermem = dict(nvme_moments(tmp_path), optimizer={"gpu_share": gpu_share})
     assert run_cli(tmp_path, model_dir, data_dir, name, tiermem) == 0
@@ -106,6 +114,7 @@ def test_fp32_training_matches_plain_pytorch(tmp_path, family, gpu_share):
     log = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
     assert [r["current_steps"] for r in log] == list(range(1, HP["max_steps"] + 1))
     assert [r["grad_norm"] for r in log] == pytest.approx(norms, rel=1e-5)
+    assert [r["loss"] for r in log] == pytest.approx(losses, rel=1e-5)
 
 
 @pytest.mark.parametrize("gpu_share", [0.0, 0.5, 1.0])
@@ -122,3 +131,44 @@ def test_auto_placement_with_resident_shared_groups_matches(tmp_path, gpu_share)
     stats = json.loads((tmp_path / "out" / "store_stats.json").read_text())
     assert stats  # the run left its store's final snapshot
     assert_same_weights(tmp_path / "out", ref, tied=False)
+
+
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path, monkeypatch):
+    """Import from a sharded checkpoint (index + shards), train, export sharded: transformers loads the
+    export and computes the same logits as the reference model trained the plain way."""
+    import trainer.model.hf_io as hf_io
+
+    model_dir = tmp_path / "model"
+    transformers.AutoModelForCausalLM.from_pretrained(save_tiny_model("llama", tmp_path / "single")).save_pretrained(
+        model_dir, max_shard_size="20KB")
+    assert (model_dir / "model.safetensors.index.json").is_file()
+    data_dir = tmp_path / "data"
+    name = write_tokenized_dataset(data_dir)
+    ref = reference_training(model_dir, data_dir, name, [])
+    monkeypatch.setattr(hf_io, "SHARD_BYTES", 40_000)
+    assert run_cli(tmp_path, model_dir, data_dir, name, nvme_moments(tmp_path)) == 0
+    out = tmp_path / "out"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1 and not list(out.glob("*.tmp"))
+    got = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    want = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    want.load_state_dict(ref)
+    ids = torch.randint(0, 96, (2, 19), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(got(ids).logits, want(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_bf16_loss_curve_matches_the_mixed_precision_recipe(tmp_path):
+    """bf16 mode (bf16 compute copy streamed, fp32 master and moments in the store, some layers updated
+    by the GPU worker) follows the loss curve of fp32 weights + bf16 autocast."""
+    model_dir = save_tiny_model("qwen2", tmp_path / "model")
+    data_dir = tmp_path / "data"
+    name = write_tokenized_dataset(data_dir, n_rows=24)
+    losses: list[float] = []
+    reference_training(model_dir, data_dir, name, [], losses, bf16=True)
+    tiermem = {"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}}, "optimizer": {"gpu_share": 0.5}}
+    assert run_cli(tmp_path, model_dir, data_dir, name, tiermem, bf16=True) == 0
+    log = [json.loads(line) for line in (tmp_path / "out" / "trainer_log.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in log] == pytest.approx(losses, rel=2e-2)
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["torch_dtype"] == "bfloat16"

@@ -9,7 +9,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)"
-python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_train_parity.py 2>&1 | tee "$OUT/pytest.log" | tail -4
+python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_train_parity.py tests/test_train_cli.py tests/test_train_units.py 2>&1 | tee "$OUT/pytest.log" | tail -4
 python3 -m trainer.cli configs/quickstart.yaml plot_loss=false output_dir=/tmp/qs > "$OUT/quickstart.log" 2>&1
 echo "quickstart rc=$?"; tail -3 "$OUT/quickstart.log"
 [ "${1:-}" = quick ] && exit 0

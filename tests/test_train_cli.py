@@ -1,0 +1,139 @@
+"""The trainer through its command line: the quickstart end to end, and bad input (one line on stderr,
+exit code 2, nothing written to output_dir)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.tiny_models import save_tiny_model, write_tokenized_dataset
+from trainer.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_quickstart_trains_and_saves(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "qs"
+    assert main(["configs/quickstart.yaml", f"output_dir={out}", "max_steps=40", "logging_steps=5"]) == 0
+    log = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
+    assert [r["current_steps"] for r in log] == list(range(5, 41, 5))
+    assert log[-1]["loss"] < log[0]["loss"] - 1.0, "the loss should fall"
+    for f in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "training_args.yaml",
+              "training_loss.png", "train_results.json"):
+        assert (out / f).is_file(), f
+    args = yaml.safe_load((out / "training_args.yaml").read_text())
+    assert args["max_steps"] == 40 and args["tiermem"]["tiers"]["dram"]["path"] == "anonymous"
+    printed = capsys.readouterr().out
+    assert "step 40/40 | loss" in printed and "tok/s" in printed and "wait transfer" in printed
+
+
+def test_console_script_reports_a_user_error_in_one_line(tmp_path):
+    exe = shutil.which("tiermem-train", path=os.path.dirname(sys.executable)) or shutil.which("tiermem-train")
+    cmd = [exe] if exe else [sys.executable, "-m", "trainer.cli"]
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model_name_or_path: /nonexistent\ndataset: x\noutput_dir: " + str(tmp_path / "o") + "\n")
+    r = subprocess.run(cmd + [str(cfg)], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("tiermem-train: error: ") and "Traceback" not in r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.fixture
+def good(tmp_path):
+    """A valid config (tiny Llama, tokenized data) as a dict, and a writer that runs it."""
+    model_dir = save_tiny_model("llama", tmp_path / "model")
+    data_dir = tmp_path / "data"
+    name = write_tokenized_dataset(data_dir)
+    cfg = {"model_name_or_path": str(model_dir), "dataset": name, "dataset_dir": str(data_dir),
+           "output_dir": str(tmp_path / "out"), "max_steps": 2, "per_device_train_batch_size": 2,
+           "tiermem": {"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}}}}
+
+    def run(cfg, *overrides, raw: str | None = None):
+        path = tmp_path / "train.yaml"
+        path.write_text(raw if raw is not None else yaml.safe_dump(cfg))
+        return main([str(path), *overrides])
+
+    return cfg, run, tmp_path
+
+
+def _expect_error(capsys, tmp_path, rc, *needles):
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.startswith("tiermem-train: error: ") and err.count("\n") == 1, err
+    for n in needles:
+        assert n in err, err
+    assert not (tmp_path / "out").exists(), "nothing may be written to output_dir"
+
+
+def test_missing_model_directory(good, capsys):
+    cfg, run, tmp = good
+    _expect_error(capsys, tmp, run(dict(cfg, model_name_or_path=str(tmp / "nope"))), "is not a directory")
+
+
+def test_unsupported_architecture_lists_the_supported(good, capsys):
+    cfg, run, tmp = good
+    conf = Path(cfg["model_name_or_path"]) / "config.json"
+    raw = json.loads(conf.read_text())
+    conf.write_text(json.dumps(dict(raw, architectures=["GPT2LMHeadModel"])))
+    _expect_error(capsys, tmp, run(cfg), "GPT2LMHeadModel is not supported", "LlamaForCausalLM", "Qwen3ForCausalLM")
+
+
+def test_malformed_yaml(good, capsys):
+    cfg, run, tmp = good
+    _expect_error(capsys, tmp, run(cfg, raw="model_name_or_path: [unclosed\n"), "not valid YAML")
+
+
+def test_bad_override(good, capsys):
+    cfg, run, tmp = good
+    _expect_error(capsys, tmp, run(cfg, "learning_rate"), "bad override", "key=value")
+    _expect_error(capsys, tmp, run(cfg, "learning_rate=fast"), "learning_rate", "expected a number")
+
+
+def test_unknown_key_names_the_nearest(good, capsys):
+    cfg, run, tmp = good
+    _expect_error(capsys, tmp, run(dict(cfg, lerning_rate=1e-4)), "lerning_rate", "did you mean 'learning_rate'")
+
+
+def test_lora_is_refused(good, capsys):
+    cfg, run, tmp = good
+    _expect_error(capsys, tmp, run(dict(cfg, finetuning_type="lora")), "finetuning_type: lora is not supported")
+
+
+def test_row_without_input_ids(good, capsys):
+    cfg, run, tmp = good
+    data = Path(cfg["dataset_dir"]) / f"{cfg['dataset']}.jsonl"
+    data.write_text(data.read_text() + json.dumps({"labels": [1, 2]}) + "\n")
+    _expect_error(capsys, tmp, run(cfg), f"{data}: row 15", "input_ids")
+
+
+def test_placement_over_budget(good, capsys):
+    cfg, run, tmp = good
+    cfg = dict(cfg, tiermem={"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "100KiB"}},
+                             "placement": {k: "dram" for k in ("param", "grad", "exp_avg", "exp_avg_sq")}})
+    _expect_error(capsys, tmp, run(cfg), "placement does not fit", "raise tiers.dram.budget")
+
+
+def test_not_yet_supported_keys_say_so(good, capsys):
+    cfg, run, tmp = good
+    _expect_error(capsys, tmp, run(dict(cfg, save_steps=100)), "save_steps", "not supported yet")
+    _expect_error(capsys, tmp, run(dict(cfg, tiermem_server="/tmp/sock")), "tiermem_server", "not supported yet")
+    _expect_error(capsys, tmp, run(dict(cfg, deepspeed="ds.json")), "deepspeed")
+
+
+def test_existing_output_dir_is_not_overwritten_unless_asked(good, capsys):
+    cfg, run, tmp = good
+    out = tmp / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert run(cfg) == 2
+    assert "overwrite_output_dir" in capsys.readouterr().err
+    assert run(dict(cfg, overwrite_output_dir=True)) == 0
+    assert (out / "keep.txt").read_text() == "mine" and (out / "model.safetensors").is_file()
