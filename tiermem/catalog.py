@@ -67,6 +67,8 @@ class Catalog:
         self._by_group: dict[tuple[Group, str], list[str]] = {}
         self._groups: dict[Group, GroupState] = {}
         self._lock = threading.Lock()
+        self._bumps = 0  # counts every version bump, for waiters on "any group changed"
+        self._any = threading.Condition()
 
     def add(self, spec: TensorSpec, tier: str, extent: Extent) -> Entry:
         with self._lock:
@@ -114,7 +116,19 @@ class Catalog:
         with state.cond:
             state.version = state.version + 1 if to is None else to
             state.cond.notify_all()
-            return state.version
+            version = state.version
+        with self._any:
+            self._bumps += 1
+            self._any.notify_all()
+        return version
+
+    def bump_count(self) -> int:
+        return self._bumps
+
+    def wait_any_bump(self, seen: int, timeout: float) -> None:
+        """Block until some group's version is bumped after ``bump_count()`` returned ``seen`` (or timeout)."""
+        with self._any:
+            self._any.wait_for(lambda: self._bumps != seen, timeout)
 
     def wait_version(self, group: Group, at_least: int, timeout: float | None = None) -> float:
         """Block until ``group`` is at version >= ``at_least``; returns the seconds waited."""

@@ -2,11 +2,13 @@
 GPU slots and the groups' versions allow.
 
 The trainer declares its schedule ahead (``request(group, kind, version)`` for every group of a step,
-in order); one worker thread serves the requests in that order: it waits until the group's version is
-reached (the optimizer has updated it), then fetches it into a slot (blocking while all slots are
-taken, i.e. while it is as far ahead as GPU memory allows). The trainer takes each view with
-``take`` when it needs it, which also accounts where its wait went: on the optimizer (the version was
-not yet reached) or on the transfer.
+in order); one worker thread serves the requests: the first one as soon as the group's version is
+reached (the optimizer has updated it), fetching it into a slot (blocking while all slots are taken,
+i.e. while it is as far ahead as GPU memory allows). While the first request waits for its version,
+later requests whose versions are already reached are started out of order, as long as a slot stays
+free for the first one: a group the optimizer finished early then crosses PCIe while the GPU waits for
+an earlier one. The trainer takes each view with ``take`` when it needs it, which also accounts where
+its wait went: on the optimizer (the version was not yet reached) or on the transfer.
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ import concurrent.futures as cf
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from tiermem.catalog import Group
 from tiermem.futures import forward
+
+LOOKAHEAD = 4  # requests past the first one that may start out of order
 
 
 @dataclass
@@ -27,7 +32,7 @@ class Request:
     kind: str
     version: int
     future: cf.Future = field(default_factory=cf.Future)
-    version_at: float | None = None  # when the version was reached (perf_counter)
+    version_at: float | None = None  # when the version was seen reached (perf_counter)
 
 
 class Prefetcher:
@@ -43,27 +48,68 @@ class Prefetcher:
         self._queue.put(req)
         return req
 
-    def _run(self) -> None:
-        while True:
-            req = self._queue.get()
-            if req is None:
-                return
-            try:
-                self._wait_version(req.group, req.version)
-                req.version_at = time.perf_counter()
-                forward(self.store.fetch(req.group, req.kind), req.future)
-            except BaseException as e:  # noqa: BLE001 - surfaced to whoever takes the request
-                req.version_at = req.version_at or time.perf_counter()
-                req.future.set_exception(e)
+    # -- the worker ------------------------------------------------------------------------------
+    def _ready(self, req: Request) -> bool:
+        return self.store.catalog.version(req.group) >= req.version
 
-    def _wait_version(self, group: Group, version: int) -> None:
+    def _resident(self, req: Request) -> bool:
+        return all(e.tier == "gpu" for e in self.store.catalog.group_entries(req.group, req.kind))
+
+    def _start(self, req: Request) -> None:
+        req.version_at = req.version_at or time.perf_counter()
+        try:
+            forward(self.store.fetch(req.group, req.kind), req.future)
+        except BaseException as e:  # noqa: BLE001 - surfaced to whoever takes the request
+            req.future.set_exception(e)
+
+    def _run(self) -> None:
+        pending: deque[Request] = deque()
+        closing = False
+        cat = self.store.catalog
         while True:
-            try:
-                self.store.catalog.wait_version(group, version, timeout=0.5)
+            if not pending:
+                if closing:
+                    return
+                item = self._queue.get()
+                if item is None:
+                    return
+                pending.append(item)
+            while True:  # take in what has been requested since
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    closing = True
+                else:
+                    pending.append(item)
+            if closing:  # the trainer is done (or gave up): what it did not take is not needed
+                for req in pending:
+                    req.future.cancel()
                 return
-            except TimeoutError:
-                if self._health is not None:
+            head = pending[0]
+            seen = cat.bump_count()
+            if self._ready(head):
+                pending.popleft()
+                self._start(head)
+                continue
+            blocked = {head.group}
+            for req in list(pending)[1: LOOKAHEAD + 1]:
+                if req.group in blocked:
+                    continue
+                if self._ready(req) and (self._resident(req) or self.store.gpu.slots_free() > 1):
+                    pending.remove(req)
+                    self._start(req)
+                else:
+                    blocked.add(req.group)  # keep each group's requests in order
+            cat.wait_any_bump(seen, timeout=0.5)
+            if not self._ready(head) and self._health is not None:
+                try:
                     self._health()
+                except BaseException as e:  # noqa: BLE001 - the optimizer failed: fail what waits on it
+                    for req in pending:
+                        req.future.set_exception(e)
+                    pending.clear()
 
     @staticmethod
     def take(req: Request, before_wait=None) -> tuple[object, float, float]:
