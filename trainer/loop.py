@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from tiermem.catalog import TensorSpec, state_name
 from tiermem.config import StoreConfig, load_store_config
-from tiermem.errors import ConfigError
+from tiermem.errors import BudgetError, ConfigError
 from tiermem.optim import AdamWConfig, StoreAdamW
 from tiermem.sizes import format_size
 from tiermem.store import Store
@@ -63,6 +63,7 @@ def state_specs(model_cfg, dtype: torch.dtype) -> list[TensorSpec]:
 
 def run(cfg: TrainConfig, console: Console | None = None) -> dict:
     console = console or Console()
+    say = lambda text: console.print(text, soft_wrap=True, highlight=False)
     model_dir = Path(cfg.model_name_or_path)
     mcfg = load_model_config(model_dir)
     if mcfg.sliding_window is not None and cfg.cutoff_len > mcfg.sliding_window:
@@ -87,7 +88,9 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
     scfg = store_config(cfg.tiermem)
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     n_params = mcfg.num_params()
-    console.print(f"[bold]tiermem-train[/]: {mcfg.family} {n_params / 1e6:,.1f}M params, {mcfg.num_layers} layers, "
+    if cfg.template is not None:
+        say(f"note: template '{cfg.template}' is not used: stage pt and tokenized datasets need no chat template")
+    say(f"[bold]tiermem-train[/]: {mcfg.family} {n_params / 1e6:,.1f}M params, {mcfg.num_layers} layers, "
                   f"{'bf16' if cfg.bf16 else 'fp32'}; {len(rows)} rows ({rows.dropped} dropped) from "
                   f"{', '.join(rows.sources)}; {total} steps of {cfg.per_device_train_batch_size}x"
                   f"{cfg.gradient_accumulation_steps} rows (warmup {warmup})")
@@ -95,7 +98,7 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
     store = Store.open(scfg, state_specs(mcfg, dtype), streamed_kinds=("param",))
     optimizer = executor = None
     try:
-        _describe_store(store, console)
+        _describe_store(store, say)
         kinds = {"param": dtype, **({"master": torch.float32} if cfg.bf16 else {})}
         with _bar(console) as bar:
             what = "initialising" if cfg.tiermem_init == "random" else "loading"
@@ -113,7 +116,7 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
                                AdamWConfig(cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.weight_decay),
                                has_master=cfg.bf16)
         executor = Executor(store, mcfg, dtype, optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens)
-        report = Reporter(out, total, n_params, console.print)
+        report = Reporter(out, total, n_params, say)
         t0 = time.perf_counter()
         rows_seen = 0
         with _bar(console) as bar:
@@ -125,7 +128,14 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
                                            _pad_id(mcfg)))
                     rows_seen += len(idx)
                 lr = cfg.learning_rate * lr_factor(cfg.lr_scheduler_type, step, total, warmup)
-                result = executor.step(batches, step, lr)
+                try:
+                    result = executor.step(batches, step, lr)
+                except torch.OutOfMemoryError:
+                    raise BudgetError(
+                        f"the GPU ran out of memory holding the activations of {len(batches)} micro-batches of "
+                        f"{cfg.per_device_train_batch_size} rows x up to {cfg.cutoff_len} tokens; lower "
+                        "per_device_train_batch_size or cutoff_len, or tiers.gpu.budget (steps split into several "
+                        "layer-major passes are not supported yet)") from None
                 report.step(step + 1, result, lr, plan.epoch_of(step + 1), time.perf_counter() - t0,
                             step + 1 == total, cfg.logging_steps)
                 bar.advance(task)
@@ -139,7 +149,7 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
         if cfg.plot_loss:
             plot_loss(out, report.losses)
         (out / "store_stats.json").write_text(json.dumps(store.stats(), indent=1, default=str) + "\n")
-        console.print(f"done: {total} steps in {runtime:.1f}s, train_loss {results['train_loss']:.4f}; "
+        say(f"done: {total} steps in {runtime:.1f}s, train_loss {results['train_loss']:.4f}; "
                       f"model saved to {out}")
         return results
     finally:
@@ -154,15 +164,14 @@ def _pad_id(mcfg) -> int:
     return mcfg.pad_token_id if mcfg.pad_token_id is not None else 0
 
 
-def _describe_store(store: Store, console: Console) -> None:
+def _describe_store(store: Store, say) -> None:
     by = store.plan.bytes_by_kind()
     parts = []
     for tier in ("gpu", "dram", "nvme"):
         kinds = by.get(tier) or {}
         if kinds:
             parts.append(f"{tier}: " + ", ".join(f"{k} {format_size(v)}" for k, v in kinds.items()))
-    console.print("store: " + "; ".join(parts) + f"; {store.plan.n_slots} GPU slots of "
-                  f"{format_size(store.plan.slot_bytes)}")
+    say("store: " + "; ".join(parts) + f"; {store.plan.n_slots} GPU slots of {format_size(store.plan.slot_bytes)}")
 
 
 def _bar(console: Console) -> Progress:

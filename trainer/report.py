@@ -42,7 +42,7 @@ class Reporter:
                               for k in ("compute", "wait_transfer", "wait_optimizer"))
         self.losses.append((step, loss))
         self.print(f"step {step}/{self.total} | loss {loss:.4f} | grad_norm {w[-1].grad_norm:.3f} | lr {lr:.3e} | "
-                   f"{tps:,.0f} tok/s | {tflops:.1f} TFLOP/s | step {secs / len(w):.3f}s = compute {compute:.3f} + "
+                   f"{tps:,.0f} tok/s | {tflops:.3g} TFLOP/s | step {secs / len(w):.3f}s = compute {compute:.3f} + "
                    f"wait transfer {xfer:.3f} + wait optimizer {opt:.3f} | ETA {_hms(remaining)}")
         record = {"current_steps": step, "total_steps": self.total, "loss": round(loss, 6),
                   "grad_norm": round(w[-1].grad_norm, 6), "lr": lr, "epoch": round(epoch, 4),
