@@ -10,6 +10,12 @@ import pytest
 from tiermem.config import load_store_config
 
 
+@pytest.fixture(autouse=True)
+def _dataset_cache(tmp_path, monkeypatch):
+    """Each test tokenizes into its own cache directory, never the user's."""
+    monkeypatch.setenv("TIERMEM_CACHE", str(tmp_path / "cache"))
+
+
 @pytest.fixture
 def nvme_dir(tmp_path):
     """A directory on a real disk (O_DIRECT works there), unlike tmpfs."""

@@ -56,7 +56,7 @@ def test_stage_pt_packs_texts_with_eos_into_blocks(tmp_path):
     from tokenizers import Tokenizer
 
     from trainer.config import TrainConfig
-    from trainer.data.prepare import prepare_rows
+    from trainer.data.prepare import build_rows
     from trainer.model.config import load_model_config
 
     model = str(Path(__file__).resolve().parent.parent / "models" / "tiny-llama")
@@ -65,7 +65,7 @@ def test_stage_pt_packs_texts_with_eos_into_blocks(tmp_path):
                                                                   "columns": {"prompt": "body"}}}))
     cfg = TrainConfig(model_name_or_path=model, output_dir="x", dataset="d", dataset_dir=str(tmp_path), stage="pt",
                       cutoff_len=3)
-    rows = prepare_rows(cfg, load_model_config(model), model)
+    rows = build_rows(cfg.dataset, cfg, load_model_config(model), model)
     tok = Tokenizer.from_file(f"{model}/tokenizer.json")
     eos = tok.token_to_id("</s>")
     stream = tok.encode("one two three", add_special_tokens=False).ids + [eos]

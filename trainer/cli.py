@@ -24,13 +24,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tiermem-train", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="training YAML (LLaMA-Factory keys)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. learning_rate=2e-5")
+    parser.add_argument("--preview", type=int, metavar="N",
+                        help="print the first N processed training examples as JSON lines and exit")
     args = parser.parse_args(argv)
     try:
         from trainer.config import load_train_config
-        from trainer.loop import run
+        from trainer.loop import preview, run
 
         cfg = load_train_config(args.config, args.overrides)
-        run(cfg)
+        if args.preview is not None:
+            preview(cfg, args.preview)
+        else:
+            run(cfg)
         return 0
     except KeyboardInterrupt:
         print("tiermem-train: interrupted", file=sys.stderr)

@@ -29,12 +29,9 @@ NOT_TAKEN = {
     "lora_rank": "only finetuning_type: full is supported",
     "lora_target": "only finetuning_type: full is supported",
     "quantization_bit": "quantized training is not supported",
-    "eval_dataset": "evaluation is not supported yet (issue 4)",
-    "val_size": "evaluation is not supported yet (issue 4)",
-    "eval_steps": "evaluation is not supported yet (issue 4)",
-    "eval_strategy": "evaluation is not supported yet (issue 4)",
-    "per_device_eval_batch_size": "evaluation is not supported yet (issue 4)",
-    "do_eval": "evaluation is not supported yet (issue 4)",
+    "do_eval": "evaluation during training is set by eval_strategy: steps with eval_steps; remove do_eval",
+    "streaming": "streaming datasets are not supported yet",
+    "tool_format": "tool use is not supported yet",
     "save_only_model": "checkpoints are not supported yet (issue 6)",
     "save_total_limit": "checkpoints are not supported yet (issue 6)",
     "packing": "packing is not configurable yet: stage pt always packs, tokenized rows are never packed",
@@ -56,6 +53,16 @@ class TrainConfig:
     template: str | None = None
     cutoff_len: int = 2048
     max_samples: int | None = None
+    train_on_prompt: bool = False
+    mask_history: bool = False
+    preprocessing_num_workers: int | None = None
+    overwrite_cache: bool = False
+    # evaluation
+    val_size: float = 0.0
+    eval_dataset: str | None = None
+    eval_strategy: Literal["no", "steps"] = "no"
+    eval_steps: int | None = None
+    per_device_eval_batch_size: int = 8
     # output
     overwrite_output_dir: bool = False
     logging_steps: int = 10
@@ -82,6 +89,8 @@ class TrainConfig:
     # tiermem's own
     tiermem: Any = None  # a path to a tiermem config file, or the same mapping inline
     tiermem_server: str | None = None
+    tiermem_skip_bad_rows: bool = False  # skip rows that do not fit their dataset's format (counted), not stop
+    tiermem_cache_dir: str | None = None  # tokenized-dataset cache; default $TIERMEM_CACHE or ~/.cache/tiermem
     loss_chunk_tokens: int = 4096  # tokens per chunk of the LM-head loss (bounds the logits' memory)
 
 
@@ -172,6 +181,26 @@ def validate(c: TrainConfig) -> None:
     for k, v in positive.items():
         if v <= 0:
             raise ConfigError(f"{k} must be positive, got {v}")
+    if c.preprocessing_num_workers is not None and c.preprocessing_num_workers <= 0:
+        raise ConfigError(f"preprocessing_num_workers must be positive, got {c.preprocessing_num_workers}")
+    if c.val_size < 0:
+        raise ConfigError(f"val_size must not be negative, got {c.val_size}")
+    has_eval = c.val_size > 0 or c.eval_dataset is not None
+    if c.val_size > 0 and c.eval_dataset is not None:
+        raise ConfigError("set either val_size (hold out part of dataset) or eval_dataset, not both")
+    if c.eval_strategy == "steps":
+        if not has_eval:
+            raise ConfigError("eval_strategy: steps needs evaluation data: set val_size or eval_dataset")
+        if c.eval_steps is None:
+            c.eval_steps = c.logging_steps  # as the Hugging Face Trainer does
+        if c.eval_steps <= 0:
+            raise ConfigError("eval_steps must be positive")
+    if c.template is not None:
+        from trainer.data.templates import get_template
+
+        get_template(c.template)
+    if c.per_device_eval_batch_size <= 0:
+        raise ConfigError("per_device_eval_batch_size must be positive")
     if c.max_samples is not None and c.max_samples <= 0:
         raise ConfigError(f"max_samples must be positive, got {c.max_samples}")
     if c.learning_rate < 0 or c.weight_decay < 0 or c.max_grad_norm < 0:

@@ -27,7 +27,7 @@ from tiermem.catalog import state_name
 from tiermem.mover import host_sync
 from tiermem.prefetch import Prefetcher
 from trainer.model.config import ModelConfig
-from trainer.model.layers import decoder_layer, head_loss_backward, rope_tables, shift_labels
+from trainer.model.layers import decoder_layer, head_loss, head_loss_backward, rope_tables, shift_labels
 from trainer.model.weights import EMBED, LM_HEAD, NORM, all_weights
 
 
@@ -60,6 +60,7 @@ class Executor:
             self.local_names.setdefault(w.group, {})[w.name] = w.local
         self._rope = None
         self._waits = [0.0, 0.0]
+        self._phase_waits: dict = {}
         # the trainer's thread, the copy lanes, the prefetcher and the optimizer hand work to each other
         # many times a step: a 5 ms GIL switch interval (Python's default) would add up to waits
         sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
@@ -198,6 +199,36 @@ class Executor:
         seconds = time.perf_counter() - t_start
         return StepResult(loss_value, norm, tokens, trained, seconds, self._waits[0], self._waits[1],
                           self._phase_waits)
+
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor, int]], version: int) -> tuple[float, int]:
+        """Forward only, layer-major, over ``batches`` with the weights of ``version`` (updates done so far):
+        (summed loss over the trained tokens, their count)."""
+        cfg, dev = self.cfg, self.device
+        req = self.prefetch.request
+        r_embed = req("embed", "param", version)
+        r_fwd = [req(i, "param", version) for i in range(cfg.num_layers)]
+        r_head = req("head", "param", version)
+        r_tied = req("embed", "param", version) if cfg.tie_word_embeddings else None
+        ids = [b[0].to(dev) for b in batches]
+        rope = self._rope_for(max(x.shape[1] for x in ids))
+        with torch.no_grad():
+            view = self._take(r_embed, "eval")
+            hs = [F.embedding(x, view.tensors[EMBED]) for x in ids]
+            view.release()
+            for i in range(cfg.num_layers):
+                view = self._take(r_fwd[i], "eval")
+                w = self._weights(view)
+                hs = [decoder_layer(w, h, rope, cfg) for h in hs]
+                view.release()
+            view = self._take(r_head, "eval")
+            tied_view = self._take(r_tied, "eval") if r_tied is not None else None
+            head_w = (tied_view or view).tensors[EMBED if tied_view is not None else LM_HEAD]
+            total = sum(float(head_loss(h, shift_labels(b[1]).to(dev), view.tensors[NORM], head_w, cfg.rms_norm_eps,
+                                        self.loss_chunk)) for h, b in zip(hs, batches))
+            view.release()
+            if tied_view is not None:
+                tied_view.release()
+        return total, sum(int((shift_labels(b[1]) != -100).sum()) for b in batches)
 
     def close(self) -> None:
         self.prefetch.close()

@@ -25,7 +25,7 @@ from tiermem.sizes import format_size
 from tiermem.store import Store
 from trainer.config import TrainConfig, read_yaml, resolved
 from trainer.data.batches import StepPlan, collate
-from trainer.data.prepare import prepare_rows
+from trainer.data.prepare import Rows, load_rows, split_eval
 from trainer.executor import Executor
 from trainer.model.config import load_model_config
 from trainer.model.hf_io import export_model, import_weights, init_weights, weight_files
@@ -81,19 +81,21 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
         except ImportError:
             raise ConfigError("plot_loss: true needs matplotlib (pip install matplotlib)") from None
     torch.manual_seed(cfg.seed)
-    rows = prepare_rows(cfg, mcfg, model_dir)
+    rows, eval_rows = prepare_data(cfg, mcfg, model_dir, console)
+    show_example(rows, model_dir, say)
     plan = StepPlan(len(rows), cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps, cfg.seed)
     total = plan.total_steps(cfg.num_train_epochs, cfg.max_steps)
     warmup = warmup_steps(total, cfg.warmup_steps, cfg.warmup_ratio)
     scfg = store_config(cfg.tiermem)
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     n_params = mcfg.num_params()
-    if cfg.template is not None:
-        say(f"note: template '{cfg.template}' is not used: stage pt and tokenized datasets need no chat template")
+    if eval_rows is not None and cfg.eval_strategy == "no":
+        say("note: evaluation data is set but eval_strategy is no: no evaluation will run")
     say(f"[bold]tiermem-train[/]: {mcfg.family} {n_params / 1e6:,.1f}M params, {mcfg.num_layers} layers, "
-                  f"{'bf16' if cfg.bf16 else 'fp32'}; {len(rows)} rows ({rows.dropped} dropped) from "
-                  f"{', '.join(rows.sources)}; {total} steps of {cfg.per_device_train_batch_size}x"
-                  f"{cfg.gradient_accumulation_steps} rows (warmup {warmup})")
+        f"{'bf16' if cfg.bf16 else 'fp32'}; {len(rows)} training rows"
+        + (f", {len(eval_rows)} evaluation rows" if eval_rows is not None else "")
+        + f"; {total} steps of {cfg.per_device_train_batch_size}x{cfg.gradient_accumulation_steps} rows "
+        f"(warmup {warmup})")
 
     store = Store.open(scfg, state_specs(mcfg, dtype), streamed_kinds=("param",))
     optimizer = executor = None
@@ -138,6 +140,9 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
                         "layer-major passes are not supported yet)") from None
                 report.step(step + 1, result, lr, plan.epoch_of(step + 1), time.perf_counter() - t0,
                             step + 1 == total, cfg.logging_steps)
+                if cfg.eval_strategy == "steps" and (step + 1) % cfg.eval_steps == 0:
+                    loss = evaluate(executor, eval_rows, cfg, mcfg, step + 1)
+                    report.eval(step + 1, loss, plan.epoch_of(step + 1), time.perf_counter() - t0)
                 bar.advance(task)
             optimizer.wait()
         runtime = time.perf_counter() - t0
@@ -148,6 +153,8 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
         results = report.results(plan.epoch_of(total), runtime, total, rows_seen)
         if cfg.plot_loss:
             plot_loss(out, report.losses)
+            if report.eval_losses:
+                plot_loss(out, report.eval_losses, "eval_loss")
         (out / "store_stats.json").write_text(json.dumps(store.stats(), indent=1, default=str) + "\n")
         say(f"done: {total} steps in {runtime:.1f}s, train_loss {results['train_loss']:.4f}; "
                       f"model saved to {out}")
@@ -158,6 +165,63 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
         if optimizer is not None:
             optimizer.close()
         store.close()
+
+
+def prepare_data(cfg: TrainConfig, mcfg, model_dir: Path, console: Console):
+    """The training rows and the evaluation rows (or None), tokenized through the cache, with a bar."""
+    say = lambda text: console.print(text, soft_wrap=True, highlight=False)
+
+    def load(names: str, what: str) -> Rows:
+        with _bar(console) as bar:
+            task = bar.add_task(f"tokenizing {what}", total=None)
+            rows = load_rows(names, cfg, mcfg, model_dir, lambda n: bar.advance(task, n))
+        say(f"{what}: {len(rows)} rows from {', '.join(rows.sources)}"
+            + (" (from the cache)" if rows.from_cache else "")
+            + (f"; {rows.dropped} dropped with nothing to predict" if rows.dropped else "")
+            + (f"; {rows.skipped} bad rows skipped" if rows.skipped else ""))
+        return rows
+
+    rows = load(cfg.dataset, "training data")
+    eval_rows = load(cfg.eval_dataset, "evaluation data") if cfg.eval_dataset else None
+    if cfg.val_size > 0:
+        rows, eval_rows = split_eval(rows, cfg.val_size, cfg.seed)
+    return rows, eval_rows
+
+
+def preview(cfg: TrainConfig, n: int) -> None:
+    """``--preview N``: the first N processed training rows (file order) as JSON lines on stdout."""
+    model_dir = Path(cfg.model_name_or_path)
+    mcfg = load_model_config(model_dir)
+    rows = load_rows(cfg.dataset, cfg, mcfg, model_dir)
+    for ids, labels in list(zip(rows.input_ids, rows.labels))[:n]:
+        print(json.dumps({"input_ids": ids, "labels": ids if labels is None else labels}))
+
+
+def show_example(rows: Rows, model_dir: Path, say) -> None:
+    """Print the first training example decoded, and the part of it that is trained (as LLaMA-Factory does)."""
+    if not (Path(model_dir) / "tokenizer.json").is_file():
+        return
+    from trainer.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    ids, labels = rows.input_ids[0], rows.labels[0]
+    trained = ids if labels is None else [t for t in labels if t != -100]
+    say(f"example input ({len(ids)} tokens):\n{tok.decode(ids)}")
+    say(f"example trained part ({len(trained)} tokens):\n{tok.decode(trained)}")
+
+
+def evaluate(executor: Executor, rows: Rows, cfg: TrainConfig, mcfg, version: int) -> float:
+    """Mean loss over every trained token of ``rows``, with the weights after ``version`` updates; the
+    micro-batches go layer-major in groups of gradient_accumulation_steps (the activations of a step)."""
+    bs, group = cfg.per_device_eval_batch_size, cfg.gradient_accumulation_steps
+    mbs = [list(range(i, min(i + bs, len(rows)))) for i in range(0, len(rows), bs)]
+    total, count = 0.0, 0
+    for g in range(0, len(mbs), group):
+        batches = [collate([rows.input_ids[i] for i in idx], [rows.labels[i] for i in idx], _pad_id(mcfg))
+                   for idx in mbs[g: g + group]]
+        s, n = executor.evaluate(batches, version)
+        total, count = total + s, count + n
+    return total / max(count, 1)
 
 
 def _pad_id(mcfg) -> int:

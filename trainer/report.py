@@ -20,6 +20,7 @@ class Reporter:
         self.log_path.write_text("")
         self.window: list = []
         self.losses: list[tuple[int, float]] = []
+        self.eval_losses: list[tuple[int, float]] = []
         self.all_losses: list[float] = []
         self.total_tokens = 0
         self.train_seconds = 0.0
@@ -54,6 +55,15 @@ class Reporter:
         with self.log_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 
+    def eval(self, step: int, loss: float, epoch: float, elapsed: float) -> None:
+        self.eval_losses.append((step, loss))
+        self.print(f"step {step}/{self.total} | eval_loss {loss:.4f}")
+        record = {"current_steps": step, "total_steps": self.total, "eval_loss": round(loss, 6),
+                  "epoch": round(epoch, 4), "percentage": round(step / self.total * 100, 2),
+                  "elapsed_time": _hms(elapsed), "remaining_time": _hms(elapsed / step * (self.total - step))}
+        with self.log_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
     def results(self, epoch: float, runtime: float, steps: int, rows_seen: int) -> dict:
         res = {"epoch": round(epoch, 4), "train_loss": sum(self.all_losses) / max(len(self.all_losses), 1),
                "train_runtime": round(runtime, 4), "train_samples_per_second": round(rows_seen / runtime, 3),
@@ -75,7 +85,7 @@ def smooth(values: list[float]) -> list[float]:
     return out
 
 
-def plot_loss(out_dir: Path, losses: list[tuple[int, float]]) -> Path:
+def plot_loss(out_dir: Path, losses: list[tuple[int, float]], key: str = "loss") -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -86,11 +96,11 @@ def plot_loss(out_dir: Path, losses: list[tuple[int, float]]) -> Path:
     fig = plt.figure()
     plt.plot(steps, values, color="#1f77b4", alpha=0.4, label="original")
     plt.plot(steps, smooth(values), color="#1f77b4", label="smoothed")
-    plt.title(f"training loss of {out_dir}")
+    plt.title(f"training {key} of {out_dir}")
     plt.xlabel("step")
-    plt.ylabel("loss")
+    plt.ylabel(key)
     plt.legend()
-    path = out_dir / "training_loss.png"
+    path = out_dir / f"training_{key}.png"
     plt.savefig(path, format="png", dpi=100)
     plt.close(fig)
     return path

@@ -1,114 +1,298 @@
-"""From the config's datasets to training rows of (input_ids, labels).
+"""From the config's datasets to training rows of (input_ids, labels), cached.
 
-- ``formatting: tokenized``: each row gives ``input_ids`` (a list of token ids) and optionally
-  ``labels`` (aligned with input_ids, -100 masked; absent = train on every token); rows are cut at
-  ``cutoff_len``.
-- ``stage: pt`` over text: every text gets the eos token appended, all are concatenated and cut into
-  blocks of ``cutoff_len`` tokens (the remainder is dropped); with a tokenizer that adds bos, each block
-  starts with it. Labels are the input ids.
+- ``formatting: tokenized`` rows give ``input_ids`` and optionally ``labels`` (aligned, -100 masked;
+  absent = train on every token), cut at ``cutoff_len``.
+- ``alpaca`` / ``sharegpt`` rows become conversations (``convert``); with ``stage: sft`` they are
+  rendered by the chat ``template`` and labelled per turn (``sft``); with ``stage: pt`` the first user
+  message's text is the document: every document gets the eos token, all are concatenated and cut into
+  ``cutoff_len`` blocks (the remainder is dropped), each block starting with bos when the tokenizer adds one.
 
-``max_samples`` caps the rows read from each dataset. Rows with nothing left to predict (fewer than two
-tokens, or every label after the first masked) are dropped and counted.
+``max_samples`` caps the rows read from each dataset. A bad row stops with one line naming the file and
+row, unless ``tiermem_skip_bad_rows`` is set (then it is skipped and counted). Rows left with nothing to
+predict are dropped and counted. The result is cached under a key of everything it depends on (the
+files with their sizes and mtimes, the tokenizer, template, cutoff_len, stage and options), so a second
+run starts at once; ``overwrite_cache`` rebuilds it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
+import multiprocessing
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import numpy as np
+import torch
+
+from trainer.data.convert import BadRow, alpaca, columns_of, sharegpt, tags_of
 from trainer.data.registry import DataError, DatasetEntry, read_rows, resolve
+from trainer.data.sft import IGNORE, encode_example
+
+CACHE_VERSION = 1
 
 
 @dataclass
 class Rows:
     input_ids: list[list[int]]
     labels: list[list[int] | None]
-    dropped: int = 0
+    dropped: int = 0  # nothing left to predict
+    skipped: int = 0  # bad rows skipped (tiermem_skip_bad_rows)
     sources: list[str] = field(default_factory=list)
+    from_cache: bool = False
 
     def __len__(self) -> int:
         return len(self.input_ids)
 
+    def subset(self, idx: list[int]) -> Rows:
+        return Rows([self.input_ids[i] for i in idx], [self.labels[i] for i in idx], 0, 0, self.sources)
 
-def _tokenized(entry: DatasetEntry, cutoff: int, max_samples: int | None, out: Rows, vocab: int) -> None:
+
+# -- reading ------------------------------------------------------------------------------------------
+def _tokenized(entry: DatasetEntry, cfg, vocab: int, out: Rows) -> None:
     n = 0
     for path in entry.files:
         for i, row in read_rows(path):
-            if max_samples is not None and n >= max_samples:
+            if cfg.max_samples is not None and n >= cfg.max_samples:
                 return
-            where = f"{path}: row {i}"
-            if not isinstance(row, dict) or "input_ids" not in row:
-                raise DataError(f"{where}: expected an object with 'input_ids' (formatting: tokenized)")
-            ids = row["input_ids"]
-            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise DataError(f"{where}: input_ids must be a list of integers")
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise DataError(f"{where}: token id {bad[0]} is outside the model's vocabulary (0..{vocab - 1})")
-            labels = row.get("labels")
-            if labels is not None:
-                if not isinstance(labels, list) or len(labels) != len(ids):
-                    raise DataError(f"{where}: labels must be a list as long as input_ids ({len(ids)})")
-                if not all(isinstance(t, int) and (t == -100 or 0 <= t < vocab) for t in labels):
-                    raise DataError(f"{where}: labels must be token ids or -100")
-                labels = labels[:cutoff]
-            ids = ids[:cutoff]
-            n += 1
-            if len(ids) < 2 or (labels is not None and all(t == -100 for t in labels[1:])):
-                out.dropped += 1
+            try:
+                ids, labels = _check_tokenized(row, vocab)
+            except BadRow as e:
+                if not cfg.tiermem_skip_bad_rows:
+                    raise DataError(f"{path}: row {i}: {e}") from None
+                out.skipped += 1
                 continue
-            out.input_ids.append(ids)
-            out.labels.append(labels)
+            n += 1
+            _keep(out, ids[: cfg.cutoff_len], None if labels is None else labels[: cfg.cutoff_len])
 
 
-def _texts(entry: DatasetEntry, max_samples: int | None) -> list[str]:
-    column = entry.columns.get("prompt", "text")
-    texts = []
+def _check_tokenized(row, vocab: int):
+    if not isinstance(row, dict) or "input_ids" not in row:
+        raise BadRow("expected an object with 'input_ids' (formatting: tokenized)")
+    ids = row["input_ids"]
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise BadRow("input_ids must be a list of integers")
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise BadRow(f"token id {bad[0]} is outside the model's vocabulary (0..{vocab - 1})")
+    labels = row.get("labels")
+    if labels is not None:
+        if not isinstance(labels, list) or len(labels) != len(ids):
+            raise BadRow(f"labels must be a list as long as input_ids ({len(ids)})")
+        if not all(isinstance(t, int) and (t == IGNORE or 0 <= t < vocab) for t in labels):
+            raise BadRow("labels must be token ids or -100")
+    return ids, labels
+
+
+def _keep(out: Rows, ids: list[int], labels: list[int] | None) -> None:
+    if len(ids) < 2 or (labels is not None and all(t == IGNORE for t in labels[1:])):
+        out.dropped += 1
+        return
+    out.input_ids.append(ids)
+    out.labels.append(labels)
+
+
+def _conversations(entry: DatasetEntry, cfg, out: Rows):
+    """Yield (where, conversation) for each good row of an alpaca/sharegpt entry."""
+    cols = columns_of(entry.formatting, entry.columns)
+    tags = tags_of(entry.tags)
+    n = 0
     for path in entry.files:
         for i, row in read_rows(path):
-            if max_samples is not None and len(texts) >= max_samples:
-                return texts
-            if not isinstance(row, dict) or not isinstance(row.get(column), str):
-                raise DataError(f"{path}: row {i}: expected a string in column '{column}'")
-            texts.append(row[column])
-    return texts
+            if cfg.max_samples is not None and n >= cfg.max_samples:
+                return
+            try:
+                if entry.formatting == "alpaca":
+                    conv = alpaca(row, cols, prompt_only=cfg.stage == "pt")
+                else:
+                    conv = sharegpt(row, cols, tags)
+            except BadRow as e:
+                if not cfg.tiermem_skip_bad_rows:
+                    raise DataError(f"{path}: row {i}: {e}") from None
+                out.skipped += 1
+                continue
+            n += 1
+            yield f"{path}: row {i}", conv
 
 
-def prepare_rows(cfg, model_cfg, model_dir) -> Rows:
-    """The training rows for ``cfg`` (a TrainConfig)."""
-    entries = resolve(cfg.dataset, cfg.dataset_dir)
-    out = Rows([], [], sources=[e.name for e in entries])
-    texts: list[str] = []
-    for e in entries:
-        if e.formatting == "tokenized":
-            _tokenized(e, cfg.cutoff_len, cfg.max_samples, out, model_cfg.vocab_size)
-        elif cfg.stage == "pt" and e.formatting == "alpaca":
-            texts += _texts(e, cfg.max_samples)
-        else:
-            raise DataError(f"dataset '{e.name}' (formatting: {e.formatting}) needs the chat-template data system, "
-                            "which is not supported yet (issue 4); use stage: pt over text or a tokenized dataset")
-    if texts:
-        _pack(texts, cfg.cutoff_len, model_dir, out)
-    if not out.input_ids:
-        raise DataError(f"dataset {cfg.dataset}: no usable rows ({out.dropped} dropped: fewer than two tokens "
-                        "or no trained label)")
+# -- tokenizing (in this process or a pool) ------------------------------------------------------------
+_WORKER: dict = {}
+
+
+def _init_worker(model_dir: str, template: str | None, cutoff: int, train_on_prompt: bool, mask_history: bool):
+    from trainer.data.templates import get_template
+    from trainer.data.tokenizer import load_tokenizer
+
+    _WORKER.update(tok=load_tokenizer(model_dir), template=get_template(template) if template else None,
+                   cutoff=cutoff, train_on_prompt=train_on_prompt, mask_history=mask_history)
+
+
+def _encode_sft_chunk(items: list[tuple[list[dict], str]]) -> list[tuple[list[int], list[int]]]:
+    w = _WORKER
+    return [encode_example(w["template"], w["tok"], m, s, w["cutoff"], w["train_on_prompt"], w["mask_history"])
+            for m, s in items]
+
+
+def _encode_text_chunk(texts: list[str]) -> list[list[int]]:
+    return _WORKER["tok"].encode_batch(texts)
+
+
+def _map(fn, items: list, init_args: tuple, workers: int, progress) -> list:
+    chunk = 256
+    chunks = [items[i: i + chunk] for i in range(0, len(items), chunk)]
+    out: list = []
+    if workers <= 1:
+        _init_worker(*init_args)
+        for c in chunks:
+            out += fn(c)
+            progress(len(c))
+        return out
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
+        for c, res in zip(chunks, pool.imap(fn, chunks)):
+            out += res
+            progress(len(c))
     return out
 
 
-def _pack(texts: list[str], cutoff: int, model_dir, out: Rows) -> None:
+# -- the whole dataset ---------------------------------------------------------------------------------
+def build_rows(names: str, cfg, model_cfg, model_dir, progress=None) -> Rows:
+    """Read, convert and tokenize the datasets ``names`` (comma-separated) of ``cfg`` (a TrainConfig)."""
+    progress = progress or (lambda n: None)
+    entries = resolve(names, cfg.dataset_dir)
+    out = Rows([], [], sources=[e.name for e in entries])
+    convs, texts = [], []
+    for e in entries:
+        if e.formatting == "tokenized":
+            _tokenized(e, cfg, model_cfg.vocab_size, out)
+        else:
+            for _, conv in _conversations(e, cfg, out):
+                if cfg.stage == "pt":
+                    texts.append(conv.messages[0]["content"])
+                else:
+                    convs.append((conv.messages, conv.system))
+    init = (str(model_dir), cfg.template, cfg.cutoff_len, cfg.train_on_prompt, cfg.mask_history)
+    workers = cfg.preprocessing_num_workers or 1
+    if convs:
+        if cfg.template is None:
+            raise DataError("stage sft over alpaca/sharegpt data needs a chat template: set template: (one of "
+                            "default, empty, alpaca, llama2, llama3, mistral, qwen, gemma)")
+        for ids, labels in _map(_encode_sft_chunk, convs, init, workers, progress):
+            _keep(out, ids, labels)
+    if texts:
+        _pack(_map(_encode_text_chunk, texts, init, workers, progress), cfg, model_dir, out)
+    if not out.input_ids:
+        raise DataError(f"dataset {names}: no usable rows ({out.dropped} dropped with nothing to predict, "
+                        f"{out.skipped} bad rows skipped)")
+    return out
+
+
+def _pack(docs: list[list[int]], cfg, model_dir, out: Rows) -> None:
+    from trainer.data.templates import eos_id, get_template
     from trainer.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir)
+    if cfg.template == "llama3" and tok.backend.token_to_id("<|end_of_text|>") is not None:
+        eos = tok.backend.token_to_id("<|end_of_text|>")  # as LLaMA-Factory: documents end with end_of_text
+    elif cfg.template is not None:
+        eos = eos_id(get_template(cfg.template), tok)
+    else:
+        eos = tok.eos_id
     stream: list[int] = []
-    for ids in tok.encode_batch(texts):
+    for ids in docs:
         stream += ids
-        stream.append(tok.eos_id)
-    n_blocks = len(stream) // cutoff
+        stream.append(eos)
+    n_blocks = len(stream) // cfg.cutoff_len
     if n_blocks == 0:
-        raise DataError(f"stage pt: the texts hold {len(stream)} tokens, fewer than cutoff_len ({cutoff}); "
+        raise DataError(f"stage pt: the texts hold {len(stream)} tokens, fewer than cutoff_len ({cfg.cutoff_len}); "
                         "lower cutoff_len or add text")
     for b in range(n_blocks):
-        block = stream[b * cutoff: (b + 1) * cutoff]
+        block = stream[b * cfg.cutoff_len: (b + 1) * cfg.cutoff_len]
         if tok.add_bos and tok.bos_id is not None:
             block[0] = tok.bos_id
         out.input_ids.append(block)
         out.labels.append(None)
+
+
+# -- the cache -----------------------------------------------------------------------------------------
+def cache_dir(cfg) -> Path:
+    return Path(cfg.tiermem_cache_dir or os.environ.get("TIERMEM_CACHE") or Path.home() / ".cache" / "tiermem"
+                ) / "datasets"
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""
+
+
+def cache_key(names: str, cfg, model_dir) -> str:
+    entries = resolve(names, cfg.dataset_dir)
+    files = []
+    for e in entries:
+        for f in e.files:
+            st = f.stat()
+            files.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
+    md = Path(model_dir)
+    key = {"v": CACHE_VERSION, "entries": [[e.name, e.formatting, e.columns, e.tags] for e in entries],
+           "files": files, "tokenizer": [_digest(md / n) for n in ("tokenizer.json", "tokenizer_config.json",
+                                                                   "config.json")],
+           "stage": cfg.stage, "template": cfg.template, "cutoff_len": cfg.cutoff_len, "max_samples": cfg.max_samples,
+           "train_on_prompt": cfg.train_on_prompt, "mask_history": cfg.mask_history,
+           "skip_bad_rows": cfg.tiermem_skip_bad_rows}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def _save(path: Path, rows: Rows) -> None:
+    lens = np.array([len(r) for r in rows.input_ids], dtype=np.int64)
+    has = np.array([lab is not None for lab in rows.labels], dtype=bool)
+    ids = np.fromiter((t for r in rows.input_ids for t in r), dtype=np.int32, count=int(lens.sum()))
+    labels = np.fromiter((t for r, lab in zip(rows.input_ids, rows.labels) for t in (lab if lab is not None else r)),
+                         dtype=np.int32, count=int(lens.sum()))
+    meta = json.dumps({"dropped": rows.dropped, "skipped": rows.skipped, "sources": rows.sources})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp.npz")
+    np.savez(tmp, ids=ids, labels=labels, lens=lens, has=has, meta=np.array(meta))
+    os.replace(tmp, path)
+
+
+def _load(path: Path) -> Rows | None:
+    try:
+        with np.load(path) as z:
+            ids, labels, lens, has = z["ids"], z["labels"], z["lens"], z["has"]
+            meta = json.loads(str(z["meta"]))
+    except (OSError, ValueError, KeyError):
+        return None  # absent or unreadable: rebuild
+    bounds = np.concatenate([[0], np.cumsum(lens)])
+    rows = Rows([], [], meta["dropped"], meta["skipped"], meta["sources"], from_cache=True)
+    for n in range(len(lens)):
+        a, b = bounds[n], bounds[n + 1]
+        rows.input_ids.append(ids[a:b].tolist())
+        rows.labels.append(labels[a:b].tolist() if has[n] else None)
+    return rows
+
+
+def load_rows(names: str, cfg, model_cfg, model_dir, progress=None) -> Rows:
+    """``build_rows`` through the cache."""
+    path = cache_dir(cfg) / f"{cache_key(names, cfg, model_dir)}.npz"
+    if not cfg.overwrite_cache:
+        rows = _load(path)
+        if rows is not None:
+            return rows
+    rows = build_rows(names, cfg, model_cfg, model_dir, progress)
+    try:
+        _save(path, rows)
+    except OSError:
+        pass  # an unwritable cache only costs the next run its head start
+    return rows
+
+
+def split_eval(rows: Rows, val_size: float, seed: int) -> tuple[Rows, Rows]:
+    """Hold out ``val_size`` of the rows (a fraction below 1, or a count) for evaluation, by a seeded draw."""
+    n = len(rows)
+    n_eval = math.ceil(val_size * n) if val_size < 1 else int(val_size)
+    if not 0 < n_eval < n:
+        raise DataError(f"val_size {val_size} leaves {n - n_eval} of {n} rows for training; lower it")
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return rows.subset(sorted(perm[n_eval:])), rows.subset(sorted(perm[:n_eval]))

@@ -1,20 +1,25 @@
 """``dataset_dir/dataset_info.json`` as LLaMA-Factory defines it, and reading a dataset's rows.
 
-Each entry names a ``file_name`` (json, jsonl or txt; a folder of them) and a ``formatting``. This
-trainer reads ``tokenized`` (ours: rows with ``input_ids`` and optional ``labels``) and, for
-``stage: pt``, the text column of an ``alpaca``-formatted entry (``columns: {prompt: text}``, the
-default column being ``text``). Other formattings come with the full data system (issue 4).
+An entry names a ``file_name`` (json, jsonl, csv, parquet or txt; or a folder of them), a
+``formatting`` (``alpaca``, ``sharegpt``, or ours: ``tokenized``), optional ``columns`` (prompt, query,
+response, history, system, tools / messages, system, tools) and, for sharegpt, ``tags`` (role_tag,
+content_tag, user_tag, assistant_tag, observation_tag, function_tag, system_tag). Hub entries
+(``hf_hub_url`` ...) cannot be fetched offline and are refused with what to do instead.
 """
 
 from __future__ import annotations
 
+import csv
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tiermem.errors import ConfigError, nearest
 
-READABLE = (".json", ".jsonl", ".txt")
+READABLE = (".json", ".jsonl", ".csv", ".parquet", ".txt")
+FORMATTINGS = ("alpaca", "sharegpt", "tokenized")
+ENTRY_KEYS = ("file_name", "formatting", "columns", "tags", "ranking", "split", "num_samples", "subset", "folder",
+              "hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name", "revision", "file_sha1")
 
 
 class DataError(ConfigError):
@@ -26,7 +31,8 @@ class DatasetEntry:
     name: str
     files: list[Path]
     formatting: str = "alpaca"
-    columns: dict = field(default_factory=dict)
+    columns: dict | None = None  # None: LLaMA-Factory's defaults
+    tags: dict | None = None
 
 
 def load_registry(dataset_dir: str | Path) -> dict:
@@ -44,22 +50,37 @@ def load_registry(dataset_dir: str | Path) -> dict:
 
 def resolve(names: str, dataset_dir: str | Path) -> list[DatasetEntry]:
     info = load_registry(dataset_dir)
+    where = Path(dataset_dir) / "dataset_info.json"
     out = []
     for name in [n.strip() for n in names.split(",") if n.strip()]:
         if name not in info:
-            raise DataError(f"dataset '{name}' is not in {Path(dataset_dir) / 'dataset_info.json'}"
-                            f"{nearest(name, list(info))}")
+            raise DataError(f"dataset '{name}' is not in {where}{nearest(name, list(info))}")
         entry = info[name]
         if not isinstance(entry, dict):
-            raise DataError(f"dataset_info.json: entry '{name}' must be a mapping")
-        for hub in ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name"):
-            if hub in entry and "file_name" not in entry:
+            raise DataError(f"{where}: entry '{name}' must be a mapping")
+        for key in entry:
+            if key not in ENTRY_KEYS:
+                raise DataError(f"{where}: entry '{name}' has unknown key '{key}'{nearest(key, ENTRY_KEYS)}")
+        if "file_name" not in entry:
+            hub = next((k for k in ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
+                        if k in entry), None)
+            if hub:
                 raise DataError(f"dataset '{name}' is fetched from a hub ({hub}), which tiermem cannot do offline; "
                                 "download the data and point 'file_name' at it")
-        if "file_name" not in entry:
-            raise DataError(f"dataset_info.json: entry '{name}' has no file_name")
-        out.append(DatasetEntry(name, _files(Path(dataset_dir) / entry["file_name"], name),
-                                entry.get("formatting", "alpaca"), dict(entry.get("columns") or {})))
+            raise DataError(f"{where}: entry '{name}' has no file_name")
+        if entry.get("ranking"):
+            raise DataError(f"dataset '{name}' is a ranking (preference) dataset; only sft and pt are supported")
+        if entry.get("num_samples") is not None or entry.get("split", "train") != "train":
+            raise DataError(f"dataset '{name}': 'num_samples' and 'split' are not supported yet; use max_samples")
+        formatting = entry.get("formatting", "alpaca")
+        if formatting not in FORMATTINGS:
+            raise DataError(f"dataset '{name}': formatting '{formatting}' is not supported"
+                            f"{nearest(str(formatting), FORMATTINGS)}; formattings are {', '.join(FORMATTINGS)}")
+        for key in ("columns", "tags"):
+            if key in entry and not isinstance(entry[key], dict):
+                raise DataError(f"dataset '{name}': '{key}' must be a mapping")
+        out.append(DatasetEntry(name, _files(Path(dataset_dir) / entry["file_name"], name), formatting,
+                                entry.get("columns"), entry.get("tags")))
     if not out:
         raise DataError("dataset: no dataset named")
     return out
@@ -74,20 +95,20 @@ def _files(path: Path, name: str) -> list[Path]:
     if not path.is_file():
         raise DataError(f"dataset '{name}': file not found: {path}")
     if path.suffix not in READABLE:
-        raise DataError(f"dataset '{name}': {path.suffix} files are not supported yet (json, jsonl, txt)")
+        raise DataError(f"dataset '{name}': {path.suffix} files are not supported ({', '.join(READABLE)})")
     return [path]
 
 
 def read_rows(path: Path):
-    """Yield (row number, row) from a json (list of objects), jsonl or txt (one ``{"text": line}`` each) file."""
+    """Yield (row number, row) from a json (a list of objects), jsonl, csv, parquet or txt (one
+    ``{"text": line}`` per non-empty line) file."""
     try:
         if path.suffix == ".txt":
             with path.open(encoding="utf-8") as f:
                 for i, line in enumerate(f, 1):
                     if line.strip():
                         yield i, {"text": line.rstrip("\n")}
-            return
-        if path.suffix == ".jsonl":
+        elif path.suffix == ".jsonl":
             with path.open(encoding="utf-8") as f:
                 for i, line in enumerate(f, 1):
                     if not line.strip():
@@ -96,13 +117,26 @@ def read_rows(path: Path):
                         yield i, json.loads(line)
                     except json.JSONDecodeError as e:
                         raise DataError(f"{path}: line {i} is not valid JSON: {e.msg}") from None
-            return
-        try:
-            rows = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}: not valid JSON: {e}") from None
-        if not isinstance(rows, list):
-            raise DataError(f"{path}: expected a JSON list of rows")
-        yield from enumerate(rows, 1)
+        elif path.suffix == ".csv":
+            with path.open(encoding="utf-8", newline="") as f:
+                yield from enumerate(csv.DictReader(f), 1)
+        elif path.suffix == ".parquet":
+            try:
+                import pyarrow.parquet as pq
+            except ImportError:
+                raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
+            yield from enumerate(pq.read_table(path).to_pylist(), 1)
+        else:
+            try:
+                rows = json.loads(path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}: not valid JSON: {e}") from None
+            if not isinstance(rows, list):
+                raise DataError(f"{path}: expected a JSON list of rows")
+            yield from enumerate(rows, 1)
     except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: cannot read: {e}") from None
+    except Exception as e:  # a corrupt parquet or csv file
+        if isinstance(e, DataError):
+            raise
         raise DataError(f"{path}: cannot read: {e}") from None

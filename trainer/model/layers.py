@@ -97,3 +97,15 @@ def head_loss_backward(h: torch.Tensor, targets: torch.Tensor, norm_w: torch.Ten
     with torch.enable_grad():
         gh, gnw = torch.autograd.grad(normed, [x, nw], grad_flat.view_as(normed))
     return loss, gh, gnw.float(), grad_hw
+
+
+def head_loss(h: torch.Tensor, targets: torch.Tensor, norm_w: torch.Tensor, head_w: torch.Tensor, eps: float,
+              chunk_tokens: int) -> torch.Tensor:
+    """Summed cross-entropy of the final norm + LM head over ``targets`` (-100 ignored), chunked, no grad."""
+    flat = rms_norm(h, norm_w, eps).reshape(-1, h.shape[-1])
+    tgt = targets.reshape(-1)
+    loss = torch.zeros((), dtype=torch.float32, device=h.device)
+    for s in range(0, flat.shape[0], chunk_tokens):
+        logits = F.linear(flat[s: s + chunk_tokens], head_w).float()
+        loss += F.cross_entropy(logits, tgt[s: s + chunk_tokens], ignore_index=-100, reduction="sum")
+    return loss
