@@ -123,7 +123,7 @@ def test_placement_over_budget(good, capsys):
 
 def test_not_yet_supported_keys_say_so(good, capsys):
     cfg, run, tmp = good
-    _expect_error(capsys, tmp, run(dict(cfg, save_steps=100)), "save_steps", "not supported yet")
+    _expect_error(capsys, tmp, run(dict(cfg, fp16=True)), "fp16", "not supported")
     _expect_error(capsys, tmp, run(dict(cfg, tiermem_server="/tmp/sock")), "tiermem_server", "not supported yet")
     _expect_error(capsys, tmp, run(dict(cfg, deepspeed="ds.json")), "deepspeed")
 

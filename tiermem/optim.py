@@ -79,6 +79,9 @@ class StoreAdamW:
         self.last_step_seconds = 0.0  # the last finished step's update, from its start to the last bump
         self.last_split: dict[str, float] = {}  # ... and where its time went
         self._busy, self._split, self._t0 = 0.0, {}, 0.0
+        # gate(group, update) blocks until update number ``update`` may change the group's state (a
+        # checkpoint being written reads it first); returns the seconds it waited
+        self.gate = None
 
     def _assign(self, share: float) -> set[Group]:
         """Spread ``share`` of the streamed groups evenly over the order, so both workers progress together."""
@@ -102,7 +105,8 @@ class StoreAdamW:
         if self._pending is not None and self._pending.done():
             self.last_step_seconds, self.last_split = self._busy, dict(self._split)
         self._t0, self._busy = time.perf_counter(), 0.0
-        self._split = {"cpu_adamw": 0.0, "cpu_compute_copy": 0.0, "cpu_staging": 0.0, "gpu_path": 0.0}
+        self._split = {"cpu_adamw": 0.0, "cpu_compute_copy": 0.0, "cpu_staging": 0.0, "gpu_path": 0.0,
+                       "save_wait": 0.0}
         cpu = self._cpu.submit(self._guard, self._run_cpu, [g for g in self.groups if g not in self.on_gpu],
                                step, lr, grad_scale)
         gpu = self._gpu.submit(self._guard, self._run_gpu, [g for g in self.groups if g in self.on_gpu],
@@ -134,6 +138,10 @@ class StoreAdamW:
         finally:
             self._busy = max(self._busy, time.perf_counter() - self._t0)
 
+    def _wait_gate(self, g: Group, step: int) -> None:
+        if self.gate is not None:
+            self._split["save_wait"] += self.gate(g, step)
+
     def _adamw(self, lists, step: int, lr: float, grad_scale: float | None, dev: torch.device) -> None:
         for decays, (ps, gs, ms, vs) in lists.items():
             if not ps:
@@ -159,6 +167,7 @@ class StoreAdamW:
             ts = time.perf_counter()
             views = {k: f.result() for k, f in staged.pop(g).items()}
             self._split["cpu_staging"] += time.perf_counter() - ts
+            self._wait_gate(g, step)
             self._update_in_place(g, views, step, lr, grad_scale)
             prev_writeback = self._finish(g, views, step)
 
@@ -234,6 +243,7 @@ class StoreAdamW:
                 if n + 1 < len(groups):
                     leaving.result()  # bounds the GPU memory in use to three groups
                     incoming = self._fetch_state(groups[n + 1])
+                self._wait_gate(g, step)
                 leaving = self._update_streamed(g, work, step, lr, grad_scale)
                 self._split["gpu_path"] += time.perf_counter() - t0
             leaving.result()

@@ -32,8 +32,6 @@ NOT_TAKEN = {
     "do_eval": "evaluation during training is set by eval_strategy: steps with eval_steps; remove do_eval",
     "streaming": "streaming datasets are not supported yet",
     "tool_format": "tool use is not supported yet",
-    "save_only_model": "checkpoints are not supported yet (issue 6)",
-    "save_total_limit": "checkpoints are not supported yet (issue 6)",
     "packing": "packing is not configurable yet: stage pt always packs, tokenized rows are never packed",
 }
 
@@ -66,7 +64,9 @@ class TrainConfig:
     # output
     overwrite_output_dir: bool = False
     logging_steps: int = 10
-    save_steps: int | None = None
+    save_steps: int | None = None  # write output_dir/checkpoint-N every N steps
+    save_only_model: bool = False
+    save_total_limit: int | None = None
     plot_loss: bool = False
     report_to: str = "none"
     # optimisation
@@ -170,11 +170,10 @@ def validate(c: TrainConfig) -> None:
     if c.tiermem_server:
         raise ConfigError("tiermem_server: attaching to a tiermem service is not supported yet (issue 5); "
                           "remove the key to run the store embedded")
-    if c.resume_from_checkpoint:
-        raise ConfigError("resume_from_checkpoint: checkpoints are not supported yet (issue 6)")
-    if c.save_steps is not None:
-        raise ConfigError("save_steps: intermediate checkpoints are not supported yet (issue 6); remove the key "
-                          "(the final model is always exported to output_dir)")
+    if c.save_steps is not None and c.save_steps <= 0:
+        raise ConfigError(f"save_steps must be positive, got {c.save_steps}")
+    if c.save_total_limit is not None and c.save_total_limit <= 0:
+        raise ConfigError(f"save_total_limit must be positive, got {c.save_total_limit}")
     positive = {"cutoff_len": c.cutoff_len, "per_device_train_batch_size": c.per_device_train_batch_size,
                 "gradient_accumulation_steps": c.gradient_accumulation_steps, "logging_steps": c.logging_steps,
                 "loss_chunk_tokens": c.loss_chunk_tokens}

@@ -23,6 +23,7 @@ from tiermem.errors import BudgetError, ConfigError
 from tiermem.optim import AdamWConfig, StoreAdamW
 from tiermem.sizes import format_size
 from tiermem.store import Store
+from trainer import checkpoint as ckpt
 from trainer.config import TrainConfig, read_yaml, resolved
 from trainer.data.batches import StepPlan, collate
 from trainer.data.prepare import Rows, load_rows, split_eval
@@ -70,10 +71,10 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
         raise ConfigError(f"cutoff_len {cfg.cutoff_len} exceeds the model's sliding_window {mcfg.sliding_window}; "
                           "sliding-window attention is not supported yet: lower cutoff_len")
     out = Path(cfg.output_dir)
-    if out.is_file() or (out.is_dir() and any(out.iterdir()) and not cfg.overwrite_output_dir):
-        raise ConfigError(f"output_dir {out} already exists and is not empty; set overwrite_output_dir: true "
-                          "or choose another output_dir")
-    if cfg.tiermem_init == "pretrained":
+    resume = find_resume(cfg, out)
+    if resume is not None:
+        ckpt.check(resume, mcfg, model_dir)  # whole, and this model's: before anything is touched
+    if cfg.tiermem_init == "pretrained" and resume is None:
         weight_files(model_dir)
     if cfg.plot_loss:
         try:
@@ -98,32 +99,44 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
         f"(warmup {warmup})")
 
     store = Store.open(scfg, state_specs(mcfg, dtype), streamed_kinds=("param",))
-    optimizer = executor = None
+    optimizer = executor = saver = None
     try:
         _describe_store(store, say)
         kinds = {"param": dtype, **({"master": torch.float32} if cfg.bf16 else {})}
+        start = 0
         with _bar(console) as bar:
-            what = "initialising" if cfg.tiermem_init == "random" else "loading"
+            what = "resuming" if resume else "initialising" if cfg.tiermem_init == "random" else "loading"
             task = bar.add_task(f"{what} weights", total=n_params)
             adv = lambda n: bar.advance(task, n)
-            if cfg.tiermem_init == "random":
+            if resume is not None:
+                start = ckpt.load(store, resume, mcfg, dtype, cfg.bf16, adv)
+                state = json.loads((resume / "trainer_state.json").read_text())
+                ckpt.set_rng_state(state.get("rng", {}))
+            elif cfg.tiermem_init == "random":
                 init_weights(store, mcfg, kinds, cfg.seed, store.gpu.device, adv)
             else:
                 import_weights(store, mcfg, model_dir, kinds, adv)
+        if resume is not None:
+            say(f"resumed from {resume} at step {start} (epoch {plan.epoch_of(start):.2f})")
 
         out.mkdir(parents=True, exist_ok=True)
+        ckpt.remove_partial(out)
         (out / "training_args.yaml").write_text(yaml.safe_dump(resolved(cfg, scfg), sort_keys=False))
         decay = {w.name: w.decay for w in all_weights(mcfg)}
         optimizer = StoreAdamW(store, group_order(mcfg), decay,
                                AdamWConfig(cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.weight_decay),
                                has_master=cfg.bf16)
         executor = Executor(store, mcfg, dtype, optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens)
-        report = Reporter(out, total, n_params, say)
+        report = Reporter(out, total, n_params, say, resume_step=start)
+        if cfg.save_steps:
+            saver = ckpt.Saver(store, mcfg, out, model_dir, dtype, cfg.bf16, cfg.save_only_model,
+                               cfg.save_total_limit, say)
+            optimizer.gate = saver.gate
         t0 = time.perf_counter()
         rows_seen = 0
         with _bar(console) as bar:
-            task = bar.add_task("training", total=total)
-            for step in range(total):
+            task = bar.add_task("training", total=total, completed=start)
+            for step in range(start, total):
                 batches = []
                 for idx in plan.rows_of_step(step):
                     batches.append(collate([rows.input_ids[i] for i in idx], [rows.labels[i] for i in idx],
@@ -140,17 +153,23 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
                         "layer-major passes are not supported yet)") from None
                 report.step(step + 1, result, lr, plan.epoch_of(step + 1), time.perf_counter() - t0,
                             step + 1 == total, cfg.logging_steps)
+                if saver is not None and (step + 1) % cfg.save_steps == 0:
+                    saver.begin(step + 1, {"global_step": step + 1, "epoch": plan.epoch_of(step + 1),
+                                           "total_steps": total, "rng": ckpt.rng_state(),
+                                           "config": resolved(cfg, scfg)})
                 if cfg.eval_strategy == "steps" and (step + 1) % cfg.eval_steps == 0:
                     loss = evaluate(executor, eval_rows, cfg, mcfg, step + 1)
                     report.eval(step + 1, loss, plan.epoch_of(step + 1), time.perf_counter() - t0)
                 bar.advance(task)
             optimizer.wait()
+            if saver is not None:
+                saver.wait()
         runtime = time.perf_counter() - t0
         with _bar(console) as bar:
             task = bar.add_task("exporting", total=n_params)
             export_model(store, mcfg, out, "master" if cfg.bf16 else "param", dtype, model_dir,
                          lambda n: bar.advance(task, n))
-        results = report.results(plan.epoch_of(total), runtime, total, rows_seen)
+        results = report.results(plan.epoch_of(total), runtime, max(total - start, 1), rows_seen)
         if cfg.plot_loss:
             plot_loss(out, report.losses)
             if report.eval_losses:
@@ -165,6 +184,25 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
         if optimizer is not None:
             optimizer.close()
         store.close()
+
+
+def find_resume(cfg: TrainConfig, out: Path) -> Path | None:
+    """The checkpoint to resume from: ``resume_from_checkpoint``, else (as LLaMA-Factory) the newest
+    complete checkpoint in output_dir unless overwrite_output_dir is set. Refuses a non-empty output_dir
+    that holds no checkpoint unless overwrite_output_dir is set."""
+    if out.is_file():
+        raise ConfigError(f"output_dir {out} is a file")
+    if cfg.resume_from_checkpoint:
+        return Path(cfg.resume_from_checkpoint)
+    if cfg.overwrite_output_dir or not out.is_dir():
+        return None
+    found = ckpt.checkpoints(out)
+    if found:
+        return found[-1][1]
+    if any(not p.name.startswith(".checkpoint-") for p in out.iterdir()):
+        raise ConfigError(f"output_dir {out} already exists and is not empty (and holds no checkpoint to resume); "
+                          "set overwrite_output_dir: true or choose another output_dir")
+    return None
 
 
 def prepare_data(cfg: TrainConfig, mcfg, model_dir: Path, console: Console):

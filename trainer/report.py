@@ -14,10 +14,18 @@ def _hms(seconds: float) -> str:
 
 
 class Reporter:
-    def __init__(self, out_dir: Path, total_steps: int, n_params: int, print_fn):
+    def __init__(self, out_dir: Path, total_steps: int, n_params: int, print_fn, resume_step: int = 0):
         self.out_dir, self.total, self.n_params, self.print = out_dir, total_steps, n_params, print_fn
         self.log_path = out_dir / "trainer_log.jsonl"
-        self.log_path.write_text("")
+        kept = []
+        if resume_step and self.log_path.is_file():  # keep the history up to the checkpoint resumed from
+            for line in self.log_path.read_text().splitlines():
+                try:
+                    if json.loads(line).get("current_steps", 0) <= resume_step:
+                        kept.append(line)
+                except json.JSONDecodeError:
+                    break
+        self.log_path.write_text("".join(line + "\n" for line in kept))
         self.window: list = []
         self.losses: list[tuple[int, float]] = []
         self.eval_losses: list[tuple[int, float]] = []

@@ -123,52 +123,79 @@ class _ShardWriter:
         os.replace(self.tmp, self.path)
 
 
+class ModelWriter:
+    """Writes a model directory in Hugging Face format from tensors handed over in ``all_weights`` order
+    (``put(name, tensor)``): safetensors shards of at most SHARD_BYTES (+ index when more than one),
+    config.json with the dtype, and the tokenizer files of ``model_dir``."""
+
+    def __init__(self, cfg: ModelConfig, out_dir: str | Path, dtype: torch.dtype, model_dir: str | Path):
+        self.cfg, self.out, self.dtype, self.model_dir = cfg, Path(out_dir), dtype, Path(model_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        shards, cur, size = [], [], 0
+        for w in all_weights(cfg):
+            n = dtype.itemsize
+            for d in w.shape:
+                n *= d
+            if cur and size + n > SHARD_BYTES:
+                shards.append(cur)
+                cur, size = [], 0
+            cur.append(w)
+            size += n
+        shards.append(cur)
+        self.names = (["model.safetensors"] if len(shards) == 1 else
+                      [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+        self._plan = [(name, w) for name, shard in zip(self.names, shards) for w in shard]
+        self._shards = dict(zip(self.names, shards))
+        self._next = 0
+        self._writer: _ShardWriter | None = None
+        self.weight_map: dict[str, str] = {}
+        self.total = 0
+
+    def put(self, name: str, t: torch.Tensor) -> None:
+        file, w = self._plan[self._next]
+        if w.name != name:
+            raise ValueError(f"expected {w.name} next, got {name}")
+        if self._writer is None:
+            self._writer = _ShardWriter(self.out / file, [(x.name, x.shape, self.dtype) for x in self._shards[file]])
+        self._writer.write(t.to(self.dtype))
+        self.weight_map[name] = file
+        self._next += 1
+        if self._next == len(self._plan) or self._plan[self._next][0] != file:
+            self._writer.close()
+            self.total += self._writer.size
+            self._writer = None
+
+    def close(self) -> list[Path]:
+        if self._next != len(self._plan):
+            raise ValueError(f"model writer closed after {self._next} of {len(self._plan)} tensors")
+        for stale in list(self.out.glob("model*.safetensors")) + list(self.out.glob("model.safetensors.index.json")):
+            if stale.name not in self.names:
+                stale.unlink()
+        if len(self.names) > 1:
+            _write_json(self.out / "model.safetensors.index.json",
+                        {"metadata": {"total_size": self.total}, "weight_map": self.weight_map})
+        config = dict(self.cfg.raw)
+        dname = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[self.dtype]
+        config["torch_dtype"] = dname
+        if "dtype" in config:
+            config["dtype"] = dname
+        _write_json(self.out / "config.json", config)
+        for fname in TOKENIZER_FILES:
+            if (self.model_dir / fname).is_file() and self.model_dir.resolve() != self.out.resolve():
+                shutil.copyfile(self.model_dir / fname, self.out / fname)
+        return [self.out / n for n in self.names]
+
+
 def export_model(store, cfg: ModelConfig, out_dir: str | Path, source_kind: str, dtype: torch.dtype,
                  model_dir: str | Path, progress=None) -> list[Path]:
     """Write the model in Hugging Face format to ``out_dir``, reading ``source_kind`` (param or master)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    weights = all_weights(cfg)
-    shards, cur, size = [], [], 0
-    for w in weights:
-        n = dtype.itemsize
-        for s in w.shape:
-            n *= s
-        if cur and size + n > SHARD_BYTES:
-            shards.append(cur)
-            cur, size = [], 0
-        cur.append(w)
-        size += n
-    shards.append(cur)
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    for stale in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
-        if stale.name not in names:
-            stale.unlink()
-    weight_map, total = {}, 0
-    for name, shard in zip(names, shards):
-        writer = _ShardWriter(out / name, [(w.name, w.shape, dtype) for w in shard])
-        for w in shard:
-            t = store.read(state_name(w.name, source_kind)).result()
-            writer.write(t.to(dtype))
-            weight_map[w.name] = name
-            if progress:
-                progress(t.numel())
-        writer.close()
-        total += writer.size
-    if len(shards) > 1:
-        _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
-    config = dict(cfg.raw)
-    dname = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-    config["torch_dtype"] = dname
-    if "dtype" in config:
-        config["dtype"] = dname
-    _write_json(out / "config.json", config)
-    src = Path(model_dir)
-    for fname in TOKENIZER_FILES:
-        if (src / fname).is_file() and src.resolve() != out.resolve():
-            shutil.copyfile(src / fname, out / fname)
-    return [out / n for n in names]
+    writer = ModelWriter(cfg, out_dir, dtype, model_dir)
+    for w in all_weights(cfg):
+        t = store.read(state_name(w.name, source_kind)).result()
+        writer.put(w.name, t)
+        if progress:
+            progress(t.numel())
+    return writer.close()
 
 
 def _write_json(path: Path, data) -> None:

@@ -1,0 +1,150 @@
+"""Checkpoints: written while training goes on, whole or absent, exact resume (bit-identical on CPU in
+fp32), kill -9 inside a save, and damaged or foreign checkpoints refused without touching anything."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from tests.tiny_models import save_tiny_model, write_tokenized_dataset
+from trainer.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def setup(tmp_path):
+    model_dir = save_tiny_model("llama", tmp_path / "model")
+    data_dir = tmp_path / "data"
+    name = write_tokenized_dataset(data_dir, n_rows=16)
+    base = {"model_name_or_path": str(model_dir), "dataset": name, "dataset_dir": str(data_dir), "max_steps": 6,
+            "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "learning_rate": 1e-2,
+            "lr_scheduler_type": "cosine", "warmup_steps": 1, "weight_decay": 0.1, "logging_steps": 1,
+            "tiermem": {"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"},
+                                  "nvme": {"path": str(tmp_path / "nvme"), "budget": "64MiB", "backend": "posix"}},
+                        "placement": {"param": "dram", "grad": "dram", "exp_avg": "nvme", "exp_avg_sq": "dram"}}}
+
+    def write(name: str, **over) -> Path:
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(dict(base, output_dir=str(tmp_path / name), **over)))
+        return path
+
+    return write, tmp_path
+
+
+def weights(out: Path) -> dict:
+    return load_file(out / "model.safetensors")
+
+
+def test_stop_and_resume_is_bit_identical_even_when_killed_inside_a_save(setup):
+    write, tmp = setup
+    assert main([str(write("straight"))]) == 0
+    straight = weights(tmp / "straight")
+    assert {p.name for p in (tmp / "straight").glob("checkpoint-*")} == set()  # no save_steps: no checkpoints
+
+    cfg = write("stopped", save_steps=2)
+    env = dict(os.environ, TIERMEM_TEST_SLOW_SAVE="0.05", PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.cli", str(cfg)], env=env, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    out = tmp / "stopped"
+    deadline = time.time() + 120
+    while not list(out.glob(".checkpoint-4.tmp-*")):  # inside the save of checkpoint-4
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.time() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert [p.name for p in sorted(out.glob("checkpoint-*"))] == ["checkpoint-2"]
+    assert (out / "checkpoint-2" / "checkpoint.json").is_file()
+
+    assert main([str(cfg)]) == 0  # the same command again: resumes from checkpoint-2
+    resumed = weights(out)
+    assert resumed.keys() == straight.keys()
+    for n in straight:
+        assert (resumed[n] == straight[n]).all(), n
+    assert not list(out.glob(".checkpoint-*"))
+    assert {p.name for p in out.glob("checkpoint-*")} == {"checkpoint-2", "checkpoint-4", "checkpoint-6"}
+    log = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
+    assert [r["current_steps"] for r in log] == [1, 2, 3, 4, 5, 6]
+    straight_log = [json.loads(line) for line in (tmp / "straight" / "trainer_log.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in log] == [r["loss"] for r in straight_log]
+
+
+def test_checkpoint_contents_limit_and_model_only(setup):
+    write, tmp = setup
+    assert main([str(write("run", save_steps=2, save_total_limit=2))]) == 0
+    out = tmp / "run"
+    assert [p.name for p in sorted(out.glob("checkpoint-*"))] == ["checkpoint-4", "checkpoint-6"]
+    ck = out / "checkpoint-6"
+    for f in ("model.safetensors", "config.json", "trainer_state.json", "checkpoint.json", "state.zarr/zarr.json"):
+        assert (ck / f).is_file(), f
+    assert weights(ck).keys() == weights(out).keys()
+    for n, t in weights(ck).items():  # the last checkpoint holds the final weights
+        assert (t == weights(out)[n]).all()
+    shards = [p for p in (ck / "state.zarr").rglob("*") if p.is_file() and p.name != "zarr.json"]
+    assert len(shards) == 3  # one shard file per kind (master, exp_avg, exp_avg_sq), not one per tensor
+    state = json.loads((ck / "trainer_state.json").read_text())
+    assert state["global_step"] == 6 and state["config"]["save_steps"] == 2
+
+    assert main([str(write("light", save_steps=3, save_only_model=True))]) == 0
+    light = tmp / "light" / "checkpoint-3"
+    assert (light / "model.safetensors").is_file() and not (light / "state.zarr").exists()
+
+
+def _refused(capsys, rc: int, *needles: str) -> None:
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    for n in needles:
+        assert n in err, err
+
+
+def _snapshot(d: Path) -> dict:
+    return {str(p.relative_to(d)): (p.stat().st_size, p.stat().st_mtime_ns) for p in d.rglob("*") if p.is_file()}
+
+
+def test_damaged_or_foreign_checkpoints_are_refused_and_nothing_is_touched(setup, capsys):
+    write, tmp = setup
+    cfg = write("run", save_steps=3)
+    assert main([str(cfg)]) == 0
+    out = tmp / "run"
+    ck = out / "checkpoint-6"
+    shard = next(p for p in (ck / "state.zarr" / "exp_avg").rglob("*") if p.is_file() and p.name != "zarr.json")
+    with shard.open("r+b") as f:
+        f.truncate(shard.stat().st_size - 100)
+    before = _snapshot(out)
+    _refused(capsys, main([str(cfg), "max_steps=8"]), "checkpoint-6 is damaged", "bytes")
+    assert _snapshot(out) == before
+
+    (out / "checkpoint-3" / "trainer_state.json").unlink()
+    _refused(capsys, main([str(cfg), f"resume_from_checkpoint={out / 'checkpoint-3'}"]),
+             "checkpoint-3 is damaged: trainer_state.json is missing")
+
+    other = save_tiny_model("qwen2", tmp / "other")
+    capsys.readouterr()
+    _refused(capsys, main([str(cfg), f"model_name_or_path={other}", f"resume_from_checkpoint={out / 'checkpoint-3'}",
+                           f"output_dir={tmp / 'new'}"]), "belongs to another model")
+    assert not (tmp / "new").exists()
+
+    model_dir = Path(yaml.safe_load(cfg.read_text())["model_name_or_path"])
+    (model_dir / "tokenizer.json").write_text("{}")
+    _refused(capsys, main([str(cfg), f"resume_from_checkpoint={out / 'checkpoint-3'}"]), "different tokenizer")
+    _refused(capsys, main([str(cfg), f"resume_from_checkpoint={out / 'nope'}"]), "not a directory")
+
+
+def test_overwrite_output_dir_starts_afresh(setup):
+    write, tmp = setup
+    cfg = write("run", save_steps=3)
+    assert main([str(cfg)]) == 0
+    first = weights(tmp / "run")
+    assert main([str(cfg), "overwrite_output_dir=true"]) == 0  # not resumed: trains all 6 steps again
+    for n, t in weights(tmp / "run").items():
+        assert (t == first[n]).all()

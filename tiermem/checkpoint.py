@@ -1,0 +1,130 @@
+"""The store's training state on disk: one zarr v3 array per kind, sharded, uncompressed.
+
+All tensors of a kind (``master``, ``exp_avg``, ... in a given order) are laid end to end in one flat
+array; its attributes hold each tensor's name, offset and shape. Shards are large (1 GiB) so a checkpoint
+is a few big files, each written in one piece from a host buffer as tensors stream in; chunks equal to
+the fill value are written too (``write_empty_chunks``), so a missing file is an error, never zeros.
+
+    w = StateWriter(path, {"master": [(name, shape), ...], ...});  w.put("master", name, tensor) ...; w.close()
+    r = StateReader(path);  r.get("master", name) -> numpy array
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tiermem.errors import StorageError
+
+CHUNK_ELEMS = 1 << 22  # 16 MiB of fp32
+SHARD_CHUNKS = 64  # 1 GiB shards
+
+
+class StateWriter:
+    def __init__(self, path: str | Path, layout: dict[str, list[tuple[str, tuple[int, ...]]]]):
+        import zarr
+
+        self.path = Path(path)
+        self._group = zarr.open_group(str(self.path), mode="w")
+        self._kinds = {}
+        for kind, tensors in layout.items():
+            total = sum(math.prod(shape) for _, shape in tensors)
+            chunk = min(CHUNK_ELEMS, max(total, 1))
+            shard = chunk * min(SHARD_CHUNKS, math.ceil(max(total, 1) / chunk))
+            arr = self._group.create_array(kind, shape=(total,), chunks=(chunk,), shards=(shard,), dtype="float32",
+                                           compressors=None, fill_value=0.0, config={"write_empty_chunks": True})
+            entries, off = [], 0
+            for name, shape in tensors:
+                entries.append([name, off, list(shape)])
+                off += math.prod(shape)
+            arr.attrs["tensors"] = entries
+            self._kinds[kind] = {"arr": arr, "order": [e[0] for e in entries], "next": 0, "pos": 0,
+                                 "buf": np.empty(shard, dtype=np.float32), "fill": 0, "shard": shard, "total": total}
+
+    def put(self, kind: str, name: str, tensor: torch.Tensor) -> None:
+        """Append the next tensor of ``kind`` (tensors come in the layout's order)."""
+        k = self._kinds[kind]
+        if k["order"][k["next"]] != name:
+            raise ValueError(f"{kind}: expected {k['order'][k['next']]} next, got {name}")
+        k["next"] += 1
+        flat = tensor.detach().reshape(-1).to(torch.float32).cpu().numpy()
+        i = 0
+        while i < flat.size:
+            n = min(flat.size - i, k["shard"] - k["fill"])
+            k["buf"][k["fill"]: k["fill"] + n] = flat[i: i + n]
+            k["fill"] += n
+            i += n
+            if k["fill"] == k["shard"] or k["pos"] + k["fill"] == k["total"]:
+                self._flush(k)
+
+    def _flush(self, k) -> None:
+        if k["fill"]:
+            k["arr"][k["pos"]: k["pos"] + k["fill"]] = k["buf"][: k["fill"]]
+            k["pos"] += k["fill"]
+            k["fill"] = 0
+
+    def close(self) -> list[Path]:
+        """Check every tensor came, fsync every file; returns the files written."""
+        for kind, k in self._kinds.items():
+            if k["next"] != len(k["order"]) or k["pos"] != k["total"]:
+                raise ValueError(f"{kind}: {k['next']} of {len(k['order'])} tensors written")
+        files = sorted(p for p in self.path.rglob("*") if p.is_file())
+        for f in files:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        for d in sorted({p.parent for p in files} | {self.path}):
+            fsync_dir(d)
+        return files
+
+
+class StateReader:
+    def __init__(self, path: str | Path):
+        import zarr
+
+        self.path = Path(path)
+        try:
+            self._group = zarr.open_group(str(self.path), mode="r")
+        except Exception as e:  # noqa: BLE001 - any failure to open is a damaged checkpoint
+            raise StorageError(f"{self.path}: not a readable training-state store ({e})") from None
+        self.index: dict[str, dict[str, tuple[int, tuple[int, ...]]]] = {}
+        for kind in self._group.array_keys():
+            arr = self._group[kind]
+            self.index[kind] = {n: (off, tuple(shape)) for n, off, shape in arr.attrs["tensors"]}
+        self._cache: dict[str, tuple[int, np.ndarray]] = {}
+
+    def get(self, kind: str, name: str) -> np.ndarray:
+        off, shape = self.index[kind][name]
+        n = math.prod(shape)
+        arr = self._group[kind]
+        shard = arr.shards[0] if arr.shards else arr.chunks[0]
+        out = np.empty(n, dtype=np.float32)
+        i = 0
+        while i < n:  # read whole shards once (tensors come in order), slice tensors out of them
+            s0 = (off + i) // shard * shard
+            cached = self._cache.get(kind)
+            if cached is None or cached[0] != s0:
+                try:
+                    data = arr[s0: min(s0 + shard, arr.shape[0])]
+                except Exception as e:  # noqa: BLE001 - a truncated or missing shard
+                    raise StorageError(f"{self.path / kind}: cannot read shard at {s0} ({e})") from None
+                cached = self._cache[kind] = (s0, data)
+            take = min(n - i, s0 + cached[1].size - (off + i))
+            start = off + i - s0
+            out[i: i + take] = cached[1][start: start + take]
+            i += take
+        return out.reshape(shape)
+
+
+def fsync_dir(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

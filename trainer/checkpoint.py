@@ -1,0 +1,302 @@
+"""Checkpoints: ``output_dir/checkpoint-N`` holds the whole training state after N optimizer steps and
+the model in Hugging Face format; written while training goes on, visible only when complete.
+
+    checkpoint-N/
+      model*.safetensors (+ index), config.json, tokenizer files   # loads for inference
+      state.zarr/          master weights and both Adam moments, fp32 (tiermem.checkpoint)
+      trainer_state.json   step, epoch, RNG state, the resolved config
+      checkpoint.json      written last: format, step, the model's tensor shapes, the tokenizer's digest,
+                           every file with its size (resume checks them all before touching anything)
+
+Saving: a reader thread copies each group's state out of the store as soon as update N of the group is
+done and lets update N+1 of that group go on (the optimizer waits only for that copy); a writer thread
+streams the copies to disk (bounded memory in between). Everything is written under
+``.checkpoint-N.tmp-PID``, fsynced, then renamed; a crash leaves the previous checkpoint as it was and
+nothing named like a checkpoint. The data order and learning rate are functions of the step, so the step
+is the whole data position.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import queue
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+from tiermem.catalog import state_name
+from tiermem.checkpoint import StateReader, StateWriter, fsync_dir
+from tiermem.errors import ConfigError, StorageError
+from trainer.model.hf_io import TOKENIZER_FILES, ModelWriter
+from trainer.model.weights import all_weights, group_order
+
+FORMAT = 1
+MOMENTS = ("exp_avg", "exp_avg_sq")
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+def tokenizer_digest(model_dir: str | Path) -> str:
+    h = hashlib.sha256()
+    for name in sorted(TOKENIZER_FILES):
+        p = Path(model_dir) / name
+        if p.is_file() and name != "generation_config.json":
+            h.update(name.encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()
+
+
+def signature(mcfg) -> list:
+    return [[w.name, list(w.shape)] for w in all_weights(mcfg)]
+
+
+def checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints in ``out_dir`` (a checkpoint.json present), oldest first."""
+    out = Path(out_dir)
+    found = []
+    if out.is_dir():
+        for p in out.iterdir():
+            m = _NAME.match(p.name)
+            if m and p.is_dir() and (p / "checkpoint.json").is_file():
+                found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def remove_partial(out_dir: str | Path) -> None:
+    """Remove what interrupted saves left behind (never a complete checkpoint)."""
+    out = Path(out_dir)
+    if out.is_dir():
+        for p in out.glob(".checkpoint-*.tmp-*"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def check(path: str | Path, mcfg, model_dir) -> dict:
+    """The checkpoint's manifest, after checking it is whole and belongs to this model and tokenizer."""
+    path = Path(path)
+    mpath = path / "checkpoint.json"
+    if not path.is_dir():
+        raise ConfigError(f"resume_from_checkpoint: {path} is not a directory")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (OSError, json.JSONDecodeError):
+        raise ConfigError(f"{path} is not a complete tiermem checkpoint (no readable checkpoint.json)") from None
+    if manifest.get("format") != FORMAT:
+        raise ConfigError(f"{path}: checkpoint format {manifest.get('format')} is not one this version reads")
+    if manifest.get("model_only"):
+        raise ConfigError(f"{path} holds the model only (saved with save_only_model): it cannot resume training")
+    mine = signature(mcfg)
+    if manifest.get("model") != mine:
+        theirs = {n: s for n, s in manifest.get("model", [])}
+        diff = next((f"{n} is {theirs[n] if n in theirs else 'absent'} there, {s} here" for n, s in mine
+                     if theirs.get(n) != s), "its tensors differ")
+        raise ConfigError(f"{path} belongs to another model: {diff}")
+    if manifest.get("tokenizer") != tokenizer_digest(model_dir):
+        raise ConfigError(f"{path} was trained with a different tokenizer than {model_dir}'s")
+    hint = "; resume from another one with resume_from_checkpoint=PATH, or remove it"
+    for rel, size in manifest.get("files", {}).items():
+        f = path / rel
+        if not f.is_file():
+            raise ConfigError(f"{path} is damaged: {rel} is missing{hint}")
+        if f.stat().st_size != size:
+            raise ConfigError(f"{path} is damaged: {rel} has {f.stat().st_size} bytes, {size} were written{hint}")
+    return manifest
+
+
+def load(store, path: str | Path, mcfg, dtype: torch.dtype, has_master: bool, progress=None) -> int:
+    """Fill the store from a checked checkpoint; the groups' versions become its step. Returns the step."""
+    path = Path(path)
+    manifest = json.loads((path / "checkpoint.json").read_text())
+    step = int(manifest["step"])
+    reader = StateReader(path / "state.zarr")
+    for w in all_weights(mcfg):
+        try:
+            master = torch.from_numpy(reader.get("master", w.name))
+            moments = {k: torch.from_numpy(reader.get(k, w.name)) for k in MOMENTS}
+        except StorageError as e:
+            raise ConfigError(f"{path} is damaged: {e}") from None
+        futs = [store.write(state_name(w.name, "param"), master.to(dtype))]
+        if has_master:
+            futs.append(store.write(state_name(w.name, "master"), master))
+        futs += [store.write(state_name(w.name, k), t) for k, t in moments.items()]
+        for f in futs:
+            f.result()
+        if progress:
+            progress(master.numel())
+    for g in group_order(mcfg):
+        store.catalog.bump(g, to=step)
+    return step
+
+
+class Saver:
+    """Writes checkpoints in the background while training goes on; one at a time."""
+
+    def __init__(self, store, mcfg, out_dir: Path, model_dir: Path, dtype: torch.dtype, has_master: bool,
+                 model_only: bool, total_limit: int | None, say):
+        self.store, self.mcfg, self.out, self.model_dir = store, mcfg, Path(out_dir), Path(model_dir)
+        self.dtype, self.src = dtype, "master" if has_master else "param"
+        self.model_only, self.total_limit, self.say = model_only, total_limit, say
+        self.groups = group_order(mcfg)
+        self.weights = {g: [w for w in all_weights(mcfg) if w.group == g] for g in self.groups}
+        self._step: int | None = None
+        self._released: dict = {}
+        self._threads: list[threading.Thread] = []
+        self._error: BaseException | None = None
+        self.paused = 0.0  # seconds the optimizer waited on saves (the GPU may have waited on it in turn)
+        self.last: dict = {}
+
+    # -- the optimizer's gate ----------------------------------------------------------------------
+    def gate(self, group, update: int) -> float:
+        step, released = self._step, self._released
+        if step is None or update <= step:
+            return 0.0
+        ev = released.get(group)
+        if ev is None or ev.is_set():
+            return 0.0
+        t0 = time.perf_counter()
+        ev.wait()
+        dt = time.perf_counter() - t0
+        self.paused += dt
+        return dt
+
+    # -- a save ----------------------------------------------------------------------------------------
+    def begin(self, step: int, trainer_state: dict) -> None:
+        """Save the state after update ``step`` (which may still be running)."""
+        self.wait()
+        self._error = None
+        self._released = {g: threading.Event() for g in self.groups}
+        self._step = step
+        self._t0 = time.perf_counter()
+        self._paused0 = self.paused
+        self._budget_mib = max(1, int(min(8 << 30, psutil.virtual_memory().available // 4)) >> 20)
+        q: queue.Queue = queue.Queue()
+        room = threading.Semaphore(self._budget_mib)  # MiB of copies waiting for the writer
+        tmp = self.out / f".checkpoint-{step}.tmp-{os.getpid()}"
+        reader = threading.Thread(target=self._read, args=(step, q, room), name="tiermem-save-read", daemon=True)
+        writer = threading.Thread(target=self._write, args=(step, tmp, q, room, trainer_state),
+                                  name="tiermem-save-write", daemon=True)
+        self._threads = [reader, writer]
+        reader.start()
+        writer.start()
+
+    def _read(self, step: int, q: queue.Queue, room: threading.Semaphore) -> None:
+        try:
+            kinds = (self.src,) if self.model_only else (self.src, *MOMENTS)
+            for g in self.groups:
+                self.store.catalog.wait_version(g, step)
+                for w in self.weights[g]:
+                    nbytes = sum(w_numel(w) * 4 for _ in kinds)
+                    mib = min(max(1, nbytes >> 20), self._budget_mib)
+                    for _ in range(mib):
+                        room.acquire()
+                    row = {k: self.store.read(state_name(w.name, k)).result() for k in kinds}
+                    q.put((w.name, row, mib))
+                self._released[g].set()
+        except BaseException as e:  # noqa: BLE001 - reported by wait()
+            self._error = self._error or e
+        finally:
+            for ev in self._released.values():
+                ev.set()  # never leave the optimizer waiting
+            q.put(None)
+
+    def _write(self, step: int, tmp: Path, q: queue.Queue, room: threading.Semaphore, trainer_state: dict) -> None:
+        slow = float(os.environ.get("TIERMEM_TEST_SLOW_SAVE", "0") or 0)  # tests: make a kill land inside a save
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            model = ModelWriter(self.mcfg, tmp, self.dtype, self.model_dir)
+            layout = {k: [(w.name, w.shape) for w in all_weights(self.mcfg)] for k in ("master", *MOMENTS)}
+            state = None if self.model_only else StateWriter(tmp / "state.zarr", layout)
+            while True:
+                item = q.get()
+                if item is None:
+                    break
+                name, row, mib = item
+                model.put(name, row[self.src])
+                if state is not None:
+                    state.put("master", name, row[self.src])
+                    for k in MOMENTS:
+                        state.put(k, name, row[k])
+                del row
+                for _ in range(mib):
+                    room.release()
+                if slow:
+                    time.sleep(slow)
+            if self._error is not None:
+                raise self._error
+            model.close()
+            if state is not None:
+                state.close()
+            (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1) + "\n")
+            files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+            manifest = {"format": FORMAT, "step": step, "model_only": self.model_only, "model": signature(self.mcfg),
+                        "tokenizer": tokenizer_digest(self.model_dir), "files": files}
+            (tmp / "checkpoint.json").write_text(json.dumps(manifest) + "\n")
+            for p in sorted(tmp.rglob("*")):
+                if p.is_file():
+                    fd = os.open(p, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+            for d in sorted({p.parent for p in tmp.rglob("*")} | {tmp}, reverse=True):
+                fsync_dir(d)
+            final = self.out / f"checkpoint-{step}"
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            fsync_dir(self.out)
+            self._prune()
+            seconds = time.perf_counter() - self._t0
+            self.last = {"step": step, "seconds": seconds, "paused": self.paused - self._paused0,
+                         "bytes": sum(files.values())}
+        except BaseException as e:  # noqa: BLE001 - reported by wait()
+            self._error = self._error or e
+            shutil.rmtree(tmp, ignore_errors=True)
+            for ev in self._released.values():
+                ev.set()
+
+    def _prune(self) -> None:
+        if self.total_limit:
+            for _, p in checkpoints(self.out)[: -self.total_limit]:
+                shutil.rmtree(p, ignore_errors=True)
+
+    def wait(self) -> dict:
+        """Finish the save in progress; raise its failure as a one-line error."""
+        for t in self._threads:
+            t.join()
+        self._threads = []
+        step, self._step = self._step, None
+        if self._error is not None:
+            e, self._error = self._error, None
+            if isinstance(e, OSError):
+                raise StorageError(f"saving checkpoint-{step} failed ({e}); the previous checkpoints are intact")
+            raise e
+        if step is not None and self.last.get("step") == step:
+            gb = self.last["bytes"] / 1e9
+            self.say(f"saved checkpoint-{step}: {gb:.2f} GB in {self.last['seconds']:.1f} s "
+                     f"({gb / max(self.last['seconds'], 1e-9):.2f} GB/s); training paused {self.last['paused']:.2f} s")
+        return self.last
+
+
+def w_numel(w) -> int:
+    n = 1
+    for d in w.shape:
+        n *= d
+    return n
+
+
+def rng_state() -> dict:
+    return {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+
+
+def set_rng_state(state: dict) -> None:
+    import numpy as np
+
+    if "torch" in state:
+        torch.set_rng_state(torch.from_numpy(np.frombuffer(base64.b64decode(state["torch"]), dtype=np.uint8).copy()))
