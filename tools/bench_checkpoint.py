@@ -1,0 +1,133 @@
+"""Benchmark: save and load a checkpoint of a Llama-3B-shape model, against the raw disk, in one run.
+
+    python tools/bench_checkpoint.py [--layers 28] [--dir .ckpt-bench] [--raw-size 4GiB]
+
+Fills a store (bf16 compute copy, fp32 master and moments, all in the DRAM arena) with random state,
+then: raw disk write (64 MiB blocks, fsync) and read (page cache evicted first) of --raw-size; the
+checkpoint save (trainer.checkpoint.Saver: HF safetensors + zarr state, fsynced, renamed); the
+checkpoint load into the store (page cache evicted first). Prints GB/s of each and the ratios. When the
+disk cannot hold a 3B checkpoint, fewer layers are used and the table says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_train import SHAPE  # noqa: E402
+
+from tiermem.catalog import state_name  # noqa: E402
+from tiermem.sizes import parse_size  # noqa: E402
+
+
+def evict(path: Path) -> None:
+    for p in [path] if path.is_file() else path.rglob("*"):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def raw_disk(d: Path, size: int) -> tuple[float, float]:
+    block = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8).tobytes()
+    f = d / "raw.bin"
+    t0 = time.perf_counter()
+    with f.open("wb") as fh:
+        for _ in range(size // len(block)):
+            fh.write(block)
+        fh.flush()
+        os.fsync(fh.fileno())
+    w = size / (time.perf_counter() - t0) / 1e9
+    evict(f)
+    t0 = time.perf_counter()
+    with f.open("rb") as fh:
+        while fh.read(64 << 20):
+            pass
+    r = size / (time.perf_counter() - t0) / 1e9
+    f.unlink()
+    return w, r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--dir", default=".ckpt-bench")
+    ap.add_argument("--raw-size", default="4GiB")
+    ap.add_argument("--vocab", type=int, default=SHAPE["vocab_size"], help="smaller for a quick check")
+    args = ap.parse_args()
+    from tiermem.store import Store
+    from trainer import checkpoint as ckpt
+    from trainer.loop import state_specs, store_config
+    from trainer.model.config import model_config_from_dict
+    from trainer.model.weights import all_weights, group_order
+
+    d = Path(args.dir)
+    d.mkdir(parents=True, exist_ok=True)
+    layers = args.layers
+    shape = dict(SHAPE, vocab_size=args.vocab)
+    per_layer = model_config_from_dict(dict(shape, num_hidden_layers=1)).layer_params()
+    fixed = model_config_from_dict(dict(shape, num_hidden_layers=0)).num_params()
+    free = shutil.disk_usage(d).free
+    while layers > 1 and (fixed + layers * per_layer) * 14 * 1.05 > free * 0.9:
+        layers -= 1
+    raw = dict(shape, num_hidden_layers=layers)
+    mcfg = model_config_from_dict(raw)
+    model_dir = Path(tempfile.mkdtemp(prefix="tiermem-ckbench-"))
+    (model_dir / "config.json").write_text(json.dumps(raw))
+    n = mcfg.num_params()
+    print(f"Llama-3B shape with {layers} layers: {n / 1e9:.2f} B params; disk free {free / 1e9:.1f} GB", flush=True)
+
+    w_raw, r_raw = raw_disk(d, parse_size(args.raw_size, "--raw-size"))
+    cuda = torch.cuda.is_available()
+    scfg = store_config({"placement": {k: "dram" for k in ("param", "grad", "master", "exp_avg", "exp_avg_sq")},
+                         "tiers": {"gpu": {"device": "cuda" if cuda else "cpu"}}})
+    store = Store.open(scfg, state_specs(mcfg, torch.bfloat16), streamed_kinds=("param",))
+    dev = torch.device("cuda" if cuda else "cpu")
+    gen = torch.Generator(dev).manual_seed(0)
+    for w in all_weights(mcfg):
+        t = torch.randn(w.shape, device=dev, generator=gen)
+        futs = [store.write(state_name(w.name, "param"), t.to(torch.bfloat16)),
+                store.write(state_name(w.name, "master"), t)]
+        futs += [store.write(state_name(w.name, k), t.abs() * 1e-3) for k in ("exp_avg", "exp_avg_sq")]
+        for f in futs:
+            f.result()
+    for g in group_order(mcfg):
+        store.catalog.bump(g, to=1)
+
+    saver = ckpt.Saver(store, mcfg, d, model_dir, torch.bfloat16, True, False, None, lambda s: print(s, flush=True))
+    t0 = time.perf_counter()
+    saver.begin(1, {"global_step": 1})
+    last = saver.wait()
+    t_save = time.perf_counter() - t0
+    path = d / "checkpoint-1"
+    state_bytes = sum(p.stat().st_size for p in (path / "state.zarr").rglob("*") if p.is_file())
+    evict(path)
+    t0 = time.perf_counter()
+    ckpt.check(path, mcfg, model_dir)
+    ckpt.load(store, path, mcfg, torch.bfloat16, True)
+    t_load = time.perf_counter() - t0
+    store.close()
+    shutil.rmtree(path)
+    save_gbs, load_gbs = last["bytes"] / t_save / 1e9, state_bytes / t_load / 1e9
+    print(f"\n{'':24} {'GB':>7} {'s':>7} {'GB/s':>6} {'vs raw':>7}")
+    print(f"{'raw disk write (fsync)':24} {'':>7} {'':>7} {w_raw:6.2f}")
+    print(f"{'raw disk read':24} {'':>7} {'':>7} {r_raw:6.2f}")
+    print(f"{'checkpoint save':24} {last['bytes'] / 1e9:7.1f} {t_save:7.1f} {save_gbs:6.2f} {save_gbs / w_raw:7.2f}")
+    print(f"{'checkpoint load (state)':24} {state_bytes / 1e9:7.1f} {t_load:7.1f} {load_gbs:6.2f} "
+          f"{load_gbs / r_raw:7.2f}")
+
+
+if __name__ == "__main__":
+    main()
