@@ -11,6 +11,7 @@ the fill value are written too (``write_empty_chunks``), so a missing file is an
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import math
 import os
 from pathlib import Path
@@ -98,8 +99,19 @@ class StateReader:
             arr = self._group[kind]
             self.index[kind] = {n: (off, tuple(shape)) for n, off, shape in arr.attrs["tensors"]}
         self._cache: dict[str, tuple[int, np.ndarray]] = {}
+        self._ahead: dict[str, tuple[int, cf.Future]] = {}
+        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="tiermem-ckpt-read")
+
+    def _read_shard(self, kind: str, s0: int) -> np.ndarray:
+        arr = self._group[kind]
+        shard = arr.shards[0] if arr.shards else arr.chunks[0]
+        try:
+            return arr[s0: min(s0 + shard, arr.shape[0])]
+        except Exception as e:  # noqa: BLE001 - a truncated or missing shard
+            raise StorageError(f"{self.path / kind}: cannot read shard at {s0} ({e})") from None
 
     def get(self, kind: str, name: str) -> np.ndarray:
+        """One tensor. Reading a kind's tensors in order reads each shard once, the next one ahead."""
         off, shape = self.index[kind][name]
         n = math.prod(shape)
         arr = self._group[kind]
@@ -110,16 +122,21 @@ class StateReader:
             s0 = (off + i) // shard * shard
             cached = self._cache.get(kind)
             if cached is None or cached[0] != s0:
-                try:
-                    data = arr[s0: min(s0 + shard, arr.shape[0])]
-                except Exception as e:  # noqa: BLE001 - a truncated or missing shard
-                    raise StorageError(f"{self.path / kind}: cannot read shard at {s0} ({e})") from None
+                ahead = self._ahead.pop(kind, None)
+                data = ahead[1].result() if ahead is not None and ahead[0] == s0 else self._read_shard(kind, s0)
                 cached = self._cache[kind] = (s0, data)
+                if s0 + shard < arr.shape[0]:
+                    self._ahead[kind] = (s0 + shard, self._pool.submit(self._read_shard, kind, s0 + shard))
             take = min(n - i, s0 + cached[1].size - (off + i))
             start = off + i - s0
             out[i: i + take] = cached[1][start: start + take]
             i += take
         return out.reshape(shape)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._cache.clear()
+        self._ahead.clear()
 
 
 def fsync_dir(path: str | Path) -> None:

@@ -1,1 +1,1 @@
-"""The thin trainer: knows models and data, asks the tiermem store for layers (issue 3)."""
+"""The thin trainer: knows models and data, asks the tiermem store for layers."""

@@ -114,20 +114,28 @@ def load(store, path: str | Path, mcfg, dtype: torch.dtype, has_master: bool, pr
     manifest = json.loads((path / "checkpoint.json").read_text())
     step = int(manifest["step"])
     reader = StateReader(path / "state.zarr")
-    for w in all_weights(mcfg):
-        try:
-            master = torch.from_numpy(reader.get("master", w.name))
-            moments = {k: torch.from_numpy(reader.get(k, w.name)) for k in MOMENTS}
-        except StorageError as e:
-            raise ConfigError(f"{path} is damaged: {e}") from None
-        futs = [store.write(state_name(w.name, "param"), master.to(dtype))]
-        if has_master:
-            futs.append(store.write(state_name(w.name, "master"), master))
-        futs += [store.write(state_name(w.name, k), t) for k, t in moments.items()]
-        for f in futs:
+    pending: list = []
+    try:
+        for kind in ("master", *MOMENTS):  # kind by kind: each array streams from disk in order
+            for w in all_weights(mcfg):
+                try:
+                    t = torch.from_numpy(reader.get(kind, w.name))
+                except StorageError as e:
+                    raise ConfigError(f"{path} is damaged: {e}") from None
+                if kind == "master":
+                    pending.append(store.write(state_name(w.name, "param"), t.to(dtype)))
+                    if has_master:
+                        pending.append(store.write(state_name(w.name, "master"), t))
+                else:
+                    pending.append(store.write(state_name(w.name, kind), t))
+                while len(pending) > 8:  # a few copies in flight while the next tensor is read
+                    pending.pop(0).result()
+                if progress:
+                    progress(t.numel() // 3)
+        for f in pending:
             f.result()
-        if progress:
-            progress(master.numel())
+    finally:
+        reader.close()
     for g in group_order(mcfg):
         store.catalog.bump(g, to=step)
     return step
