@@ -46,6 +46,28 @@ def _arenas(args) -> int:
     return 0
 
 
+def _no_service(args) -> None:
+    if getattr(args, "socket", None) or not args.run:
+        raise UserError("the tiermem service (tiermem serve, --socket) is not supported yet; follow an embedded "
+                        "run with --run OUTPUT_DIR")
+
+
+def _top(args) -> int:
+    from tiermem.top import top
+
+    _no_service(args)
+    return top(args.run, args.once, args.probe)
+
+
+def _stats(args) -> int:
+    from tiermem.top import prometheus, read_snapshot
+
+    _no_service(args)
+    snap = read_snapshot(args.run)
+    print(prometheus(snap) if args.prometheus else json.dumps(snap, indent=1), end="" if args.prometheus else "\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tiermem", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -62,6 +84,19 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--dir", default="/dev/shm")
     ar.add_argument("--clean", action="store_true", help="remove arenas whose owner is gone")
     ar.set_defaults(fn=_arenas)
+    tp = sub.add_parser("top", help="a live view of a run's store: tiers, links, step, waits")
+    tp.add_argument("--run", metavar="OUTPUT_DIR", help="follow the embedded run writing to OUTPUT_DIR")
+    tp.add_argument("--socket", help="a tiermem service's socket (not supported yet)")
+    tp.add_argument("--once", action="store_true", help="print one frame and exit")
+    tp.add_argument("--probe", help="a `tiermem probe --save` file: show each link's measured ceiling")
+    tp.set_defaults(fn=_top)
+    st = sub.add_parser("stats", help="one snapshot of a run's store, for scripts")
+    st.add_argument("--run", metavar="OUTPUT_DIR", help="the embedded run writing to OUTPUT_DIR")
+    st.add_argument("--socket", help="a tiermem service's socket (not supported yet)")
+    fmt = st.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="JSON (the default)")
+    fmt.add_argument("--prometheus", action="store_true", help="Prometheus text format")
+    st.set_defaults(fn=_stats)
     return p
 
 

@@ -47,3 +47,41 @@ def snapshot(store) -> dict:
         "waits_s": {k: round(v, 6) for k, v in store.waits.items()},
         "group_versions": groups,
     }
+
+
+class StatsFile:
+    """Writes the store's snapshot, plus what ``extra()`` returns (the trainer's progress), to a JSON file
+    every ``interval`` seconds from a daemon thread, atomically (temp file + rename), so ``tiermem top
+    --run`` and ``tiermem stats --run`` can follow an embedded run without touching it."""
+
+    def __init__(self, path, store, extra=None, interval: float = 0.5):
+        import threading
+
+        self.path, self.store, self.extra, self.interval = path, store, extra or (lambda: {}), interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tiermem-stats", daemon=True)
+        self._thread.start()
+
+    def write(self) -> None:
+        import json
+        import os
+
+        snap = {"store": snapshot(self.store), "run": self.extra(), "pid": os.getpid()}
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(snap, default=str))
+        os.replace(tmp, self.path)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.write()
+            except Exception:  # noqa: BLE001 - monitoring must never disturb training
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        try:
+            self.write()
+        except Exception:  # noqa: BLE001
+            pass

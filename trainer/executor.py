@@ -61,6 +61,7 @@ class Executor:
         self._rope = None
         self._waits = [0.0, 0.0]
         self._phase_waits: dict = {}
+        self.phase, self.layer = "starting", None  # what the GPU is doing now (for tiermem top)
         # the trainer's thread, the copy lanes, the prefetcher and the optimizer hand work to each other
         # many times a step: a 5 ms GIL switch interval (Python's default) would add up to waits
         sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
@@ -119,16 +120,19 @@ class Executor:
 
         # 1. forward, layer-major, keeping every micro-batch's boundary activations
         with torch.no_grad():
+            self.phase, self.layer = "forward", "embed"
             view = self._take(r_embed, "forward")
             acts = [[F.embedding(x, view.tensors[EMBED]) for x in ids]]
             view.release()
             for i in range(L):
+                self.layer = i
                 view = self._take(r_fwd[i], "forward")
                 w = self._weights(view)
                 acts.append([decoder_layer(w, x, rope, cfg) for x in acts[i]])
                 view.release()
 
         # 2. loss + its backward, chunked over tokens
+        self.phase, self.layer = "loss", "head"
         view = self._take(r_head, "loss")
         tied_view = self._take(r_tied, "loss") if tied else None
         head_w = (tied_view or view).tensors[EMBED if tied else LM_HEAD]
@@ -154,7 +158,9 @@ class Executor:
         self._hand_grads("head", head_grads)
 
         # 3. backward, layer-major, with recompute
+        self.phase = "backward"
         for n, i in enumerate(reversed(range(L))):
+            self.layer = i
             view = self._take(r_bwd[n], "backward")
             w = self._weights(view)
             acc: list[torch.Tensor] | None = None
@@ -196,6 +202,7 @@ class Executor:
             if coef < 1.0:
                 grad_scale = 1.0 / coef
         self.optimizer.step(step + 1, lr, grad_scale)
+        self.phase, self.layer = "optimizer", None
         seconds = time.perf_counter() - t_start
         return StepResult(loss_value, norm, tokens, trained, seconds, self._waits[0], self._waits[1],
                           self._phase_waits)
@@ -211,6 +218,7 @@ class Executor:
         r_tied = req("embed", "param", version) if cfg.tie_word_embeddings else None
         ids = [b[0].to(dev) for b in batches]
         rope = self._rope_for(max(x.shape[1] for x in ids))
+        self.phase, self.layer = "evaluation", None
         with torch.no_grad():
             view = self._take(r_embed, "eval")
             hs = [F.embedding(x, view.tensors[EMBED]) for x in ids]

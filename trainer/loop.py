@@ -22,6 +22,7 @@ from tiermem.config import StoreConfig, load_store_config
 from tiermem.errors import BudgetError, ConfigError
 from tiermem.optim import AdamWConfig, StoreAdamW
 from tiermem.sizes import format_size
+from tiermem.stats import StatsFile
 from tiermem.store import Store
 from trainer import checkpoint as ckpt
 from trainer.config import TrainConfig, read_yaml, resolved
@@ -99,7 +100,7 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
         f"(warmup {warmup})")
 
     store = Store.open(scfg, state_specs(mcfg, dtype), streamed_kinds=("param",))
-    optimizer = executor = saver = None
+    optimizer = executor = saver = stats = None
     try:
         _describe_store(store, say)
         kinds = {"param": dtype, **({"master": torch.float32} if cfg.bf16 else {})}
@@ -128,6 +129,14 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
                                has_master=cfg.bf16)
         executor = Executor(store, mcfg, dtype, optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens)
         report = Reporter(out, total, n_params, say, resume_step=start)
+
+        def live() -> dict:
+            opt = {"last_update_s": optimizer.last_step_seconds, "split": optimizer.last_split,
+                   "gpu_share": optimizer.gpu_share}
+            return dict(report.live, phase=executor.phase, layer=executor.layer, optimizer=opt,
+                        tflops=6 * n_params * report.live.get("tokens_per_s", 0.0) / 1e12)
+
+        stats = StatsFile(out / "tiermem_stats.json", store, live)
         if cfg.save_steps:
             saver = ckpt.Saver(store, mcfg, out, model_dir, dtype, cfg.bf16, cfg.save_only_model,
                                cfg.save_total_limit, say)
@@ -179,6 +188,8 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
                       f"model saved to {out}")
         return results
     finally:
+        if stats is not None:
+            stats.close()
         if executor is not None:
             executor.close()
         if optimizer is not None:

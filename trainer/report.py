@@ -32,9 +32,15 @@ class Reporter:
         self.all_losses: list[float] = []
         self.total_tokens = 0
         self.train_seconds = 0.0
+        self.live: dict = {"total_steps": total_steps}  # the latest figures, for the stats file
 
     def step(self, step: int, result, lr: float, epoch: float, elapsed: float, force: bool, every: int) -> None:
         self.window.append(result)
+        self.live.update(step=step, epoch=round(epoch, 4), loss=result.loss, grad_norm=result.grad_norm, lr=lr,
+                         step_s=result.seconds, tokens_per_s=result.tokens / max(result.seconds, 1e-9),
+                         split={"compute": result.compute, "wait_transfer": result.wait_transfer,
+                                "wait_optimizer": result.wait_optimizer},
+                         eta_s=elapsed / max(step, 1) * (self.total - step), elapsed_s=elapsed)
         self.total_tokens += result.tokens
         self.train_seconds += result.seconds
         self.all_losses.append(result.loss)
@@ -65,6 +71,7 @@ class Reporter:
 
     def eval(self, step: int, loss: float, epoch: float, elapsed: float) -> None:
         self.eval_losses.append((step, loss))
+        self.live["eval_loss"] = loss
         self.print(f"step {step}/{self.total} | eval_loss {loss:.4f}")
         record = {"current_steps": step, "total_steps": self.total, "eval_loss": round(loss, 6),
                   "epoch": round(epoch, 4), "percentage": round(step / self.total * 100, 2),

@@ -1,0 +1,95 @@
+"""``tiermem top`` and ``tiermem stats`` over an embedded run's stats file: a golden frame for a fixed
+snapshot, a live run directory, the Prometheus text, and bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import yaml
+from rich.console import Console
+
+from tiermem.cli import main as tiermem_main
+from tiermem.top import ceilings, prometheus, render
+
+GOLDEN = Path(__file__).parent / "golden" / "top_frame.txt"
+MiB = 1 << 20
+
+SNAPSHOT = {
+    "pid": 4242,
+    "store": {
+        "store": "tiermem-4242",
+        "tiers": {
+            "gpu": {"capacity": 64 * MiB, "used": 48 * MiB, "budget": 64 * MiB, "slots": 3, "slots_free": 1,
+                    "slot_bytes": 8 * MiB, "by_kind": {"param": 16 * MiB, "grad": 16 * MiB, "exp_avg": 8 * MiB}},
+            "dram": {"capacity": 512 * MiB, "used": 384 * MiB, "budget": 1024 * MiB, "path": "anonymous",
+                     "pinned": True, "by_kind": {"param": 64 * MiB, "grad": 128 * MiB, "master": 128 * MiB,
+                                                 "exp_avg_sq": 64 * MiB}},
+            "nvme": {"capacity": 256 * MiB, "used": 128 * MiB, "budget": None, "backend": "posix",
+                     "by_kind": {"exp_avg": 128 * MiB}},
+        },
+        "links": {"dram->gpu": {"bytes": 10 * 1024 * MiB, "gbps_now": 51.2, "gbps_avg": 49.87, "busy_s": 0.22,
+                                "queue": 1},
+                  "gpu->dram": {"bytes": 2 * 1024 * MiB, "gbps_now": 0.0, "gbps_avg": 48.1, "busy_s": 0.05,
+                                "queue": 0},
+                  "nvme->dram": {"bytes": 0, "gbps_now": 0.0, "gbps_avg": 0.0, "busy_s": 0.0, "queue": 0}},
+        "waits_s": {"gpu_slot": 1.5},
+    },
+    "run": {"step": 30, "total_steps": 120, "phase": "backward", "layer": 7, "eta_s": 95.0, "loss": 2.3456,
+            "grad_norm": 0.789, "lr": 1.5e-4, "eval_loss": 2.5, "tokens_per_s": 12345.0, "tflops": 210.5,
+            "step_s": 1.25, "split": {"compute": 1.1, "wait_transfer": 0.05, "wait_optimizer": 0.1},
+            "optimizer": {"last_update_s": 0.9, "split": {"cpu_adamw": 0.5, "gpu_path": 0.8}, "gpu_share": 0.7}},
+}
+PROBE = {"rows": [{"link": "arena -> GPU", "raw": 55.13}, {"link": "GPU -> arena", "raw": 55.05},
+                  {"link": "NVMe -> arena (posix)", "raw": 1.69}, {"link": "NVMe -> arena (kvikio)", "raw": 1.82}]}
+
+
+def frame(snapshot, probe=None) -> str:
+    console = Console(width=110, record=True, color_system=None, file=open("/dev/null", "w"))
+    console.print(render(snapshot, probe))
+    return console.export_text()
+
+
+def test_frame_matches_the_golden_text(tmp_path):
+    (tmp_path / "probe.json").write_text(json.dumps(PROBE))
+    ceiling = ceilings(tmp_path / "probe.json")
+    assert ceiling == {"dram->gpu": 55.13, "gpu->dram": 55.05, "nvme->dram": 1.82}
+    assert frame(SNAPSHOT, ceiling) == GOLDEN.read_text()
+
+
+def test_prometheus_text_is_well_formed():
+    text = prometheus(SNAPSHOT)
+    sample = re.compile(r'^tiermem_[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? -?[0-9.e+-]+$')
+    for line in text.splitlines():
+        assert line.startswith("# HELP tiermem_") or line.startswith("# TYPE tiermem_") or sample.match(line), line
+    assert 'tiermem_tier_used_bytes{tier="nvme",kind="exp_avg"} 134217728' in text
+    assert "tiermem_train_step 30" in text
+
+
+def test_top_and_stats_follow_a_real_run(tmp_path, capsys):
+    from tests.tiny_models import save_tiny_model, write_tokenized_dataset
+    from trainer.cli import main as train_main
+
+    model = save_tiny_model("llama", tmp_path / "model")
+    name = write_tokenized_dataset(tmp_path / "data")
+    cfg = {"model_name_or_path": str(model), "dataset": name, "dataset_dir": str(tmp_path / "data"),
+           "output_dir": str(tmp_path / "out"), "max_steps": 3, "per_device_train_batch_size": 2,
+           "tiermem": {"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}}}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    assert train_main([str(tmp_path / "c.yaml")]) == 0
+    capsys.readouterr()
+    assert tiermem_main(["top", "--run", str(tmp_path / "out"), "--once"]) == 0
+    shown = capsys.readouterr().out
+    assert "step 3/3 (100%)" in shown and "dram->gpu" in shown and "loss" in shown
+    assert tiermem_main(["stats", "--run", str(tmp_path / "out"), "--json"]) == 0
+    snap = json.loads(capsys.readouterr().out)
+    assert snap["run"]["step"] == 3 and set(snap["store"]["tiers"]) >= {"gpu", "dram"}
+
+
+def test_bad_input(tmp_path, capsys):
+    for argv in (["top", "--socket", "/tmp/x.sock", "--once"], ["stats", "--json"],
+                 ["top", "--run", str(tmp_path), "--once"], ["top", "--run", str(tmp_path), "--probe", "/nope"]):
+        assert tiermem_main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("tiermem: error: ") and err.count("\n") == 1, err

@@ -1,0 +1,197 @@
+"""``tiermem top`` and ``tiermem stats``: the store's state for people (a live terminal view) and for
+scripts (JSON, Prometheus text), read from a stats snapshot only, so watching never slows training.
+
+    tiermem top --run OUTPUT_DIR [--once] [--probe probe.json]   # an embedded run: its tiermem_stats.json
+    tiermem stats --run OUTPUT_DIR --json | --prometheus
+
+The view: per tier a bar of used/capacity split by kind; per link GB/s now and on average against the
+probed ceiling (a ``tiermem probe --save`` file); the step, phase and the layer on the GPU; the step-time
+split (compute / waiting on transfers / waiting on the optimizer); the optimizer's last update; loss,
+tokens/s, TFLOP/s, ETA.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from tiermem.errors import UserError
+from tiermem.sizes import format_size
+
+KIND_MARK = {"param": ("P", "cyan"), "grad": ("G", "magenta"), "master": ("M", "green"),
+             "exp_avg": ("1", "yellow"), "exp_avg_sq": ("2", "blue")}
+PROBE_LINKS = {"arena -> GPU": "dram->gpu", "GPU -> arena": "gpu->dram", "arena -> NVMe": "dram->nvme",
+               "NVMe -> arena": "nvme->dram", "NVMe -> GPU": "nvme->gpu"}
+BAR = 24
+
+
+def stats_path(run_dir: str | Path) -> Path:
+    p = Path(run_dir) / "tiermem_stats.json"
+    if not p.is_file():
+        raise UserError(f"{run_dir} has no tiermem_stats.json (is it the output_dir of a tiermem-train run?)")
+    return p
+
+
+def read_snapshot(run_dir: str | Path) -> dict:
+    p = stats_path(run_dir)
+    for _ in range(5):  # the file is replaced atomically; a read can only race with a rename
+        try:
+            return json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError):
+            time.sleep(0.05)
+    raise UserError(f"{p} cannot be read")
+
+
+def ceilings(probe_file: str | Path | None) -> dict[str, float]:
+    """Link -> the raw GB/s a ``tiermem probe --save`` file measured (the best backend for NVMe)."""
+    if not probe_file:
+        return {}
+    try:
+        rows = json.loads(Path(probe_file).read_text())["rows"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        raise UserError(f"--probe {probe_file}: not a file written by tiermem probe --save") from None
+    out: dict[str, float] = {}
+    for r in rows:
+        for prefix, link in PROBE_LINKS.items():
+            if r.get("link", "").startswith(prefix) and r.get("raw"):
+                out[link] = max(out.get(link, 0.0), float(r["raw"]))
+    return out
+
+
+def _bar(by_kind: dict[str, int], capacity: int) -> Text:
+    t = Text()
+    used_cells = 0
+    for kind, (mark, style) in KIND_MARK.items():
+        cells = round(by_kind.get(kind, 0) / capacity * BAR) if capacity else 0
+        cells = min(cells, BAR - used_cells)
+        t.append(mark * cells, style=style)
+        used_cells += cells
+    t.append("." * (BAR - used_cells), style="dim")
+    return t
+
+
+def _hms(seconds) -> str:
+    return str(timedelta(seconds=int(seconds))) if seconds is not None else "-"
+
+
+def render(snap: dict, ceiling: dict[str, float] | None = None):
+    """One frame of ``tiermem top`` for a snapshot (a rich renderable)."""
+    store, run = snap.get("store", {}), snap.get("run", {}) or {}
+    ceiling = ceiling or {}
+    parts = []
+    step, total = run.get("step"), run.get("total_steps")
+    head = Text(f"tiermem top — {store.get('store', '?')} (pid {snap.get('pid', '?')})", style="bold")
+    if total:
+        layer = run.get("layer")
+        head.append(f"   step {step or 0}/{total} ({(step or 0) / total:.0%})   phase {run.get('phase', '-')}"
+                    + (f", layer {layer}" if layer is not None else "") + f"   ETA {_hms(run.get('eta_s'))}")
+    parts.append(head)
+
+    parts.append(Text("tiers   (" + "  ".join(f"{m} {k}" for k, (m, _) in KIND_MARK.items()) + "  . free)",
+                      style="bold"))
+    tiers = Table(box=None, padding=(0, 1))
+    for col, width in (("tier", 4), ("by kind", BAR), ("used", 9), ("capacity", 9), ("budget", 9)):
+        tiers.add_column(col, no_wrap=True, min_width=width)
+    tiers.add_column("notes")
+    for name, t in store.get("tiers", {}).items():
+        notes = []
+        if name == "gpu":
+            notes.append(f"{t.get('slots', 0)} slots of {format_size(t.get('slot_bytes', 0))}, "
+                         f"{t.get('slots_free', 0)} free")
+        elif name == "dram":
+            notes.append(f"{t.get('path')}{', pinned' if t.get('pinned') else ''}")
+        else:
+            notes.append(f"{t.get('backend')}")
+        budget = t.get("budget")
+        tiers.add_row(name, _bar(t.get("by_kind", {}), t.get("capacity", 0)), format_size(t.get("used", 0)),
+                      format_size(t.get("capacity", 0)), format_size(budget) if budget else "-", "; ".join(notes))
+    parts.append(tiers)
+
+    parts.append(Text("links", style="bold"))
+    links = Table(box=None, padding=(0, 1))
+    for col in ("link", "GB/s now", "GB/s avg", "ceiling", "moved", "busy s", "queue"):
+        links.add_column(col, justify="left" if col == "link" else "right")
+    for name, lk in store.get("links", {}).items():
+        if not lk.get("bytes"):
+            continue
+        c = ceiling.get(name)
+        links.add_row(name, f"{lk.get('gbps_now', 0):.2f}", f"{lk.get('gbps_avg', 0):.2f}",
+                      f"{c:.2f}" if c else "-", format_size(lk.get("bytes", 0)), f"{lk.get('busy_s', 0):.2f}",
+                      str(lk.get("queue", 0)))
+    parts.append(links)
+
+    if total:
+        split = run.get("split", {})
+        step_s = run.get("step_s") or 0.0
+        lines = [
+            f"loss {run.get('loss', float('nan')):.4f}   grad_norm {run.get('grad_norm', float('nan')):.3f}   "
+            f"lr {run.get('lr', 0.0):.3e}" + (f"   eval_loss {run['eval_loss']:.4f}" if "eval_loss" in run else ""),
+            f"{run.get('tokens_per_s', 0.0):,.0f} tok/s   {run.get('tflops', 0.0):.3g} TFLOP/s   step {step_s:.3f} s"
+            f" = compute {split.get('compute', 0.0):.3f} + wait transfer {split.get('wait_transfer', 0.0):.3f}"
+            f" + wait optimizer {split.get('wait_optimizer', 0.0):.3f}",
+        ]
+        opt = run.get("optimizer") or {}
+        if opt:
+            busy = ", ".join(f"{k} {v:.3f}" for k, v in (opt.get("split") or {}).items() if v)
+            lines.append(f"optimizer: last update {opt.get('last_update_s', 0.0):.3f} s"
+                         + (f" ({busy})" if busy else "") + f"; gpu_share {opt.get('gpu_share', 0)}")
+        waits = store.get("waits_s", {})
+        if waits:
+            lines.append("store waits (not GPU idle): " + ", ".join(f"{k} {v:.2f} s" for k, v in waits.items()))
+        parts.append(Text("training", style="bold"))
+        parts.extend(Text(line) for line in lines)
+    return Group(*parts)
+
+
+def prometheus(snap: dict) -> str:
+    """The snapshot in the Prometheus text exposition format."""
+    store, run = snap.get("store", {}), snap.get("run", {}) or {}
+    out: list[str] = []
+
+    def metric(name: str, kind: str, help_: str, samples: list[tuple[dict, float]]) -> None:
+        out.append(f"# HELP tiermem_{name} {help_}")
+        out.append(f"# TYPE tiermem_{name} {kind}")
+        for labels, value in samples:
+            lab = ",".join(f'{k}="{v}"' for k, v in labels.items())
+            out.append(f"tiermem_{name}{{{lab}}} {value}" if lab else f"tiermem_{name} {value}")
+
+    tiers = store.get("tiers", {})
+    metric("tier_capacity_bytes", "gauge", "bytes the tier holds", [({"tier": n}, t.get("capacity", 0))
+                                                                     for n, t in tiers.items()])
+    metric("tier_used_bytes", "gauge", "bytes allocated, by kind of state",
+           [({"tier": n, "kind": k}, v) for n, t in tiers.items() for k, v in t.get("by_kind", {}).items()])
+    links = store.get("links", {})
+    metric("link_bytes_total", "counter", "bytes moved", [({"link": n}, lk.get("bytes", 0)) for n, lk in links.items()])
+    metric("link_busy_seconds_total", "counter", "seconds the link was busy",
+           [({"link": n}, lk.get("busy_s", 0.0)) for n, lk in links.items()])
+    metric("link_gbps_now", "gauge", "GB/s over the last second", [({"link": n}, lk.get("gbps_now", 0.0))
+                                                                   for n, lk in links.items()])
+    metric("wait_seconds_total", "counter", "seconds spent waiting, by cause",
+           [({"what": k}, v) for k, v in store.get("waits_s", {}).items()])
+    for key, help_ in (("step", "optimizer steps done"), ("total_steps", "optimizer steps planned"),
+                       ("loss", "training loss of the last step"), ("tokens_per_s", "tokens per second"),
+                       ("step_s", "seconds of the last step"), ("eta_s", "seconds left")):
+        if run.get(key) is not None:
+            metric(f"train_{key}", "gauge", help_, [({}, run[key])])
+    return "\n".join(out) + "\n"
+
+
+def top(run_dir: str, once: bool, probe: str | None, interval: float = 0.5) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    ceiling = ceilings(probe)
+    console = Console()
+    if once:
+        console.print(render(read_snapshot(run_dir), ceiling))
+        return 0
+    with Live(render(read_snapshot(run_dir), ceiling), console=console, refresh_per_second=2) as live:
+        while True:
+            time.sleep(interval)
+            live.update(render(read_snapshot(run_dir), ceiling))
