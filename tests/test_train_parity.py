@@ -117,18 +117,22 @@ def test_fp32_training_matches_plain_pytorch(tmp_path, family, gpu_share):
     assert [r["loss"] for r in log] == pytest.approx(losses, rel=1e-5)
 
 
-@pytest.mark.parametrize("gpu_share", [0.0, 0.5, 1.0])
-def test_auto_placement_with_resident_shared_groups_matches(tmp_path, gpu_share):
+@pytest.mark.parametrize("gpu_share,passes", [(0.0, 1), (0.5, 1), (1.0, 1), (0.0, 2), (0.5, 2)])
+def test_auto_placement_with_resident_shared_groups_matches(tmp_path, gpu_share, passes):
     """Embeddings and head resident on the (CPU stand-in) GPU tier, layers streamed from DRAM; a share of
-    the layers updated by the optimizer's GPU worker (state streamed to the "GPU" and back)."""
+    the layers updated by the optimizer's GPU worker (state streamed to the "GPU" and back); with a small
+    activation budget each step runs as one layer-major pass per micro-batch, gradients adding up in the
+    store between passes."""
     model_dir = save_tiny_model("llama", tmp_path / "model")
     data_dir = tmp_path / "data"
     name = write_tokenized_dataset(data_dir)
     ref = reference_training(model_dir, data_dir, name, [])
     tiermem = {"tiers": {"gpu": {"device": "cpu", "slots": 2}, "dram": {"budget": "64MiB"}}, "placement": "auto",
                "optimizer": {"gpu_share": gpu_share}}
-    assert run_cli(tmp_path, model_dir, data_dir, name, tiermem) == 0
+    budget = {"tiermem_activation_budget": "1KiB"} if passes > 1 else {}
+    assert run_cli(tmp_path, model_dir, data_dir, name, tiermem, **budget) == 0
     stats = json.loads((tmp_path / "out" / "store_stats.json").read_text())
+    assert ("gradient_partials" in stats["waits_s"]) == (passes > 1)
     assert stats  # the run left its store's final snapshot
     assert_same_weights(tmp_path / "out", ref, tied=False)
 

@@ -92,6 +92,9 @@ class TrainConfig:
     tiermem_skip_bad_rows: bool = False  # skip rows that do not fit their dataset's format (counted), not stop
     tiermem_cache_dir: str | None = None  # tokenized-dataset cache; default $TIERMEM_CACHE or ~/.cache/tiermem
     loss_chunk_tokens: int = 4096  # tokens per chunk of the LM-head loss (bounds the logits' memory)
+    # GPU memory a pass may fill with boundary activations; a step whose micro-batches need more runs as
+    # several layer-major passes. auto: half the GPU memory free after the store's; no limit on the CPU.
+    tiermem_activation_budget: Any = "auto"
 
 
 def _parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
@@ -208,6 +211,10 @@ def validate(c: TrainConfig) -> None:
         raise ConfigError(f"warmup_ratio must be in [0, 1], got {c.warmup_ratio}")
     if c.max_steps <= 0 and c.num_train_epochs <= 0:
         raise ConfigError("set max_steps or a positive num_train_epochs")
+    if c.tiermem_activation_budget not in ("auto", None):
+        from tiermem.sizes import parse_size
+
+        c.tiermem_activation_budget = parse_size(c.tiermem_activation_budget, "tiermem_activation_budget")
     if c.tiermem is not None and not isinstance(c.tiermem, (str, dict)):
         raise ConfigError("tiermem: expected a path to a tiermem config file or an inline mapping")
 

@@ -49,7 +49,7 @@ class StepResult:
 
 class Executor:
     def __init__(self, store, cfg: ModelConfig, dtype: torch.dtype, optimizer, max_grad_norm: float,
-                 loss_chunk_tokens: int):
+                 loss_chunk_tokens: int, activation_budget: int | None = None):
         self.store, self.cfg, self.dtype, self.optimizer = store, cfg, dtype, optimizer
         self.device = store.gpu.device
         self.max_grad_norm = max_grad_norm
@@ -62,6 +62,8 @@ class Executor:
         self._waits = [0.0, 0.0]
         self._phase_waits: dict = {}
         self.phase, self.layer = "starting", None  # what the GPU is doing now (for tiermem top)
+        self.activation_budget = activation_budget  # bytes of boundary activations a pass may keep; None: any
+        self.last_passes = 1
         # the trainer's thread, the copy lanes, the prefetcher and the optimizer hand work to each other
         # many times a step: a 5 ms GIL switch interval (Python's default) would add up to waits
         sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
@@ -96,13 +98,76 @@ class Executor:
         else:
             self.store.store_group(group, "grad", named)
 
+    def _grads(self, group, grads: dict[str, torch.Tensor], first: bool, last: bool):
+        """Hand a layer's gradient of this pass on: partial sums go to the store between passes (and come
+        back to be added); the last pass's sum is the gradient, whose squared norm is returned."""
+        if not first:
+            for n, g in grads.items():
+                prev = torch.empty_like(g)
+                self.store.wait(self.store.read(state_name(n, "grad"), out=prev), "gradient_partials")
+                g.add_(prev)
+        if last:
+            self._hand_grads(group, grads)
+            return sum(g.pow(2).sum() for g in grads.values())
+        self.store.store_group(group, "grad", {state_name(n, "grad"): g for n, g in grads.items()})
+        return None
+
+    def passes(self, batches: list) -> list[list]:
+        """The step's micro-batches in groups whose boundary activations fit the activation budget."""
+        if self.activation_budget is None:
+            return [batches]
+        per_token = (self.cfg.num_layers + 1) * self.cfg.hidden_size * self.dtype.itemsize
+        out, cur, used = [], [], 0
+        for b in batches:
+            need = b[0].numel() * per_token
+            if cur and used + need > self.activation_budget:
+                out.append(cur)
+                cur, used = [], 0
+            cur.append(b)
+            used += need
+        out.append(cur)
+        return out
+
     # -- one step --------------------------------------------------------------------------------
     def step(self, batches: list[tuple[torch.Tensor, torch.Tensor, int]], step: int, lr: float) -> StepResult:
-        """Run optimizer step ``step`` (0-based) over ``batches`` [(input_ids, labels, n_tokens)] at ``lr``."""
-        cfg, dev = self.cfg, self.device
+        """Run optimizer step ``step`` (0-based) over ``batches`` [(input_ids, labels, n_tokens)] at ``lr``.
+
+        When the boundary activations of all micro-batches do not fit the activation budget, the step runs
+        as several layer-major passes; gradients add up in the store between passes.
+        """
         t_start = time.perf_counter()
         self._waits = [0.0, 0.0]
         self._phase_waits = {}
+        trained = sum(int((shift_labels(b[1]) != -100).sum()) for b in batches)
+        tokens = sum(b[2] for b in batches)
+        scale = 1.0 / max(trained, 1)
+        groups = self.passes(batches)
+        self.last_passes = len(groups)
+        loss = sumsq = None
+        for p, group in enumerate(groups):
+            part, sq = self._pass(group, step, scale, p == 0, p == len(groups) - 1)
+            loss = part if loss is None else loss + part
+            sumsq = sq if sq is not None else sumsq
+
+        # 4. exact global-norm clipping, then the store's optimizer (overlaps the next forward)
+        self._drain()
+        norm = math.sqrt(float(sumsq))
+        loss_value = float(loss) * scale
+        grad_scale = None
+        if self.max_grad_norm > 0:
+            coef = self.max_grad_norm / (norm + 1e-6)
+            if coef < 1.0:
+                grad_scale = 1.0 / coef
+        self.optimizer.step(step + 1, lr, grad_scale)
+        self.phase, self.layer = "optimizer", None
+        seconds = time.perf_counter() - t_start
+        return StepResult(loss_value, norm, tokens, trained, seconds, self._waits[0], self._waits[1],
+                          self._phase_waits)
+
+    def _pass(self, batches: list, step: int, scale: float, first: bool, last: bool):
+        """Forward, loss and backward of ``batches``, layer-major; (summed loss, squared gradient norm on
+        the last pass else None)."""
+        cfg, dev = self.cfg, self.device
         L, tied = cfg.num_layers, cfg.tie_word_embeddings
         req = self.prefetch.request
         r_embed = req("embed", "param", step)
@@ -110,13 +175,9 @@ class Executor:
         r_head = req("head", "param", step)
         r_tied = req("embed", "param", step) if tied else None
         r_bwd = [req(i, "param", step) for i in reversed(range(L))]
-
         ids = [b[0].to(dev, non_blocking=True) for b in batches]
         targets = [shift_labels(b[1]).to(dev, non_blocking=True) for b in batches]
-        trained = sum(int((shift_labels(b[1]) != -100).sum()) for b in batches)
-        tokens = sum(b[2] for b in batches)
         rope = self._rope_for(max(x.shape[1] for x in ids))
-        scale = 1.0 / max(trained, 1)
 
         # 1. forward, layer-major, keeping every micro-batch's boundary activations
         with torch.no_grad():
@@ -150,12 +211,10 @@ class Executor:
         view.release()
         if tied_view is not None:
             tied_view.release()
-        sumsq = g_norm.pow(2).sum()
         head_grads = {NORM: g_norm}
         if not tied:
             head_grads[LM_HEAD] = g_head
-            sumsq = sumsq + g_head.pow(2).sum()
-        self._hand_grads("head", head_grads)
+        sq = [self._grads("head", head_grads, first, last)]
 
         # 3. backward, layer-major, with recompute
         self.phase = "backward"
@@ -178,8 +237,7 @@ class Executor:
                     for a, g in zip(acc, outs[1:]):
                         a.add_(g)
             view.release()
-            sumsq = sumsq + sum(a.pow(2).sum() for a in acc)
-            self._hand_grads(i, dict(zip(view.tensors.keys(), acc)))
+            sq.append(self._grads(i, dict(zip(view.tensors.keys(), acc)), first, last))
 
         # the embedding's gradient: every micro-batch's input gradient, plus the tied LM head's
         hidden = cfg.hidden_size
@@ -188,24 +246,9 @@ class Executor:
             g_embed.index_add_(0, x.reshape(-1), gy.reshape(-1, hidden).float())
         if cfg.pad_token_id is not None and 0 <= cfg.pad_token_id < cfg.vocab_size:
             g_embed[cfg.pad_token_id] = 0
-        sumsq = sumsq + g_embed.pow(2).sum()
-        self._hand_grads("embed", {EMBED: g_embed})
+        sq.append(self._grads("embed", {EMBED: g_embed}, first, last))
         del grads_y, acts
-
-        # 4. exact global-norm clipping, then the store's optimizer (overlaps the next forward)
-        self._drain()
-        norm = math.sqrt(float(sumsq))
-        loss_value = float(loss) * scale
-        grad_scale = None
-        if self.max_grad_norm > 0:
-            coef = self.max_grad_norm / (norm + 1e-6)
-            if coef < 1.0:
-                grad_scale = 1.0 / coef
-        self.optimizer.step(step + 1, lr, grad_scale)
-        self.phase, self.layer = "optimizer", None
-        seconds = time.perf_counter() - t_start
-        return StepResult(loss_value, norm, tokens, trained, seconds, self._waits[0], self._waits[1],
-                          self._phase_waits)
+        return loss, (sum(sq) if last else None)
 
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor, int]], version: int) -> tuple[float, int]:
         """Forward only, layer-major, over ``batches`` with the weights of ``version`` (updates done so far):

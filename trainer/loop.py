@@ -127,7 +127,8 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
         optimizer = StoreAdamW(store, group_order(mcfg), decay,
                                AdamWConfig(cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.weight_decay),
                                has_master=cfg.bf16)
-        executor = Executor(store, mcfg, dtype, optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens)
+        executor = Executor(store, mcfg, dtype, optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens,
+                            activation_budget(cfg, store))
         report = Reporter(out, total, n_params, say, resume_step=start)
 
         def live() -> dict:
@@ -160,6 +161,10 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
                         f"{cfg.per_device_train_batch_size} rows x up to {cfg.cutoff_len} tokens; lower "
                         "per_device_train_batch_size or cutoff_len, or tiers.gpu.budget (steps split into several "
                         "layer-major passes are not supported yet)") from None
+                if step == start and executor.last_passes > 1:
+                    say(f"note: a step's boundary activations exceed the activation budget "
+                        f"({format_size(executor.activation_budget)}): each step runs as {executor.last_passes} "
+                        "layer-major passes, gradients adding up in the store between them")
                 report.step(step + 1, result, lr, plan.epoch_of(step + 1), time.perf_counter() - t0,
                             step + 1 == total, cfg.logging_steps)
                 if saver is not None and (step + 1) % cfg.save_steps == 0:
@@ -195,6 +200,17 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
         if optimizer is not None:
             optimizer.close()
         store.close()
+
+
+def activation_budget(cfg: TrainConfig, store: Store) -> int | None:
+    """Bytes of boundary activations one layer-major pass may keep on the GPU."""
+    if cfg.tiermem_activation_budget != "auto":
+        return cfg.tiermem_activation_budget
+    dev = store.gpu.device
+    if dev.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(dev)
+    return int(free * 0.5)
 
 
 def find_resume(cfg: TrainConfig, out: Path) -> Path | None:
