@@ -51,21 +51,28 @@ class Rows:
 
 
 # -- reading ------------------------------------------------------------------------------------------
-def _tokenized(entry: DatasetEntry, cfg, vocab: int, out: Rows) -> None:
+def _parsed_rows(entry: DatasetEntry, cfg, out: Rows, parse):
+    """``parse(row)`` for each row of ``entry`` up to max_samples; a row it rejects (BadRow) stops the run
+    with the file and row named, or is skipped and counted with tiermem_skip_bad_rows."""
     n = 0
     for path in entry.files:
         for i, row in read_rows(path):
             if cfg.max_samples is not None and n >= cfg.max_samples:
                 return
             try:
-                ids, labels = _check_tokenized(row, vocab)
+                parsed = parse(row)
             except BadRow as e:
                 if not cfg.tiermem_skip_bad_rows:
                     raise DataError(f"{path}: row {i}: {e}") from None
                 out.skipped += 1
                 continue
             n += 1
-            _keep(out, ids[: cfg.cutoff_len], None if labels is None else labels[: cfg.cutoff_len])
+            yield parsed
+
+
+def _tokenized(entry: DatasetEntry, cfg, vocab: int, out: Rows) -> None:
+    for ids, labels in _parsed_rows(entry, cfg, out, lambda row: _check_tokenized(row, vocab)):
+        _keep(out, ids[: cfg.cutoff_len], None if labels is None else labels[: cfg.cutoff_len])
 
 
 def _check_tokenized(row, vocab: int):
@@ -95,26 +102,12 @@ def _keep(out: Rows, ids: list[int], labels: list[int] | None) -> None:
 
 
 def _conversations(entry: DatasetEntry, cfg, out: Rows):
-    """Yield (where, conversation) for each good row of an alpaca/sharegpt entry."""
+    """The conversations of the good rows of an alpaca/sharegpt entry."""
     cols = columns_of(entry.formatting, entry.columns)
     tags = tags_of(entry.tags)
-    n = 0
-    for path in entry.files:
-        for i, row in read_rows(path):
-            if cfg.max_samples is not None and n >= cfg.max_samples:
-                return
-            try:
-                if entry.formatting == "alpaca":
-                    conv = alpaca(row, cols, prompt_only=cfg.stage == "pt")
-                else:
-                    conv = sharegpt(row, cols, tags)
-            except BadRow as e:
-                if not cfg.tiermem_skip_bad_rows:
-                    raise DataError(f"{path}: row {i}: {e}") from None
-                out.skipped += 1
-                continue
-            n += 1
-            yield f"{path}: row {i}", conv
+    if entry.formatting == "alpaca":
+        return _parsed_rows(entry, cfg, out, lambda row: alpaca(row, cols, prompt_only=cfg.stage == "pt"))
+    return _parsed_rows(entry, cfg, out, lambda row: sharegpt(row, cols, tags))
 
 
 # -- tokenizing (in this process or a pool) ------------------------------------------------------------
@@ -169,7 +162,7 @@ def build_rows(names: str, cfg, model_cfg, model_dir, progress=None) -> Rows:
         if e.formatting == "tokenized":
             _tokenized(e, cfg, model_cfg.vocab_size, out)
         else:
-            for _, conv in _conversations(e, cfg, out):
+            for conv in _conversations(e, cfg, out):
                 if cfg.stage == "pt":
                     texts.append(conv.messages[0]["content"])
                 else:
