@@ -24,7 +24,8 @@ from tiermem.tiers.extents import Extent, OutOfSpace
 from tiermem.tiers.gpu import GpuTier
 from tiermem.tiers.nvme import NvmeTier
 
-LINKS = ("dram->gpu", "gpu->dram", "nvme->dram", "dram->nvme", "nvme->gpu", "gpu->nvme", "dram->dram", "gpu->gpu")
+LINKS = ("dram->gpu", "gpu->dram", "dram->gpu bulk", "gpu->dram bulk", "nvme->dram", "dram->nvme", "nvme->gpu",
+         "gpu->nvme", "dram->dram", "gpu->gpu")
 
 
 def host_sync(stream) -> None:
@@ -108,8 +109,8 @@ class Mover:
         self._d2h = _StreamLane("d2h", dev, self.links["gpu->dram"])
         # bulk lanes: long transfers (the optimizer's state) on their own streams, so a layer fetch the
         # GPU is waiting for never queues behind them (they share the link's bandwidth instead)
-        self._h2d_bulk = _StreamLane("h2d-bulk", dev, self.links["dram->gpu"])
-        self._d2h_bulk = _StreamLane("d2h-bulk", dev, self.links["gpu->dram"])
+        self._h2d_bulk = _StreamLane("h2d-bulk", dev, self.links["dram->gpu bulk"])
+        self._d2h_bulk = _StreamLane("d2h-bulk", dev, self.links["gpu->dram bulk"])
         self._local = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tiermem-copy")
 
     # -- endpoints ---------------------------------------------------------------------------
