@@ -148,3 +148,24 @@ def test_overwrite_output_dir_starts_afresh(setup):
     assert main([str(cfg), "overwrite_output_dir=true"]) == 0  # not resumed: trains all 6 steps again
     for n, t in weights(tmp / "run").items():
         assert (t == first[n]).all()
+
+
+def test_bf16_resume_with_the_gpu_worker_matches_the_straight_run(setup):
+    """bf16 compute copy + fp32 master, a share of the layers updated by the optimizer's GPU worker: a run
+    resumed from checkpoint-3 (the weights' compute copy rebuilt from the fp32 master) ends where the
+    straight run ends."""
+    write, tmp = setup
+    over = {"bf16": True, "tiermem": {"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}},
+                                      "optimizer": {"gpu_share": 0.5}}}
+    assert main([str(write("straight", **over))]) == 0
+    cfg = write("resumed", save_steps=3, **over)
+    assert main([str(cfg), "max_steps=6"]) == 0
+    out = tmp / "resumed"
+    import shutil
+
+    shutil.rmtree(out / "checkpoint-6")
+    (out / "model.safetensors").unlink()
+    assert main([str(cfg)]) == 0  # resumes from checkpoint-3
+    straight, resumed = weights(tmp / "straight"), weights(out)
+    for n in straight:
+        assert (resumed[n] == straight[n]).all(), n
