@@ -16,10 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from tiermem.errors import ConfigError, nearest
-from tiermem.schema import load_dataclass
+from tiermem.schema import load_dataclass, read_yaml
 from tiermem.sizes import parse_size
 
 KINDS = ("param", "grad", "master", "exp_avg", "exp_avg_sq")
@@ -128,16 +126,7 @@ def load_store_config(source: str | Path | dict[str, Any] | None, where: str = "
     if source is None:
         return StoreConfig()
     if isinstance(source, (str, Path)):
-        path = Path(source)
-        if not path.is_file():
-            raise ConfigError(f"tiermem config file not found: {path}")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            at = f" at line {mark.line + 1}" if mark else ""
-            raise ConfigError(f"{path}: not valid YAML{at}: {getattr(e, 'problem', e)}") from None
-        where = str(path)
+        data = read_yaml(source, "tiermem config file")
     else:
         data = source
     if not isinstance(data, dict):

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import yaml
 
 from tiermem.errors import ConfigError
-from tiermem.schema import load_dataclass, to_plain
+from tiermem.schema import load_dataclass, read_yaml, to_plain
 
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 
@@ -129,23 +129,6 @@ def _apply(data: dict, key: str, value: Any) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"override {key}: '{p}' is not a mapping")
     node[parts[-1]] = value
-
-
-def read_yaml(path: str | Path) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file not found: {p}")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{p}: not valid YAML{at}: {getattr(e, 'problem', e)}") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: expected a mapping of keys to values at the top level")
-    return data
 
 
 def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:

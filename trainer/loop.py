@@ -21,11 +21,12 @@ from tiermem.catalog import TensorSpec, state_name
 from tiermem.config import StoreConfig, load_store_config
 from tiermem.errors import BudgetError, ConfigError
 from tiermem.optim import AdamWConfig, StoreAdamW
+from tiermem.schema import read_yaml
 from tiermem.sizes import format_size
 from tiermem.stats import StatsFile
 from tiermem.store import Store
 from trainer import checkpoint as ckpt
-from trainer.config import TrainConfig, read_yaml, resolved
+from trainer.config import TrainConfig, resolved
 from trainer.data.batches import StepPlan, collate
 from trainer.data.prepare import Rows, load_rows, split_eval
 from trainer.executor import Executor
@@ -42,7 +43,7 @@ def store_config(value) -> StoreConfig:
     Embedded runs default the DRAM arena to ``anonymous`` (private huge pages: nothing to share, nothing
     left behind, fast to pin) and the GPU tier to the CPU when there is no CUDA.
     """
-    data = read_yaml(value) if isinstance(value, str) else copy.deepcopy(value or {})
+    data = read_yaml(value, "tiermem config file") if isinstance(value, str) else copy.deepcopy(value or {})
     tiers = data.setdefault("tiers", {}) or {}
     data["tiers"] = tiers
     for key in ("dram", "gpu"):
