@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import math
 import os
 import queue
 import re
@@ -198,7 +199,7 @@ class Saver:
             for g in self.groups:
                 self.store.catalog.wait_version(g, step)
                 for w in self.weights[g]:
-                    nbytes = sum(w_numel(w) * 4 for _ in kinds)
+                    nbytes = math.prod(w.shape) * 4 * len(kinds)
                     mib = min(max(1, nbytes >> 20), self._budget_mib)
                     for _ in range(mib):
                         room.acquire()
@@ -290,13 +291,6 @@ class Saver:
             self.say(f"saved checkpoint-{step}: {gb:.2f} GB in {self.last['seconds']:.1f} s "
                      f"({gb / max(self.last['seconds'], 1e-9):.2f} GB/s); training paused {self.last['paused']:.2f} s")
         return self.last
-
-
-def w_numel(w) -> int:
-    n = 1
-    for d in w.shape:
-        n *= d
-    return n
 
 
 def rng_state() -> dict:

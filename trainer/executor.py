@@ -36,7 +36,6 @@ class StepResult:
     loss: float  # mean over the step's trained tokens
     grad_norm: float  # before clipping
     tokens: int  # non-padding tokens
-    trained_tokens: int
     seconds: float
     wait_transfer: float  # the GPU stood idle waiting for weights to arrive
     wait_optimizer: float  # ... waiting for the optimizer to finish a group's update
@@ -161,7 +160,7 @@ class Executor:
         self.optimizer.step(step + 1, lr, grad_scale)
         self.phase, self.layer = "optimizer", None
         seconds = time.perf_counter() - t_start
-        return StepResult(loss_value, norm, tokens, trained, seconds, self._waits[0], self._waits[1],
+        return StepResult(loss_value, norm, tokens, seconds, self._waits[0], self._waits[1],
                           self._phase_waits)
 
     def _pass(self, batches: list, step: int, scale: float, first: bool, last: bool):

@@ -1,11 +1,11 @@
 """Chat templates by name, rendered the way LLaMA-Factory renders them.
 
 A template is a set of slot lists (user, assistant, system, observation, prefix). A slot is a string
-with ``{{content}}`` where the message goes, the marker ``BOS`` or ``EOS`` (the tokenizer's bos / eos
-id; a template that names stop words uses its first stop word as eos), or a ``Token("...")`` (one id by
-name). Each string slot is tokenized on its own, without special tokens added. Turn 0 starts with the
-prefix and (when there is a system message) the system slot; templates marked ``fuse_system`` instead
-put the rendered system text in front of the first user message (Llama 2, Mistral, Gemma).
+with ``{{content}}`` where the message goes, or the marker ``BOS`` or ``EOS`` (the tokenizer's bos / eos
+id; a template that names stop words uses its first stop word as eos). Each string slot is tokenized on
+its own, without special tokens added. Turn 0 starts with the prefix and (when there is a system message)
+the system slot; templates marked ``fuse_system`` instead put the rendered system text in front of the
+first user message (Llama 2, Mistral, Gemma).
 
 ``encode_turns`` returns one (prompt ids, response ids) pair per user/assistant turn.
 """
@@ -17,11 +17,6 @@ from dataclasses import dataclass, field
 from tiermem.errors import ConfigError, nearest
 
 BOS, EOS = "<<bos>>", "<<eos>>"
-
-
-@dataclass(frozen=True)
-class Token:
-    name: str
 
 
 @dataclass
@@ -105,11 +100,6 @@ def _ids(slots: list, template: Template, tok) -> list[int]:
                 out.append(tok.bos_id)
         elif s == EOS:
             out.append(eos_id(template, tok))
-        elif isinstance(s, Token):
-            tid = tok.backend.token_to_id(s.name)
-            if tid is None:
-                raise ConfigError(f"the tokenizer has no token {s.name!r} that the template needs")
-            out.append(tid)
         elif s:
             out += tok.encode(s)
     return out
