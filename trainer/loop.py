@@ -29,6 +29,7 @@ from trainer import checkpoint as ckpt
 from trainer.config import TrainConfig, resolved
 from trainer.data.batches import StepPlan, collate
 from trainer.data.prepare import Rows, load_rows, split_eval
+from trainer.data.registry import resolve
 from trainer.executor import Executor
 from trainer.model.config import load_model_config
 from trainer.model.hf_io import export_model, import_weights, init_weights, weight_files
@@ -92,8 +93,10 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
     scfg = store_config(cfg.tiermem)
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     n_params = mcfg.num_params()
-    if eval_rows is not None and cfg.eval_strategy == "no":
-        say("note: evaluation data is set but eval_strategy is no: no evaluation will run")
+    if (eval_rows is not None or cfg.eval_steps is not None) and cfg.eval_strategy == "no":
+        say("note: evaluation data or eval_steps is set but eval_strategy is no: no evaluation will run")
+    if cfg.template is not None and all(e.formatting == "tokenized" for e in resolve(cfg.dataset, cfg.dataset_dir)):
+        say(f"note: template '{cfg.template}' is not used: tokenized datasets come rendered already")
     say(f"[bold]tiermem-train[/]: {mcfg.family} {n_params / 1e6:,.1f}M params, {mcfg.num_layers} layers, "
         f"{'bf16' if cfg.bf16 else 'fp32'}; {len(rows)} training rows"
         + (f", {len(eval_rows)} evaluation rows" if eval_rows is not None else "")
