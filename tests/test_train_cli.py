@@ -124,7 +124,9 @@ def test_placement_over_budget(good, capsys):
 def test_not_yet_supported_keys_say_so(good, capsys):
     cfg, run, tmp = good
     _expect_error(capsys, tmp, run(dict(cfg, fp16=True)), "fp16", "not supported")
-    _expect_error(capsys, tmp, run(dict(cfg, tiermem_server="/tmp/sock")), "tiermem_server", "not supported yet")
+    _expect_error(capsys, tmp, run(dict(cfg, tiermem_server="/tmp/sock")), "tiermem_server", "tiermem=null")
+    _expect_error(capsys, tmp, run(dict(cfg, tiermem=None, tiermem_server=str(tmp / "none.sock"))),
+                  "no tiermem service at", "tiermem serve")
     _expect_error(capsys, tmp, run(dict(cfg, deepspeed="ds.json")), "deepspeed")
 
 

@@ -69,6 +69,7 @@ class Catalog:
         self._lock = threading.Lock()
         self._bumps = 0  # counts every version bump, for waiters on "any group changed"
         self._any = threading.Condition()
+        self.on_bump = None  # called with (group, version) after each bump (the service tells its trainer)
 
     def add(self, spec: TensorSpec, tier: str, extent: Extent) -> Entry:
         with self._lock:
@@ -120,6 +121,8 @@ class Catalog:
         with self._any:
             self._bumps += 1
             self._any.notify_all()
+        if self.on_bump is not None:
+            self.on_bump(group, version)
         return version
 
     def bump_count(self) -> int:

@@ -1,5 +1,6 @@
-"""The ``tiermem`` command: ``probe`` (measure this machine's links) and ``arenas`` (list or clean
-shared-memory arenas left behind). A user error prints one line and exits with code 2."""
+"""The ``tiermem`` command: ``serve`` (the store as a service), ``top`` and ``stats`` (watch a run or a
+service), ``probe`` (measure this machine's links) and ``arenas`` (list or clean shared-memory arenas left
+behind). A user error prints one line and exits with code 2."""
 
 from __future__ import annotations
 
@@ -46,24 +47,35 @@ def _arenas(args) -> int:
     return 0
 
 
-def _no_service(args) -> None:
-    if getattr(args, "socket", None) or not args.run:
-        raise UserError("the tiermem service (tiermem serve, --socket) is not supported yet; follow an embedded "
-                        "run with --run OUTPUT_DIR")
+def _reader(args):
+    """Where top and stats read snapshots: an embedded run's directory, else a service's socket."""
+    from tiermem.protocol import default_socket
+    from tiermem.top import read_service, read_snapshot
+
+    if args.run and args.socket:
+        raise UserError("give --run OUTPUT_DIR (an embedded run) or --socket PATH (a service), not both")
+    if args.run:
+        return lambda: read_snapshot(args.run)
+    path = args.socket or default_socket()
+    return lambda: read_service(path)
+
+
+def _serve(args) -> int:
+    from tiermem.server import serve
+
+    return serve(args.config, args.socket, args.fresh)
 
 
 def _top(args) -> int:
     from tiermem.top import top
 
-    _no_service(args)
-    return top(args.run, args.once, args.probe)
+    return top(_reader(args), args.once, args.probe)
 
 
 def _stats(args) -> int:
-    from tiermem.top import prometheus, read_snapshot
+    from tiermem.top import prometheus
 
-    _no_service(args)
-    snap = read_snapshot(args.run)
+    snap = _reader(args)()
     print(prometheus(snap) if args.prometheus else json.dumps(snap, indent=1), end="" if args.prometheus else "\n")
     return 0
 
@@ -84,15 +96,21 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--dir", default="/dev/shm")
     ar.add_argument("--clean", action="store_true", help="remove arenas whose owner is gone")
     ar.set_defaults(fn=_arenas)
+    sv = sub.add_parser("serve", help="run the store as a service that trainers attach to (tiermem_server=PATH)")
+    sv.add_argument("--config", required=True, help="the tiermem config (tiers, placement, name)")
+    sv.add_argument("--socket", help="the control socket's path (default: $XDG_RUNTIME_DIR/tiermem/tiermem.sock "
+                                     "or /tmp/tiermem-UID/tiermem.sock)")
+    sv.add_argument("--fresh", action="store_true", help="discard the run a previous service left behind")
+    sv.set_defaults(fn=_serve)
     tp = sub.add_parser("top", help="a live view of a run's store: tiers, links, step, waits")
     tp.add_argument("--run", metavar="OUTPUT_DIR", help="follow the embedded run writing to OUTPUT_DIR")
-    tp.add_argument("--socket", help="a tiermem service's socket (not supported yet)")
+    tp.add_argument("--socket", help="a tiermem service's socket (default: this user's default socket)")
     tp.add_argument("--once", action="store_true", help="print one frame and exit")
     tp.add_argument("--probe", help="a `tiermem probe --save` file: show each link's measured ceiling")
     tp.set_defaults(fn=_top)
     st = sub.add_parser("stats", help="one snapshot of a run's store, for scripts")
     st.add_argument("--run", metavar="OUTPUT_DIR", help="the embedded run writing to OUTPUT_DIR")
-    st.add_argument("--socket", help="a tiermem service's socket (not supported yet)")
+    st.add_argument("--socket", help="a tiermem service's socket (default: this user's default socket)")
     fmt = st.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="JSON (the default)")
     fmt.add_argument("--prometheus", action="store_true", help="Prometheus text format")

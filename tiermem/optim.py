@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from tiermem.catalog import Group, state_name
+from tiermem.errors import BudgetError
 from tiermem.futures import all_of, done_future
 from tiermem.mover import host_sync
 
@@ -82,6 +83,9 @@ class StoreAdamW:
         # gate(group, update) blocks until update number ``update`` may change the group's state (a
         # checkpoint being written reads it first); returns the seconds it waited
         self.gate = None
+        # guard.begin(group, update, views) before an update changes a group, guard.done(group, update)
+        # once all of its new state is home (the service's journal and undo copy; CPU worker only)
+        self.guard = None
 
     def _assign(self, share: float) -> set[Group]:
         """Spread ``share`` of the streamed groups evenly over the order, so both workers progress together."""
@@ -95,21 +99,25 @@ class StoreAdamW:
         return g in self.on_gpu
 
     # -- public --------------------------------------------------------------------------------
-    def step(self, step: int, lr: float, grad_scale: float | None = None) -> cf.Future:
-        """Start update number ``step`` (1-based) of every group; returns a future for all of them.
+    def step(self, step: int, lr: float, grad_scale: float | None = None, only: set | None = None) -> cf.Future:
+        """Start update number ``step`` (1-based) of every group (of the groups in ``only``); returns a future
+        for all of them.
 
         Gradients must have been handed to the store (``store_group(g, "grad", ...)``) before; the
         store orders the reads after those writes.
         """
         self.check()
+        if self.guard is not None and self.on_gpu:
+            raise RuntimeError("the optimizer's crash-safety guard needs every group on the CPU worker")
         if self._pending is not None and self._pending.done():
             self.last_step_seconds, self.last_split = self._busy, dict(self._split)
         self._t0, self._busy = time.perf_counter(), 0.0
         self._split = {"cpu_adamw": 0.0, "cpu_compute_copy": 0.0, "cpu_staging": 0.0, "gpu_path": 0.0,
                        "save_wait": 0.0}
-        cpu = self._cpu.submit(self._guard, self._run_cpu, [g for g in self.groups if g not in self.on_gpu],
+        groups = [g for g in self.groups if only is None or g in only]
+        cpu = self._cpu.submit(self._catch, self._run_cpu, [g for g in groups if g not in self.on_gpu],
                                step, lr, grad_scale)
-        gpu = self._gpu.submit(self._guard, self._run_gpu, [g for g in self.groups if g in self.on_gpu],
+        gpu = self._gpu.submit(self._catch, self._run_gpu, [g for g in groups if g in self.on_gpu],
                                step, lr, grad_scale)
         self._pending = all_of([cpu, gpu])
         return self._pending
@@ -129,7 +137,7 @@ class StoreAdamW:
         self._cpu.shutdown(wait=True)
         self._gpu.shutdown(wait=True)
 
-    def _guard(self, fn, *args) -> None:
+    def _catch(self, fn, *args) -> None:
         try:
             fn(*args)
         except BaseException as e:
@@ -162,17 +170,33 @@ class StoreAdamW:
         prev_writeback = done_future()
         for n, g in enumerate(groups):
             prev_writeback.result()  # bounds staging to two groups at once
-            if n + 1 < len(groups):
-                staged[groups[n + 1]] = self._stage(groups[n + 1], kinds)
             ts = time.perf_counter()
+            if g not in staged:  # the arena's free space was too scattered to stage it ahead
+                staged[g] = self._stage(g, kinds)
+            if n + 1 < len(groups):
+                try:
+                    staged[groups[n + 1]] = self._stage(groups[n + 1], kinds)
+                except BudgetError:
+                    pass  # staged after this group's state is home
             views = {k: f.result() for k, f in staged.pop(g).items()}
             self._split["cpu_staging"] += time.perf_counter() - ts
             self._wait_gate(g, step)
+            if self.guard is not None:
+                self.guard.begin(g, step, views)
             self._update_in_place(g, views, step, lr, grad_scale)
             prev_writeback = self._finish(g, views, step)
 
     def _stage(self, g: Group, kinds) -> dict[str, cf.Future]:
-        return {k: self.store.stage(g, k) for k in kinds if self.store.catalog.group_entries(g, k)}
+        out: dict[str, cf.Future] = {}
+        try:
+            for k in kinds:
+                if self.store.catalog.group_entries(g, k):
+                    out[k] = self.store.stage(g, k)
+        except BudgetError:
+            for f in out.values():  # give back what was staged of this group
+                f.result().release(write_back=False).result()
+            raise
+        return out
 
     def _update_in_place(self, g: Group, views, step: int, lr: float, grad_scale: float | None) -> None:
         cat, pk = self.store.catalog, self.p_kind
@@ -226,6 +250,10 @@ class StoreAdamW:
                 fut.result()
             else:
                 writebacks.append(fut)
+        if self.guard is not None:  # journaled as done before anyone may use (or overwrite) its inputs
+            all_of(writebacks).result()
+            self.guard.done(g, step)
+            writebacks = []
         self.store.catalog.bump(g, to=step)
         return all_of(writebacks)
 

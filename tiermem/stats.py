@@ -54,10 +54,13 @@ class StatsFile:
     every ``interval`` seconds from a daemon thread, atomically (temp file + rename), so ``tiermem top
     --run`` and ``tiermem stats --run`` can follow an embedded run without touching it."""
 
-    def __init__(self, path, store, extra=None, interval: float = 0.5):
+    def __init__(self, path, store, extra=None, interval: float = 0.5, sink=None):
+        """``sink(snapshot)``, when given, also receives every snapshot (an attached trainer sends it to the
+        service, whose ``tiermem top --socket`` shows it)."""
         import threading
 
         self.path, self.store, self.extra, self.interval = path, store, extra or (lambda: {}), interval
+        self.sink = sink
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tiermem-stats", daemon=True)
         self._thread.start()
@@ -70,6 +73,8 @@ class StatsFile:
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(json.dumps(snap, default=str))
         os.replace(tmp, self.path)
+        if self.sink is not None:
+            self.sink(json.loads(json.dumps(snap, default=str)))
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

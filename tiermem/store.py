@@ -59,7 +59,9 @@ def _typed(raw: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
 
 class Store:
     def __init__(self, cfg: StoreConfig, capacity: dict[str, int], slot_bytes: int = 0, n_slots: int = 0,
-                 pin: bool | None = None, plan: Plan | None = None):
+                 pin: bool | None = None, plan: Plan | None = None, tiers: tuple | None = None):
+        """Make the tiers for ``capacity`` (or take ready ones: ``tiers`` = (gpu, dram, nvme), as the
+        service's and an attached trainer's stores do over an existing arena and files)."""
         self.cfg, self.plan = cfg, plan
         self.name = cfg.store_name()
         self.catalog = Catalog()
@@ -68,6 +70,20 @@ class Store:
         if pin is None:
             pin = device.type == "cuda" if t.dram.pin == "auto" else t.dram.pin == "true"
         self.gpu = self.dram = self.nvme = None
+        if tiers is not None:
+            self.gpu, self.dram, self.nvme = tiers
+        else:
+            self._make_tiers(device, capacity, slot_bytes, n_slots, pin)
+        self.mover = Mover(self.gpu, self.dram, self.nvme)
+        self._tails: dict[tuple[Group, str], cf.Future] = {}
+        self._tail_lock = threading.Lock()
+        self.waits: dict[str, float] = defaultdict(float)
+        self._offered: dict[tuple[Group, str], tuple[dict[str, torch.Tensor], object]] = {}
+        self._closed = False
+        self.keep_files = False  # close() leaves the arena and NVMe files in place (the service's state)
+
+    def _make_tiers(self, device, capacity, slot_bytes, n_slots, pin) -> None:
+        t = self.cfg.tiers
         try:
             self.gpu = GpuTier(device, capacity.get("gpu", 0), slot_bytes, n_slots)
             self.dram = DramArena.create(self.name, max(capacity.get("dram", 0), 4096), t.dram.path, pin=pin,
@@ -78,12 +94,6 @@ class Store:
         except BaseException:
             self._close_tiers()
             raise
-        self.mover = Mover(self.gpu, self.dram, self.nvme)
-        self._tails: dict[tuple[Group, str], cf.Future] = {}
-        self._tail_lock = threading.Lock()
-        self.waits: dict[str, float] = defaultdict(float)
-        self._offered: dict[tuple[Group, str], tuple[dict[str, torch.Tensor], object]] = {}
-        self._closed = False
 
     @classmethod
     def open(cls, cfg: StoreConfig, specs: list[TensorSpec], streamed_kinds: tuple[str, ...] = ("param",),
@@ -328,9 +338,21 @@ class Store:
         return snapshot(self)
 
     def _close_tiers(self) -> None:
-        for t in (self.nvme, self.dram, self.gpu):
-            if t is not None:
-                t.close()
+        keep = getattr(self, "keep_files", False)
+        if self.nvme is not None:
+            self.nvme.close(remove=not keep)
+        if self.dram is not None:
+            self.dram.close(remove=not keep)
+        if self.gpu is not None:
+            self.gpu.close()
+
+    def flush(self, kind: str) -> None:
+        """Wait until every operation submitted so far on tensors of ``kind`` has completed (raising the
+        first failure): an attached trainer's gradients must be home before it commits a step."""
+        with self._tail_lock:
+            tails = [f for (_, k), f in self._tails.items() if k == kind]
+        for f in tails:
+            f.result()
 
     def close(self) -> None:
         if self._closed:

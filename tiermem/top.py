@@ -2,7 +2,8 @@
 scripts (JSON, Prometheus text), read from a stats snapshot only, so watching never slows training.
 
     tiermem top --run OUTPUT_DIR [--once] [--probe probe.json]   # an embedded run: its tiermem_stats.json
-    tiermem stats --run OUTPUT_DIR --json | --prometheus
+    tiermem top [--socket PATH] [--once]                          # a service (default: the user's socket)
+    tiermem stats (--run OUTPUT_DIR | [--socket PATH]) [--json | --prometheus]
 
 The view: per tier a bar of used/capacity split by kind; per link GB/s now and on average against the
 probed ceiling (a ``tiermem probe --save`` file); the step, phase and the layer on the GPU; the step-time
@@ -92,6 +93,17 @@ def render(snap: dict, ceiling: dict[str, float] | None = None):
         head.append(f"   step {step or 0}/{total} ({(step or 0) / total:.0%})   phase {run.get('phase', '-')}"
                     + (f", layer {layer}" if layer is not None else "") + f"   ETA {_hms(run.get('eta_s'))}")
     parts.append(head)
+    svc = snap.get("service")
+    if svc is not None:
+        opt = run.get("optimizer") or {}
+        if svc.get("run") is None:
+            parts.append(Text(f"service on {svc.get('socket')}: idle, no run"))
+        else:
+            trainer = f"trainer pid {svc['trainer_pid']}" if svc.get("trainer_pid") else "no trainer attached"
+            parts.append(Text(f"service on {svc.get('socket')}: run {svc.get('label', {}).get('output_dir', '?')}, "
+                              f"{trainer}; committed step {opt.get('committed', '?')}, updated "
+                              f"{opt.get('updated', '?')}, groups behind {opt.get('lag_groups', 0)}"
+                              + (f"; ERROR {svc['error']}" if svc.get("error") else "")))
 
     parts.append(Text("tiers   (" + "  ".join(f"{m} {k}" for k, (m, _) in KIND_MARK.items()) + "  . free)",
                       style="bold"))
@@ -182,16 +194,28 @@ def prometheus(snap: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def top(run_dir: str, once: bool, probe: str | None, interval: float = 0.5) -> int:
+def read_service(socket_path) -> dict:
+    """One snapshot from a running service (``tiermem serve``)."""
+    from tiermem.client import ServiceClient
+
+    client = ServiceClient(socket_path)
+    try:
+        return client.request("stats")["snapshot"]
+    finally:
+        client.close()
+
+
+def top(read, once: bool, probe: str | None, interval: float = 0.5) -> int:
+    """Show ``read()``'s snapshots (a run directory's stats file, or a service's) until Ctrl-C."""
     from rich.console import Console
     from rich.live import Live
 
     ceiling = ceilings(probe)
     console = Console()
     if once:
-        console.print(render(read_snapshot(run_dir), ceiling))
+        console.print(render(read(), ceiling))
         return 0
-    with Live(render(read_snapshot(run_dir), ceiling), console=console, refresh_per_second=2) as live:
+    with Live(render(read(), ceiling), console=console, refresh_per_second=2) as live:
         while True:
             time.sleep(interval)
-            live.update(render(read_snapshot(run_dir), ceiling))
+            live.update(render(read(), ceiling))

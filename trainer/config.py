@@ -153,9 +153,9 @@ def validate(c: TrainConfig) -> None:
     if c.report_to not in ("none", "None"):
         raise ConfigError(f"report_to: {c.report_to} is not supported; use report_to: none (tiermem writes "
                           "trainer_log.jsonl in output_dir)")
-    if c.tiermem_server:
-        raise ConfigError("tiermem_server: attaching to a tiermem service is not supported yet (issue 5); "
-                          "remove the key to run the store embedded")
+    if c.tiermem_server and c.tiermem is not None:
+        raise ConfigError("tiermem and tiermem_server are both set: an attached run uses the service's store config "
+                          "(`tiermem serve --config`); remove the tiermem key (or add tiermem=null)")
     if c.save_steps is not None and c.save_steps <= 0:
         raise ConfigError(f"save_steps must be positive, got {c.save_steps}")
     if c.save_total_limit is not None and c.save_total_limit <= 0:

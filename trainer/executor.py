@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tiermem import faults
 from tiermem.catalog import state_name
 from tiermem.mover import host_sync
 from tiermem.prefetch import Prefetcher
@@ -190,6 +191,7 @@ class Executor:
                 w = self._weights(view)
                 acts.append([decoder_layer(w, x, rope, cfg) for x in acts[i]])
                 view.release()
+                faults.point("forward", step + 1)
 
         # 2. loss + its backward, chunked over tokens
         self.phase, self.layer = "loss", "head"
@@ -237,6 +239,7 @@ class Executor:
                         a.add_(g)
             view.release()
             sq.append(self._grads(i, dict(zip(view.tensors.keys(), acc)), first, last))
+            faults.point("backward", step + 1)
 
         # the embedding's gradient: every micro-batch's input gradient, plus the tied LM head's
         hidden = cfg.hidden_size

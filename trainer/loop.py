@@ -8,20 +8,24 @@ is written to ``output_dir``.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from tiermem import protocol
 from tiermem.catalog import TensorSpec, state_name
+from tiermem.client import attach
 from tiermem.config import StoreConfig, load_store_config
 from tiermem.errors import BudgetError, ConfigError
 from tiermem.optim import AdamWConfig, StoreAdamW
-from tiermem.schema import read_yaml
+from tiermem.schema import read_yaml, to_plain
 from tiermem.sizes import format_size
 from tiermem.stats import StatsFile
 from tiermem.store import Store
@@ -74,11 +78,8 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
         raise ConfigError(f"cutoff_len {cfg.cutoff_len} exceeds the model's sliding_window {mcfg.sliding_window}; "
                           "sliding-window attention is not supported yet: lower cutoff_len")
     out = Path(cfg.output_dir)
-    resume = find_resume(cfg, out)
-    if resume is not None:
-        ckpt.check(resume, mcfg, model_dir)  # whole, and this model's: before anything is touched
-    if cfg.tiermem_init == "pretrained" and resume is None:
-        weight_files(model_dir)
+    attached_mode = bool(cfg.tiermem_server)
+    resume = None if attached_mode else _checked_resume(cfg, out, mcfg, model_dir)
     if cfg.plot_loss:
         try:
             import matplotlib  # noqa: F401
@@ -90,7 +91,6 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
     plan = StepPlan(len(rows), cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps, cfg.seed)
     total = plan.total_steps(cfg.num_train_epochs, cfg.max_steps)
     warmup = warmup_steps(total, cfg.warmup_steps, cfg.warmup_ratio)
-    scfg = store_config(cfg.tiermem)
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     n_params = mcfg.num_params()
     if (eval_rows is not None or cfg.eval_steps is not None) and cfg.eval_strategy == "no":
@@ -103,34 +103,51 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
         + f"; {total} steps of {cfg.per_device_train_batch_size}x{cfg.gradient_accumulation_steps} rows "
         f"(warmup {warmup})")
 
-    store = Store.open(scfg, state_specs(mcfg, dtype), streamed_kinds=("param",))
-    optimizer = executor = saver = stats = None
+    decay = {w.name: w.decay for w in all_weights(mcfg)}
+    adamw = AdamWConfig(cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.weight_decay)
+    attached = optimizer = None
+    if attached_mode:
+        attached = _attach(cfg, mcfg, dtype, rows, decay, adamw, out, say)
+        store, optimizer = attached.store, attached.optimizer
+        if not attached.initialized:
+            resume = _checked_resume(cfg, out, mcfg, model_dir)
+    else:
+        store = Store.open(store_config(cfg.tiermem), state_specs(mcfg, dtype), streamed_kinds=("param",))
+    scfg = store.cfg
+    executor = saver = stats = None
     try:
         _describe_store(store, say)
         kinds = {"param": dtype, **({"master": torch.float32} if cfg.bf16 else {})}
         start = 0
-        with _bar(console) as bar:
-            what = "resuming" if resume else "initialising" if cfg.tiermem_init == "random" else "loading"
-            task = bar.add_task(f"{what} weights", total=n_params)
-            adv = lambda n: bar.advance(task, n)
+        if attached is not None and attached.initialized:
+            start = attached.committed
+            say(f"continuing the service's run at step {start} (epoch {plan.epoch_of(start):.2f})")
+        else:
+            with _bar(console) as bar:
+                what = "resuming" if resume else "initialising" if cfg.tiermem_init == "random" else "loading"
+                task = bar.add_task(f"{what} weights", total=n_params)
+                adv = lambda n: bar.advance(task, n)
+                if resume is not None:
+                    start = ckpt.load(store, resume, mcfg, dtype, cfg.bf16, adv)
+                    state = json.loads((resume / "trainer_state.json").read_text())
+                    ckpt.set_rng_state(state.get("rng", {}))
+                elif cfg.tiermem_init == "random":
+                    init_weights(store, mcfg, kinds, cfg.seed, store.gpu.device, adv)
+                else:
+                    import_weights(store, mcfg, model_dir, kinds, adv)
+            if attached is not None:
+                store.flush("param")
+                store.flush("master")
+                attached.request("init", step=start)
+                attached.optimizer.committed = start
             if resume is not None:
-                start = ckpt.load(store, resume, mcfg, dtype, cfg.bf16, adv)
-                state = json.loads((resume / "trainer_state.json").read_text())
-                ckpt.set_rng_state(state.get("rng", {}))
-            elif cfg.tiermem_init == "random":
-                init_weights(store, mcfg, kinds, cfg.seed, store.gpu.device, adv)
-            else:
-                import_weights(store, mcfg, model_dir, kinds, adv)
-        if resume is not None:
-            say(f"resumed from {resume} at step {start} (epoch {plan.epoch_of(start):.2f})")
+                say(f"resumed from {resume} at step {start} (epoch {plan.epoch_of(start):.2f})")
 
         out.mkdir(parents=True, exist_ok=True)
         ckpt.remove_partial(out)
         (out / "training_args.yaml").write_text(yaml.safe_dump(resolved(cfg, scfg), sort_keys=False))
-        decay = {w.name: w.decay for w in all_weights(mcfg)}
-        optimizer = StoreAdamW(store, group_order(mcfg), decay,
-                               AdamWConfig(cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.weight_decay),
-                               has_master=cfg.bf16)
+        if optimizer is None:
+            optimizer = StoreAdamW(store, group_order(mcfg), decay, adamw, has_master=cfg.bf16)
         executor = Executor(store, mcfg, dtype, optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens,
                             activation_budget(cfg, store))
         report = Reporter(out, total, n_params, say, resume_step=start)
@@ -141,7 +158,7 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
             return dict(report.live, phase=executor.phase, layer=executor.layer, optimizer=opt,
                         tflops=6 * n_params * report.live.get("tokens_per_s", 0.0) / 1e12)
 
-        stats = StatsFile(out / "tiermem_stats.json", store, live)
+        stats = StatsFile(out / "tiermem_stats.json", store, live, sink=attached.progress if attached else None)
         if cfg.save_steps:
             saver = ckpt.Saver(store, mcfg, out, model_dir, dtype, cfg.bf16, cfg.save_only_model,
                                cfg.save_total_limit, say)
@@ -172,6 +189,8 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
                 report.step(step + 1, result, lr, plan.epoch_of(step + 1), time.perf_counter() - t0,
                             step + 1 == total, cfg.logging_steps)
                 if saver is not None and (step + 1) % cfg.save_steps == 0:
+                    if attached is not None:
+                        attached.refresh_layout()
                     saver.begin(step + 1, {"global_step": step + 1, "epoch": plan.epoch_of(step + 1),
                                            "total_steps": total, "rng": ckpt.rng_state(),
                                            "config": resolved(cfg, scfg)})
@@ -183,6 +202,8 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
             if saver is not None:
                 saver.wait()
         runtime = time.perf_counter() - t0
+        if attached is not None:
+            attached.refresh_layout()
         with _bar(console) as bar:
             task = bar.add_task("exporting", total=n_params)
             export_model(store, mcfg, out, "master" if cfg.bf16 else "param", dtype, model_dir,
@@ -193,6 +214,10 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
             if report.eval_losses:
                 plot_loss(out, report.eval_losses, "eval_loss")
         (out / "store_stats.json").write_text(json.dumps(store.stats(), indent=1, default=str) + "\n")
+        if attached is not None:
+            stats.close()
+            stats = None
+            attached.request("finish")
         say(f"done: {total} steps in {runtime:.1f}s, train_loss {results['train_loss']:.4f}; "
                       f"model saved to {out}")
         return results
@@ -203,7 +228,54 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
             executor.close()
         if optimizer is not None:
             optimizer.close()
-        store.close()
+        if attached is not None:
+            attached.close()
+        else:
+            store.close()
+
+
+def _checked_resume(cfg: TrainConfig, out: Path, mcfg, model_dir: Path) -> Path | None:
+    """The checkpoint to resume from (checked whole and this model's) and, for a fresh start from
+    pretrained weights, that the weight files are there: before anything is touched."""
+    resume = find_resume(cfg, out)
+    if resume is not None:
+        ckpt.check(resume, mcfg, model_dir)
+    if cfg.tiermem_init == "pretrained" and resume is None:
+        weight_files(model_dir)
+    return resume
+
+
+# keys that do not change what a run computes: a rerun that differs only in them continues the run
+NOT_IDENTITY = {"logging_steps", "save_steps", "save_only_model", "save_total_limit", "plot_loss", "report_to",
+                "overwrite_output_dir", "overwrite_cache", "preprocessing_num_workers", "tiermem_server",
+                "tiermem_cache_dir", "resume_from_checkpoint", "eval_strategy", "eval_steps",
+                "per_device_eval_batch_size", "eval_dataset"}
+
+
+def run_identity(cfg: TrainConfig, mcfg, dtype: torch.dtype, rows: Rows) -> str:
+    """A digest of what the run computes: the model's tensors, the settings that change the math, the rows."""
+    data = hashlib.sha256()
+    for ids, labels in zip(rows.input_ids, rows.labels):
+        data.update(np.asarray(ids, dtype=np.int64).tobytes())
+        data.update(b"|" if labels is None else np.asarray(labels, dtype=np.int64).tobytes())
+        data.update(b"\n")
+    settings = {k: v for k, v in to_plain(cfg).items() if k not in NOT_IDENTITY}
+    ident = {"model": ckpt.signature(mcfg), "dtype": str(dtype), "settings": settings, "data": data.hexdigest()}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _attach(cfg: TrainConfig, mcfg, dtype: torch.dtype, rows: Rows, decay: dict, adamw: AdamWConfig, out: Path,
+            say):
+    """Attach to the service named by tiermem_server (``default``: the per-user default socket)."""
+    path = protocol.default_socket() if cfg.tiermem_server == "default" else Path(cfg.tiermem_server)
+    optim = {"beta1": adamw.beta1, "beta2": adamw.beta2, "eps": adamw.eps, "weight_decay": adamw.weight_decay,
+             "has_master": cfg.bf16, "decay": decay, "groups": group_order(mcfg)}
+    label = {"model": str(cfg.model_name_or_path), "output_dir": str(out.resolve())}
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    attached = attach(path, run_identity(cfg, mcfg, dtype, rows), label, state_specs(mcfg, dtype), optim, device)
+    say(f"attached to the tiermem service at {path}"
+        + (f" (its run is at step {attached.committed})" if attached.initialized else " (a new run)"))
+    return attached
 
 
 def activation_budget(cfg: TrainConfig, store: Store) -> int | None:
@@ -304,7 +376,7 @@ def _describe_store(store: Store, say) -> None:
         kinds = by.get(tier) or {}
         if kinds:
             parts.append(f"{tier}: " + ", ".join(f"{k} {format_size(v)}" for k, v in kinds.items()))
-    say("store: " + "; ".join(parts) + f"; {store.plan.n_slots} GPU slots of {format_size(store.plan.slot_bytes)}")
+    say("store: " + "; ".join(parts) + f"; {store.gpu.n_slots} GPU slots of {format_size(store.gpu.slot_bytes)}")
 
 
 def _bar(console: Console) -> Progress:

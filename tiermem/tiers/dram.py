@@ -215,6 +215,30 @@ class DramArena:
             os.close(fd)
         return cls(path, name, size, mm, owner=False, pin=pin)
 
+    @classmethod
+    def reopen(cls, name: str, directory: str | Path) -> DramArena:
+        """Take ownership of an arena file a previous owner (a killed or stopped service) left behind: its
+        bytes are kept, its header names this process; the caller rebuilds the allocator's extents."""
+        path = Path(directory) / f"{name}{SUFFIX}"
+        if not path.is_file():
+            raise StorageError(f"no arena named {name} in {directory}")
+        h = _read_header(path)
+        if h["pid"] != os.getpid() and psutil.pid_exists(h["pid"]):  # alive, unless the pid was reused
+            try:
+                alive = "tiermem" in " ".join(psutil.Process(h["pid"]).cmdline())
+            except psutil.Error:
+                alive = False
+            if alive:
+                raise StorageError(f"arena {path} is owned by running pid {h['pid']}")
+        fd = os.open(path, os.O_RDWR)
+        try:
+            header = MAGIC + json.dumps(dict(h, pid=os.getpid())).encode()
+            os.pwrite(fd, header.ljust(HEADER, b"\0"), 0)
+            mm = mmap.mmap(fd, h["size"], mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(path, name, h["size"], mm, owner=True, pin=False)
+
     @property
     def capacity(self) -> int:
         return self.size - HEADER
@@ -233,8 +257,8 @@ class DramArena:
     def address(self, extent: Extent) -> int:
         return self._base.data_ptr() + extent.offset
 
-    def close(self) -> None:
-        """Unpin, unmap, and (for the owner) remove the arena file."""
+    def close(self, remove: bool = True) -> None:
+        """Unpin, unmap, and (for the owner, unless ``remove`` is False) remove the arena file."""
         if self._base is None:
             return
         if self.pinned:
@@ -245,7 +269,7 @@ class DramArena:
             self._mm.close()
         except BufferError:
             pass  # views still alive: the mapping goes when the last one does
-        if self.owner and self.path is not None:
+        if self.owner and remove and self.path is not None:
             self.path.unlink(missing_ok=True)
 
     def __enter__(self) -> DramArena:

@@ -58,6 +58,26 @@ class ExtentAllocator:
                     return Extent(start, size)
         raise OutOfSpace(f"no free extent of {size} bytes (free {self.free_bytes()}, largest {self.largest_free()})")
 
+    def reserve(self, extent: Extent) -> None:
+        """Mark ``extent`` (aligned, inside free space) as allocated: rebuilding the allocator of a reopened
+        arena or file from a recorded layout."""
+        with self._lock:
+            idx = bisect.bisect_right(self._starts, extent.offset) - 1
+            if idx < 0 or extent.offset % self.alignment or extent.nbytes % self.alignment:
+                raise ValueError(f"cannot reserve {extent}: misaligned or before the start")
+            start = self._starts[idx]
+            length = self._lengths[start]
+            if extent.end > start + length:
+                raise ValueError(f"cannot reserve {extent}: not inside free space")
+            del self._starts[idx]
+            del self._lengths[start]
+            pieces = [(start, extent.offset - start), (extent.end, start + length - extent.end)]
+            for s, n in reversed(pieces):
+                if n > 0:
+                    self._starts.insert(idx, s)
+                    self._lengths[s] = n
+            self._live[extent.offset] = extent.nbytes
+
     def free(self, extent: Extent) -> None:
         with self._lock:
             if self._live.get(extent.offset) != extent.nbytes:

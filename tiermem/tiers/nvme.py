@@ -61,11 +61,19 @@ def choose_backend(want: str, directory: Path) -> tuple[str, str]:
 
 class NvmeTier:
     def __init__(self, directory: str | Path, name: str, capacity: int, backend: str = "auto",
-                 threads: int = 8, io_chunk: int = 16 << 20, direct: bool = True):
+                 threads: int = 8, io_chunk: int = 16 << 20, direct: bool = True, reopen: bool = False):
+        """Create the tier's file (``reopen``: open the existing one, keeping its bytes; the caller rebuilds
+        the allocator's extents and closes with ``remove=False`` when the file must outlive it)."""
         directory = Path(directory)
         capacity = align_up(max(capacity, 4096), 4096)
-        check_directory(directory, capacity)
         self.path = directory / f"{name}{SUFFIX}"
+        self.backend = None
+        if reopen:
+            if not self.path.is_file() or self.path.stat().st_size < capacity:
+                raise StorageError(f"NVMe tier file {self.path} is missing or shorter than {format_size(capacity)}")
+            self._open(directory, capacity, backend, threads, io_chunk, direct, remove_on_error=False)
+            return
+        check_directory(directory, capacity)
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
@@ -87,6 +95,10 @@ class NvmeTier:
             self.path.unlink(missing_ok=True)
             raise
         os.close(fd)
+        self._open(directory, capacity, backend, threads, io_chunk, direct, remove_on_error=True)
+
+    def _open(self, directory: Path, capacity: int, backend: str, threads: int, io_chunk: int, direct: bool,
+              remove_on_error: bool) -> None:
         self.capacity = capacity
         self.allocator = ExtentAllocator(capacity, 4096)
         try:
@@ -96,7 +108,8 @@ class NvmeTier:
             else:
                 self.backend = PosixBackend(self.path, threads, io_chunk, direct)
         except BaseException:
-            self.path.unlink(missing_ok=True)
+            if remove_on_error:
+                self.path.unlink(missing_ok=True)
             raise
         self.backend_reason = why if backend == "auto" else "configured"
         log.info("NVMe tier %s: %s backend (%s; %s)", self.path, self.backend_name, self.backend.reason,
@@ -127,8 +140,9 @@ class NvmeTier:
         if buf.numel() * buf.element_size() > extent.nbytes:
             raise ValueError(f"buffer of {buf.numel() * buf.element_size()} bytes overruns {extent}")
 
-    def close(self) -> None:
+    def close(self, remove: bool = True) -> None:
         if self.backend is not None:
             self.backend.close()
             self.backend = None
-            self.path.unlink(missing_ok=True)
+            if remove:
+                self.path.unlink(missing_ok=True)

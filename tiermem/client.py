@@ -1,0 +1,225 @@
+"""A trainer's side of the service: attach, a store over the service's memory, and the optimizer as a
+stand-in that commits steps to the service.
+
+    attached = attach(socket_path, run_id, label, specs, optim, device)
+    attached.store        # a Store over the service's arena and NVMe file, with this process's GPU slots
+    attached.optimizer    # step(n, lr, grad_scale) waits for the gradients to be home, then commits n
+    attached.committed    # the service's last committed step: where training continues
+
+A reader thread takes the service's replies and its pushed events: each group's new version is applied
+to the local catalog, so the prefetcher waits for updates exactly as in an embedded run.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tiermem import faults, protocol
+from tiermem.catalog import Group, TensorSpec
+from tiermem.config import load_store_config
+from tiermem.errors import UserError
+from tiermem.futures import done_future
+from tiermem.layout import attach_store, spec_from_json, spec_to_json
+from tiermem.tiers.extents import Extent
+
+
+class ServiceLost(UserError):
+    """The service went away (killed, stopped, restarted) while the trainer was attached."""
+
+    exit_code = 1
+
+
+class ServiceClient:
+    def __init__(self, path):
+        self.path = path
+        self.sock = protocol.connect(path)
+        self._lock = threading.Lock()
+        self._replies: queue.Queue = queue.Queue()
+        self._id = 0
+        self.catalog = None
+        self._early: dict = {}  # versions pushed before the catalog existed
+        self.lost = False
+        self.error: str | None = None
+        self.on_version = None
+        self._reader = threading.Thread(target=self._read, name="tiermem-client", daemon=True)
+        self._reader.start()
+
+    def request(self, op: str, **fields) -> dict:
+        with self._lock:
+            if self.lost:
+                raise self._lost()
+            self._id += 1
+            try:
+                protocol.send(self.sock, {"op": op, "id": self._id, **fields})
+            except OSError:
+                raise self._lost() from None
+            reply = self._replies.get()
+        if reply is None:
+            raise self._lost()
+        if not reply.get("ok"):
+            raise UserError(f"the tiermem service refused {op}: {reply.get('error')}")
+        return reply
+
+    def _lost(self) -> ServiceLost:
+        return ServiceLost(f"lost the tiermem service at {self.path}; start it again (`tiermem serve` with the "
+                           "same config) and rerun this command: training continues from the last committed step")
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = protocol.recv(self.sock)
+            except (OSError, protocol.ProtocolError):
+                msg = None
+            if msg is None:
+                self.lost = True
+                self._replies.put(None)
+                if self.catalog is not None:  # wake anyone waiting on a version
+                    for g in self.catalog.groups():
+                        self.catalog.bump(g, to=self.catalog.version(g))
+                return
+            if "ev" not in msg:
+                self._replies.put(msg)
+            elif msg["ev"] == "version":
+                self._version(msg["group"], int(msg["version"]))
+            elif msg["ev"] == "failed":
+                self.error = str(msg.get("error"))
+
+    def _version(self, g: Group, v: int) -> None:
+        cat = self.catalog
+        if cat is None:
+            self._early[g] = max(v, self._early.get(g, 0))
+            return
+        if v > cat.version(g):
+            cat.bump(g, to=v)
+        if self.on_version is not None:
+            self.on_version(g, v)
+
+    def bind(self, catalog, versions) -> None:
+        """Follow the service's versions in ``catalog`` from now on (pairs [group, version] to start)."""
+        for g, v in versions:
+            self._early[g] = max(int(v), self._early.get(g, 0))
+        self.catalog = catalog
+        for g, v in self._early.items():
+            if v > catalog.version(g):
+                catalog.bump(g, to=v)
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class RemoteOptimizer:
+    """What the executor and the saver call an optimizer, when the optimizer runs in the service."""
+
+    gpu_share = 0.0
+
+    def __init__(self, client: ServiceClient, store, groups: list[Group], run_id: str, committed: int):
+        self.client, self.store, self.groups, self.run = client, store, list(groups), run_id
+        self.committed = committed
+        self.gate = None  # set by a checkpoint saver: commits wait until it has read the state
+        self.last_step_seconds = 0.0
+        self.last_split: dict = {}
+        self._t_commit = 0.0
+        client.on_version = self._on_version
+
+    def _on_version(self, g: Group, v: int) -> None:
+        if g == self.groups[-1] and v == self.committed and self._t_commit:
+            self.last_step_seconds = time.perf_counter() - self._t_commit
+            self.last_split = {"service": self.last_step_seconds}
+
+    def grads_on_gpu(self, g: Group) -> bool:
+        return False
+
+    def check(self) -> None:
+        if self.client.error:
+            raise RuntimeError(f"the service's optimizer failed: {self.client.error}")
+        if self.client.lost:
+            raise self.client._lost()
+
+    def step(self, step: int, lr: float, grad_scale: float | None = None):
+        """Commit ``step``: once every gradient is home, the service journals it and updates the groups."""
+        self.check()
+        self.store.flush("grad")
+        faults.point("commit", step)
+        if self.gate is not None:
+            for g in self.groups:
+                self.gate(g, step)
+        self._t_commit = time.perf_counter()
+        self.client.request("commit", run=self.run, step=step, lr=lr, grad_scale=grad_scale)
+        self.committed = step
+        faults.point("optimizer", step)
+        return done_future()
+
+    def wait(self) -> None:
+        """Until every group holds the last committed update."""
+        cat = self.store.catalog
+        while True:
+            self.check()
+            if all(cat.version(g) >= self.committed for g in self.groups):
+                return
+            seen = cat.bump_count()
+            if all(cat.version(g) >= self.committed for g in self.groups):
+                return
+            cat.wait_any_bump(seen, timeout=0.5)
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class Attached:
+    client: ServiceClient
+    store: object
+    optimizer: RemoteOptimizer
+    run: str
+    initialized: bool
+    committed: int
+
+    def request(self, op: str, **fields) -> dict:
+        return self.client.request(op, run=self.run, **fields)
+
+    def refresh_layout(self) -> None:
+        """Take the service's current places for every tensor (re-placement moves optimizer state)."""
+        layout = self.request("layout")["layout"]
+        for e in self.store.catalog.entries():
+            tier, offset, nbytes = layout[e.spec.name]
+            if (tier, offset) != (e.tier, e.extent.offset):
+                e.tier, e.extent = tier, Extent(int(offset), int(nbytes))
+
+    def progress(self, snap: dict) -> None:
+        if not self.client.lost:
+            self.request("progress", live=snap.get("run", {}), store=snap.get("store", {}))
+
+    def close(self) -> None:
+        self.client.close()
+        self.store.close()
+
+
+def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: dict, device: torch.device) -> Attached:
+    """Attach to the service at ``path`` for run ``run_id`` (created there if the service holds no run)."""
+    client = ServiceClient(path)
+    try:
+        reply = client.request("hello", run=run_id, label=label, specs=[spec_to_json(s) for s in specs],
+                               optim=optim, pid=os.getpid(), rank=0, world=1)
+        cfg = load_store_config(reply["config"], "the service's config")
+        cfg.tiers.gpu.device = str(device)
+        theirs = [spec_from_json(s) for s in reply["specs"]]
+        if {s.name: s for s in theirs} != {s.name: s for s in specs}:
+            raise UserError("the service's run holds other tensors than this model's; restart the service with "
+                            "--fresh to discard its run")
+        store = attach_store(cfg, theirs, reply["layout"], reply["arena"], reply["nvme"], device,
+                             cfg.tiers.gpu.slots)
+    except BaseException:
+        client.close()
+        raise
+    client.bind(store.catalog, reply["versions"])
+    opt = RemoteOptimizer(client, store, optim["groups"], run_id, reply["committed"])
+    return Attached(client, store, opt, run_id, reply["initialized"], reply["committed"])

@@ -1,0 +1,188 @@
+"""The service's crash safety: the run record, the journal of steps, and the undo copy of the group
+being updated.
+
+- The **run record** (``<state dir>/<store name>.run.json``, replaced atomically) says which run the
+  store holds: its identity, tensor specs, where each tensor lives, the optimizer's settings, the undo
+  extent. Written when a run starts and after a re-placement.
+- The **journal** (``<store name>.journal``, JSON lines appended with O_APPEND) says how far the run got:
+  ``init`` (weights loaded), ``commit`` (step N's gradients are all in the store; with its lr and
+  gradient scale), ``begin``/``done`` (group g's update N started / is home), ``updated`` (update N is
+  complete), ``finished``. A ``state`` line summarises everything before it (written when compacting).
+  Lines reach the page cache before the next action, so a ``kill -9`` of the service loses none; the
+  commit line is fsynced too.
+- The **undo copy**: before group g's update N changes anything, its weights and moments are copied to
+  one spare arena extent; ``begin`` is journaled after the copy. A service killed between ``begin`` and
+  ``done`` is restarted by putting the undo copy back and running the update of that group again.
+
+The arena is a file on a tmpfs: it survives the service, not a reboot. Then the run record remains (in
+the NVMe directory or ~/.local/state/tiermem) and the service names the run's newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tiermem import faults
+from tiermem.catalog import Group
+from tiermem.sizes import align_up
+from tiermem.tiers.extents import Extent
+
+COMPACT_BYTES = 256 << 10
+
+
+def state_dir(cfg) -> Path:
+    """Where a service keeps its run record and journal: the NVMe tier's directory (persistent disk), else
+    $XDG_STATE_HOME/tiermem (~/.local/state/tiermem)."""
+    if cfg.tiers.nvme is not None:
+        return Path(cfg.tiers.nvme.path)
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "tiermem"
+
+
+def write_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass
+class RunState:
+    """How far the run got, as the journal tells it."""
+
+    initialized: bool = False
+    committed: int = 0
+    updated: int = 0
+    commit_args: dict = field(default_factory=dict)  # lr, grad_scale of the last commit
+    versions: dict = field(default_factory=dict)  # group -> the last update that is home
+    inflight: tuple | None = None  # (group, step) begun and not done
+    finished: bool = False
+
+    def apply(self, rec: dict) -> None:
+        op = rec["op"]
+        if op == "state":
+            self.__init__(rec["initialized"], rec["committed"], rec["updated"], rec["commit_args"],
+                          {g: v for g, v in rec["versions"]}, tuple(rec["inflight"]) if rec["inflight"] else None,
+                          rec["finished"])
+        elif op == "init":  # weights loaded; a run resumed from a checkpoint starts at its step
+            self.initialized = True
+            self.committed = self.updated = rec["step"]
+            self.versions = {g: rec["step"] for g in rec["groups"]}
+        elif op == "commit":
+            self.committed, self.commit_args = rec["step"], {"lr": rec["lr"], "grad_scale": rec["grad_scale"]}
+        elif op == "begin":
+            self.inflight = (rec["group"], rec["step"])
+        elif op == "done":
+            self.versions[rec["group"]] = rec["step"]
+            self.inflight = None
+        elif op == "updated":
+            self.updated = rec["step"]
+        elif op == "finished":
+            self.finished = True
+
+    def to_json(self) -> dict:
+        return {"op": "state", "initialized": self.initialized, "committed": self.committed,
+                "updated": self.updated, "commit_args": self.commit_args,
+                "versions": [[g, v] for g, v in self.versions.items()],
+                "inflight": list(self.inflight) if self.inflight else None, "finished": self.finished}
+
+
+class Journal:
+    def __init__(self, path: Path):
+        self.path = path
+        self.state = RunState()
+        self._lock = threading.Lock()
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    break  # a line cut by a crash is the last one
+                self.state.apply(rec)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+    def append(self, op: str, sync: bool = False, **fields) -> None:
+        rec = {"op": op, **fields}
+        with self._lock:
+            os.write(self._fd, (json.dumps(rec) + "\n").encode())
+            if sync:
+                os.fsync(self._fd)
+            self.state.apply(rec)
+
+    def compact(self) -> None:
+        """Replace the journal by one ``state`` line once it has grown past COMPACT_BYTES."""
+        with self._lock:
+            if os.fstat(self._fd).st_size < COMPACT_BYTES:
+                return
+            tmp = self.path.with_name(self.path.name + ".compact")
+            with open(tmp, "w") as f:
+                f.write(json.dumps(self.state.to_json()) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+            os.close(self._fd)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def undo_kinds(has_master: bool) -> tuple[str, ...]:
+    """The kinds an update changes in place."""
+    return ("master", "exp_avg", "exp_avg_sq", "param") if has_master else ("param", "exp_avg", "exp_avg_sq")
+
+
+def undo_bytes(specs, has_master: bool) -> int:
+    per: dict = {}
+    kinds = undo_kinds(has_master)
+    for s in specs:
+        if s.kind in kinds:
+            per[s.group] = per.get(s.group, 0) + align_up(s.nbytes, 4096)
+    return max(per.values(), default=4096)
+
+
+class UndoGuard:
+    """The optimizer's crash-safety hooks: ``begin`` (copy the group's old state aside, journal) before
+    an update changes it; ``done`` (journal) once the group's new state is home."""
+
+    def __init__(self, store, journal: Journal, extent: Extent, has_master: bool):
+        self.store, self.journal, self.extent = store, journal, extent
+        self.kinds = undo_kinds(has_master)
+        self.slow = float(os.environ.get("TIERMEM_TEST_SLOW_UPDATE", "0") or 0)  # test hook: seconds per group
+
+    def _pieces(self, g: Group):
+        """(kind, entry, byte range in the undo extent) for the group's state, in catalog order."""
+        off = 0
+        for k in self.kinds:
+            for e in self.store.catalog.group_entries(g, k):
+                yield k, e, off
+                off += align_up(e.spec.nbytes, 4096)
+
+    def begin(self, g: Group, step: int, views) -> None:
+        undo = self.store.dram.view(self.extent)
+        for k, e, off in self._pieces(g):
+            src = views[k].tensors[e.spec.name].detach().reshape(-1).view(torch.uint8)
+            undo[off: off + e.spec.nbytes].copy_(src.cpu())
+        self.journal.append("begin", group=g, step=step)
+        if self.slow:
+            time.sleep(self.slow)
+
+    def done(self, g: Group, step: int) -> None:
+        faults.point("update", step, g)  # test hook: the update is home, not yet journaled
+        self.journal.append("done", group=g, step=step)
+
+    def restore(self, g: Group) -> None:
+        """Put the undo copy of group g back (recovery of an update cut short)."""
+        undo = self.store.dram.view(self.extent)
+        for _, e, off in self._pieces(g):
+            raw = undo[off: off + e.spec.nbytes].clone()
+            self.store.write(e.spec.name, raw.view(e.spec.dtype).reshape(e.spec.shape)).result()

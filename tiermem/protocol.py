@@ -1,0 +1,125 @@
+"""The service's control protocol: length-prefixed JSON over a Unix-domain socket. Never pickle.
+
+A frame is a 4-byte big-endian length followed by that many bytes of UTF-8 JSON (one object). Requests
+carry ``op`` and ``id``; replies echo ``id`` with ``ok`` true (and fields) or false with ``error`` (one
+line). The service also pushes events (``ev``) to an attached trainer: a group's new version, a failure.
+Bulk data never travels here: it moves through the shared DRAM arena and the NVMe files.
+
+The socket lives in an owner-only directory (0700) and is itself 0600; the service also checks the
+peer's uid (SO_PEERCRED) and refuses any other user.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import struct
+from pathlib import Path
+
+from tiermem.errors import UserError
+
+MAX_MESSAGE = 8 << 20  # a 70B model's layout is ~0.3 MiB of JSON; anything near this is not ours
+HEADER = struct.Struct(">I")
+
+
+class ProtocolError(Exception):
+    """The peer sent something that is not a well-formed message; the connection cannot continue."""
+
+
+def send(sock: socket.socket, obj: dict) -> None:
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    if len(data) > MAX_MESSAGE:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds the {MAX_MESSAGE}-byte limit")
+    sock.sendall(HEADER.pack(len(data)) + data)
+
+
+def _exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(n - len(buf), 1 << 20))
+        if not chunk:
+            if buf:
+                raise ProtocolError("connection closed in the middle of a message")
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def recv(sock: socket.socket) -> dict | None:
+    """The next message, or None when the peer closed the connection between messages."""
+    head = _exact(sock, HEADER.size)
+    if head is None:
+        return None
+    (n,) = HEADER.unpack(head)
+    if n > MAX_MESSAGE:
+        raise ProtocolError(f"message length {n} exceeds the {MAX_MESSAGE}-byte limit")
+    body = _exact(sock, n)
+    if body is None:
+        raise ProtocolError("connection closed in the middle of a message")
+    try:
+        obj = json.loads(body.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ProtocolError("message is not UTF-8 JSON") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("message is not a JSON object")
+    return obj
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a connected Unix socket (SO_PEERCRED)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid
+
+
+def peer_allowed(uid: int, own_uid: int | None = None) -> bool:
+    """Only the service's own user may talk to it."""
+    return uid == (os.getuid() if own_uid is None else own_uid)
+
+
+def runtime_dir() -> Path:
+    """A per-user, owner-only directory for sockets: $XDG_RUNTIME_DIR/tiermem, else /tmp/tiermem-<uid>."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    path = Path(base) / "tiermem" if base and Path(base).is_dir() else Path(f"/tmp/tiermem-{os.getuid()}")
+    return private_dir(path)
+
+
+def private_dir(path: Path) -> Path:
+    """Create ``path`` 0700 if missing; refuse one that another user owns or others can enter."""
+    try:
+        path.mkdir(mode=0o700, parents=False, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create the socket directory {path}: {os.strerror(e.errno)}") from None
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise UserError(f"socket directory {path} is not a directory owned by this user; remove it or pass --socket")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def default_socket() -> Path:
+    return runtime_dir() / "tiermem.sock"
+
+
+def connect(path: str | Path, timeout: float | None = 10.0) -> socket.socket:
+    """A connected socket to the service at ``path``; one clear line when nobody listens there."""
+    path = Path(path)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(str(path))
+    except FileNotFoundError:
+        s.close()
+        raise UserError(f"no tiermem service at {path}: start one with `tiermem serve --config CONFIG`") from None
+    except (TimeoutError, ConnectionRefusedError):
+        s.close()
+        raise UserError(f"the tiermem service at {path} does not answer (it is gone or stuck); "
+                        "start it again with `tiermem serve --config CONFIG`") from None
+    except PermissionError:
+        s.close()
+        raise UserError(f"no permission to connect to {path}: the service belongs to another user") from None
+    s.settimeout(None)
+    return s

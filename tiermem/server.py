@@ -1,0 +1,613 @@
+"""``tiermem serve``: the store as a service that trainers attach to.
+
+The service owns the DRAM arena (a shared file), the NVMe file, the catalog and the optimizer (CPU
+AdamW, every group, with the undo guard of ``tiermem.journal``). A trainer attaches over the control
+socket (``tiermem.protocol``), maps the arena and the NVMe file itself, fetches weights and writes
+gradients through them, and commits each step; from the commit on the service finishes the update even
+if the trainer dies. The service pushes each group's new version to its trainer as the update goes.
+
+Requests (JSON, ``op``):
+  hello {run, label, specs, optim, rank, world}  attach; creates the run or rejoins it; layout in reply
+  init {run}                                       the trainer has loaded the weights
+  commit {run, step, lr, grad_scale}               step's gradients are home: journal, then update
+  layout {run, names?}                             where tensors live now (before a save or an export)
+  progress {run, live, store}                      the trainer's figures, for top and stats
+  finish {run}                                     the run is done and exported: free its state
+  stats {}                                         the snapshot ``tiermem top --socket`` shows
+
+One run at a time; one trainer per run (the protocol carries rank/world for data parallel later).
+SIGHUP re-reads the config and migrates optimizer state between tiers at the next commit; SIGTERM and
+SIGINT stop cleanly (the in-flight update finishes; the run's state stays for the next start).
+"""
+
+from __future__ import annotations
+
+import copy
+import getpass
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tiermem import protocol
+from tiermem.catalog import TensorSpec
+from tiermem.config import StoreConfig, load_store_config
+from tiermem.errors import ConfigError, UserError
+from tiermem.journal import Journal, RunState, UndoGuard, state_dir, undo_bytes, write_atomic
+from tiermem.layout import create_store, layout_of, reopen_store, spec_from_json, spec_to_json
+from tiermem.mover import Location
+from tiermem.optim import AdamWConfig, StoreAdamW
+from tiermem.placement import default_budgets, make_plan
+from tiermem.schema import to_plain
+from tiermem.stats import snapshot
+from tiermem.tiers.extents import Extent
+
+log = logging.getLogger(__name__)
+MOVABLE = ("master", "exp_avg", "exp_avg_sq")  # kinds only the service touches between steps
+
+
+class RequestError(Exception):
+    """A request the service refuses; the message goes back to the client."""
+
+
+def service_config(path: str) -> StoreConfig:
+    """The service's tiermem config, checked for what a service needs."""
+    cfg = load_store_config(path, path)
+    if cfg.tiers.dram.path == "anonymous":
+        raise ConfigError(f"{path}: the service's arena must be a shared file: set tiers.dram.path to a tmpfs "
+                          "directory such as /dev/shm")
+    if cfg.optimizer.gpu_share:
+        raise ConfigError(f"{path}: optimizer.gpu_share: the service runs the optimizer on the CPU; a GPU share "
+                          "is not supported yet in service mode (set 0 or auto)")
+    if isinstance(cfg.placement, dict) and "gpu" in cfg.placement.values():
+        raise ConfigError(f"{path}: placement on gpu is not possible in service mode (the state must outlive the "
+                          "trainer's GPU memory); place every kind on dram or nvme")
+    if cfg.name is None:
+        cfg.name = f"tiermem-{getpass.getuser()}"
+    return cfg
+
+
+def _planning(cfg: StoreConfig) -> StoreConfig:
+    """The config the service plans and builds its own store with: no GPU slots, no CUDA."""
+    c = copy.deepcopy(cfg)
+    c.tiers.gpu.slots = 0
+    c.tiers.gpu.device = "cpu"
+    c.tiers.gpu.budget = 0
+    c.tiers.dram.pin = "false"
+    return c
+
+
+@dataclass
+class Client:
+    sock: socket.socket
+    pid: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def send(self, obj: dict) -> None:
+        with self.lock:
+            protocol.send(self.sock, obj)
+
+
+@dataclass
+class Run:
+    record: dict
+    specs: list[TensorSpec]
+    store: object
+    journal: Journal
+    optimizer: StoreAdamW
+    guard: UndoGuard
+    trainer: Client | None = None
+    live: dict = field(default_factory=dict)
+    trainer_store: dict = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def state(self) -> RunState:
+        return self.journal.state
+
+
+class Service:
+    def __init__(self, config_path: str, socket_path: str | None, fresh: bool = False, say=print):
+        self.config_path, self.say = config_path, say
+        self.cfg = service_config(config_path)
+        self.plan_cfg = _planning(self.cfg)
+        self.dir = state_dir(self.cfg)
+        try:
+            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"cannot create the service's state directory {self.dir}: {os.strerror(e.errno)}") from None
+        name = self.cfg.store_name()
+        self.record_path = self.dir / f"{name}.run.json"
+        self.journal_path = self.dir / f"{name}.journal"
+        self.socket_path = Path(socket_path) if socket_path else protocol.default_socket()
+        self.lock = threading.RLock()
+        self.run: Run | None = None
+        self.pending_config: StoreConfig | None = None
+        self._listener: socket.socket | None = None
+        self._stopping = False
+        if fresh:
+            self._discard_recorded()
+        self._recover()
+
+    # -- runs ------------------------------------------------------------------------------------------
+    def _discard_recorded(self) -> None:
+        name, t = self.cfg.store_name(), self.cfg.tiers
+        for p in (Path(t.dram.path) / f"{name}.arena", self.record_path, self.journal_path,
+                  (Path(t.nvme.path) / f"{name}.nvme") if t.nvme is not None else None):
+            if p is not None and p.exists():
+                p.unlink()
+                self.say(f"discarded {p}")
+
+    def _recover(self) -> None:
+        if not self.record_path.is_file():
+            return
+        record = json.loads(self.record_path.read_text())
+        arena = Path(self.cfg.tiers.dram.path) / f"{self.cfg.store_name()}.arena"
+        state = Journal(self.journal_path).state if self.journal_path.is_file() else RunState()
+        if not arena.is_file():
+            lost = self.record_path.with_name(self.record_path.name + ".lost")
+            os.replace(self.record_path, lost)
+            self.say(f"the state of run {record['label'].get('output_dir', record['run'])} (step {state.committed}) is "
+                     f"gone: its arena {arena} no longer exists (the machine restarted?). {_newest_checkpoint(record)}")
+            return
+        if state.finished or not state.initialized:  # nothing left worth keeping
+            self._discard_recorded()
+            return
+        specs = [spec_from_json(s) for s in record["specs"]]
+        store = reopen_store(self.plan_cfg, specs, record["layout"], record["nvme_capacity"])
+        run = self._make_run(record, specs, store)
+        st = run.state
+        ext = Extent(*record["undo"])
+        store.dram.allocator.reserve(ext)
+        for g, v in st.versions.items():
+            store.catalog.bump(g, to=v)
+        if st.inflight is not None and st.inflight[1] > st.versions.get(st.inflight[0], 0):
+            run.guard.restore(st.inflight[0])
+            self.say(f"put back group {st.inflight[0]} as it was before update {st.inflight[1]} (cut short)")
+        if st.committed > st.updated:
+            todo = {g for g in run.optimizer.groups if st.versions.get(g, 0) < st.committed}
+            self.say(f"finishing update {st.committed} of {len(todo)} groups")
+            run.optimizer.step(st.committed, st.commit_args["lr"], st.commit_args["grad_scale"], only=todo).result()
+            run.journal.append("updated", step=st.committed)
+        store.keep_files = False
+        self.run = run
+        self.say(f"recovered run {record['label'].get('output_dir', record['run'])}: step {st.committed} committed "
+                 "and updated")
+
+    def _make_run(self, record: dict, specs: list[TensorSpec], store) -> Run:
+        journal = Journal(self.journal_path)
+        o = record["optim"]
+        optimizer = StoreAdamW(store, o["groups"], o["decay"],
+                               AdamWConfig(o["beta1"], o["beta2"], o["eps"], o["weight_decay"]),
+                               has_master=o["has_master"], gpu_share=0.0)
+        guard = UndoGuard(store, journal, Extent(*record["undo"]), o["has_master"])
+        optimizer.guard = guard
+        return Run(record, specs, store, journal, optimizer, guard)
+
+    def _new_run(self, msg: dict) -> Run:
+        try:
+            specs = [spec_from_json(s) for s in _field(msg, "specs", list)]
+        except ValueError as e:
+            raise RequestError(f"bad tensor spec: {e}") from None
+        names = {s.name for s in specs}
+        if len(names) != len(specs):
+            raise RequestError("duplicate tensor names in the specs")
+        o = _field(msg, "optim", dict)
+        try:
+            optim = {"beta1": float(o["beta1"]), "beta2": float(o["beta2"]), "eps": float(o["eps"]),
+                     "weight_decay": float(o["weight_decay"]), "has_master": bool(o["has_master"]),
+                     "decay": {str(k): bool(v) for k, v in dict(o["decay"]).items()}, "groups": list(o["groups"])}
+        except (KeyError, TypeError, ValueError):
+            raise RequestError("bad optim settings: need beta1, beta2, eps, weight_decay, has_master, decay, groups") \
+                from None
+        groups = {s.group for s in specs}
+        if set(optim["groups"]) != groups:
+            raise RequestError("optim.groups must list every group of the specs once")
+        budgets = dict(default_budgets(self.cfg), gpu=0)
+        plan = make_plan(specs, self.plan_cfg, ("param",), budgets)
+        undo = undo_bytes(specs, optim["has_master"])
+        for p in (self.record_path, self.journal_path):
+            p.unlink(missing_ok=True)
+        store = create_store(self.plan_cfg, specs, plan, undo)
+        try:
+            ext = store.dram.allocate(undo)
+            record = {"format": 1, "run": msg["run"], "label": dict(msg.get("label") or {}), "created": time.time(),
+                      "specs": [spec_to_json(s) for s in specs], "layout": layout_of(store),
+                      "undo": [ext.offset, ext.nbytes], "optim": optim,
+                      "nvme_capacity": store.nvme.capacity if store.nvme is not None else 0}
+            write_atomic(self.record_path, record)
+            return self._make_run(record, specs, store)
+        except BaseException:
+            store.close()
+            raise
+
+    def _close_run(self, keep: bool) -> None:
+        run, self.run = self.run, None
+        if run is None:
+            return
+        try:
+            run.optimizer.wait()
+        except Exception:  # noqa: BLE001 - reported to the trainer already
+            pass
+        run.optimizer.close()
+        run.journal.close()
+        run.store.keep_files = keep
+        run.store.close()
+        if not keep:
+            for p in (self.record_path, self.journal_path):
+                p.unlink(missing_ok=True)
+
+    # -- requests ---------------------------------------------------------------------------------------
+    def dispatch(self, client: Client, msg: dict) -> dict:
+        op, mid = msg.get("op"), msg.get("id")
+        handler = {"hello": self._hello, "init": self._init, "commit": self._commit, "layout": self._layout,
+                   "progress": self._progress, "finish": self._finish, "stats": self._stats}.get(op)
+        try:
+            if handler is None:
+                raise RequestError(f"unknown op {str(op)[:40]!r}")
+            return {"id": mid, "ok": True, **handler(client, msg)}
+        except (RequestError, UserError) as e:
+            return {"id": mid, "ok": False, "error": str(e)}
+        except Exception as e:  # noqa: BLE001 - a request must never take the service down
+            log.error("request %s failed:\n%s", op, traceback.format_exc())
+            return {"id": mid, "ok": False, "error": f"internal error: {type(e).__name__}: {e}"}
+
+    def _attached(self, client: Client, msg: dict) -> Run:
+        run = self.run
+        if run is None:
+            raise RequestError("no run is attached: send hello first")
+        if msg.get("run") != run.record["run"]:
+            raise RequestError(f"this message is for run {str(msg.get('run'))[:16]!r} but the service holds run "
+                               f"{run.record['run'][:16]!r}")
+        if run.trainer is not client:
+            raise RequestError("this connection is not the run's trainer: send hello first")
+        return run
+
+    def _hello(self, client: Client, msg: dict) -> dict:
+        run_id = _field(msg, "run", str)
+        if not 0 < len(run_id) <= 128:
+            raise RequestError("bad run id")
+        if int(msg.get("world", 1)) != 1 or int(msg.get("rank", 0)) != 0:
+            raise RequestError("several trainers on one run (data parallel) are not supported yet: world must be 1")
+        with self.lock:
+            run = self.run
+            if run is not None and run.record["run"] != run_id:
+                label = run.record["label"]
+                raise RequestError(
+                    f"the service holds another run ({label.get('model', '?')} -> {label.get('output_dir', '?')}, "
+                    f"step {run.state.committed}); let it finish, or restart the service with --fresh to discard it")
+            if run is not None and run.trainer is not None:
+                raise RequestError(f"run {label_of(run)} already has a trainer attached (pid {run.trainer.pid}); "
+                                   "one trainer per run for now")
+            if run is None:
+                run = self.run = self._new_run(msg)
+                self.say(f"new run {label_of(run)}: {len(run.specs)} tensors")
+            client.pid = int(msg.get("pid", 0))
+            run.trainer, run.error = client, None
+            run.store.catalog.on_bump = lambda g, v, c=client: self._tell(c, {"ev": "version", "group": g,
+                                                                                "version": v})
+            st, cfg, nvme = run.state, self.cfg, run.store.nvme
+            self.say(f"trainer pid {client.pid} attached to run {label_of(run)} at step {st.committed}")
+            return {"initialized": st.initialized, "committed": st.committed, "updated": st.updated,
+                    "versions": [[g, run.store.catalog.version(g)] for g in run.optimizer.groups],
+                    "layout": layout_of(run.store), "specs": run.record["specs"],
+                    "arena": {"name": cfg.store_name(), "dir": cfg.tiers.dram.path},
+                    "nvme": None if nvme is None else {
+                        "dir": cfg.tiers.nvme.path, "capacity": nvme.capacity, "backend": cfg.tiers.nvme.backend,
+                        "threads": cfg.tiers.nvme.threads, "io_chunk": cfg.tiers.nvme.io_chunk,
+                        "direct": cfg.tiers.nvme.direct},
+                    "config": to_plain(cfg)}
+
+    def _tell(self, client: Client, event: dict) -> None:
+        try:
+            client.send(event)
+        except OSError:
+            pass  # the trainer is gone; it learns the versions again when it attaches
+
+    def _init(self, client: Client, msg: dict) -> dict:
+        """The trainer has written the weights (and, resuming from a checkpoint at ``step``, the moments)."""
+        run = self._attached(client, msg)
+        step = _field(msg, "step", int)
+        if run.state.initialized or step < 0:
+            raise RequestError("init of a run already initialized, or at a negative step")
+        groups = run.optimizer.groups
+        for kind in ("param", "master") + (("exp_avg", "exp_avg_sq") if step else ()):
+            for g in groups:
+                run.store.mark_valid(g, kind)
+        for g in groups:
+            run.store.catalog.bump(g, to=step)
+        run.journal.append("init", sync=True, step=step, groups=groups)
+        return {}
+
+    def _commit(self, client: Client, msg: dict) -> dict:
+        run = self._attached(client, msg)
+        step = _field(msg, "step", int)
+        lr = float(_field(msg, "lr", (int, float)))
+        scale = msg.get("grad_scale")
+        if scale is not None:
+            scale = float(_field(msg, "grad_scale", (int, float)))
+        with self.lock:
+            st = run.state
+            if not st.initialized:
+                raise RequestError("commit before init: load the weights first")
+            if step != st.committed + 1:
+                raise RequestError(f"out of order: commit of step {step} but the next step is {st.committed + 1}")
+            if run.error:
+                raise RequestError(f"the optimizer failed: {run.error}; fix the cause and restart the service: "
+                                   "it recovers the last committed step")
+            if self.pending_config is not None:
+                self._replace(run)
+            run.journal.compact()
+            for g in run.optimizer.groups:
+                run.store.mark_valid(g, "grad")
+            run.journal.append("commit", sync=True, step=step, lr=lr, grad_scale=scale)
+            fut = run.optimizer.step(step, lr, scale)
+        fut.add_done_callback(lambda f, run=run, step=step: self._updated(run, step, f))
+        return {}
+
+    def _updated(self, run: Run, step: int, fut) -> None:
+        if fut.exception() is not None:
+            run.error = f"{type(fut.exception()).__name__}: {fut.exception()}"
+            self.say(f"update {step} failed: {run.error}")
+            if run.trainer is not None:
+                self._tell(run.trainer, {"ev": "failed", "error": run.error})
+            return
+        run.journal.append("updated", step=step)
+
+    def _layout(self, client: Client, msg: dict) -> dict:
+        run = self._attached(client, msg)
+        layout = layout_of(run.store)
+        names = msg.get("names")
+        if names is None:
+            return {"layout": layout}
+        if not isinstance(names, list):
+            raise RequestError("names must be a list")
+        unknown = [str(n)[:80] for n in names if n not in layout]
+        if unknown:
+            raise RequestError(f"unknown tensor names: {', '.join(unknown[:5])}")
+        return {"layout": {n: layout[n] for n in names}}
+
+    def _progress(self, client: Client, msg: dict) -> dict:
+        run = self._attached(client, msg)
+        run.live = dict(msg.get("live") or {})
+        run.trainer_store = dict(msg.get("store") or {})
+        return {}
+
+    def _finish(self, client: Client, msg: dict) -> dict:
+        run = self._attached(client, msg)
+        with self.lock:
+            run.optimizer.wait()
+            if run.state.updated != run.state.committed:
+                raise RequestError("finish before the last update completed")
+            run.journal.append("finished", sync=True)
+            self.say(f"run {label_of(run)} finished at step {run.state.committed}; its state is freed")
+            self._close_run(keep=False)
+        return {}
+
+    def _stats(self, client: Client, msg: dict) -> dict:
+        return {"snapshot": self.snapshot()}
+
+    # -- stats --------------------------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """What ``tiermem top --socket`` shows: the service's store (tiers, NVMe link, optimizer) merged with
+        the attached trainer's (GPU tier, PCIe links, waits) and its progress."""
+        run = self.run
+        if run is None:
+            return {"pid": os.getpid(), "service": {"socket": str(self.socket_path), "run": None},
+                    "store": {"store": self.cfg.store_name(), "tiers": {}, "links": {}, "waits_s": {}},
+                    "run": {"phase": "idle: no run attached"}}
+        snap = snapshot(run.store)
+        snap["tiers"].pop("gpu", None)
+        ts = run.trainer_store
+        if ts.get("tiers", {}).get("gpu"):
+            snap["tiers"] = {"gpu": ts["tiers"]["gpu"], **snap["tiers"]}
+        links = {k: v for k, v in (ts.get("links") or {}).items() if "gpu" in k}
+        links.update({k: v for k, v in snap["links"].items() if "nvme" in k})
+        snap["links"], snap["waits_s"] = links, ts.get("waits_s", {})
+        st = run.state
+        versions = [run.store.catalog.version(g) for g in run.optimizer.groups]
+        live = dict(run.live)
+        if run.trainer is None:
+            live["phase"] = "no trainer attached"
+        live["optimizer"] = dict(live.get("optimizer") or {}, committed=st.committed, updated=st.updated,
+                                 lag_groups=sum(v < st.committed for v in versions),
+                                 last_update_s=run.optimizer.last_step_seconds, split=run.optimizer.last_split)
+        return {"pid": os.getpid(), "store": snap, "run": live,
+                "service": {"socket": str(self.socket_path), "run": run.record["run"], "label": run.record["label"],
+                            "trainer_pid": run.trainer.pid if run.trainer else None, "error": run.error}}
+
+    # -- live re-placement ---------------------------------------------------------------------------------
+    def reload(self) -> None:
+        """SIGHUP: read the config again; placement and budget changes apply at the next commit."""
+        try:
+            cfg = service_config(self.config_path)
+        except UserError as e:
+            self.say(f"SIGHUP: config not reloaded: {e}")
+            return
+        if cfg.store_name() != self.cfg.store_name() or cfg.tiers.dram.path != self.cfg.tiers.dram.path:
+            self.say("SIGHUP: the store's name and arena directory cannot change while it runs; not reloaded")
+            return
+        with self.lock:
+            self.pending_config = cfg
+        self.say("SIGHUP: config reloaded; re-placement happens before the next update")
+
+    def _replace(self, run: Run) -> None:
+        """Move optimizer state between tiers to follow the reloaded config (between two updates)."""
+        cfg, self.pending_config = self.pending_config, None
+        self.cfg, self.plan_cfg = cfg, _planning(cfg)
+        budgets = dict(default_budgets(cfg), gpu=0)
+        try:
+            plan = make_plan(run.specs, self.plan_cfg, ("param",), budgets)
+        except UserError as e:
+            self.say(f"re-placement skipped: {e}")
+            return
+        run.optimizer.wait()
+        store, moves, refused = run.store, [], set()
+        for e in store.catalog.entries():
+            want = plan.where[(e.spec.group, e.spec.kind)]
+            if want == e.tier:
+                continue
+            if e.spec.kind not in MOVABLE:
+                refused.add(e.spec.kind)
+                continue
+            if store.tier(want) is None:
+                refused.add(f"{e.spec.kind} (no {want} tier in this run)")
+                continue
+            moves.append((e, want))
+        if refused:
+            self.say(f"re-placement of {', '.join(sorted(refused))} needs a new run; left in place")
+        done, olds = [], []
+        try:
+            for e, want in moves:
+                ext = store.tier(want).allocate(e.spec.nbytes)
+                done.append((e, want, ext))
+                store.mover.copy(store.location(e), Location(want, ext, e.spec.nbytes)).result()
+        except Exception as err:  # noqa: BLE001 - no room, I/O: keep the old placement
+            for _, want, ext in done:
+                store.tier(want).free(ext)
+            self.say(f"re-placement stopped: {err}; nothing moved")
+            return
+        for e, want, ext in done:
+            olds.append((e.tier, e.extent))
+            e.tier, e.extent = want, ext
+        run.record["layout"] = layout_of(store)
+        write_atomic(self.record_path, run.record)  # the new places are recorded before the old are reused
+        for tier, ext in olds:
+            store.tier(tier).free(ext)
+        if moves:
+            moved = {}
+            for e, want, _ in moves:
+                moved.setdefault((e.spec.kind, want), 0)
+                moved[(e.spec.kind, want)] += 1
+            self.say("re-placed: " + ", ".join(f"{k} of {n} tensors -> {t}" for (k, t), n in moved.items()))
+
+    # -- serving ------------------------------------------------------------------------------------------
+    def listen(self) -> None:
+        path = self.socket_path
+        if path.exists():
+            try:
+                protocol.connect(path, timeout=2).close()
+            except UserError:
+                path.unlink()  # a socket left by a service that is gone
+            else:
+                raise UserError(f"a tiermem service is already listening on {path}")
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            s.bind(str(path))
+        except OSError as e:
+            s.close()
+            raise UserError(f"cannot listen on {path}: {os.strerror(e.errno)}") from None
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+        s.listen(16)
+        self._listener = s
+        threading.Thread(target=self._accept, name="tiermem-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._stopping:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="tiermem-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        client = Client(conn)
+        try:
+            uid = protocol.peer_uid(conn)
+            if not protocol.peer_allowed(uid):
+                client.send({"id": None, "ok": False, "error": f"refused: uid {uid} is not the service's user"})
+                return
+            while not self._stopping:
+                try:
+                    msg = protocol.recv(conn)
+                except protocol.ProtocolError as e:
+                    client.send({"id": None, "ok": False, "error": f"bad message: {e}"})
+                    return
+                if msg is None:
+                    return
+                client.send(self.dispatch(client, msg))
+        except OSError:
+            pass
+        finally:
+            with self.lock:
+                run = self.run
+                if run is not None and run.trainer is client:
+                    run.trainer = None
+                    run.store.catalog.on_bump = None
+                    run.live["phase"] = "no trainer attached"
+                    self.say(f"trainer pid {client.pid} detached from run {label_of(run)} (step "
+                             f"{run.state.committed} committed)")
+                    if not run.state.initialized:  # nothing of value yet: do not block other runs
+                        self._close_run(keep=False)
+            conn.close()
+
+    def shutdown(self) -> None:
+        """Stop: no new requests, the in-flight update finishes, the run's state stays for the next start."""
+        self._stopping = True
+        if self._listener is not None:
+            self._listener.close()
+            self.socket_path.unlink(missing_ok=True)
+        with self.lock:
+            run = self.run
+            if run is not None:
+                if run.trainer is not None:
+                    try:
+                        run.trainer.sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                self._close_run(keep=True)
+                self.say(f"stopped; run {label_of(run)} kept at step {run.state.committed} for the next "
+                         "`tiermem serve` with this config")
+
+
+def label_of(run: Run) -> str:
+    return str(run.record["label"].get("output_dir") or run.record["run"][:16])
+
+
+def _field(msg: dict, key: str, types):
+    value = msg.get(key)
+    if not isinstance(value, types) or isinstance(value, bool):
+        raise RequestError(f"'{key}' is missing or of the wrong type")
+    return value
+
+
+def _newest_checkpoint(record: dict) -> str:
+    out = record.get("label", {}).get("output_dir")
+    if not out or not Path(out).is_dir():
+        return "No checkpoint of it is known."
+    found = sorted((int(p.name.split("-")[1]), p) for p in Path(out).glob("checkpoint-*")
+                   if p.name.split("-")[1].isdigit() and (p / "checkpoint.json").is_file())
+    if not found:
+        return f"It has no checkpoint in {out}: start it again."
+    return f"Newest checkpoint: {found[-1][1]} (rerun the trainer: it resumes from there)."
+
+
+def serve(config_path: str, socket_path: str | None, fresh: bool) -> int:
+    """Run the service in the foreground until SIGTERM or SIGINT."""
+    say = lambda text: print(f"tiermem serve: {text}", flush=True)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+    service = Service(config_path, socket_path, fresh, say)
+    service.listen()
+    say(f"listening on {service.socket_path}")
+    while True:
+        sig = signal.sigwait({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+        if sig == signal.SIGHUP:
+            service.reload()
+            continue
+        say(f"{signal.Signals(sig).name}: stopping")
+        service.shutdown()
+        sys.stdout.flush()
+        return 0
+
+
+__all__ = ["Service", "serve", "service_config"]
