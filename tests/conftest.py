@@ -12,8 +12,10 @@ from tiermem.config import load_store_config
 
 @pytest.fixture(autouse=True)
 def _dataset_cache(tmp_path, monkeypatch):
-    """Each test tokenizes into its own cache directory, never the user's."""
+    """Each test tokenizes into its own cache directory and keeps service state in its own state directory,
+    never the user's."""
     monkeypatch.setenv("TIERMEM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
 
 
 @pytest.fixture

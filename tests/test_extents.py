@@ -52,3 +52,31 @@ def test_fragmentation_and_double_free():
         pass
     else:
         raise AssertionError("double free accepted")
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops)
+def test_reserve_rebuilds_the_same_allocator(seq):
+    """A reopened arena's allocator, rebuilt by reserving the recorded extents, has the same free space,
+    and refuses an extent that overlaps one already reserved."""
+    cap = 256 * 1024
+    a = ExtentAllocator(cap, 4096, base=4096)
+    live = []
+    for op, arg in seq:
+        if op == "alloc":
+            try:
+                live.append(a.allocate(arg))
+            except OutOfSpace:
+                pass
+        elif live:
+            a.free(live.pop(arg % len(live)))
+    b = ExtentAllocator(cap, 4096, base=4096)
+    for e in reversed(live):
+        b.reserve(e)
+    assert b.free_extents() == a.free_extents() and b.used_bytes() == a.used_bytes()
+    for e in live:
+        try:
+            b.reserve(e)
+        except ValueError:
+            continue
+        raise AssertionError(f"{e} reserved twice")

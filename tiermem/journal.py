@@ -10,9 +10,10 @@ being updated.
   complete), ``finished``. A ``state`` line summarises everything before it (written when compacting).
   Lines reach the page cache before the next action, so a ``kill -9`` of the service loses none; the
   commit line is fsynced too.
-- The **undo copy**: before group g's update N changes anything, its weights and moments are copied to
-  one spare arena extent; ``begin`` is journaled after the copy. A service killed between ``begin`` and
-  ``done`` is restarted by putting the undo copy back and running the update of that group again.
+- The **undo copy**: before group g's update N changes anything, its weights, moments and gradient (fused
+  AdamW unscales it in place) are copied to one spare arena extent; ``begin`` is journaled after the copy.
+  A service killed between ``begin`` and ``done`` is restarted by putting the undo copy back and running
+  the update of that group again.
 
 The arena is a file on a tmpfs: it survives the service, not a reboot. Then the run record remains (in
 the NVMe directory or ~/.local/state/tiermem) and the service names the run's newest checkpoint.
@@ -137,8 +138,9 @@ class Journal:
 
 
 def undo_kinds(has_master: bool) -> tuple[str, ...]:
-    """The kinds an update changes in place."""
-    return ("master", "exp_avg", "exp_avg_sq", "param") if has_master else ("param", "exp_avg", "exp_avg_sq")
+    """The kinds an update changes in place (the gradient too: fused AdamW unscales it in place)."""
+    return ("master", "exp_avg", "exp_avg_sq", "param", "grad") if has_master else ("param", "exp_avg", "exp_avg_sq",
+                                                                                    "grad")
 
 
 def undo_bytes(specs, has_master: bool) -> int:

@@ -82,9 +82,13 @@ def _plan_of(specs: list[TensorSpec], layout: dict[str, list], cfg: StoreConfig)
 
 
 def create_store(cfg: StoreConfig, specs: list[TensorSpec], plan: Plan, extra_dram: int) -> Store:
-    """The service's store for a new run: arena and NVMe file sized to ``plan`` (+ ``extra_dram``)."""
+    """The service's store for a new run: the arena sized to ``plan`` (+ ``extra_dram``), the NVMe file to
+    its budget when one is set (room to move optimizer state there later), else to the plan."""
     need = plan.need()
-    store = Store(cfg, {"gpu": 0, "dram": need["dram"] + extra_dram, "nvme": need["nvme"]}, pin=False, plan=plan)
+    nvme = need["nvme"]
+    if cfg.tiers.nvme is not None and cfg.tiers.nvme.budget is not None:
+        nvme = max(nvme, cfg.tiers.nvme.budget)
+    store = Store(cfg, {"gpu": 0, "dram": need["dram"] + extra_dram, "nvme": nvme}, pin=False, plan=plan)
     try:
         for s in specs:
             store.create(s, plan.where[(s.group, s.kind)])
@@ -124,7 +128,7 @@ def attach_store(cfg: StoreConfig, specs: list[TensorSpec], layout: dict[str, li
     Closing it unmaps and never removes anything: the state belongs to the service.
     """
     dram = DramArena.attach(arena["name"], arena["dir"], pin=device.type == "cuda")
-    dram.allocator = ExtentAllocator(dram.size, 4096, base=HEADER)
+    dram.allocator = ExtentAllocator(dram.size - HEADER, 4096, base=HEADER)
     nvme_tier = gpu = None
     try:
         if nvme is not None:

@@ -22,6 +22,7 @@ SIGINT stop cleanly (the in-flight update finishes; the run's state stays for th
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import copy
 import getpass
 import json
@@ -107,6 +108,11 @@ class Run:
     live: dict = field(default_factory=dict)
     trainer_store: dict = field(default_factory=dict)
     error: str | None = None
+    pending: cf.Future | None = None  # the last update, journaled as updated (or failed)
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
 
     @property
     def state(self) -> RunState:
@@ -152,10 +158,9 @@ class Service:
         arena = Path(self.cfg.tiers.dram.path) / f"{self.cfg.store_name()}.arena"
         state = Journal(self.journal_path).state if self.journal_path.is_file() else RunState()
         if not arena.is_file():
-            lost = self.record_path.with_name(self.record_path.name + ".lost")
-            os.replace(self.record_path, lost)
             self.say(f"the state of run {record['label'].get('output_dir', record['run'])} (step {state.committed}) is "
                      f"gone: its arena {arena} no longer exists (the machine restarted?). {_newest_checkpoint(record)}")
+            self._discard_recorded()
             return
         if state.finished or not state.initialized:  # nothing left worth keeping
             self._discard_recorded()
@@ -232,10 +237,7 @@ class Service:
         run, self.run = self.run, None
         if run is None:
             return
-        try:
-            run.optimizer.wait()
-        except Exception:  # noqa: BLE001 - reported to the trainer already
-            pass
+        run.wait()
         run.optimizer.close()
         run.journal.close()
         run.store.keep_files = keep
@@ -349,17 +351,21 @@ class Service:
                 run.store.mark_valid(g, "grad")
             run.journal.append("commit", sync=True, step=step, lr=lr, grad_scale=scale)
             fut = run.optimizer.step(step, lr, scale)
-        fut.add_done_callback(lambda f, run=run, step=step: self._updated(run, step, f))
+            run.pending = cf.Future()
+            fut.add_done_callback(lambda f, run=run, step=step, out=run.pending: self._updated(run, step, f, out))
         return {}
 
-    def _updated(self, run: Run, step: int, fut) -> None:
-        if fut.exception() is not None:
-            run.error = f"{type(fut.exception()).__name__}: {fut.exception()}"
-            self.say(f"update {step} failed: {run.error}")
-            if run.trainer is not None:
-                self._tell(run.trainer, {"ev": "failed", "error": run.error})
-            return
-        run.journal.append("updated", step=step)
+    def _updated(self, run: Run, step: int, fut, out: cf.Future) -> None:
+        try:
+            if fut.exception() is not None:
+                run.error = f"{type(fut.exception()).__name__}: {fut.exception()}"
+                self.say(f"update {step} failed: {run.error}")
+                if run.trainer is not None:
+                    self._tell(run.trainer, {"ev": "failed", "error": run.error})
+                return
+            run.journal.append("updated", step=step)
+        finally:
+            out.set_result(None)
 
     def _layout(self, client: Client, msg: dict) -> dict:
         run = self._attached(client, msg)
@@ -383,7 +389,7 @@ class Service:
     def _finish(self, client: Client, msg: dict) -> dict:
         run = self._attached(client, msg)
         with self.lock:
-            run.optimizer.wait()
+            run.wait()
             if run.state.updated != run.state.committed:
                 raise RequestError("finish before the last update completed")
             run.journal.append("finished", sync=True)
@@ -448,7 +454,7 @@ class Service:
         except UserError as e:
             self.say(f"re-placement skipped: {e}")
             return
-        run.optimizer.wait()
+        run.wait()
         store, moves, refused = run.store, [], set()
         for e in store.catalog.entries():
             want = plan.where[(e.spec.group, e.spec.kind)]
@@ -458,7 +464,7 @@ class Service:
                 refused.add(e.spec.kind)
                 continue
             if store.tier(want) is None:
-                refused.add(f"{e.spec.kind} (no {want} tier in this run)")
+                refused.add(f"{e.spec.kind} (this run has no {want} tier: set tiers.{want}.budget to reserve one)")
                 continue
             moves.append((e, want))
         if refused:
@@ -483,7 +489,7 @@ class Service:
             store.tier(tier).free(ext)
         if moves:
             moved = {}
-            for e, want, _ in moves:
+            for e, want in moves:
                 moved.setdefault((e.spec.kind, want), 0)
                 moved[(e.spec.kind, want)] += 1
             self.say("re-placed: " + ", ".join(f"{k} of {n} tensors -> {t}" for (k, t), n in moved.items()))
@@ -611,3 +617,4 @@ def serve(config_path: str, socket_path: str | None, fresh: bool) -> int:
 
 
 __all__ = ["Service", "serve", "service_config"]
+

@@ -117,7 +117,7 @@ class DramArena:
         self.path, self.name, self.size, self.owner = path, name, size, owner
         self._mm = mm
         self._base = torch.frombuffer(mm, dtype=torch.uint8)
-        self.allocator = ExtentAllocator(size, 4096, base=HEADER) if owner else None
+        self.allocator = ExtentAllocator(size - HEADER, 4096, base=HEADER) if owner else None
         self.register_seconds = 0.0
         self.pinned = False
         self.touch_seconds = 0.0

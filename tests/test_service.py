@@ -1,0 +1,374 @@
+"""The service end to end on the CPU: `tiermem serve`, trainers attached with tiermem_server, kill -9 of
+the trainer (forward, backward, optimizer) and of the service (mid-update), SIGTERM, SIGHUP
+re-placement, the state lost to a "reboot", a hostile peer, and top/stats over the socket. Every attached
+run must end with weights bit-identical to the same run embedded."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from tests.tiny_models import save_tiny_model, write_tokenized_dataset
+from tiermem import protocol
+from trainer.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+PLACEMENT = {"param": "dram", "grad": "dram", "master": "dram", "exp_avg": "nvme", "exp_avg_sq": "dram"}
+
+
+class Service:
+    """A `tiermem serve` subprocess whose output is collected line by line."""
+
+    def __init__(self, config: Path, sock: Path, env: dict | None = None, fresh: bool = False):
+        self.lines: list[str] = []
+        cmd = [sys.executable, "-m", "tiermem.cli", "serve", "--config", str(config), "--socket", str(sock)]
+        self.proc = subprocess.Popen(cmd + (["--fresh"] if fresh else []), cwd=ROOT, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})))
+        threading.Thread(target=self._collect, daemon=True).start()
+        self.wait_for("listening on")
+
+    def _collect(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip())
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for(self, needle: str, timeout: float = 60) -> None:
+        deadline = time.time() + timeout
+        while needle not in self.text:
+            assert self.proc.poll() is None or needle in self.text, f"service exited:\n{self.text}"
+            assert time.time() < deadline, f"no {needle!r} in:\n{self.text}"
+            time.sleep(0.02)
+
+    def stop(self, sig=signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=60)
+
+
+@pytest.fixture
+def env(tmp_path):
+    model_dir = save_tiny_model("llama", tmp_path / "model")
+    data_dir = tmp_path / "data"
+    name = write_tokenized_dataset(data_dir, n_rows=16)
+    base = {"model_name_or_path": str(model_dir), "dataset": name, "dataset_dir": str(data_dir), "max_steps": 6,
+            "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "learning_rate": 1e-2,
+            "lr_scheduler_type": "cosine", "warmup_steps": 1, "weight_decay": 0.1, "logging_steps": 1}
+    sock_dir = Path(tempfile.mkdtemp(prefix="tm-"))  # short: Unix socket paths are limited to 107 bytes
+    (tmp_path / "shm").mkdir()
+
+    def service_config(placement=PLACEMENT) -> Path:
+        path = tmp_path / "serve.yaml"
+        path.write_text(yaml.safe_dump({
+            "name": f"t{os.getpid()}", "placement": placement,
+            "tiers": {"dram": {"path": str(tmp_path / "shm"), "budget": "64MiB"},
+                      "nvme": {"path": str(tmp_path / "nvme"), "budget": "64MiB", "backend": "posix"}}}))
+        return path
+
+    def train_config(name: str, attached: bool = True, **over) -> Path:
+        cfg = dict(base, output_dir=str(tmp_path / name), **over)
+        if attached:
+            cfg["tiermem_server"] = str(sock_dir / "s.sock")
+        else:
+            cfg["tiermem"] = {"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}}}
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        return path
+
+    class Env:
+        tmp, sock = tmp_path, sock_dir / "s.sock"
+
+        def service(self, placement=PLACEMENT, **kw) -> Service:
+            return Service(service_config(placement), self.sock, **kw)
+
+        def reference(self) -> dict:
+            if not (tmp_path / "embedded" / "model.safetensors").is_file():
+                assert main([str(train_config("embedded", attached=False))]) == 0
+            return load_file(tmp_path / "embedded" / "model.safetensors")
+
+        def train(self, name: str, kill_at: str | None = None, **over) -> subprocess.CompletedProcess:
+            cfg = train_config(name, **over)
+            env = dict(os.environ, PYTHONPATH=str(ROOT))
+            if kill_at:
+                env["TIERMEM_TEST_KILL_AT"] = kill_at
+            return subprocess.run([sys.executable, "-m", "trainer.cli", str(cfg)], cwd=ROOT, env=env,
+                                  capture_output=True, text=True, timeout=300)
+
+        def start_train(self, name: str, **over) -> subprocess.Popen:
+            cfg = train_config(name, **over)
+            return subprocess.Popen([sys.executable, "-m", "trainer.cli", str(cfg)], cwd=ROOT, text=True,
+                                    env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE)
+
+        def weights(self, name: str) -> dict:
+            return load_file(tmp_path / name / "model.safetensors")
+
+    yield Env()
+    for p in (tmp_path / "shm").glob("*"):
+        p.unlink()
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+def test_trainer_killed_in_forward_backward_and_optimizer_continues_bit_identically(env):
+    ref = env.reference()
+    svc = env.service(env={"TIERMEM_TEST_SLOW_UPDATE": "0.03"})  # the update outlives the killed trainer
+    try:
+        straight = env.train("straight")
+        assert straight.returncode == 0, straight.stderr
+        assert "(a new run)" in straight.stdout
+        assert same(env.weights("straight"), ref)
+        for point, resumes_at in (("forward:3", 2), ("backward:3", 2), ("optimizer:3", 3)):
+            name = point.replace(":", "")
+            killed = env.train(name, kill_at=point)
+            assert killed.returncode == -signal.SIGKILL, killed.stderr
+            again = env.train(name)
+            assert again.returncode == 0, again.stderr
+            assert f"continuing the service's run at step {resumes_at}" in again.stdout, again.stdout
+            assert same(env.weights(name), ref), point
+            log = [json.loads(line) for line in (env.tmp / name / "trainer_log.jsonl").read_text().splitlines()]
+            # a step committed by a trainer killed before it logged the step has no line of its own
+            assert [r["current_steps"] for r in log] == [s for s in range(1, 7) if s != 3 or point != "optimizer:3"]
+        assert "finished at step 6" in svc.text
+    finally:
+        assert svc.stop() == 0
+    assert not list((env.tmp / "shm").glob("*.arena"))  # every run finished: nothing left behind
+
+
+def test_service_killed_mid_update_recovers_and_the_run_ends_bit_identically(env):
+    ref = env.reference()
+    svc = env.service(env={"TIERMEM_TEST_KILL_AT": "update:3:1"})  # group 1's update 3 home, not journaled
+    lost = env.train("run")
+    assert svc.proc.wait(timeout=60) == -signal.SIGKILL
+    assert lost.returncode == 1 and "lost the tiermem service" in lost.stderr, lost.stderr
+    assert len(lost.stderr.strip().splitlines()) == 1
+    svc = env.service()
+    try:
+        assert "put back group 1 as it was before update 3" in svc.text
+        assert "recovered run" in svc.text and "step 3 committed" in svc.text
+        again = env.train("run")
+        assert again.returncode == 0, again.stderr
+        assert "continuing the service's run at step 3" in again.stdout
+        assert same(env.weights("run"), ref)
+    finally:
+        assert svc.stop() == 0
+
+
+def test_sigterm_stops_cleanly_and_a_new_service_continues(env):
+    ref = env.reference()
+    svc = env.service(env={"TIERMEM_TEST_SLOW_UPDATE": "0.1"})
+    trainer = env.start_train("run")
+    log = env.tmp / "run" / "trainer_log.jsonl"
+    deadline = time.time() + 120
+    while not (log.is_file() and len(log.read_text().splitlines()) >= 2):
+        assert trainer.poll() is None, trainer.stderr.read()
+        assert time.time() < deadline
+        time.sleep(0.05)
+    assert svc.stop(signal.SIGTERM) == 0
+    assert "kept at step" in svc.text
+    _, err = trainer.communicate(timeout=60)
+    assert trainer.returncode == 1 and "lost the tiermem service" in err
+    svc = env.service()
+    try:
+        assert "recovered run" in svc.text
+        again = env.train("run")
+        assert again.returncode == 0, again.stderr
+        assert same(env.weights("run"), ref)
+    finally:
+        svc.stop()
+
+
+def test_state_lost_with_the_arena_names_the_newest_checkpoint(env):
+    ref = env.reference()
+    svc = env.service(env={"TIERMEM_TEST_KILL_AT": "update:5:0"})
+    lost = env.train("run", save_steps=2)
+    assert svc.proc.wait(timeout=60) == -signal.SIGKILL and lost.returncode == 1
+    for arena in (env.tmp / "shm").glob("*.arena"):  # what a reboot does to a tmpfs
+        arena.unlink()
+    svc = env.service()
+    try:
+        assert "is gone" in svc.text and "checkpoint-4" in svc.text, svc.text
+        again = env.train("run", save_steps=2)  # a new run in the service, from checkpoint-4
+        assert again.returncode == 0, again.stderr
+        assert "resumed from" in again.stdout and "checkpoint-4" in again.stdout
+        assert same(env.weights("run"), ref)
+    finally:
+        svc.stop()
+
+
+def test_sighup_moves_optimizer_state_between_tiers_while_training(env):
+    ref = env.reference()
+    svc = env.service(placement=dict(PLACEMENT, exp_avg="dram"), env={"TIERMEM_TEST_SLOW_UPDATE": "0.1"})
+    try:
+        trainer = env.start_train("run")
+        svc.wait_for("attached to run")
+        (env.tmp / "serve.yaml").write_text((env.tmp / "serve.yaml").read_text().replace("exp_avg: dram",
+                                                                                         "exp_avg: nvme"))
+        svc.proc.send_signal(signal.SIGHUP)
+        svc.wait_for("re-placed: exp_avg of")
+        snap = json.loads(subprocess.run([sys.executable, "-m", "tiermem.cli", "stats", "--socket", str(env.sock)],
+                                         cwd=ROOT, capture_output=True, text=True, check=True).stdout)
+        assert snap["store"]["tiers"]["nvme"]["by_kind"].get("exp_avg", 0) > 0
+        assert "exp_avg" not in snap["store"]["tiers"]["dram"]["by_kind"]
+        _, err = trainer.communicate(timeout=120)
+        assert trainer.returncode == 0, err
+        assert same(env.weights("run"), ref)
+    finally:
+        svc.stop()
+
+
+def _exchange(sock_path: Path, raw: bytes) -> dict | None:
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(str(sock_path))
+    s.sendall(raw)
+    try:
+        return protocol.recv(s)
+    finally:
+        s.close()
+
+
+def _frame(obj) -> bytes:
+    data = json.dumps(obj).encode()
+    return struct.pack(">I", len(data)) + data
+
+
+def test_bad_peers_are_refused_and_the_trainer_is_not_disturbed(env):
+    ref = env.reference()
+    svc = env.service(env={"TIERMEM_TEST_SLOW_UPDATE": "0.05"})
+    try:
+        trainer = env.start_train("run")
+        svc.wait_for("attached to run")
+        record = json.loads(next((env.tmp / "nvme").glob("*.run.json")).read_text())
+        cases = [
+            (b"\x00\x00\x00\x05hello", "not UTF-8 JSON"),
+            (b"\xff\xff\xff\xff" + b"x" * 64, "exceeds"),
+            (_frame([1, 2]), "not a JSON object"),
+            (_frame({"op": "explode", "id": 1}), "unknown op"),
+            (_frame({"op": "commit", "id": 2, "run": record["run"], "step": 3, "lr": 1.0}), "not the run's trainer"),
+            (_frame({"op": "layout", "id": 3, "run": "someone-else"}), "for run"),
+            (_frame({"op": "hello", "id": 4, "run": "another-run", "specs": [], "optim": {}}), "another run"),
+            (_frame({"op": "hello", "id": 5, "run": record["run"], "specs": [], "optim": {}}),
+             "already has a trainer attached"),
+        ]
+        for raw, needle in cases:
+            reply = _exchange(env.sock, raw)
+            assert reply is not None and reply["ok"] is False and needle in reply["error"], (needle, reply)
+        if os.getuid() == 0:  # a peer of another user: really, by switching user in a child process
+            os.chmod(env.sock.parent, 0o755)
+            os.chmod(env.sock, 0o666)
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.close(r)
+                try:
+                    os.setuid(65534)
+                    reply = _exchange(env.sock, _frame({"op": "stats", "id": 1}))
+                    os.write(w, json.dumps(reply).encode())
+                finally:
+                    os._exit(0)
+            os.close(w)
+            os.waitpid(pid, 0)
+            reply = json.loads(os.read(r, 65536).decode())
+            assert reply["ok"] is False and "refused: uid 65534" in reply["error"]
+        assert protocol.peer_allowed(os.getuid()) and not protocol.peer_allowed(os.getuid() + 1)
+        _, err = trainer.communicate(timeout=120)
+        assert trainer.returncode == 0, err
+        assert same(env.weights("run"), ref)
+    finally:
+        svc.stop()
+
+
+def test_top_and_stats_over_the_socket(env):
+    svc = env.service(env={"TIERMEM_TEST_SLOW_UPDATE": "0.1"})
+    cli = lambda *a: subprocess.run([sys.executable, "-m", "tiermem.cli", *a, "--socket", str(env.sock)], cwd=ROOT,
+                                    capture_output=True, text=True, timeout=60)
+    try:
+        idle = cli("top", "--once")
+        assert idle.returncode == 0 and "idle, no run" in idle.stdout, idle.stderr
+        trainer = env.start_train("run", max_steps=8)
+        log = env.tmp / "run" / "trainer_log.jsonl"
+        deadline = time.time() + 120
+        while not (log.is_file() and log.read_text().strip()):
+            assert time.time() < deadline and trainer.poll() is None
+            time.sleep(0.05)
+        time.sleep(0.6)  # a progress message has reached the service
+        frame = cli("top", "--once")
+        assert frame.returncode == 0, frame.stderr
+        for needle in ("service on", "trainer pid", "committed step", "dram", "nvme", "step ", "loss"):
+            assert needle in frame.stdout, (needle, frame.stdout)
+        snap = json.loads(cli("stats", "--json").stdout)
+        assert snap["service"]["trainer_pid"] == trainer.pid and snap["run"]["total_steps"] == 8
+        prom = cli("stats", "--prometheus").stdout
+        assert 'tiermem_tier_used_bytes{tier="nvme",kind="exp_avg"}' in prom
+        trainer.communicate(timeout=120)
+        assert trainer.returncode == 0
+    finally:
+        svc.stop()
+    gone = cli("stats", "--json")
+    assert gone.returncode == 2 and "no tiermem service at" in gone.stderr
+
+
+def test_requests_are_checked_one_by_one(tmp_path):
+    """In-process: malformed specs, unknown tensor names, out-of-order and foreign messages get an error
+    reply each, and the run goes on."""
+    from tiermem.catalog import TensorSpec
+    from tiermem.layout import spec_to_json
+    from tiermem.server import Client
+    from tiermem.server import Service as Svc
+
+    (tmp_path / "shm").mkdir()
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(yaml.safe_dump({"name": "unit", "tiers": {"dram": {"path": str(tmp_path / "shm"), "budget": "1MiB"}},
+                                   "placement": "auto"}))
+    svc = Svc(str(cfg), str(tmp_path / "s.sock"), say=lambda _: None)
+    mine, theirs = socket.socketpair()
+    client, other = Client(mine), Client(socket.socketpair()[0])
+    specs = [TensorSpec(n, (4, 4), __import__("torch").float32, k, 0) for n, k in
+             (("w", "param"), ("grad/w", "grad"), ("exp_avg/w", "exp_avg"), ("exp_avg_sq/w", "exp_avg_sq"))]
+    optim = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "has_master": False, "decay": {"w": True},
+             "groups": [0]}
+    hello = {"op": "hello", "id": 1, "run": "r1", "specs": [spec_to_json(s) for s in specs], "optim": optim}
+
+    def err(c, msg) -> str:
+        reply = svc.dispatch(c, msg)
+        assert reply["ok"] is False and reply["id"] == msg.get("id"), reply
+        return reply["error"]
+
+    bad = dict(hello, specs=[dict(spec_to_json(specs[0]), dtype="float8")])
+    assert "unknown dtype" in err(client, bad)
+    assert "bad shape" in err(client, dict(hello, specs=[dict(spec_to_json(specs[0]), shape=[-1])]))
+    assert "missing or of the wrong type" in err(client, dict(hello, specs="all of them"))
+    assert "data parallel" in err(client, dict(hello, world=2))
+    assert svc.dispatch(client, hello)["ok"]
+    assert "unknown tensor names: nope" in err(client, {"op": "layout", "id": 2, "run": "r1", "names": ["w", "nope"]})
+    assert svc.dispatch(client, {"op": "layout", "id": 3, "run": "r1", "names": ["w"]})["layout"]["w"][0] == "dram"
+    assert "commit before init" in err(client, {"op": "commit", "id": 4, "run": "r1", "step": 1, "lr": 0.1})
+    assert svc.dispatch(client, {"op": "init", "id": 5, "run": "r1", "step": 0})["ok"]
+    assert "out of order" in err(client, {"op": "commit", "id": 6, "run": "r1", "step": 2, "lr": 0.1})
+    assert "wrong type" in err(client, {"op": "commit", "id": 7, "run": "r1", "step": 1, "lr": "fast"})
+    assert "is for run" in err(client, {"op": "commit", "id": 8, "run": "r2", "step": 1, "lr": 0.1})
+    assert "not the run's trainer" in err(other, {"op": "commit", "id": 9, "run": "r1", "step": 1, "lr": 0.1})
+    assert svc.dispatch(client, {"op": "commit", "id": 10, "run": "r1", "step": 1, "lr": 0.1})["ok"]
+    svc.run.wait()
+    assert svc.run.state.updated == 1 and svc.run.store.catalog.version(0) == 1
+    assert "finish before" not in str(svc.dispatch(client, {"op": "finish", "id": 11, "run": "r1"}))
+    assert svc.run is None and not list((tmp_path / "shm").glob("*"))
+    theirs.close()
