@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.test_service import env  # noqa: F401 - the service fixture
 from tiermem.catalog import TensorSpec
 from tiermem.config import load_store_config
 from tiermem.store import Store
@@ -73,3 +74,19 @@ def test_training_on_the_gpu_matches_plain_pytorch(tmp_path):
     for n, t in got.items():
         err = (t - ref[n]).norm() / ref[n].norm()
         assert err <= (1e-3 if n.endswith("k_proj.bias") else 1e-4), f"{n}: {err:.2e}"
+
+
+def test_attached_training_on_the_gpu_matches_embedded(env):  # noqa: F811 - the fixture
+    """A trainer attached to a service computing on CUDA (arena registered by the trainer, gradients D2H
+    into the shared arena, CPU AdamW in the service) ends where the embedded CUDA run (CPU AdamW too)
+    ends; only GPU kernels' run-to-run rounding may differ."""
+    ref = env.reference(device="cuda")
+    svc = env.service(device="cuda")
+    try:
+        run = env.train("attached")
+        assert run.returncode == 0, run.stderr
+        got = env.weights("attached")
+        for k in ref:
+            assert torch.allclose(got[k], ref[k], rtol=1e-4, atol=1e-6), k
+    finally:
+        assert svc.stop() == 0

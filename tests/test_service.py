@@ -73,20 +73,21 @@ def env(tmp_path):
     sock_dir = Path(tempfile.mkdtemp(prefix="tm-"))  # short: Unix socket paths are limited to 107 bytes
     (tmp_path / "shm").mkdir()
 
-    def service_config(placement=PLACEMENT) -> Path:
+    def service_config(placement=PLACEMENT, device="cpu") -> Path:
         path = tmp_path / "serve.yaml"
         path.write_text(yaml.safe_dump({
             "name": f"t{os.getpid()}", "placement": placement,
-            "tiers": {"dram": {"path": str(tmp_path / "shm"), "budget": "64MiB"},
+            "tiers": {"gpu": {"device": device}, "dram": {"path": str(tmp_path / "shm"), "budget": "64MiB"},
                       "nvme": {"path": str(tmp_path / "nvme"), "budget": "64MiB", "backend": "posix"}}}))
         return path
 
-    def train_config(name: str, attached: bool = True, **over) -> Path:
+    def train_config(name: str, attached: bool = True, device: str = "cpu", **over) -> Path:
         cfg = dict(base, output_dir=str(tmp_path / name), **over)
         if attached:
             cfg["tiermem_server"] = str(sock_dir / "s.sock")
         else:
-            cfg["tiermem"] = {"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}}}
+            cfg["tiermem"] = {"tiers": {"gpu": {"device": device}, "dram": {"budget": "64MiB"}},
+                              "optimizer": {"gpu_share": 0}}
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         return path
@@ -94,13 +95,14 @@ def env(tmp_path):
     class Env:
         tmp, sock = tmp_path, sock_dir / "s.sock"
 
-        def service(self, placement=PLACEMENT, **kw) -> Service:
-            return Service(service_config(placement), self.sock, **kw)
+        def service(self, placement=PLACEMENT, device="cpu", **kw) -> Service:
+            return Service(service_config(placement, device), self.sock, **kw)
 
-        def reference(self) -> dict:
-            if not (tmp_path / "embedded" / "model.safetensors").is_file():
-                assert main([str(train_config("embedded", attached=False))]) == 0
-            return load_file(tmp_path / "embedded" / "model.safetensors")
+        def reference(self, device="cpu") -> dict:
+            name = f"embedded-{device}"
+            if not (tmp_path / name / "model.safetensors").is_file():
+                assert main([str(train_config(name, attached=False, device=device))]) == 0
+            return load_file(tmp_path / name / "model.safetensors")
 
         def train(self, name: str, kill_at: str | None = None, **over) -> subprocess.CompletedProcess:
             cfg = train_config(name, **over)

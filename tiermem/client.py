@@ -203,14 +203,17 @@ class Attached:
         self.store.close()
 
 
-def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: dict, device: torch.device) -> Attached:
-    """Attach to the service at ``path`` for run ``run_id`` (created there if the service holds no run)."""
+def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: dict) -> Attached:
+    """Attach to the service at ``path`` for run ``run_id`` (created there if the service holds no run).
+
+    The trainer computes on the service config's ``tiers.gpu.device`` (the CPU when there is no CUDA)."""
     client = ServiceClient(path)
     try:
         reply = client.request("hello", run=run_id, label=label, specs=[spec_to_json(s) for s in specs],
                                optim=optim, pid=os.getpid(), rank=0, world=1)
         cfg = load_store_config(reply["config"], "the service's config")
-        cfg.tiers.gpu.device = str(device)
+        want = cfg.tiers.gpu.device
+        device = torch.device(want if want == "cpu" or torch.cuda.is_available() else "cpu")
         theirs = [spec_from_json(s) for s in reply["specs"]]
         if {s.name: s for s in theirs} != {s.name: s for s in specs}:
             raise UserError("the service's run holds other tensors than this model's; restart the service with "

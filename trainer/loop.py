@@ -271,8 +271,7 @@ def _attach(cfg: TrainConfig, mcfg, dtype: torch.dtype, rows: Rows, decay: dict,
     optim = {"beta1": adamw.beta1, "beta2": adamw.beta2, "eps": adamw.eps, "weight_decay": adamw.weight_decay,
              "has_master": cfg.bf16, "decay": decay, "groups": group_order(mcfg)}
     label = {"model": str(cfg.model_name_or_path), "output_dir": str(out.resolve())}
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    attached = attach(path, run_identity(cfg, mcfg, dtype, rows), label, state_specs(mcfg, dtype), optim, device)
+    attached = attach(path, run_identity(cfg, mcfg, dtype, rows), label, state_specs(mcfg, dtype), optim)
     say(f"attached to the tiermem service at {path}"
         + (f" (its run is at step {attached.committed})" if attached.initialized else " (a new run)"))
     return attached
