@@ -182,7 +182,9 @@ class StoreAdamW:
             self._split["cpu_staging"] += time.perf_counter() - ts
             self._wait_gate(g, step)
             if self.guard is not None:
+                t0 = time.perf_counter()
                 self.guard.begin(g, step, views)
+                self._split["undo_copy"] = self._split.get("undo_copy", 0.0) + time.perf_counter() - t0
             self._update_in_place(g, views, step, lr, grad_scale)
             prev_writeback = self._finish(g, views, step)
 

@@ -109,6 +109,8 @@ class Run:
     trainer_store: dict = field(default_factory=dict)
     error: str | None = None
     pending: cf.Future | None = None  # the last update, journaled as updated (or failed)
+    updates: int = 0  # updates run by this service process, and where their time went
+    update_seconds: dict = field(default_factory=dict)
 
     def wait(self) -> None:
         if self.pending is not None:
@@ -364,6 +366,11 @@ class Service:
                     self._tell(run.trainer, {"ev": "failed", "error": run.error})
                 return
             run.journal.append("updated", step=step)
+            opt = run.optimizer
+            opt.last_step_seconds, opt.last_split = opt._busy, dict(opt._split)
+            run.updates += 1
+            for k, v in {"total": opt._busy, **opt._split}.items():
+                run.update_seconds[k] = run.update_seconds.get(k, 0.0) + v
         finally:
             out.set_result(None)
 
@@ -393,7 +400,10 @@ class Service:
             if run.state.updated != run.state.committed:
                 raise RequestError("finish before the last update completed")
             run.journal.append("finished", sync=True)
-            self.say(f"run {label_of(run)} finished at step {run.state.committed}; its state is freed")
+            n = max(run.updates, 1)
+            split = ", ".join(f"{k} {v / n:.3f}" for k, v in run.update_seconds.items() if k != "total" and v)
+            self.say(f"run {label_of(run)} finished at step {run.state.committed}; its state is freed. "
+                     f"{run.updates} updates here, {run.update_seconds.get('total', 0.0) / n:.3f} s each ({split})")
             self._close_run(keep=False)
         return {}
 

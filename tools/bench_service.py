@@ -1,0 +1,157 @@
+"""Benchmark: a trainer attached to `tiermem serve` against the same run embedded, same command.
+
+    python3 tools/bench_service.py [--batch 4] [--accum 4] [--seq 4096] [--steps 6] [--layers 28] [--json FILE]
+                                   [--small]   # a small model: a smoke test that runs on a CPU
+
+Both runs are `tiermem-train` on a random-init Llama-3B shape (bf16, tiermem_init: random) over random
+tokenized rows, with the same tiermem config: every kind of state in a DRAM arena under /dev/shm, CPU
+AdamW (optimizer.gpu_share 0: the service runs the optimizer on the CPU). The embedded run keeps the
+store in the trainer's process; the attached one starts `tiermem serve` with that config and sets
+tiermem_server. Prints the median step time of the steps after the first two, the step split and the
+ratio attached / embedded. Layers are reduced when /dev/shm cannot hold the state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tools.bench_train import SHAPE  # noqa: E402
+
+
+def params(shape: dict) -> int:
+    h, i, v, n = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"], shape["num_hidden_layers"]
+    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    return 2 * v * h + n * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h) + h
+
+
+def fit_layers(shape: dict, want: int, shm: Path) -> int:
+    """Layers such that the state (18 B/param in bf16) and the undo copy fit 90% of /dev/shm."""
+    free = shutil.disk_usage(shm).free * 0.9
+    undo = 18 * shape["vocab_size"] * shape["hidden_size"]
+    n = want
+    while n > 1 and 18 * params(dict(shape, num_hidden_layers=n)) + undo > free:
+        n -= 1
+    return n
+
+
+def step_times(out: Path, skip: int = 2) -> dict:
+    rows = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "step_seconds" in r][skip:]
+    med = lambda k: statistics.median(r[k] for r in rows)
+    return {"step_s": med("step_seconds"), "tokens_per_s": med("throughput"), "compute_s": med("compute_seconds"),
+            "wait_transfer_s": med("wait_transfer_seconds"), "wait_optimizer_s": med("wait_optimizer_seconds"),
+            "steps": len(rows)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--accum", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--shm", default="/dev/shm")
+    ap.add_argument("--json")
+    ap.add_argument("--small", action="store_true", help="a small model (hidden 256, vocab 1024): a smoke test")
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="bench-service-"))
+    shape = dict(SHAPE)
+    if args.small:
+        shape.update(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                     vocab_size=1024)
+    shape["num_hidden_layers"] = fit_layers(shape, args.layers, Path(args.shm))
+    n = params(shape)
+    model = work / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(shape))
+    data = work / "data"
+    data.mkdir()
+    rng = random.Random(0)
+    with (data / "rows.jsonl").open("w") as f:
+        for _ in range(args.batch * args.accum * args.steps):
+            f.write(json.dumps({"input_ids": [rng.randrange(shape["vocab_size"]) for _ in range(args.seq)]}) + "\n")
+    (data / "dataset_info.json").write_text(json.dumps({"rows": {"file_name": "rows.jsonl",
+                                                                 "formatting": "tokenized"}}))
+    store = {"tiers": {"gpu": {"device": "cuda"}, "dram": {"path": args.shm}},
+             "placement": {k: "dram" for k in ("param", "grad", "master", "exp_avg", "exp_avg_sq")},
+             "optimizer": {"gpu_share": 0}}
+    train = {"model_name_or_path": str(model), "tiermem_init": "random", "dataset": "rows", "dataset_dir": str(data),
+             "cutoff_len": args.seq, "per_device_train_batch_size": args.batch,
+             "gradient_accumulation_steps": args.accum, "max_steps": args.steps, "learning_rate": 1e-5,
+             "bf16": True, "logging_steps": 1, "lr_scheduler_type": "constant", "overwrite_output_dir": True}
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    results = {"params": n, "layers": shape["num_hidden_layers"],
+               "tokens_per_step": args.batch * args.accum * args.seq}
+    print(f"model: Llama-3B shape with {shape['num_hidden_layers']} layers, {n / 1e9:.2f} B params; "
+          f"{args.batch}x{args.accum}x{args.seq} tokens a step; state in {args.shm}", flush=True)
+
+    def trainer(name: str, extra: dict) -> dict:
+        cfg = work / f"{name}.yaml"
+        cfg.write_text(json.dumps(dict(train, output_dir=str(work / name), **extra)))
+        t0 = time.perf_counter()
+        log = (work / f"{name}.log").open("w")
+        rc = subprocess.run([sys.executable, "-m", "trainer.cli", str(cfg)], cwd=ROOT, env=env, stdout=log,
+                            stderr=subprocess.STDOUT).returncode
+        if rc != 0:
+            print((work / f"{name}.log").read_text()[-3000:])
+            raise SystemExit(f"{name} run failed (rc {rc})")
+        r = step_times(work / name)
+        r["wall_s"] = time.perf_counter() - t0
+        shutil.rmtree(work / name, ignore_errors=True)  # the exported model
+        return r
+
+    results["embedded"] = trainer("embedded", {"tiermem": dict(store, name="bench-embedded")})
+    print(f"embedded: {results['embedded']}", flush=True)
+
+    svc_cfg = work / "serve.yaml"
+    svc_cfg.write_text(json.dumps(dict(store, name="bench-service")))
+    sock = work / "s.sock"
+    svc = subprocess.Popen([sys.executable, "-m", "tiermem.cli", "serve", "--config", str(svc_cfg), "--socket",
+                            str(sock), "--fresh"], cwd=ROOT, env=env, stdout=(work / "serve.log").open("w"),
+                           stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 60
+        while not sock.exists():
+            if svc.poll() is not None or time.time() > deadline:
+                raise SystemExit("the service did not start:\n" + (work / "serve.log").read_text())
+            time.sleep(0.1)
+        results["attached"] = trainer("attached", {"tiermem_server": str(sock)})
+        print(f"attached: {results['attached']}", flush=True)
+    finally:
+        svc.send_signal(signal.SIGTERM)
+        svc.wait(timeout=120)
+    for line in (work / "serve.log").read_text().splitlines():
+        if "finished at step" in line:
+            print(line)
+            results["service_updates"] = line
+    e, a = results["embedded"], results["attached"]
+    results["ratio_step_time"] = a["step_s"] / e["step_s"]
+    print(f"\n{'run':10} {'step s':>8} {'tok/s':>9} {'compute':>8} {'wait xfer':>9} {'wait opt':>9} {'wall s':>7}")
+    for name in ("embedded", "attached"):
+        r = results[name]
+        print(f"{name:10} {r['step_s']:8.3f} {r['tokens_per_s']:9,.0f} {r['compute_s']:8.3f} "
+              f"{r['wait_transfer_s']:9.3f} {r['wait_optimizer_s']:9.3f} {r['wall_s']:7.1f}")
+    print(f"attached / embedded step time: {results['ratio_step_time']:.3f} (target 0.95-1.05)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The service's GPU check, for the GPU machine (the `device` tool):
+#   bash tools/gpu_service_check.sh tests    # CUDA + service + trainer tests, the quickstart attached on the GPU
+#   bash tools/gpu_service_check.sh bench    # tools/bench_service.py at 16x4096 and 4x4096 tokens a step
+# Details under $OUT; tables print last.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; df -h /dev/shm | tail -1; nproc
+if [ "${1:-tests}" = tests ]; then
+  python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_service.py tests/test_checkpoint.py \
+    tests/test_train_cli.py 2>&1 | tee "$OUT/pytest.log" | tail -4
+  printf 'name: qs-gpu\ntiers: {dram: {path: /dev/shm, budget: 2GiB}}\n' > /tmp/serve.yaml
+  python3 -m tiermem.cli serve --config /tmp/serve.yaml --socket /tmp/qs.sock > "$OUT/serve.log" 2>&1 &
+  sleep 5
+  python3 -m trainer.cli configs/quickstart.yaml tiermem=null tiermem_server=/tmp/qs.sock plot_loss=false \
+    output_dir=/tmp/qs > "$OUT/quickstart_attached.log" 2>&1
+  echo "quickstart attached rc=$?"; grep -E "attached|eval_loss|done:" "$OUT/quickstart_attached.log" | tail -4
+  python3 -m tiermem.cli top --once --socket /tmp/qs.sock > "$OUT/top_idle.txt" 2>&1; head -3 "$OUT/top_idle.txt"
+  kill -TERM %1; wait; tail -3 "$OUT/serve.log"
+else
+  python3 tools/bench_service.py --batch 4 --accum 4 --json "$OUT/service_16x4096.json" 2>&1 | tee "$OUT/service_16x4096.txt"
+  python3 tools/bench_service.py --batch 4 --accum 1 --steps 8 --json "$OUT/service_4x4096.json" 2>&1 | tee "$OUT/service_4x4096.txt"
+fi
