@@ -81,7 +81,7 @@ def test_attached_training_on_the_gpu_matches_embedded(env):  # noqa: F811 - the
     into the shared arena, CPU AdamW in the service) ends where the embedded CUDA run (CPU AdamW too)
     ends; only GPU kernels' run-to-run rounding may differ."""
     ref = env.reference(device="cuda")
-    svc = env.service(device="cuda")
+    svc = env.service(device="cuda", shm="/dev/shm")  # CUDA pins tmpfs pages, not a disk file's
     try:
         run = env.train("attached")
         assert run.returncode == 0, run.stderr

@@ -73,11 +73,11 @@ def env(tmp_path):
     sock_dir = Path(tempfile.mkdtemp(prefix="tm-"))  # short: Unix socket paths are limited to 107 bytes
     (tmp_path / "shm").mkdir()
 
-    def service_config(placement=PLACEMENT, device="cpu") -> Path:
+    def service_config(placement=PLACEMENT, device="cpu", shm=None) -> Path:
         path = tmp_path / "serve.yaml"
         path.write_text(yaml.safe_dump({
             "name": f"t{os.getpid()}", "placement": placement,
-            "tiers": {"gpu": {"device": device}, "dram": {"path": str(tmp_path / "shm"), "budget": "64MiB"},
+            "tiers": {"gpu": {"device": device}, "dram": {"path": str(shm or tmp_path / "shm"), "budget": "64MiB"},
                       "nvme": {"path": str(tmp_path / "nvme"), "budget": "64MiB", "backend": "posix"}}}))
         return path
 
@@ -95,8 +95,8 @@ def env(tmp_path):
     class Env:
         tmp, sock = tmp_path, sock_dir / "s.sock"
 
-        def service(self, placement=PLACEMENT, device="cpu", **kw) -> Service:
-            return Service(service_config(placement, device), self.sock, **kw)
+        def service(self, placement=PLACEMENT, device="cpu", shm=None, **kw) -> Service:
+            return Service(service_config(placement, device, shm), self.sock, **kw)
 
         def reference(self, device="cpu") -> dict:
             name = f"embedded-{device}"
@@ -299,13 +299,13 @@ def test_bad_peers_are_refused_and_the_trainer_is_not_disturbed(env):
 
 
 def test_top_and_stats_over_the_socket(env):
-    svc = env.service(env={"TIERMEM_TEST_SLOW_UPDATE": "0.1"})
+    svc = env.service(env={"TIERMEM_TEST_SLOW_UPDATE": "0.25"})  # a run that lasts while it is watched
     cli = lambda *a: subprocess.run([sys.executable, "-m", "tiermem.cli", *a, "--socket", str(env.sock)], cwd=ROOT,
                                     capture_output=True, text=True, timeout=60)
     try:
         idle = cli("top", "--once")
         assert idle.returncode == 0 and "idle, no run" in idle.stdout, idle.stderr
-        trainer = env.start_train("run", max_steps=8)
+        trainer = env.start_train("run", max_steps=12)
         log = env.tmp / "run" / "trainer_log.jsonl"
         deadline = time.time() + 120
         while not (log.is_file() and log.read_text().strip()):
@@ -317,7 +317,7 @@ def test_top_and_stats_over_the_socket(env):
         for needle in ("service on", "trainer pid", "committed step", "dram", "nvme", "step ", "loss"):
             assert needle in frame.stdout, (needle, frame.stdout)
         snap = json.loads(cli("stats", "--json").stdout)
-        assert snap["service"]["trainer_pid"] == trainer.pid and snap["run"]["total_steps"] == 8
+        assert snap["service"]["trainer_pid"] == trainer.pid and snap["run"]["total_steps"] == 12
         prom = cli("stats", "--prometheus").stdout
         assert 'tiermem_tier_used_bytes{tier="nvme",kind="exp_avg"}' in prom
         trainer.communicate(timeout=120)

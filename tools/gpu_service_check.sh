@@ -5,7 +5,7 @@
 # Details under $OUT; tables print last.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; df -h /dev/shm | tail -1; nproc
 if [ "${1:-tests}" = tests ]; then
   python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_service.py tests/test_checkpoint.py \

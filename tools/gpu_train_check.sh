@@ -6,7 +6,7 @@
 # under $OUT; the benchmark tables print last.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__)"
 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_train_parity.py tests/test_train_cli.py tests/test_train_units.py tests/test_data.py 2>&1 | tee "$OUT/pytest.log" | tail -4

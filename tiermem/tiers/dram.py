@@ -72,10 +72,13 @@ def list_arenas(directory: str | Path = "/dev/shm") -> list[ArenaInfo]:
     return out
 
 
-def cuda_register(ptr: int, nbytes: int) -> None:
+def cuda_register(ptr: int, nbytes: int, path: Path | None = None) -> None:
     """Pin an existing host mapping with one cudaHostRegister call."""
     rc = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
     if int(rc) != 0:
+        if path is not None and _mount_of(path.parent)[0] not in ("tmpfs", ""):
+            raise StorageError(f"cannot pin the DRAM arena {path} for the GPU: it is a file on a disk filesystem; set "
+                               "tiers.dram.path to a tmpfs such as /dev/shm")
         raise RuntimeError(f"cudaHostRegister of {format_size(nbytes)} failed with CUDA error {int(rc)}")
 
 
@@ -83,19 +86,24 @@ def cuda_unregister(ptr: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
-def huge_pages(directory: Path) -> bool:
-    """Whether the tmpfs holding ``directory`` hands out transparent huge pages (mounted huge=always)."""
-    best, opts = "", ""
+def _mount_of(directory: Path) -> tuple[str, str]:
+    """(filesystem type, mount options) of the mount holding ``directory``; ("", "") when unknown."""
+    best, found = "", ("", "")
     try:
         with open("/proc/mounts") as f:
             for line in f:
                 _, mnt, fstype, options = line.split()[:4]
-                inside = directory.resolve().is_relative_to(mnt)
-                if inside and len(mnt) > len(best) and fstype == "tmpfs":
-                    best, opts = mnt, options
+                if directory.resolve().is_relative_to(mnt) and len(mnt) > len(best):
+                    best, found = mnt, (fstype, options)
     except OSError:
-        return False
-    return "huge=always" in opts or "huge=within_size" in opts
+        pass
+    return found
+
+
+def huge_pages(directory: Path) -> bool:
+    """Whether the tmpfs holding ``directory`` hands out transparent huge pages (mounted huge=always)."""
+    fstype, opts = _mount_of(directory)
+    return fstype == "tmpfs" and ("huge=always" in opts or "huge=within_size" in opts)
 
 
 def _touch_parallel(base: torch.Tensor) -> None:
@@ -126,7 +134,7 @@ class DramArena:
             if owner:
                 _touch_parallel(self._base)
             self.touch_seconds = time.perf_counter() - t0
-            cuda_register(self._base.data_ptr(), size)
+            cuda_register(self._base.data_ptr(), size, path)
             self.register_seconds = time.perf_counter() - t0 - self.touch_seconds
             self.pinned = True
 
