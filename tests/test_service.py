@@ -73,10 +73,10 @@ def env(tmp_path):
     sock_dir = Path(tempfile.mkdtemp(prefix="tm-"))  # short: Unix socket paths are limited to 107 bytes
     (tmp_path / "shm").mkdir()
 
-    def service_config(placement=PLACEMENT, device="cpu", shm=None) -> Path:
+    def service_config(placement=PLACEMENT, device="cpu", shm=None, share="auto") -> Path:
         path = tmp_path / "serve.yaml"
         path.write_text(yaml.safe_dump({
-            "name": f"t{os.getpid()}", "placement": placement,
+            "name": f"t{os.getpid()}", "placement": placement, "optimizer": {"gpu_share": share},
             "tiers": {"gpu": {"device": device}, "dram": {"path": str(shm or tmp_path / "shm"), "budget": "64MiB"},
                       "nvme": {"path": str(tmp_path / "nvme"), "budget": "64MiB", "backend": "posix"}}}))
         return path
@@ -95,8 +95,8 @@ def env(tmp_path):
     class Env:
         tmp, sock = tmp_path, sock_dir / "s.sock"
 
-        def service(self, placement=PLACEMENT, device="cpu", shm=None, **kw) -> Service:
-            return Service(service_config(placement, device, shm), self.sock, **kw)
+        def service(self, placement=PLACEMENT, device="cpu", shm=None, share="auto", **kw) -> Service:
+            return Service(service_config(placement, device, shm, share), self.sock, **kw)
 
         def reference(self, device="cpu") -> dict:
             name = f"embedded-{device}"
@@ -130,9 +130,16 @@ def same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
-def test_trainer_killed_in_forward_backward_and_optimizer_continues_bit_identically(env):
+# the service's optimizer: CPU AdamW in place with an undo copy (gpu_share 0, the default without CUDA), or
+# the GPU worker writing each group's new state out of place (gpu_share 1, the default with CUDA; here its
+# "GPU" is the CPU stand-in)
+SHARES = pytest.mark.parametrize("share", [0, 1])
+
+
+@SHARES
+def test_trainer_killed_in_forward_backward_and_optimizer_continues_bit_identically(env, share):
     ref = env.reference()
-    svc = env.service(env={"TIERMEM_TEST_SLOW_UPDATE": "0.03"})  # the update outlives the killed trainer
+    svc = env.service(share=share, env={"TIERMEM_TEST_SLOW_UPDATE": "0.03"})  # the update outlives the trainer
     try:
         straight = env.train("straight")
         assert straight.returncode == 0, straight.stderr
@@ -155,16 +162,19 @@ def test_trainer_killed_in_forward_backward_and_optimizer_continues_bit_identica
     assert not list((env.tmp / "shm").glob("*.arena"))  # every run finished: nothing left behind
 
 
-def test_service_killed_mid_update_recovers_and_the_run_ends_bit_identically(env):
+@SHARES
+def test_service_killed_mid_update_recovers_and_the_run_ends_bit_identically(env, share):
     ref = env.reference()
-    svc = env.service(env={"TIERMEM_TEST_KILL_AT": "update:3:1"})  # group 1's update 3 home, not journaled
-    lost = env.train("run")
+    svc = env.service(share=share, env={"TIERMEM_TEST_KILL_AT": "update:3:1"})  # group 1's update 3 written,
+    lost = env.train("run")                                                      # not journaled
     assert svc.proc.wait(timeout=60) == -signal.SIGKILL
     assert lost.returncode == 1 and "lost the tiermem service" in lost.stderr, lost.stderr
     assert len(lost.stderr.strip().splitlines()) == 1
-    svc = env.service()
+    svc = env.service(share=share)
     try:
-        assert "put back group 1 as it was before update 3" in svc.text
+        if share == 0:  # updated in place: the undo copy goes back; out of place: the old state is whole
+            assert "put back group 1 as it was before update 3" in svc.text
+        assert "finishing update 3 of 3 groups" in svc.text
         assert "recovered run" in svc.text and "step 3 committed" in svc.text
         again = env.train("run")
         assert again.returncode == 0, again.stderr
@@ -216,9 +226,11 @@ def test_state_lost_with_the_arena_names_the_newest_checkpoint(env):
         svc.stop()
 
 
-def test_sighup_moves_optimizer_state_between_tiers_while_training(env):
+@SHARES
+def test_sighup_moves_optimizer_state_between_tiers_while_training(env, share):
     ref = env.reference()
-    svc = env.service(placement=dict(PLACEMENT, exp_avg="dram"), env={"TIERMEM_TEST_SLOW_UPDATE": "0.1"})
+    svc = env.service(placement=dict(PLACEMENT, exp_avg="dram"), share=share,
+                      env={"TIERMEM_TEST_SLOW_UPDATE": "0.1"})
     try:
         trainer = env.start_train("run")
         svc.wait_for("attached to run")
@@ -230,8 +242,12 @@ def test_sighup_moves_optimizer_state_between_tiers_while_training(env):
                                          cwd=ROOT, capture_output=True, text=True, check=True).stdout)
         assert snap["store"]["tiers"]["nvme"]["by_kind"].get("exp_avg", 0) > 0
         assert "exp_avg" not in snap["store"]["tiers"]["dram"]["by_kind"]
+        svc.stop(signal.SIGKILL)  # the moved places must be what a restarted service finds
+        svc = env.service(placement=dict(PLACEMENT, exp_avg="nvme"), share=share)
         _, err = trainer.communicate(timeout=120)
-        assert trainer.returncode == 0, err
+        assert trainer.returncode == 1, err  # it lost the service
+        again = env.train("run")
+        assert again.returncode == 0, again.stderr
         assert same(env.weights("run"), ref)
     finally:
         svc.stop()

@@ -86,9 +86,19 @@ class ServiceClient:
             if "ev" not in msg:
                 self._replies.put(msg)
             elif msg["ev"] == "version":
+                self._moved(msg.get("layout") or {})
                 self._version(msg["group"], int(msg["version"]))
             elif msg["ev"] == "failed":
                 self.error = str(msg.get("error"))
+
+    def _moved(self, layout: dict) -> None:
+        """The service updated a group out of place: its tensors' new homes, before its new version."""
+        cat = self.catalog
+        for name, (tier, offset, nbytes) in layout.items():
+            if cat is not None and name in cat:
+                e = cat[name]
+                if (e.tier, e.extent.offset) != (tier, offset):
+                    e.tier, e.extent = tier, Extent(int(offset), int(nbytes))
 
     def _version(self, g: Group, v: int) -> None:
         cat = self.catalog

@@ -67,13 +67,14 @@ class RunState:
     versions: dict = field(default_factory=dict)  # group -> the last update that is home
     inflight: tuple | None = None  # (group, step) begun and not done
     finished: bool = False
+    moves: dict = field(default_factory=dict)  # name -> [tier, offset, nbytes, epoch]: out-of-place updates
 
     def apply(self, rec: dict) -> None:
         op = rec["op"]
         if op == "state":
             self.__init__(rec["initialized"], rec["committed"], rec["updated"], rec["commit_args"],
                           {g: v for g, v in rec["versions"]}, tuple(rec["inflight"]) if rec["inflight"] else None,
-                          rec["finished"])
+                          rec["finished"], dict(rec.get("moves", {})))
         elif op == "init":  # weights loaded; a run resumed from a checkpoint starts at its step
             self.initialized = True
             self.committed = self.updated = rec["step"]
@@ -85,6 +86,7 @@ class RunState:
         elif op == "done":
             self.versions[rec["group"]] = rec["step"]
             self.inflight = None
+            self.moves.update(rec.get("moves", {}))
         elif op == "updated":
             self.updated = rec["step"]
         elif op == "finished":
@@ -94,7 +96,16 @@ class RunState:
         return {"op": "state", "initialized": self.initialized, "committed": self.committed,
                 "updated": self.updated, "commit_args": self.commit_args,
                 "versions": [[g, v] for g, v in self.versions.items()],
-                "inflight": list(self.inflight) if self.inflight else None, "finished": self.finished}
+                "inflight": list(self.inflight) if self.inflight else None, "finished": self.finished,
+                "moves": self.moves}
+
+    def layout(self, record: dict) -> dict:
+        """The run record's layout with the out-of-place updates of its epoch applied."""
+        out = dict(record["layout"])
+        for name, (tier, offset, nbytes, epoch) in self.moves.items():
+            if epoch == record.get("epoch", 0):
+                out[name] = [tier, offset, nbytes]
+        return out
 
 
 class Journal:
@@ -154,10 +165,11 @@ def undo_bytes(specs, has_master: bool) -> int:
 
 class UndoGuard:
     """The optimizer's crash-safety hooks: ``begin`` (copy the group's old state aside, journal) before
-    an update changes it; ``done`` (journal) once the group's new state is home."""
+    the CPU worker changes it in place; ``done`` (journal) once the group's new state is home; ``flip``
+    (journal the new places, then switch to them) after the GPU worker wrote it out of place."""
 
-    def __init__(self, store, journal: Journal, extent: Extent, has_master: bool):
-        self.store, self.journal, self.extent = store, journal, extent
+    def __init__(self, store, journal: Journal, extent: Extent | None, has_master: bool, epoch: int = 0):
+        self.store, self.journal, self.extent, self.epoch = store, journal, extent, epoch
         self.kinds = undo_kinds(has_master)
         self.slow = float(os.environ.get("TIERMEM_TEST_SLOW_UPDATE", "0") or 0)  # test hook: seconds per group
 
@@ -181,6 +193,17 @@ class UndoGuard:
     def done(self, g: Group, step: int) -> None:
         faults.point("update", step, g)  # test hook: the update is home, not yet journaled
         self.journal.append("done", group=g, step=step)
+
+    def flip(self, g: Group, step: int, new: dict) -> None:
+        if self.slow:
+            time.sleep(self.slow)
+        faults.point("update", step, g)  # test hook: the new state is written, not yet journaled
+        moves = {}
+        for name, ext in new.items():
+            moves[name] = [self.store.catalog[name].tier, ext.offset, ext.nbytes, self.epoch]
+        self.journal.append("done", group=g, step=step, moves=moves)
+        for name, ext in new.items():
+            self.store.switch(name, ext)
 
     def restore(self, g: Group) -> None:
         """Put the undo copy of group g back (recovery of an update cut short)."""

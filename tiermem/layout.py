@@ -81,14 +81,15 @@ def _plan_of(specs: list[TensorSpec], layout: dict[str, list], cfg: StoreConfig)
     return Plan(where, group_bytes, 0, 0, 0, default_budgets(cfg))
 
 
-def create_store(cfg: StoreConfig, specs: list[TensorSpec], plan: Plan, extra_dram: int) -> Store:
+def create_store(cfg: StoreConfig, specs: list[TensorSpec], plan: Plan, extra_dram: int, extra_nvme: int = 0) -> Store:
     """The service's store for a new run: the arena sized to ``plan`` (+ ``extra_dram``), the NVMe file to
-    its budget when one is set (room to move optimizer state there later), else to the plan."""
+    its budget when one is set (room to move optimizer state there later), else to the plan (+ ``extra_nvme``).
+    The arena is pinned when the config's GPU device is CUDA."""
     need = plan.need()
-    nvme = need["nvme"]
+    nvme = need["nvme"] + extra_nvme if need["nvme"] else 0
     if cfg.tiers.nvme is not None and cfg.tiers.nvme.budget is not None:
         nvme = max(nvme, cfg.tiers.nvme.budget)
-    store = Store(cfg, {"gpu": 0, "dram": need["dram"] + extra_dram, "nvme": nvme}, pin=False, plan=plan)
+    store = Store(cfg, {"gpu": 0, "dram": need["dram"] + extra_dram, "nvme": nvme}, plan=plan)
     try:
         for s in specs:
             store.create(s, plan.where[(s.group, s.kind)])
@@ -101,13 +102,14 @@ def create_store(cfg: StoreConfig, specs: list[TensorSpec], plan: Plan, extra_dr
 def reopen_store(cfg: StoreConfig, specs: list[TensorSpec], layout: dict[str, list], nvme_capacity: int) -> Store:
     """The service's store over the arena and NVMe file a previous service process left behind."""
     name, t = cfg.store_name(), cfg.tiers
-    dram = DramArena.reopen(name, t.dram.path)
+    device = torch.device(t.gpu.device)
+    dram = DramArena.reopen(name, t.dram.path, pin=device.type == "cuda")
     nvme = gpu = None
     try:
         if nvme_capacity:
             nvme = NvmeTier(t.nvme.path, name, nvme_capacity, t.nvme.backend, t.nvme.threads, t.nvme.io_chunk,
                             t.nvme.direct, reopen=True)
-        gpu = GpuTier(torch.device("cpu"), 0, 0, 0)
+        gpu = GpuTier(device, 0, 0, 0)
     except BaseException:
         dram.close(remove=False)
         raise

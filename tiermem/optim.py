@@ -83,9 +83,11 @@ class StoreAdamW:
         # gate(group, update) blocks until update number ``update`` may change the group's state (a
         # checkpoint being written reads it first); returns the seconds it waited
         self.gate = None
-        # guard.begin(group, update, views) before an update changes a group, guard.done(group, update)
-        # once all of its new state is home (the service's journal and undo copy; CPU worker only)
+        # guard.begin(group, update, views) before the CPU worker changes a group in place, guard.done(group,
+        # update) once all of its new state is home; guard.flip(group, update, extents) after the GPU worker
+        # wrote a group's new state out of place (the service's journal, undo copy and out-of-place updates)
         self.guard = None
+        self.offer_params = True  # hand GPU-updated compute copies to the next fetch (embedded runs)
 
     def _assign(self, share: float) -> set[Group]:
         """Spread ``share`` of the streamed groups evenly over the order, so both workers progress together."""
@@ -107,8 +109,6 @@ class StoreAdamW:
         store orders the reads after those writes.
         """
         self.check()
-        if self.guard is not None and self.on_gpu:
-            raise RuntimeError("the optimizer's crash-safety guard needs every group on the CPU worker")
         if self._pending is not None and self._pending.done():
             self.last_step_seconds, self.last_split = self._busy, dict(self._split)
         self._t0, self._busy = time.perf_counter(), 0.0
@@ -312,7 +312,16 @@ class StoreAdamW:
             params = {e.spec.name: work[state_name(e.spec.name, "master")].to(e.spec.dtype)
                       for e in cat.group_entries(g, "param")}
             home = store.store_group(g, "param", params)
-            store.offer(g, "param", params)  # the next forward copies them on the GPU, not over PCIe
+            if self.offer_params:
+                store.offer(g, "param", params)  # the next forward copies them on the GPU, not over PCIe
+        if self.guard is not None:  # out of place: a crash leaves the old state whole; redo recomputes param
+            new = store.write_elsewhere({e.spec.name: work[e.spec.name] for k in (pk, *MOMENTS)
+                                         for e in cat.group_entries(g, k)}, bulk=True)
+            if self.has_master:
+                home.result()
+            self.guard.flip(g, step, new)
+            cat.bump(g, to=step)
+            return done_future()
         back = [store.store_group(g, k, {e.spec.name: work[e.spec.name] for e in cat.group_entries(g, k)},
                                   bulk=True) for k in (pk, *MOMENTS)]
         (home if self.has_master else back[0]).result()

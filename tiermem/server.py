@@ -37,6 +37,8 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from tiermem import protocol
 from tiermem.catalog import TensorSpec
 from tiermem.config import StoreConfig, load_store_config
@@ -64,9 +66,6 @@ def service_config(path: str) -> StoreConfig:
     if cfg.tiers.dram.path == "anonymous":
         raise ConfigError(f"{path}: the service's arena must be a shared file: set tiers.dram.path to a tmpfs "
                           "directory such as /dev/shm")
-    if cfg.optimizer.gpu_share:
-        raise ConfigError(f"{path}: optimizer.gpu_share: the service runs the optimizer on the CPU; a GPU share "
-                          "is not supported yet in service mode (set 0 or auto)")
     if isinstance(cfg.placement, dict) and "gpu" in cfg.placement.values():
         raise ConfigError(f"{path}: placement on gpu is not possible in service mode (the state must outlive the "
                           "trainer's GPU memory); place every kind on dram or nvme")
@@ -76,13 +75,33 @@ def service_config(path: str) -> StoreConfig:
 
 
 def _planning(cfg: StoreConfig) -> StoreConfig:
-    """The config the service plans and builds its own store with: no GPU slots, no CUDA."""
+    """The config the service plans and builds its own store with: no GPU slots or resident groups; the
+    GPU (when the config names one and there is CUDA) only for the optimizer's GPU worker."""
     c = copy.deepcopy(cfg)
     c.tiers.gpu.slots = 0
-    c.tiers.gpu.device = "cpu"
     c.tiers.gpu.budget = 0
-    c.tiers.dram.pin = "false"
+    if not (c.tiers.gpu.device.startswith("cuda") and torch.cuda.is_available()):
+        c.tiers.gpu.device = "cpu"
+    c.tiers.dram.pin = "true" if c.tiers.gpu.device != "cpu" else "false"
     return c
+
+
+def gpu_share(plan_cfg: StoreConfig) -> float:
+    """The share of groups the service updates on its GPU worker, out of place (no undo copy); auto: all of
+    them with CUDA, none without."""
+    share = plan_cfg.optimizer.gpu_share
+    if share is None:
+        share = 1.0 if plan_cfg.tiers.gpu.device != "cpu" else 0.0
+    return share
+
+
+def _spare(specs: list[TensorSpec], plan, kinds: tuple[str, ...], tier: str) -> int:
+    """Room for one group's new state written out of place on ``tier`` (twice the largest, for fragmentation)."""
+    per: dict = {}
+    for (g, k), t in plan.where.items():
+        if k in kinds and t == tier:
+            per[g] = per.get(g, 0) + plan.group_bytes[(g, k)]
+    return 2 * max(per.values(), default=0)
 
 
 @dataclass
@@ -168,11 +187,11 @@ class Service:
             self._discard_recorded()
             return
         specs = [spec_from_json(s) for s in record["specs"]]
-        store = reopen_store(self.plan_cfg, specs, record["layout"], record["nvme_capacity"])
+        store = reopen_store(self.plan_cfg, specs, state.layout(record), record["nvme_capacity"])
         run = self._make_run(record, specs, store)
         st = run.state
-        ext = Extent(*record["undo"])
-        store.dram.allocator.reserve(ext)
+        if record["undo"] is not None:
+            store.dram.allocator.reserve(Extent(*record["undo"]))
         for g, v in st.versions.items():
             store.catalog.bump(g, to=v)
         if st.inflight is not None and st.inflight[1] > st.versions.get(st.inflight[0], 0):
@@ -193,8 +212,10 @@ class Service:
         o = record["optim"]
         optimizer = StoreAdamW(store, o["groups"], o["decay"],
                                AdamWConfig(o["beta1"], o["beta2"], o["eps"], o["weight_decay"]),
-                               has_master=o["has_master"], gpu_share=0.0)
-        guard = UndoGuard(store, journal, Extent(*record["undo"]), o["has_master"])
+                               has_master=o["has_master"], gpu_share=record["gpu_share"])
+        optimizer.offer_params = False  # the trainer is another process: nothing to hand over on the GPU
+        undo = Extent(*record["undo"]) if record["undo"] is not None else None
+        guard = UndoGuard(store, journal, undo, o["has_master"], record.get("epoch", 0))
         optimizer.guard = guard
         return Run(record, specs, store, journal, optimizer, guard)
 
@@ -219,15 +240,18 @@ class Service:
             raise RequestError("optim.groups must list every group of the specs once")
         budgets = dict(default_budgets(self.cfg), gpu=0)
         plan = make_plan(specs, self.plan_cfg, ("param",), budgets)
-        undo = undo_bytes(specs, optim["has_master"])
+        share = gpu_share(self.plan_cfg)
+        undo = undo_bytes(specs, optim["has_master"]) if share < 1 else 0
+        moved = ("master" if optim["has_master"] else "param", "exp_avg", "exp_avg_sq")
+        spare = {t: _spare(specs, plan, moved, t) if share > 0 else 0 for t in ("dram", "nvme")}
         for p in (self.record_path, self.journal_path):
             p.unlink(missing_ok=True)
-        store = create_store(self.plan_cfg, specs, plan, undo)
+        store = create_store(self.plan_cfg, specs, plan, undo + spare["dram"], spare["nvme"])
         try:
-            ext = store.dram.allocate(undo)
+            ext = store.dram.allocate(undo) if undo else None
             record = {"format": 1, "run": msg["run"], "label": dict(msg.get("label") or {}), "created": time.time(),
-                      "specs": [spec_to_json(s) for s in specs], "layout": layout_of(store),
-                      "undo": [ext.offset, ext.nbytes], "optim": optim,
+                      "specs": [spec_to_json(s) for s in specs], "layout": layout_of(store), "epoch": 0,
+                      "undo": [ext.offset, ext.nbytes] if ext else None, "optim": optim, "gpu_share": share,
                       "nvme_capacity": store.nvme.capacity if store.nvme is not None else 0}
             write_atomic(self.record_path, record)
             return self._make_run(record, specs, store)
@@ -295,8 +319,8 @@ class Service:
                 self.say(f"new run {label_of(run)}: {len(run.specs)} tensors")
             client.pid = int(msg.get("pid", 0))
             run.trainer, run.error = client, None
-            run.store.catalog.on_bump = lambda g, v, c=client: self._tell(c, {"ev": "version", "group": g,
-                                                                                "version": v})
+            run.store.catalog.on_bump = lambda g, v, c=client, r=run: self._tell(c, {
+                "ev": "version", "group": g, "version": v, "layout": _group_layout(r.store, g)})
             st, cfg, nvme = run.state, self.cfg, run.store.nvme
             self.say(f"trainer pid {client.pid} attached to run {label_of(run)} at step {st.committed}")
             return {"initialized": st.initialized, "committed": st.committed, "updated": st.updated,
@@ -494,6 +518,7 @@ class Service:
             olds.append((e.tier, e.extent))
             e.tier, e.extent = want, ext
         run.record["layout"] = layout_of(store)
+        run.record["epoch"] = run.guard.epoch = run.record.get("epoch", 0) + 1  # older journaled moves are void
         write_atomic(self.record_path, run.record)  # the new places are recorded before the old are reused
         for tier, ext in olds:
             store.tier(tier).free(ext)
@@ -584,6 +609,12 @@ class Service:
                 self._close_run(keep=True)
                 self.say(f"stopped; run {label_of(run)} kept at step {run.state.committed} for the next "
                          "`tiermem serve` with this config")
+
+
+def _group_layout(store, g) -> dict:
+    """Where group g's tensors live now (an out-of-place update moves them): sent with each new version."""
+    return {e.spec.name: [e.tier, e.extent.offset, e.extent.nbytes] for e in store.catalog.entries()
+            if e.spec.group == g}
 
 
 def label_of(run: Run) -> str:

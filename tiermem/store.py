@@ -29,7 +29,7 @@ from tiermem.mover import Location, Mover
 from tiermem.placement import Plan, make_plan
 from tiermem.sizes import align_up, format_size
 from tiermem.tiers.dram import DramArena
-from tiermem.tiers.extents import OutOfSpace
+from tiermem.tiers.extents import Extent, OutOfSpace
 from tiermem.tiers.gpu import ALIGN as GPU_ALIGN
 from tiermem.tiers.gpu import GpuTier
 from tiermem.tiers.nvme import NvmeTier
@@ -317,6 +317,34 @@ class Store:
             return all_of(futs)
 
         return self._ordered((group, kind), run)
+
+    def write_elsewhere(self, tensors: dict[str, torch.Tensor], bulk: bool = False) -> dict[str, Extent]:
+        """Write each tensor to a new extent on its home tier, leaving its current bytes untouched; returns
+        the new extents once every write has landed. ``switch`` then makes them the tensors' homes (an
+        out-of-place update: a crash before the switch leaves the old state whole)."""
+        wait = _event_now(*tensors.values())
+        new, futs = {}, []
+        try:
+            for name, t in tensors.items():
+                e = self.catalog[name]
+                ext = self.tier(e.tier).allocate(e.spec.nbytes)
+                new[name] = ext
+                futs.append(self.mover.copy(t.contiguous(), Location(e.tier, ext, e.spec.nbytes), wait, bulk=bulk))
+            all_of(futs).result()
+        except BaseException:
+            for f in futs:
+                f.exception()
+            for name, ext in new.items():
+                self.tier(self.catalog[name].tier).free(ext)
+            raise
+        return new
+
+    def switch(self, name: str, extent: Extent) -> None:
+        """Make ``extent`` (written by ``write_elsewhere``) the tensor's home and free the old one."""
+        e = self.catalog[name]
+        old, e.extent, e.valid = e.extent, extent, True
+        self._offered.pop((e.spec.group, e.spec.kind), None)
+        self.tier(e.tier).free(old)
 
     def mark_valid(self, group: Group, kind: str) -> None:
         """Declare the bytes of a group's resident tensors valid after writing them through views in place."""

@@ -121,7 +121,8 @@ def _touch_parallel(base: torch.Tensor) -> None:
 class DramArena:
     """A shared-memory arena with an extent allocator. Create with ``create``, map another's with ``attach``."""
 
-    def __init__(self, path: Path | None, name: str, size: int, mm: mmap.mmap, owner: bool, pin: bool):
+    def __init__(self, path: Path | None, name: str, size: int, mm: mmap.mmap, owner: bool, pin: bool,
+                 touch: bool = True):
         self.path, self.name, self.size, self.owner = path, name, size, owner
         self._mm = mm
         self._base = torch.frombuffer(mm, dtype=torch.uint8)
@@ -131,7 +132,7 @@ class DramArena:
         self.touch_seconds = 0.0
         if pin:
             t0 = time.perf_counter()
-            if owner:
+            if owner and touch:  # a new arena's pages (zeroing them); a reopened one keeps its bytes
                 _touch_parallel(self._base)
             self.touch_seconds = time.perf_counter() - t0
             cuda_register(self._base.data_ptr(), size, path)
@@ -224,7 +225,7 @@ class DramArena:
         return cls(path, name, size, mm, owner=False, pin=pin)
 
     @classmethod
-    def reopen(cls, name: str, directory: str | Path) -> DramArena:
+    def reopen(cls, name: str, directory: str | Path, pin: bool = False) -> DramArena:
         """Take ownership of an arena file a previous owner (a killed or stopped service) left behind: its
         bytes are kept, its header names this process; the caller rebuilds the allocator's extents."""
         path = Path(directory) / f"{name}{SUFFIX}"
@@ -245,7 +246,7 @@ class DramArena:
             mm = mmap.mmap(fd, h["size"], mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        return cls(path, name, h["size"], mm, owner=True, pin=False)
+        return cls(path, name, h["size"], mm, owner=True, pin=pin, touch=False)
 
     @property
     def capacity(self) -> int:
