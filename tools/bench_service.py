@@ -5,7 +5,8 @@
 
 Both runs are `tiermem-train` on a random-init Llama-3B shape (bf16, tiermem_init: random) over random
 tokenized rows, with the same tiermem config: every kind of state in a DRAM arena under /dev/shm, CPU
-AdamW (optimizer.gpu_share 0: the service runs the optimizer on the CPU). The embedded run keeps the
+AdamW with optimizer.gpu_share auto (embedded: 0.7 of the groups on the GPU worker, their compute copies
+handed to the next fetch on the GPU; the service: every group on its GPU worker, out of place). The embedded run keeps the
 store in the trainer's process; the attached one starts `tiermem serve` with that config and sets
 tiermem_server. Prints the median step time of the steps after the first two, the step split and the
 ratio attached / embedded. Layers are reduced when /dev/shm cannot hold the state.
@@ -66,6 +67,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--shm", default="/dev/shm")
     ap.add_argument("--json")
+    ap.add_argument("--share", default="auto", help="optimizer.gpu_share for both runs (auto: 0.7 embedded, "
+                                                     "1 in the service)")
     ap.add_argument("--small", action="store_true", help="a small model (hidden 256, vocab 1024): a smoke test")
     args = ap.parse_args()
 
@@ -89,7 +92,7 @@ def main() -> int:
                                                                  "formatting": "tokenized"}}))
     store = {"tiers": {"gpu": {"device": "cuda"}, "dram": {"path": args.shm}},
              "placement": {k: "dram" for k in ("param", "grad", "master", "exp_avg", "exp_avg_sq")},
-             "optimizer": {"gpu_share": 0}}
+             "optimizer": {"gpu_share": args.share}}
     train = {"model_name_or_path": str(model), "tiermem_init": "random", "dataset": "rows", "dataset_dir": str(data),
              "cutoff_len": args.seq, "per_device_train_batch_size": args.batch,
              "gradient_accumulation_steps": args.accum, "max_steps": args.steps, "learning_rate": 1e-5,
