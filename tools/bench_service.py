@@ -4,12 +4,12 @@
                                    [--small]   # a small model: a smoke test that runs on a CPU
 
 Both runs are `tiermem-train` on a random-init Llama-3B shape (bf16, tiermem_init: random) over random
-tokenized rows, with the same tiermem config: every kind of state in a DRAM arena under /dev/shm, CPU
-AdamW with optimizer.gpu_share auto (embedded: 0.7 of the groups on the GPU worker, their compute copies
-handed to the next fetch on the GPU; the service: every group on its GPU worker, out of place). The embedded run keeps the
-store in the trainer's process; the attached one starts `tiermem serve` with that config and sets
-tiermem_server. Prints the median step time of the steps after the first two, the step split and the
-ratio attached / embedded. Layers are reduced when /dev/shm cannot hold the state.
+tokenized rows, with the same tiermem config: every kind of state in a DRAM arena under /dev/shm,
+optimizer.gpu_share auto (embedded: 0.7 of the groups on the GPU worker, their compute copies handed to
+the next fetch on the GPU, the rest CPU AdamW; the service: every group on its GPU worker, out of place).
+The embedded run keeps the store in the trainer's process; the attached one starts `tiermem serve` with
+that config and sets tiermem_server. Prints the median step time of the steps after the first two, the
+step split and the ratio attached / embedded. Layers are reduced when /dev/shm cannot hold the state.
 """
 
 from __future__ import annotations
