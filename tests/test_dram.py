@@ -65,3 +65,16 @@ def test_anonymous_arena_is_private(store_name):
         assert int(v.sum()) == 9 * 4096
     with pytest.raises(StorageError, match="cannot be shared"):
         DramArena.attach(store_name, "anonymous")
+
+
+def test_a_pinned_arena_keeps_its_header(tmp_path, monkeypatch):
+    """Pinning first touches (zeroes) the pages; the header page, which names the arena to other processes,
+    must survive it."""
+    import tiermem.tiers.dram as dram
+
+    monkeypatch.setattr(dram, "cuda_register", lambda *a: None)
+    monkeypatch.setattr(dram, "cuda_unregister", lambda *a: None)
+    with dram.DramArena.create("hdr", 1 << 20, tmp_path, pin=True) as arena:
+        assert [a.name for a in dram.list_arenas(tmp_path)] == ["hdr"]
+        with dram.DramArena.attach("hdr", tmp_path) as other:
+            assert other.size == arena.size

@@ -133,7 +133,7 @@ class DramArena:
         if pin:
             t0 = time.perf_counter()
             if owner and touch:  # a new arena's pages (zeroing them); a reopened one keeps its bytes
-                _touch_parallel(self._base)
+                _touch_parallel(self._base[HEADER:] if path is not None else self._base)
             self.touch_seconds = time.perf_counter() - t0
             cuda_register(self._base.data_ptr(), size, path)
             self.register_seconds = time.perf_counter() - t0 - self.touch_seconds
