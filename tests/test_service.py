@@ -131,9 +131,9 @@ def same(a: dict, b: dict) -> bool:
 
 
 # the service's optimizer: CPU AdamW in place with an undo copy (gpu_share 0, the default without CUDA), or
-# the GPU worker writing each group's new state out of place (gpu_share 1, the default with CUDA; here its
-# "GPU" is the CPU stand-in)
-SHARES = pytest.mark.parametrize("share", [0, 1])
+# half of the groups on the GPU worker, which writes their new state out of place (with CUDA the default is
+# 0.7; here the "GPU" is the CPU stand-in)
+SHARES = pytest.mark.parametrize("share", [0, 0.5])
 
 
 @SHARES
@@ -172,9 +172,10 @@ def test_service_killed_mid_update_recovers_and_the_run_ends_bit_identically(env
     assert len(lost.stderr.strip().splitlines()) == 1
     svc = env.service(share=share)
     try:
-        if share == 0:  # updated in place: the undo copy goes back; out of place: the old state is whole
-            assert "put back group 1 as it was before update 3" in svc.text
-        assert "finishing update 3 of 3 groups" in svc.text
+        # group 1 is the CPU worker's in both: updated in place, its undo copy goes back (a group the GPU
+        # worker was writing out of place is whole in its old place)
+        assert "put back group 1 as it was before update 3" in svc.text
+        assert "finishing update 3 of" in svc.text
         assert "recovered run" in svc.text and "step 3 committed" in svc.text
         again = env.train("run")
         assert again.returncode == 0, again.stderr

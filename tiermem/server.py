@@ -46,7 +46,7 @@ from tiermem.errors import ConfigError, UserError
 from tiermem.journal import Journal, RunState, UndoGuard, state_dir, undo_bytes, write_atomic
 from tiermem.layout import create_store, layout_of, reopen_store, spec_from_json, spec_to_json
 from tiermem.mover import Location
-from tiermem.optim import AdamWConfig, StoreAdamW
+from tiermem.optim import AUTO_GPU_SHARE, AdamWConfig, StoreAdamW
 from tiermem.placement import default_budgets, make_plan
 from tiermem.schema import to_plain
 from tiermem.stats import snapshot
@@ -87,11 +87,11 @@ def _planning(cfg: StoreConfig) -> StoreConfig:
 
 
 def gpu_share(plan_cfg: StoreConfig) -> float:
-    """The share of groups the service updates on its GPU worker, out of place (no undo copy); auto: all of
-    them with CUDA, none without."""
+    """The share of groups the service updates on its GPU worker (out of place: no undo copy) while CPU
+    AdamW updates the rest (in place, with the undo copy); auto: as embedded runs, 0.7 with CUDA, else 0."""
     share = plan_cfg.optimizer.gpu_share
     if share is None:
-        share = 1.0 if plan_cfg.tiers.gpu.device != "cpu" else 0.0
+        share = AUTO_GPU_SHARE if plan_cfg.tiers.gpu.device != "cpu" else 0.0
     return share
 
 

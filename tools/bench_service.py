@@ -5,8 +5,9 @@
 
 Both runs are `tiermem-train` on a random-init Llama-3B shape (bf16, tiermem_init: random) over random
 tokenized rows, with the same tiermem config: every kind of state in a DRAM arena under /dev/shm,
-optimizer.gpu_share auto (embedded: 0.7 of the groups on the GPU worker, their compute copies handed to
-the next fetch on the GPU, the rest CPU AdamW; the service: every group on its GPU worker, out of place).
+optimizer.gpu_share auto (0.7 of the groups on the GPU worker, the rest CPU AdamW; embedded, the GPU
+worker hands its compute copies to the next fetch on the GPU; in the service it writes out of place and
+CPU AdamW keeps an undo copy).
 The embedded run keeps the store in the trainer's process; the attached one starts `tiermem serve` with
 that config and sets tiermem_server. Prints the median step time of the steps after the first two, the
 step split and the ratio attached / embedded. Layers are reduced when /dev/shm cannot hold the state.
@@ -67,8 +68,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--shm", default="/dev/shm")
     ap.add_argument("--json")
-    ap.add_argument("--share", default="auto", help="optimizer.gpu_share for both runs (auto: 0.7 embedded, "
-                                                     "1 in the service)")
+    ap.add_argument("--share", default="auto", help="optimizer.gpu_share for both runs (auto: 0.7)")
     ap.add_argument("--small", action="store_true", help="a small model (hidden 256, vocab 1024): a smoke test")
     args = ap.parse_args()
 

@@ -19,6 +19,7 @@ if [ "${1:-tests}" = tests ]; then
   python3 -m tiermem.cli top --once --socket /tmp/qs.sock > "$OUT/top_idle.txt" 2>&1; head -3 "$OUT/top_idle.txt"
   kill -TERM %1; wait; tail -3 "$OUT/serve.log"
 else
+  python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k attached 2>&1 | tail -2
   python3 tools/bench_service.py --batch 4 --accum 4 --steps 5 ${SHARE:+--share $SHARE} --json "$OUT/service_16x4096.json" 2>&1 | tee "$OUT/service_16x4096.txt"
   python3 tools/bench_service.py --batch 4 --accum 1 --steps 7 ${SHARE:+--share $SHARE} --json "$OUT/service_4x4096.json" 2>&1 | tee "$OUT/service_4x4096.txt"
 fi
