@@ -98,10 +98,10 @@ def env(tmp_path):
         def service(self, placement=PLACEMENT, device="cpu", shm=None, share="auto", **kw) -> Service:
             return Service(service_config(placement, device, shm, share), self.sock, **kw)
 
-        def reference(self, device="cpu") -> dict:
-            name = f"embedded-{device}"
+        def reference(self, device="cpu", **over) -> dict:
+            name = f"embedded-{device}" + "".join(f"-{k}" for k in over)
             if not (tmp_path / name / "model.safetensors").is_file():
-                assert main([str(train_config(name, attached=False, device=device))]) == 0
+                assert main([str(train_config(name, attached=False, device=device, **over))]) == 0
             return load_file(tmp_path / name / "model.safetensors")
 
         def train(self, name: str, kill_at: str | None = None, **over) -> subprocess.CompletedProcess:
@@ -183,6 +183,23 @@ def test_service_killed_mid_update_recovers_and_the_run_ends_bit_identically(env
         assert same(env.weights("run"), ref)
     finally:
         assert svc.stop() == 0
+
+
+def test_bf16_service_killed_mid_update_recovers(env):
+    """bf16 with fp32 master weights: the undo copy holds the master, moments and gradient; the redo
+    rewrites the bf16 compute copy from the restored master."""
+    ref = env.reference(bf16=True)
+    svc = env.service(env={"TIERMEM_TEST_KILL_AT": "update:4:2"})
+    lost = env.train("run", bf16=True)
+    assert svc.proc.wait(timeout=60) == -signal.SIGKILL and lost.returncode == 1
+    svc = env.service()
+    try:
+        assert "put back group 2 as it was before update 4" in svc.text
+        again = env.train("run", bf16=True)
+        assert again.returncode == 0, again.stderr
+        assert same(env.weights("run"), ref)
+    finally:
+        svc.stop()
 
 
 def test_sigterm_stops_cleanly_and_a_new_service_continues(env):

@@ -149,9 +149,10 @@ class Journal:
 
 
 def undo_kinds(has_master: bool) -> tuple[str, ...]:
-    """The kinds an update changes in place (the gradient too: fused AdamW unscales it in place)."""
-    return ("master", "exp_avg", "exp_avg_sq", "param", "grad") if has_master else ("param", "exp_avg", "exp_avg_sq",
-                                                                                    "grad")
+    """The kinds an update changes in place that its redo needs as they were: the weights, the moments and
+    the gradient (fused AdamW unscales it in place). A bf16 compute copy is not kept: the redo rewrites it
+    from the restored master."""
+    return ("master", "exp_avg", "exp_avg_sq", "grad") if has_master else ("param", "exp_avg", "exp_avg_sq", "grad")
 
 
 def undo_bytes(specs, has_master: bool) -> int:
