@@ -408,3 +408,33 @@ def test_requests_are_checked_one_by_one(tmp_path):
     assert "finish before" not in str(svc.dispatch(client, {"op": "finish", "id": 11, "run": "r1"}))
     assert svc.run is None and not list((tmp_path / "shm").glob("*"))
     theirs.close()
+
+
+def test_journal_replay_keeps_the_begun_group_while_another_finishes(tmp_path):
+    from tiermem.journal import Journal
+
+    j = Journal(tmp_path / "j")
+    j.append("init", step=0, groups=[0, 1, "head"])
+    j.append("commit", step=1, lr=0.5, grad_scale=None)
+    j.append("begin", group=1, step=1)
+    j.append("done", group=0, step=1, moves={"w0": ["dram", 4096, 4096, 0]})  # the GPU worker's group
+    j.close()
+    st = Journal(tmp_path / "j").state
+    assert st.inflight == (1, 1) and st.versions == {0: 1, 1: 0, "head": 0} and st.committed == 1
+    assert st.layout({"layout": {"w0": ["dram", 0, 4096]}, "epoch": 0}) == {"w0": ["dram", 4096, 4096]}
+    assert st.layout({"layout": {"w0": ["dram", 0, 4096]}, "epoch": 1}) == {"w0": ["dram", 0, 4096]}
+    j = Journal(tmp_path / "j")
+    import tiermem.journal as journal
+
+    before = j.state.to_json()
+    journal.COMPACT_BYTES = 0
+    try:
+        j.compact()
+    finally:
+        journal.COMPACT_BYTES = 256 << 10
+    j.append("done", group=1, step=1)
+    j.close()
+    assert len((tmp_path / "j").read_text().splitlines()) == 2  # the state line, then what came after
+    st = Journal(tmp_path / "j").state
+    assert before["versions"] == [[0, 1], [1, 0], ["head", 0]] and st.versions == {0: 1, 1: 1, "head": 0}
+    assert st.inflight is None and st.moves == {"w0": ["dram", 4096, 4096, 0]}

@@ -83,9 +83,10 @@ class RunState:
             self.committed, self.commit_args = rec["step"], {"lr": rec["lr"], "grad_scale": rec["grad_scale"]}
         elif op == "begin":
             self.inflight = (rec["group"], rec["step"])
-        elif op == "done":
+        elif op == "done":  # (the GPU worker's out-of-place groups finish while the CPU worker has one begun)
             self.versions[rec["group"]] = rec["step"]
-            self.inflight = None
+            if self.inflight is not None and self.inflight[0] == rec["group"]:
+                self.inflight = None
             self.moves.update(rec.get("moves", {}))
         elif op == "updated":
             self.updated = rec["step"]
