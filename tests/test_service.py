@@ -202,23 +202,34 @@ def test_bf16_service_killed_mid_update_recovers(env):
         svc.stop()
 
 
-def test_sigterm_stops_cleanly_and_a_new_service_continues(env):
+def _wait_for_steps(trainer: subprocess.Popen, log: Path, n: int) -> None:
+    deadline = time.time() + 120
+    while not (log.is_file() and len(log.read_text().splitlines()) >= n):
+        assert trainer.poll() is None, trainer.stderr.read()
+        assert time.time() < deadline
+        time.sleep(0.05)
+
+
+def test_sigterm_and_ctrl_c_stop_cleanly_and_training_continues(env):
     ref = env.reference()
     svc = env.service(env={"TIERMEM_TEST_SLOW_UPDATE": "0.1"})
     trainer = env.start_train("run")
     log = env.tmp / "run" / "trainer_log.jsonl"
-    deadline = time.time() + 120
-    while not (log.is_file() and len(log.read_text().splitlines()) >= 2):
-        assert trainer.poll() is None, trainer.stderr.read()
-        assert time.time() < deadline
-        time.sleep(0.05)
-    assert svc.stop(signal.SIGTERM) == 0
+    _wait_for_steps(trainer, log, 2)
+    assert svc.stop(signal.SIGTERM) == 0  # the service: SIGTERM
     assert "kept at step" in svc.text
     _, err = trainer.communicate(timeout=60)
     assert trainer.returncode == 1 and "lost the tiermem service" in err
-    svc = env.service()
+    svc = env.service(env={"TIERMEM_TEST_SLOW_UPDATE": "0.1"})
     try:
         assert "recovered run" in svc.text
+        other = env.train("other", learning_rate=5e-3)  # another run while this one is held: refused
+        assert other.returncode == 2 and "holds another run" in other.stderr, other.stderr
+        trainer = env.start_train("run")
+        _wait_for_steps(trainer, log, 4)
+        trainer.send_signal(signal.SIGINT)  # the trainer: Ctrl-C
+        _, err = trainer.communicate(timeout=60)
+        assert trainer.returncode == 130, err
         again = env.train("run")
         assert again.returncode == 0, again.stderr
         assert same(env.weights("run"), ref)

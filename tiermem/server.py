@@ -177,18 +177,21 @@ class Service:
             return
         record = json.loads(self.record_path.read_text())
         arena = Path(self.cfg.tiers.dram.path) / f"{self.cfg.store_name()}.arena"
-        state = Journal(self.journal_path).state if self.journal_path.is_file() else RunState()
+        journal = Journal(self.journal_path)
+        state = journal.state
         if not arena.is_file():
             self.say(f"the state of run {record['label'].get('output_dir', record['run'])} (step {state.committed}) is "
                      f"gone: its arena {arena} no longer exists (the machine restarted?). {_newest_checkpoint(record)}")
+            journal.close()
             self._discard_recorded()
             return
         if state.finished or not state.initialized:  # nothing left worth keeping
+            journal.close()
             self._discard_recorded()
             return
         specs = [spec_from_json(s) for s in record["specs"]]
         store = reopen_store(self.plan_cfg, specs, state.layout(record), record["nvme_capacity"])
-        run = self._make_run(record, specs, store)
+        run = self._make_run(record, specs, store, journal)
         st = run.state
         if record["undo"] is not None:
             store.dram.allocator.reserve(Extent(*record["undo"]))
@@ -207,8 +210,8 @@ class Service:
         self.say(f"recovered run {record['label'].get('output_dir', record['run'])}: step {st.committed} committed "
                  "and updated")
 
-    def _make_run(self, record: dict, specs: list[TensorSpec], store) -> Run:
-        journal = Journal(self.journal_path)
+    def _make_run(self, record: dict, specs: list[TensorSpec], store, journal: Journal | None = None) -> Run:
+        journal = journal or Journal(self.journal_path)
         o = record["optim"]
         optimizer = StoreAdamW(store, o["groups"], o["decay"],
                                AdamWConfig(o["beta1"], o["beta2"], o["eps"], o["weight_decay"]),
@@ -302,7 +305,7 @@ class Service:
         run_id = _field(msg, "run", str)
         if not 0 < len(run_id) <= 128:
             raise RequestError("bad run id")
-        if int(msg.get("world", 1)) != 1 or int(msg.get("rank", 0)) != 0:
+        if msg.get("world", 1) != 1 or msg.get("rank", 0) != 0:
             raise RequestError("several trainers on one run (data parallel) are not supported yet: world must be 1")
         with self.lock:
             run = self.run
@@ -317,7 +320,7 @@ class Service:
             if run is None:
                 run = self.run = self._new_run(msg)
                 self.say(f"new run {label_of(run)}: {len(run.specs)} tensors")
-            client.pid = int(msg.get("pid", 0))
+            client.pid = msg.get("pid") if isinstance(msg.get("pid"), int) else 0
             run.trainer, run.error = client, None
             run.store.catalog.on_bump = lambda g, v, c=client, r=run: self._tell(c, {
                 "ev": "version", "group": g, "version": v, "layout": _group_layout(r.store, g)})
