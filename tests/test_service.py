@@ -449,3 +449,11 @@ def test_journal_replay_keeps_the_begun_group_while_another_finishes(tmp_path):
     st = Journal(tmp_path / "j").state
     assert before["versions"] == [[0, 1], [1, 0], ["head", 0]] and st.versions == {0: 1, 1: 1, "head": 0}
     assert st.inflight is None and st.moves == {"w0": ["dram", 4096, 4096, 0]}
+
+
+def test_the_bundled_service_configs_load():
+    from tiermem.server import service_config
+
+    for path in sorted((ROOT / "configs" / "tiermem").glob("*.yaml")):
+        cfg = service_config(str(path))
+        assert cfg.tiers.dram.path != "anonymous" and cfg.name, path
