@@ -15,7 +15,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from tests.tiny_models import save_tiny_model, write_tokenized_dataset
+from tests.tiny_models import save_tiny_model, tiny_run
 from trainer.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,15 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture
 def setup(tmp_path):
-    model_dir = save_tiny_model("llama", tmp_path / "model")
-    data_dir = tmp_path / "data"
-    name = write_tokenized_dataset(data_dir, n_rows=16)
-    base = {"model_name_or_path": str(model_dir), "dataset": name, "dataset_dir": str(data_dir), "max_steps": 6,
-            "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "learning_rate": 1e-2,
-            "lr_scheduler_type": "cosine", "warmup_steps": 1, "weight_decay": 0.1, "logging_steps": 1,
-            "tiermem": {"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"},
-                                  "nvme": {"path": str(tmp_path / "nvme"), "budget": "64MiB", "backend": "posix"}},
-                        "placement": {"param": "dram", "grad": "dram", "exp_avg": "nvme", "exp_avg_sq": "dram"}}}
+    tiers = {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"},
+             "nvme": {"path": str(tmp_path / "nvme"), "budget": "64MiB", "backend": "posix"}}
+    placement = {"param": "dram", "grad": "dram", "exp_avg": "nvme", "exp_avg_sq": "dram"}
+    base = dict(tiny_run(tmp_path), tiermem={"tiers": tiers, "placement": placement})
 
     def write(name: str, **over) -> Path:
         path = tmp_path / f"{name}.yaml"

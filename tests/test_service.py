@@ -21,7 +21,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from tests.tiny_models import save_tiny_model, write_tokenized_dataset
+from tests.tiny_models import tiny_run
 from tiermem import protocol
 from trainer.cli import main
 
@@ -64,12 +64,7 @@ class Service:
 
 @pytest.fixture
 def env(tmp_path):
-    model_dir = save_tiny_model("llama", tmp_path / "model")
-    data_dir = tmp_path / "data"
-    name = write_tokenized_dataset(data_dir, n_rows=16)
-    base = {"model_name_or_path": str(model_dir), "dataset": name, "dataset_dir": str(data_dir), "max_steps": 6,
-            "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "learning_rate": 1e-2,
-            "lr_scheduler_type": "cosine", "warmup_steps": 1, "weight_decay": 0.1, "logging_steps": 1}
+    base = tiny_run(tmp_path)
     sock_dir = Path(tempfile.mkdtemp(prefix="tm-"))  # short: Unix socket paths are limited to 107 bytes
     (tmp_path / "shm").mkdir()
 

@@ -62,3 +62,14 @@ def write_tokenized_dataset(data_dir: Path, n_rows: int = 14, vocab: int = 96, s
     entries[name] = {"file_name": f"{name}.jsonl", "formatting": "tokenized"}
     info.write_text(json.dumps(entries))
     return name
+
+
+def tiny_run(tmp_path: Path, family: str = "llama") -> dict:
+    """A tiny model and tokenized dataset under ``tmp_path``, and the training keys of a 6-step run on them
+    (grad accumulation, warmup + cosine, weight decay; no output_dir, no tiermem)."""
+    model_dir = save_tiny_model(family, tmp_path / "model")
+    data_dir = tmp_path / "data"
+    name = write_tokenized_dataset(data_dir, n_rows=16)
+    return {"model_name_or_path": str(model_dir), "dataset": name, "dataset_dir": str(data_dir), "max_steps": 6,
+            "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "learning_rate": 1e-2,
+            "lr_scheduler_type": "cosine", "warmup_steps": 1, "weight_decay": 0.1, "logging_steps": 1}

@@ -64,13 +64,22 @@ def layout_of(store: Store) -> dict[str, list]:
     return {e.spec.name: [e.tier, e.extent.offset, e.extent.nbytes] for e in store.catalog.entries()}
 
 
-def _adopt(store: Store, specs: list[TensorSpec], layout: dict[str, list], valid: bool) -> None:
-    """Enter every spec into the store's catalog at its recorded place, reserving the extents."""
-    for s in specs:
-        tier, offset, nbytes = layout[s.name]
-        extent = Extent(int(offset), int(nbytes))
-        store.tier(tier).allocator.reserve(extent)
-        store.catalog.add(s, tier, extent).valid = valid
+def _over(cfg: StoreConfig, specs: list[TensorSpec], layout: dict[str, list], tiers: tuple) -> Store:
+    """A store over existing tiers with every spec at its recorded place (extents reserved, bytes valid).
+    It keeps the files when closed: a reopened service store until its recovery is done (a failure must
+    not delete the state), an attached trainer's always (the state is the service's)."""
+    store = Store(cfg, {}, plan=_plan_of(specs, layout, cfg), tiers=tiers)
+    store.keep_files = True
+    try:
+        for s in specs:
+            tier, offset, nbytes = layout[s.name]
+            extent = Extent(int(offset), int(nbytes))
+            store.tier(tier).allocator.reserve(extent)
+            store.catalog.add(s, tier, extent).valid = True
+    except BaseException:
+        store.close()
+        raise
+    return store
 
 
 def _plan_of(specs: list[TensorSpec], layout: dict[str, list], cfg: StoreConfig) -> Plan:
@@ -90,13 +99,7 @@ def create_store(cfg: StoreConfig, specs: list[TensorSpec], plan: Plan, extra_dr
     if cfg.tiers.nvme is not None and cfg.tiers.nvme.budget is not None:
         nvme = max(nvme, cfg.tiers.nvme.budget)
     store = Store(cfg, {"gpu": 0, "dram": need["dram"] + extra_dram, "nvme": nvme}, plan=plan)
-    try:
-        for s in specs:
-            store.create(s, plan.where[(s.group, s.kind)])
-    except BaseException:
-        store.close()
-        raise
-    return store
+    return store.create_all(specs, plan.where)
 
 
 def reopen_store(cfg: StoreConfig, specs: list[TensorSpec], layout: dict[str, list], nvme_capacity: int) -> Store:
@@ -113,14 +116,7 @@ def reopen_store(cfg: StoreConfig, specs: list[TensorSpec], layout: dict[str, li
     except BaseException:
         dram.close(remove=False)
         raise
-    store = Store(cfg, {}, pin=False, plan=_plan_of(specs, layout, cfg), tiers=(gpu, dram, nvme))
-    store.keep_files = True  # until the recovered state is in use, a failure must not delete it
-    try:
-        _adopt(store, specs, layout, valid=True)
-    except BaseException:
-        store.close()
-        raise
-    return store
+    return _over(cfg, specs, layout, (gpu, dram, nvme))
 
 
 def attach_store(cfg: StoreConfig, specs: list[TensorSpec], layout: dict[str, list], arena: dict,
@@ -147,11 +143,4 @@ def attach_store(cfg: StoreConfig, specs: list[TensorSpec], layout: dict[str, li
             nvme_tier.close(remove=False)
         dram.close(remove=False)
         raise
-    store = Store(cfg, {}, plan=_plan_of(specs, layout, cfg), tiers=(gpu, dram, nvme_tier))
-    store.keep_files = True
-    try:
-        _adopt(store, specs, layout, valid=True)
-    except BaseException:
-        store.close()
-        raise
-    return store
+    return _over(cfg, specs, layout, (gpu, dram, nvme_tier))

@@ -104,13 +104,17 @@ class Store:
         resident = need["gpu"] - plan.slot_bytes * plan.n_slots
         cap = {"gpu": resident + GPU_ALIGN * len(specs), "dram": need["dram"], "nvme": need["nvme"]}
         store = cls(cfg, cap, plan.slot_bytes + GPU_ALIGN * len(specs), plan.n_slots, pin=pin, plan=plan)
+        return store.create_all(specs, plan.where)
+
+    def create_all(self, specs: list[TensorSpec], where: dict) -> Store:
+        """``create`` every spec on ``where[(group, kind)]``; on failure close the store and re-raise."""
         try:
             for s in specs:
-                store.create(s, plan.where[(s.group, s.kind)])
+                self.create(s, where[(s.group, s.kind)])
         except BaseException:
-            store.close()
+            self.close()
             raise
-        return store
+        return self
 
     # -- tensors ------------------------------------------------------------------------------
     def tier(self, name: str):
