@@ -452,3 +452,18 @@ def test_the_bundled_service_configs_load():
     for path in sorted((ROOT / "configs" / "tiermem").glob("*.yaml")):
         cfg = service_config(str(path))
         assert cfg.tiers.dram.path != "anonymous" and cfg.name, path
+
+
+def test_serve_refuses_configs_a_service_cannot_use(tmp_path, capsys):
+    from tiermem.cli import main as tiermem
+
+    cases = {"anon": ({"tiers": {"dram": {"path": "anonymous"}}}, "must be a shared file"),
+             "gpu": ({"tiers": {"dram": {"path": str(tmp_path)}}, "placement": {"exp_avg": "gpu"}}, "outlive"),
+             "typo": ({"tiers": {"dram": {"pth": str(tmp_path)}}}, "did you mean 'path'")}
+    for name, (cfg, needle) in cases.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        assert tiermem(["serve", "--config", str(path), "--socket", str(tmp_path / "s.sock")]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1, err
+    assert tiermem(["serve", "--config", str(tmp_path / "none.yaml")]) == 2

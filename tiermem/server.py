@@ -176,7 +176,12 @@ class Service:
         if not self.record_path.is_file():
             return
         record = json.loads(self.record_path.read_text())
-        arena = Path(self.cfg.tiers.dram.path) / f"{self.cfg.store_name()}.arena"
+        recorded = record.get("arena_dir", self.cfg.tiers.dram.path)
+        if Path(recorded).resolve() != Path(self.cfg.tiers.dram.path).resolve():
+            raise UserError(f"the run this service holds has its arena in {recorded}, but the config's "
+                            f"tiers.dram.path is {self.cfg.tiers.dram.path}; put the path back, or start with "
+                            "--fresh to discard the run")
+        arena = Path(recorded) / f"{self.cfg.store_name()}.arena"
         journal = Journal(self.journal_path)
         state = journal.state
         if not arena.is_file():
@@ -254,6 +259,7 @@ class Service:
             ext = store.dram.allocate(undo) if undo else None
             record = {"format": 1, "run": msg["run"], "label": dict(msg.get("label") or {}), "created": time.time(),
                       "specs": [spec_to_json(s) for s in specs], "layout": layout_of(store), "epoch": 0,
+                      "arena_dir": self.cfg.tiers.dram.path,
                       "undo": [ext.offset, ext.nbytes] if ext else None, "optim": optim, "gpu_share": share,
                       "nvme_capacity": store.nvme.capacity if store.nvme is not None else 0}
             write_atomic(self.record_path, record)
@@ -645,9 +651,14 @@ def _newest_checkpoint(record: dict) -> str:
 def serve(config_path: str, socket_path: str | None, fresh: bool) -> int:
     """Run the service in the foreground until SIGTERM or SIGINT."""
     say = lambda text: print(f"tiermem serve: {text}", flush=True)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
-    service = Service(config_path, socket_path, fresh, say)
-    service.listen()
+    # blocked before any thread starts, so that every thread inherits it and sigwait below takes them
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+    try:
+        service = Service(config_path, socket_path, fresh, say)
+        service.listen()
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        raise
     say(f"listening on {service.socket_path}")
     while True:
         sig = signal.sigwait({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
