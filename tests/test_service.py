@@ -358,6 +358,7 @@ def test_top_and_stats_over_the_socket(env):
             assert needle in frame.stdout, (needle, frame.stdout)
         snap = json.loads(cli("stats", "--json").stdout)
         assert snap["service"]["trainer_pid"] == trainer.pid and snap["run"]["total_steps"] == 12
+        assert snap["run"]["optimizer"]["gpu_share"] == 0.0 and snap["run"]["optimizer"]["committed"] >= 1
         prom = cli("stats", "--prometheus").stdout
         assert 'tiermem_tier_used_bytes{tier="nvme",kind="exp_avg"}' in prom
         trainer.communicate(timeout=120)

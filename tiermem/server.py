@@ -466,7 +466,7 @@ class Service:
         if run.trainer is None:
             live["phase"] = "no trainer attached"
         live["optimizer"] = dict(live.get("optimizer") or {}, committed=st.committed, updated=st.updated,
-                                 lag_groups=sum(v < st.committed for v in versions),
+                                 lag_groups=sum(v < st.committed for v in versions), gpu_share=run.record["gpu_share"],
                                  last_update_s=run.optimizer.last_step_seconds, split=run.optimizer.last_split)
         return {"pid": os.getpid(), "store": snap, "run": live,
                 "service": {"socket": str(self.socket_path), "run": run.record["run"], "label": run.record["label"],
