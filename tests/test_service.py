@@ -339,7 +339,7 @@ def test_bad_peers_are_refused_and_the_trainer_is_not_disturbed(env):
 
 
 def test_top_and_stats_over_the_socket(env):
-    svc = env.service(env={"TIERMEM_TEST_SLOW_UPDATE": "0.25"})  # a run that lasts while it is watched
+    svc = env.service(share=0.5, env={"TIERMEM_TEST_SLOW_UPDATE": "0.25"})  # a run that lasts while watched
     cli = lambda *a: subprocess.run([sys.executable, "-m", "tiermem.cli", *a, "--socket", str(env.sock)], cwd=ROOT,
                                     capture_output=True, text=True, timeout=60)
     try:
@@ -358,7 +358,7 @@ def test_top_and_stats_over_the_socket(env):
             assert needle in frame.stdout, (needle, frame.stdout)
         snap = json.loads(cli("stats", "--json").stdout)
         assert snap["service"]["trainer_pid"] == trainer.pid and snap["run"]["total_steps"] == 12
-        assert snap["run"]["optimizer"]["gpu_share"] == 0.0 and snap["run"]["optimizer"]["committed"] >= 1
+        assert snap["run"]["optimizer"]["gpu_share"] == 0.5 and snap["run"]["optimizer"]["committed"] >= 1
         prom = cli("stats", "--prometheus").stdout
         assert 'tiermem_tier_used_bytes{tier="nvme",kind="exp_avg"}' in prom
         trainer.communicate(timeout=120)
