@@ -297,7 +297,7 @@ def _frame(obj) -> bytes:
 
 def test_bad_peers_are_refused_and_the_trainer_is_not_disturbed(env):
     ref = env.reference()
-    svc = env.service(env={"TIERMEM_TEST_SLOW_UPDATE": "0.05"})
+    svc = env.service(env={"TIERMEM_TEST_SLOW_UPDATE": "0.2"})  # the run outlasts the hostile peers
     try:
         trainer = env.start_train("run")
         svc.wait_for("attached to run")
