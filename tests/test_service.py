@@ -475,3 +475,36 @@ def test_serve_refuses_configs_a_service_cannot_use(tmp_path, capsys):
         err = capsys.readouterr().err
         assert needle in err and len(err.strip().splitlines()) == 1, err
     assert tiermem(["serve", "--config", str(tmp_path / "none.yaml")]) == 2
+
+
+def test_versions_pushed_while_attaching_are_applied_in_order(tmp_path):
+    """Events the service pushes before the trainer's catalog exists (an update running during hello) are
+    kept and applied in their order over the hello's layout; later ones apply at once."""
+    import torch
+
+    from tiermem.catalog import Catalog, TensorSpec
+    from tiermem.client import ServiceClient
+    from tiermem.tiers.extents import Extent
+
+    path = tmp_path / "s.sock"
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(str(path))
+    srv.listen()
+    client = ServiceClient(path)
+    conn, _ = srv.accept()
+    for v, off in ((2, 8192), (3, 12288)):
+        protocol.send(conn, {"ev": "version", "group": 0, "version": v, "layout": {"w": ["dram", off, 4096]}})
+    deadline = time.time() + 10
+    while len(client._early) < 2:
+        assert time.time() < deadline
+        time.sleep(0.01)
+    cat = Catalog()
+    cat.add(TensorSpec("w", (1024,), torch.float32, "param", 0), "dram", Extent(8192, 4096))
+    client.bind(cat, [[0, 2]])
+    assert cat.version(0) == 3 and cat["w"].extent.offset == 12288
+    protocol.send(conn, {"ev": "version", "group": 0, "version": 4, "layout": {"w": ["dram", 4096, 4096]}})
+    cat.wait_version(0, 4, timeout=10)
+    assert cat["w"].extent.offset == 4096
+    client.close()
+    conn.close()
+    srv.close()

@@ -1,7 +1,7 @@
 """A trainer's side of the service: attach, a store over the service's memory, and the optimizer as a
 stand-in that commits steps to the service.
 
-    attached = attach(socket_path, run_id, label, specs, optim, device)
+    attached = attach(socket_path, run_id, label, specs, optim)
     attached.store        # a Store over the service's arena and NVMe file, with this process's GPU slots
     attached.optimizer    # step(n, lr, grad_scale) waits for the gradients to be home, then commits n
     attached.committed    # the service's last committed step: where training continues
@@ -25,8 +25,7 @@ from tiermem.catalog import Group, TensorSpec
 from tiermem.config import load_store_config
 from tiermem.errors import UserError
 from tiermem.futures import done_future
-from tiermem.layout import attach_store, spec_from_json, spec_to_json
-from tiermem.tiers.extents import Extent
+from tiermem.layout import apply_layout, attach_store, spec_from_json, spec_to_json
 
 
 class ServiceLost(UserError):
@@ -43,7 +42,8 @@ class ServiceClient:
         self._replies: queue.Queue = queue.Queue()
         self._id = 0
         self.catalog = None
-        self._early: dict = {}  # versions pushed before the catalog existed
+        self._early: list = []  # (layout, group, version) events pushed before the catalog existed
+        self._bind_lock = threading.Lock()
         self.lost = False
         self.error: str | None = None
         self.on_version = None
@@ -86,38 +86,36 @@ class ServiceClient:
             if "ev" not in msg:
                 self._replies.put(msg)
             elif msg["ev"] == "version":
-                self._moved(msg.get("layout") or {})
-                self._version(msg["group"], int(msg["version"]))
+                self._version(msg.get("layout") or {}, msg["group"], int(msg["version"]))
             elif msg["ev"] == "failed":
                 self.error = str(msg.get("error"))
 
-    def _moved(self, layout: dict) -> None:
-        """The service updated a group out of place: its tensors' new homes, before its new version."""
-        cat = self.catalog
-        for name, (tier, offset, nbytes) in layout.items():
-            if cat is not None and name in cat:
-                e = cat[name]
-                if (e.tier, e.extent.offset) != (tier, offset):
-                    e.tier, e.extent = tier, Extent(int(offset), int(nbytes))
-
-    def _version(self, g: Group, v: int) -> None:
-        cat = self.catalog
-        if cat is None:
-            self._early[g] = max(v, self._early.get(g, 0))
-            return
-        if v > cat.version(g):
-            cat.bump(g, to=v)
+    def _version(self, layout: dict, g: Group, v: int) -> None:
+        """A group's new version, and where its tensors live now (an out-of-place update moved them)."""
+        with self._bind_lock:
+            cat = self.catalog
+            if cat is None:
+                self._early.append((layout, g, v))
+                return
+            apply_layout(cat, layout)
+            if v > cat.version(g):
+                cat.bump(g, to=v)
         if self.on_version is not None:
             self.on_version(g, v)
 
     def bind(self, catalog, versions) -> None:
-        """Follow the service's versions in ``catalog`` from now on (pairs [group, version] to start)."""
-        for g, v in versions:
-            self._early[g] = max(int(v), self._early.get(g, 0))
-        self.catalog = catalog
-        for g, v in self._early.items():
-            if v > catalog.version(g):
-                catalog.bump(g, to=v)
+        """Follow the service's versions in ``catalog`` from now on (pairs [group, version] to start); the
+        events that arrived before are applied in their order, over the layout the catalog was built from."""
+        with self._bind_lock:
+            for g, v in versions:
+                if int(v) > catalog.version(g):
+                    catalog.bump(g, to=int(v))
+            for layout, g, v in self._early:
+                apply_layout(catalog, layout)
+                if v > catalog.version(g):
+                    catalog.bump(g, to=v)
+            self._early = []
+            self.catalog = catalog
 
     def close(self) -> None:
         try:
@@ -198,11 +196,7 @@ class Attached:
 
     def refresh_layout(self) -> None:
         """Take the service's current places for every tensor (re-placement moves optimizer state)."""
-        layout = self.request("layout")["layout"]
-        for e in self.store.catalog.entries():
-            tier, offset, nbytes = layout[e.spec.name]
-            if (tier, offset) != (e.tier, e.extent.offset):
-                e.tier, e.extent = tier, Extent(int(offset), int(nbytes))
+        apply_layout(self.store.catalog, self.request("layout")["layout"])
 
     def progress(self, snap: dict) -> None:
         if not self.client.lost:

@@ -59,9 +59,21 @@ def spec_from_json(d) -> TensorSpec:
     return TensorSpec(name, tuple(shape), DTYPES[dtype], kind, group)
 
 
-def layout_of(store: Store) -> dict[str, list]:
-    """name -> [tier, offset, nbytes] for every tensor of the store."""
-    return {e.spec.name: [e.tier, e.extent.offset, e.extent.nbytes] for e in store.catalog.entries()}
+def layout_of(store: Store, group=None) -> dict[str, list]:
+    """name -> [tier, offset, nbytes] for every tensor of the store (of one group)."""
+    entries = store.catalog.entries() if group is None else [
+        e for k in KINDS for e in store.catalog.group_entries(group, k)]
+    return {e.spec.name: [e.tier, e.extent.offset, e.extent.nbytes] for e in entries}
+
+
+def apply_layout(catalog, layout: dict[str, list]) -> None:
+    """Point the catalog's entries at the places ``layout`` gives (names it lacks are left alone): a trainer
+    following the service's out-of-place updates and re-placements."""
+    for name, (tier, offset, nbytes) in layout.items():
+        if name in catalog:
+            e = catalog[name]
+            if (e.tier, e.extent.offset) != (tier, offset):
+                e.tier, e.extent = tier, Extent(int(offset), int(nbytes))
 
 
 def _over(cfg: StoreConfig, specs: list[TensorSpec], layout: dict[str, list], tiers: tuple) -> Store:

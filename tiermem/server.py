@@ -329,7 +329,7 @@ class Service:
             client.pid = msg.get("pid") if isinstance(msg.get("pid"), int) else 0
             run.trainer, run.error = client, None
             run.store.catalog.on_bump = lambda g, v, c=client, r=run: self._tell(c, {
-                "ev": "version", "group": g, "version": v, "layout": _group_layout(r.store, g)})
+                "ev": "version", "group": g, "version": v, "layout": layout_of(r.store, g)})
             st, cfg, nvme = run.state, self.cfg, run.store.nvme
             self.say(f"trainer pid {client.pid} attached to run {label_of(run)} at step {st.committed}")
             return {"initialized": st.initialized, "committed": st.committed, "updated": st.updated,
@@ -618,12 +618,6 @@ class Service:
                 self._close_run(keep=True)
                 self.say(f"stopped; run {label_of(run)} kept at step {run.state.committed} for the next "
                          "`tiermem serve` with this config")
-
-
-def _group_layout(store, g) -> dict:
-    """Where group g's tensors live now (an out-of-place update moves them): sent with each new version."""
-    return {e.spec.name: [e.tier, e.extent.offset, e.extent.nbytes] for e in store.catalog.entries()
-            if e.spec.group == g}
 
 
 def label_of(run: Run) -> str:
