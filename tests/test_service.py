@@ -99,9 +99,10 @@ def env(tmp_path):
                 assert main([str(train_config(name, attached=False, device=device, **over))]) == 0
             return load_file(tmp_path / name / "model.safetensors")
 
-        def train(self, name: str, kill_at: str | None = None, **over) -> subprocess.CompletedProcess:
+        def train(self, name: str, kill_at: str | None = None, extra_env: dict | None = None,
+                  **over) -> subprocess.CompletedProcess:
             cfg = train_config(name, **over)
-            env = dict(os.environ, PYTHONPATH=str(ROOT))
+            env = dict(os.environ, PYTHONPATH=str(ROOT), **(extra_env or {}))
             if kill_at:
                 env["TIERMEM_TEST_KILL_AT"] = kill_at
             return subprocess.run([sys.executable, "-m", "trainer.cli", str(cfg)], cwd=ROOT, env=env,
@@ -235,8 +236,11 @@ def test_sigterm_and_ctrl_c_stop_cleanly_and_training_continues(env):
 def test_state_lost_with_the_arena_names_the_newest_checkpoint(env):
     ref = env.reference()
     svc = env.service(env={"TIERMEM_TEST_KILL_AT": "update:5:0"})
-    lost = env.train("run", save_steps=2)
+    # the service dies while the trainer still writes checkpoint-4 (read out of the store before
+    # update 5 could start): the trainer finishes writing it before it stops
+    lost = env.train("run", save_steps=2, extra_env={"TIERMEM_TEST_SLOW_SAVE": "0.1"})
     assert svc.proc.wait(timeout=60) == -signal.SIGKILL and lost.returncode == 1
+    assert "saved checkpoint-4 before stopping" in lost.stdout, lost.stdout + lost.stderr
     for arena in (env.tmp / "shm").glob("*.arena"):  # what a reboot does to a tmpfs
         arena.unlink()
     svc = env.service()

@@ -156,6 +156,7 @@ class Saver:
         self._released: dict = {}
         self._threads: list[threading.Thread] = []
         self._error: BaseException | None = None
+        self._abort = threading.Event()
         self.paused = 0.0  # seconds the optimizer waited on saves (the GPU may have waited on it in turn)
         self.last: dict = {}
 
@@ -178,6 +179,7 @@ class Saver:
         """Save the state after update ``step`` (which may still be running)."""
         self.wait()
         self._error = None
+        self._abort.clear()
         self._released = {g: threading.Event() for g in self.groups}
         self._step = step
         self._t0 = time.perf_counter()
@@ -197,8 +199,10 @@ class Saver:
         try:
             kinds = (self.src,) if self.model_only else (self.src, *MOMENTS)
             for g in self.groups:
-                self.store.catalog.wait_version(g, step)
+                self._wait_version(g, step)
                 for w in self.weights[g]:
+                    if self._abort.is_set():
+                        raise _Abandoned()
                     nbytes = math.prod(w.shape) * 4 * len(kinds)
                     mib = min(max(1, nbytes >> 20), self._budget_mib)
                     for _ in range(mib):
@@ -212,6 +216,16 @@ class Saver:
             for ev in self._released.values():
                 ev.set()  # never leave the optimizer waiting
             q.put(None)
+
+    def _wait_version(self, g, step: int) -> None:
+        while True:
+            if self._abort.is_set():
+                raise _Abandoned()
+            try:
+                self.store.catalog.wait_version(g, step, timeout=0.2)
+                return
+            except TimeoutError:
+                continue
 
     def _write(self, step: int, tmp: Path, q: queue.Queue, room: threading.Semaphore, trainer_state: dict) -> None:
         slow = float(os.environ.get("TIERMEM_TEST_SLOW_SAVE", "0") or 0)  # tests: make a kill land inside a save
@@ -275,6 +289,23 @@ class Saver:
             for _, p in checkpoints(self.out)[: -self.total_limit]:
                 shutil.rmtree(p, ignore_errors=True)
 
+    def settle(self) -> None:
+        """Training is stopping on an error: a save whose state is all read out of the store is finished
+        (it needs only the disk); one still reading is abandoned (its temporary folder removed), so the
+        store can close under neither."""
+        if not self._threads:
+            return
+        reader, writer = self._threads
+        if reader.is_alive():
+            self._abort.set()
+        reader.join()
+        writer.join()
+        self._threads = []
+        step, self._step = self._step, None
+        if self._error is None and self.last.get("step") == step:
+            self.say(f"saved checkpoint-{step} before stopping")
+        self._error = None
+
     def wait(self) -> dict:
         """Finish the save in progress; raise its failure as a one-line error."""
         for t in self._threads:
@@ -291,6 +322,10 @@ class Saver:
             self.say(f"saved checkpoint-{step}: {gb:.2f} GB in {self.last['seconds']:.1f} s "
                      f"({gb / max(self.last['seconds'], 1e-9):.2f} GB/s); training paused {self.last['paused']:.2f} s")
         return self.last
+
+
+class _Abandoned(Exception):
+    """A save given up because training stopped while it still read the store."""
 
 
 def rng_state() -> dict:

@@ -221,6 +221,10 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
         say(f"done: {total} steps in {runtime:.1f}s, train_loss {results['train_loss']:.4f}; "
                       f"model saved to {out}")
         return results
+    except BaseException:
+        if saver is not None:
+            saver.settle()  # a checkpoint already read out of the store is still worth writing
+        raise
     finally:
         if stats is not None:
             stats.close()
