@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -120,6 +121,7 @@ def env(tmp_path):
     yield Env()
     for p in (tmp_path / "shm").glob("*"):
         p.unlink()
+    shutil.rmtree(sock_dir, ignore_errors=True)
 
 
 def same(a: dict, b: dict) -> bool:
