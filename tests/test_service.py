@@ -143,7 +143,10 @@ def test_trainer_killed_in_forward_backward_and_optimizer_continues_bit_identica
         assert straight.returncode == 0, straight.stderr
         assert "(a new run)" in straight.stdout
         assert same(env.weights("straight"), ref)
-        for point, resumes_at in (("forward:3", 2), ("backward:3", 2), ("optimizer:3", 3)):
+        points = [("forward:3", 2), ("backward:3", 2), ("optimizer:3", 3)]
+        if share:  # group 0 is the trainer's GPU worker's: killed with its update 3 written, not journaled
+            points.append(("update:3:0", 3))
+        for point, resumes_at in points:
             name = point.replace(":", "")
             killed = env.train(name, kill_at=point)
             assert killed.returncode == -signal.SIGKILL, killed.stderr
@@ -155,24 +158,27 @@ def test_trainer_killed_in_forward_backward_and_optimizer_continues_bit_identica
             # a step committed by a trainer killed before it logged the step has no line of its own
             assert [r["current_steps"] for r in log] == [s for s in range(1, 7) if s != 3 or point != "optimizer:3"]
         assert "finished at step 6" in svc.text
+        if share:  # the service updated what the killed trainers had left of their share
+            assert "groups the trainer left" in svc.text
     finally:
         assert svc.stop() == 0
     assert not list((env.tmp / "shm").glob("*.arena"))  # every run finished: nothing left behind
 
 
-@SHARES
-def test_service_killed_mid_update_recovers_and_the_run_ends_bit_identically(env, share):
+@pytest.mark.parametrize("share,group", [(0, 1), (0.5, 1), (0.5, 0)])
+def test_service_killed_mid_update_recovers_and_the_run_ends_bit_identically(env, share, group):
     ref = env.reference()
-    svc = env.service(share=share, env={"TIERMEM_TEST_KILL_AT": "update:3:1"})  # group 1's update 3 written,
-    lost = env.train("run")                                                      # not journaled
+    # group's update 3 written, not journaled: group 1 is the service's CPU worker's (updated in place, its
+    # undo copy goes back); at share 0.5 group 0 is the trainer's GPU worker's (written out of place: whole
+    # in its old place; the trainer's flip request is what the service dies in)
+    svc = env.service(share=share, env={"TIERMEM_TEST_KILL_AT": f"update:3:{group}"})
+    lost = env.train("run")
     assert svc.proc.wait(timeout=60) == -signal.SIGKILL
     assert lost.returncode == 1 and "lost the tiermem service" in lost.stderr, lost.stderr
     assert len(lost.stderr.strip().splitlines()) == 1
     svc = env.service(share=share)
     try:
-        # group 1 is the CPU worker's in both: updated in place, its undo copy goes back (a group the GPU
-        # worker was writing out of place is whole in its old place)
-        assert "put back group 1 as it was before update 3" in svc.text
+        assert ("put back group 1 as it was before update 3" in svc.text) == (group == 1)
         assert "finishing update 3 of" in svc.text
         assert "recovered run" in svc.text and "step 3 committed" in svc.text
         again = env.train("run")
@@ -382,9 +388,8 @@ def test_top_and_stats_over_the_socket(env):
     assert gone.returncode == 2 and "no tiermem service at" in gone.stderr
 
 
-def test_requests_are_checked_one_by_one(tmp_path):
-    """In-process: malformed specs, unknown tensor names, out-of-order and foreign messages get an error
-    reply each, and the run goes on."""
+def _unit_service(tmp_path, share):
+    """An in-process service over a one-tensor model, a trainer connection and another one."""
     from tiermem.catalog import TensorSpec
     from tiermem.layout import spec_to_json
     from tiermem.server import Client
@@ -393,7 +398,7 @@ def test_requests_are_checked_one_by_one(tmp_path):
     (tmp_path / "shm").mkdir()
     cfg = tmp_path / "serve.yaml"
     cfg.write_text(yaml.safe_dump({"name": "unit", "tiers": {"dram": {"path": str(tmp_path / "shm"), "budget": "1MiB"}},
-                                   "placement": "auto"}))
+                                   "placement": "auto", "optimizer": {"gpu_share": share}}))
     svc = Svc(str(cfg), str(tmp_path / "s.sock"), say=lambda _: None)
     mine, theirs = socket.socketpair()
     client, other = Client(mine), Client(socket.socketpair()[0])
@@ -408,6 +413,16 @@ def test_requests_are_checked_one_by_one(tmp_path):
         assert reply["ok"] is False and reply["id"] == msg.get("id"), reply
         return reply["error"]
 
+    return svc, client, other, theirs, hello, err
+
+
+def test_requests_are_checked_one_by_one(tmp_path):
+    """In-process: malformed specs, unknown tensor names, out-of-order and foreign messages get an error
+    reply each, and the run goes on."""
+    from tiermem.layout import spec_from_json, spec_to_json
+
+    svc, client, other, theirs, hello, err = _unit_service(tmp_path, 0)
+    specs = [spec_from_json(x) for x in hello["specs"]]
     bad = dict(hello, specs=[dict(spec_to_json(specs[0]), dtype="float8")])
     assert "unknown dtype" in err(client, bad)
     assert "bad shape" in err(client, dict(hello, specs=[dict(spec_to_json(specs[0]), shape=[-1])]))
@@ -427,6 +442,52 @@ def test_requests_are_checked_one_by_one(tmp_path):
     assert svc.run.state.updated == 1 and svc.run.store.catalog.version(0) == 1
     assert "finish before" not in str(svc.dispatch(client, {"op": "finish", "id": 11, "run": "r1"}))
     assert svc.run is None and not list((tmp_path / "shm").glob("*"))
+    theirs.close()
+
+
+def test_the_trainers_share_of_an_update_is_checked_and_taken_over_when_it_leaves(tmp_path):
+    """In-process, every group the trainer's: places are handed out only for an owed group, a flip must
+    name them, it journals and publishes the group; a trainer gone mid-update leaves its groups to the
+    service, which frees the places it had handed out."""
+    import torch
+
+    from tiermem.tiers.extents import Extent
+
+    svc, client, other, theirs, hello, err = _unit_service(tmp_path, 1)
+    reply = svc.dispatch(client, hello)
+    assert reply["trainer_groups"] == [0] and reply["gpu_share"] == 1
+    assert svc.dispatch(client, {"op": "init", "id": 2, "run": "r1", "step": 0})["ok"]
+    assert "not owed" in err(client, {"op": "alloc", "id": 3, "run": "r1", "step": 1, "group": 0})
+    assert svc.dispatch(client, {"op": "commit", "id": 4, "run": "r1", "step": 1, "lr": 0.1})["ok"]
+    assert "not owed" in err(client, {"op": "alloc", "id": 5, "run": "r1", "step": 1, "group": 7})
+    assert "not the run's trainer" in err(other, {"op": "alloc", "id": 6, "run": "r1", "step": 1, "group": 0})
+    places = svc.dispatch(client, {"op": "alloc", "id": 7, "run": "r1", "step": 1, "group": 0})["places"]
+    assert set(places) == {"w", "exp_avg/w", "exp_avg_sq/w"}
+    old = svc.dispatch(client, {"op": "layout", "id": 8, "run": "r1"})["layout"]
+    assert all(places[n][0] != old[n][1] for n in places)  # new places, the old state untouched
+    forged = dict(places, w=[old["w"][1], old["w"][2]])
+    assert "did not allocate" in err(client, {"op": "flip", "id": 9, "run": "r1", "step": 1, "group": 0,
+                                              "places": forged})
+    store = svc.run.store
+    for off, nbytes in places.values():  # what the trainer's GPU worker writes there
+        store.dram.view(Extent(off, nbytes))[:64].copy_(torch.full((4, 4), 2.0).view(torch.uint8).reshape(-1))
+    assert svc.dispatch(client, {"op": "flip", "id": 10, "run": "r1", "step": 1, "group": 0, "places": places})["ok"]
+    svc.run.wait()
+    assert svc.run.state.updated == 1 and store.catalog.version(0) == 1
+    assert (store.read("w").result() == 2.0).all()
+    assert "not owed" in err(client, {"op": "flip", "id": 11, "run": "r1", "step": 1, "group": 0, "places": places})
+    # update 2: places handed out, then the trainer is gone: the service updates group 0 itself
+    assert svc.dispatch(client, {"op": "commit", "id": 12, "run": "r1", "step": 2, "lr": 0.1})["ok"]
+    free = store.dram.allocator.free_bytes()
+    assert svc.dispatch(client, {"op": "alloc", "id": 13, "run": "r1", "step": 2, "group": 0})["ok"]
+    assert store.dram.allocator.free_bytes() < free
+    with svc.lock:
+        svc.run.trainer = None
+        svc._trainer_left(svc.run)
+    svc.run.wait()
+    assert svc.run.state.updated == 2 and store.catalog.version(0) == 2
+    assert store.dram.allocator.free_bytes() == free
+    svc._close_run(keep=False)
     theirs.close()
 
 

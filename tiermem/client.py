@@ -1,5 +1,6 @@
 """A trainer's side of the service: attach, a store over the service's memory, and the optimizer as a
-stand-in that commits steps to the service.
+stand-in that commits steps to the service (and updates the groups the service leaves to this
+process's GPU worker).
 
     attached = attach(socket_path, run_id, label, specs, optim)
     attached.store        # a Store over the service's arena and NVMe file, with this process's GPU slots
@@ -26,6 +27,8 @@ from tiermem.config import load_store_config
 from tiermem.errors import UserError
 from tiermem.futures import done_future
 from tiermem.layout import apply_layout, attach_store, spec_from_json, spec_to_json
+from tiermem.optim import AdamWConfig, StoreAdamW
+from tiermem.tiers.extents import Extent
 
 
 class ServiceLost(UserError):
@@ -124,14 +127,40 @@ class ServiceClient:
             pass
 
 
+class RemoteGuard:
+    """The crash-safety hooks of the trainer's own GPU worker: the service allocates the places an
+    update is written to out of place and, on ``flip``, journals them and makes them the homes."""
+
+    def __init__(self, client: ServiceClient, store, run_id: str):
+        self.client, self.store, self.run = client, store, run_id
+
+    def allocate(self, g: Group, step: int, tensors: dict) -> dict[str, Extent]:
+        places = self.client.request("alloc", run=self.run, step=step, group=g)["places"]
+        if set(places) != set(tensors):
+            raise RuntimeError(f"the service allocated places for other tensors of group {g!r}")
+        return {name: Extent(int(off), int(n)) for name, (off, n) in places.items()}
+
+    def flip(self, g: Group, step: int, new: dict[str, Extent]) -> None:
+        faults.point("update", step, g)  # test hook: the new state is written, not yet journaled
+        self.client.request("flip", run=self.run, step=step, group=g,
+                            places={name: [ext.offset, ext.nbytes] for name, ext in new.items()})
+        for name, ext in new.items():
+            self.store.switch(name, ext, free=False)
+
+
 class RemoteOptimizer:
-    """What the executor and the saver call an optimizer, when the optimizer runs in the service."""
+    """What the executor and the saver call an optimizer, when the service owns the optimizer state.
 
-    gpu_share = 0.0
+    A commit makes a step the service's to finish. The service's CPU AdamW updates its share of the
+    groups; the rest (``local``: the trainer's own GPU worker, as in an embedded run) are updated here,
+    on the GPU that made their gradients, written out of place to places the service allocates and
+    journaled through it; if this trainer dies first, the service updates them itself."""
 
-    def __init__(self, client: ServiceClient, store, groups: list[Group], run_id: str, committed: int):
+    def __init__(self, client: ServiceClient, store, groups: list[Group], run_id: str, committed: int,
+                 local=None, gpu_share: float = 0.0):
         self.client, self.store, self.groups, self.run = client, store, list(groups), run_id
-        self.committed = committed
+        self.committed, self.local, self.gpu_share = committed, local, gpu_share
+        self.mine = set(local.on_gpu) if local is not None else set()
         self.gate = None  # set by a checkpoint saver: commits wait until it has read the state
         self.last_step_seconds = 0.0
         self.last_split: dict = {}
@@ -142,32 +171,46 @@ class RemoteOptimizer:
         if g == self.groups[-1] and v == self.committed and self._t_commit:
             self.last_step_seconds = time.perf_counter() - self._t_commit
             self.last_split = {"service": self.last_step_seconds}
+            if self.local is not None and self.local.last_split:
+                self.last_split.update({f"here_{k}": v for k, v in self.local.last_split.items() if v})
 
     def grads_on_gpu(self, g: Group) -> bool:
-        return False
+        return g in self.mine
+
+    def grads_home(self, g: Group) -> bool:
+        return True  # all of them: the service redoes a dead trainer's update from the gradients at home
 
     def check(self) -> None:
         if self.client.error:
             raise RuntimeError(f"the service's optimizer failed: {self.client.error}")
         if self.client.lost:
             raise self.client._lost()
+        if self.local is not None:
+            self.local.check()
 
     def step(self, step: int, lr: float, grad_scale: float | None = None):
-        """Commit ``step``: once every gradient is home, the service journals it and updates the groups."""
+        """Commit ``step``: once every gradient is home, the service journals it and updates its groups;
+        this process's GPU worker updates the others."""
         self.check()
-        self.store.flush("grad")
+        self.store.flush("grad")  # home before the GPU worker unscales its copies in place
         faults.point("commit", step)
         if self.gate is not None:
             for g in self.groups:
                 self.gate(g, step)
         self._t_commit = time.perf_counter()
-        self.client.request("commit", run=self.run, step=step, lr=lr, grad_scale=grad_scale)
+        reply = self.client.request("commit", run=self.run, step=step, lr=lr, grad_scale=grad_scale)
+        if reply.get("layout"):  # re-placement moved optimizer state before this update
+            apply_layout(self.store.catalog, reply["layout"])
         self.committed = step
         faults.point("optimizer", step)
+        if self.mine:
+            return self.local.step(step, lr, grad_scale, only=self.mine)
         return done_future()
 
     def wait(self) -> None:
         """Until every group holds the last committed update."""
+        if self.local is not None:
+            self.local.wait()
         cat = self.store.catalog
         while True:
             self.check()
@@ -179,7 +222,8 @@ class RemoteOptimizer:
             cat.wait_any_bump(seen, timeout=0.5)
 
     def close(self) -> None:
-        pass
+        if self.local is not None:
+            self.local.close()
 
 
 @dataclass
@@ -228,5 +272,14 @@ def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: dict)
         client.close()
         raise
     client.bind(store.catalog, reply["versions"])
-    opt = RemoteOptimizer(client, store, optim["groups"], run_id, reply["committed"])
+    local = None
+    mine = reply.get("trainer_groups") or []
+    if mine:
+        local = StoreAdamW(store, optim["groups"], optim["decay"],
+                           AdamWConfig(optim["beta1"], optim["beta2"], optim["eps"], optim["weight_decay"]),
+                           has_master=optim["has_master"], gpu_share=0.0)
+        local.on_gpu = set(mine)
+        local.guard = RemoteGuard(client, store, run_id)
+    opt = RemoteOptimizer(client, store, optim["groups"], run_id, reply["committed"], local,
+                          float(reply.get("gpu_share", 0.0)))
     return Attached(client, store, opt, run_id, reply["initialized"], reply["committed"])

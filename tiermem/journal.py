@@ -196,6 +196,9 @@ class UndoGuard:
         faults.point("update", step, g)  # test hook: the update is home, not yet journaled
         self.journal.append("done", group=g, step=step)
 
+    def allocate(self, g: Group, step: int, tensors: dict) -> None:
+        return None  # the GPU worker allocates in the service's own store
+
     def flip(self, g: Group, step: int, new: dict) -> None:
         if self.slow:
             time.sleep(self.slow)

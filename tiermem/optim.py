@@ -84,8 +84,10 @@ class StoreAdamW:
         # checkpoint being written reads it first); returns the seconds it waited
         self.gate = None
         # guard.begin(group, update, views) before the CPU worker changes a group in place, guard.done(group,
-        # update) once all of its new state is home; guard.flip(group, update, extents) after the GPU worker
-        # wrote a group's new state out of place (the service's journal, undo copy and out-of-place updates)
+        # update) once all of its new state is home; guard.allocate(group, update, tensors) -> places for the
+        # GPU worker's out-of-place write (None: allocate here), guard.flip(group, update, extents) after it
+        # wrote them (the service's journal, undo copy and out-of-place updates; an attached trainer's
+        # GPU worker asks the service for both)
         self.guard = None
         self.offer_params = True  # hand GPU-updated compute copies to the next fetch (embedded runs)
 
@@ -97,8 +99,12 @@ class StoreAdamW:
 
     def grads_on_gpu(self, g: Group) -> bool:
         """True when ``g`` is updated by the GPU worker: its gradient, made on the GPU, should be offered
-        there (``store.offer(g, "grad", ...)``) instead of sent home to DRAM and fetched back."""
+        there (``store.offer(g, "grad", ...)``) instead of fetched back from DRAM."""
         return g in self.on_gpu
+
+    def grads_home(self, g: Group) -> bool:
+        """True when ``g``'s gradient must go home to the store (the CPU worker reads it there)."""
+        return g not in self.on_gpu
 
     # -- public --------------------------------------------------------------------------------
     def step(self, step: int, lr: float, grad_scale: float | None = None, only: set | None = None) -> cf.Future:
@@ -315,8 +321,8 @@ class StoreAdamW:
             if self.offer_params:
                 store.offer(g, "param", params)  # the next forward copies them on the GPU, not over PCIe
         if self.guard is not None:  # out of place: a crash leaves the old state whole; redo recomputes param
-            new = store.write_elsewhere({e.spec.name: work[e.spec.name] for k in (pk, *MOMENTS)
-                                         for e in cat.group_entries(g, k)}, bulk=True)
+            state = {e.spec.name: work[e.spec.name] for k in (pk, *MOMENTS) for e in cat.group_entries(g, k)}
+            new = store.write_elsewhere(state, bulk=True, extents=self.guard.allocate(g, step, state))
             if self.has_master:
                 home.result()
             self.guard.flip(g, step, new)

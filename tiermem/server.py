@@ -1,15 +1,22 @@
 """``tiermem serve``: the store as a service that trainers attach to.
 
-The service owns the DRAM arena (a shared file), the NVMe file, the catalog and the optimizer (CPU
-AdamW, every group, with the undo guard of ``tiermem.journal``). A trainer attaches over the control
-socket (``tiermem.protocol``), maps the arena and the NVMe file itself, fetches weights and writes
-gradients through them, and commits each step; from the commit on the service finishes the update even
-if the trainer dies. The service pushes each group's new version to its trainer as the update goes.
+The service owns the DRAM arena (a shared file), the NVMe file, the catalog and the optimizer state. A
+trainer attaches over the control socket (``tiermem.protocol``), maps the arena and the NVMe file
+itself, fetches weights and writes gradients through them, and commits each step; from the commit on
+the update is the service's to finish even if the trainer dies. An update is split as in an embedded
+run: the trainer's own GPU worker updates ``gpu_share`` of the groups (on the GPU that made their
+gradients, writing the new state out of place to places the service hands out, then asking it to
+journal and switch: ``alloc``/``flip``), the service's CPU AdamW the rest (in place, with the undo
+guard of ``tiermem.journal``). When the trainer leaves mid-update the service updates what it still owed
+(its own GPU worker, out of place). The service pushes each group's new version to its trainer.
 
 Requests (JSON, ``op``):
-  hello {run, label, specs, optim, rank, world}  attach; creates the run or rejoins it; layout in reply
+  hello {run, label, specs, optim, rank, world}  attach; creates the run or rejoins it; layout and the
+                                                   trainer's groups in the reply
   init {run}                                       the trainer has loaded the weights
   commit {run, step, lr, grad_scale}               step's gradients are home: journal, then update
+  alloc {run, step, group}                         places for an owed group's new master and moments
+  flip {run, step, group, places}                  they are written: journal, switch, publish the version
   layout {run, names?}                             where tensors live now (before a save or an export)
   progress {run, live, store}                      the trainer's figures, for top and stats
   finish {run}                                     the run is done and exported: free its state
@@ -87,8 +94,9 @@ def _planning(cfg: StoreConfig) -> StoreConfig:
 
 
 def gpu_share(plan_cfg: StoreConfig) -> float:
-    """The share of groups the service updates on its GPU worker (out of place: no undo copy) while CPU
-    AdamW updates the rest (in place, with the undo copy); auto: as embedded runs, 0.7 with CUDA, else 0."""
+    """The share of groups the trainer's GPU worker updates (out of place: no undo copy) while the
+    service's CPU AdamW updates the rest (in place, with the undo copy); auto: as embedded runs, 0.7 with
+    CUDA, else 0."""
     share = plan_cfg.optimizer.gpu_share
     if share is None:
         share = AUTO_GPU_SHARE if plan_cfg.tiers.gpu.device != "cpu" else 0.0
@@ -128,6 +136,12 @@ class Run:
     trainer_store: dict = field(default_factory=dict)
     error: str | None = None
     pending: cf.Future | None = None  # the last update, journaled as updated (or failed)
+    # the committed update's groups the trainer's GPU worker owes (the service redoes them if it leaves),
+    # whether the service's own part of it is done, and the places handed out for the trainer's writes
+    owed: set = field(default_factory=set)
+    own_done: bool = True
+    grants: dict = field(default_factory=dict)  # group -> (step, {name: (tier, Extent)})
+    mu: threading.Lock = field(default_factory=threading.Lock)  # owed, own_done, pending's completion
     updates: int = 0  # updates run by this service process, and where their time went
     update_seconds: dict = field(default_factory=dict)
 
@@ -285,7 +299,8 @@ class Service:
     def dispatch(self, client: Client, msg: dict) -> dict:
         op, mid = msg.get("op"), msg.get("id")
         handler = {"hello": self._hello, "init": self._init, "commit": self._commit, "layout": self._layout,
-                   "progress": self._progress, "finish": self._finish, "stats": self._stats}.get(op)
+                   "progress": self._progress, "finish": self._finish, "stats": self._stats,
+                   "alloc": self._alloc, "flip": self._flip}.get(op)
         try:
             if handler is None:
                 raise RequestError(f"unknown op {str(op)[:40]!r}")
@@ -340,7 +355,8 @@ class Service:
                         "dir": cfg.tiers.nvme.path, "capacity": nvme.capacity, "backend": cfg.tiers.nvme.backend,
                         "threads": cfg.tiers.nvme.threads, "io_chunk": cfg.tiers.nvme.io_chunk,
                         "direct": cfg.tiers.nvme.direct},
-                    "config": to_plain(cfg)}
+                    "config": to_plain(cfg), "gpu_share": run.record["gpu_share"],
+                    "trainer_groups": [g for g in run.optimizer.groups if g in run.optimizer.on_gpu]}
 
     def _tell(self, client: Client, event: dict) -> None:
         try:
@@ -379,33 +395,118 @@ class Service:
             if run.error:
                 raise RequestError(f"the optimizer failed: {run.error}; fix the cause and restart the service: "
                                    "it recovers the last committed step")
-            if self.pending_config is not None:
-                self._replace(run)
+            moved = self._replace(run) if self.pending_config is not None else False
             run.journal.compact()
             for g in run.optimizer.groups:
                 run.store.mark_valid(g, "grad")
             run.journal.append("commit", sync=True, step=step, lr=lr, grad_scale=scale)
-            fut = run.optimizer.step(step, lr, scale)
-            run.pending = cf.Future()
-            fut.add_done_callback(lambda f, run=run, step=step, out=run.pending: self._updated(run, step, f, out))
+            run.wait()  # the last update is whole (its last journal line may still be on its way)
+            opt = run.optimizer
+            with run.mu:
+                run.owed = set(opt.on_gpu)  # the trainer's GPU worker updates these (alloc, flip)
+                run.own_done = False
+                run.pending = cf.Future()
+            fut = opt.step(step, lr, scale, only=set(opt.groups) - run.owed)
+            fut.add_done_callback(lambda f, run=run, step=step: self._updated(run, step, f))
+        return {"layout": layout_of(run.store)} if moved else {}
+
+    def _updated(self, run: Run, step: int, fut) -> None:
+        """The service's part of update ``step`` ended."""
+        if fut.exception() is not None:
+            self._failed(run, step, fut.exception())
+            return
+        opt = run.optimizer
+        opt.last_step_seconds, opt.last_split = opt._busy, dict(opt._split)
+        run.updates += 1
+        for k, v in {"total": opt._busy, **opt._split}.items():
+            run.update_seconds[k] = run.update_seconds.get(k, 0.0) + v
+        with run.mu:
+            run.own_done = True
+            self._maybe_updated(run, step)
+
+    def _failed(self, run: Run, step: int, err: BaseException) -> None:
+        run.error = f"{type(err).__name__}: {err}"
+        self.say(f"update {step} failed: {run.error}")
+        if run.trainer is not None:
+            self._tell(run.trainer, {"ev": "failed", "error": run.error})
+        with run.mu:
+            if run.pending is not None and not run.pending.done():
+                run.pending.set_result(None)
+
+    def _maybe_updated(self, run: Run, step: int) -> None:
+        """Journal update ``step`` whole once both its parts are (call with ``run.mu`` held)."""
+        if run.own_done and not run.owed and run.pending is not None and not run.pending.done():
+            run.journal.append("updated", step=step)
+            run.pending.set_result(None)
+
+    # -- the trainer's share of an update ---------------------------------------------------------------
+    def _owed(self, client: Client, msg: dict) -> tuple[Run, object, int]:
+        run = self._attached(client, msg)
+        step, g = _field(msg, "step", int), msg.get("group")
+        if step != run.state.committed or g not in run.owed:
+            raise RequestError(f"group {str(g)[:40]!r} is not owed by the trainer for update {step}")
+        return run, g, step
+
+    def _alloc(self, client: Client, msg: dict) -> dict:
+        """Places for the new master weights and moments of a group the trainer updates out of place."""
+        with self.lock:
+            run, g, step = self._owed(client, msg)
+            store, old = run.store, run.grants.pop(g, None)
+            if old is not None:
+                self._free_grant(run, old)
+            places = {}
+            try:
+                for k in (run.optimizer.p_kind, "exp_avg", "exp_avg_sq"):
+                    for e in store.catalog.group_entries(g, k):
+                        places[e.spec.name] = (e.tier, store.tier(e.tier).allocate(e.spec.nbytes))
+            except UserError as e:
+                self._free_grant(run, (step, places))
+                raise RequestError(f"no room to write group {g!r}'s update out of place: {e}") from None
+            run.grants[g] = (step, places)
+            return {"places": {n: [ext.offset, ext.nbytes] for n, (_, ext) in places.items()}}
+
+    def _flip(self, client: Client, msg: dict) -> dict:
+        """The trainer wrote a group's update where ``alloc`` said: journal it, make it the home, publish."""
+        with self.lock:
+            run, g, step = self._owed(client, msg)
+            step_of, places = run.grants.get(g, (None, {}))
+            given = msg.get("places")
+            if step_of != step or not isinstance(given, dict) or \
+                    {n: [ext.offset, ext.nbytes] for n, (_, ext) in places.items()} != given:
+                raise RequestError(f"flip of group {str(g)[:40]!r} to places the service did not allocate")
+            del run.grants[g]
+            run.guard.flip(g, step, {n: ext for n, (_, ext) in places.items()})
+            run.store.catalog.bump(g, to=step)
+            with run.mu:
+                run.owed.discard(g)
+                self._maybe_updated(run, step)
         return {}
 
-    def _updated(self, run: Run, step: int, fut, out: cf.Future) -> None:
-        try:
-            if fut.exception() is not None:
-                run.error = f"{type(fut.exception()).__name__}: {fut.exception()}"
-                self.say(f"update {step} failed: {run.error}")
-                if run.trainer is not None:
-                    self._tell(run.trainer, {"ev": "failed", "error": run.error})
+    def _free_grant(self, run: Run, grant) -> None:
+        for tier, ext in grant[1].values():
+            run.store.tier(tier).free(ext)
+
+    def _trainer_left(self, run: Run) -> None:
+        """The trainer is gone (call with the lock held): its unfinished share of the committed update is
+        the service's now."""
+        for grant in run.grants.values():
+            self._free_grant(run, grant)
+        run.grants = {}
+        if not run.owed or run.error:
+            return
+        st, todo = run.state, set(run.owed)
+        self.say(f"finishing update {st.committed} of {len(todo)} groups the trainer left")
+        fut = run.optimizer.step(st.committed, st.commit_args["lr"], st.commit_args["grad_scale"], only=todo)
+
+        def redone(f, run=run, step=st.committed):
+            if f.exception() is not None:
+                self._failed(run, step, f.exception())
                 return
-            run.journal.append("updated", step=step)
-            opt = run.optimizer
-            opt.last_step_seconds, opt.last_split = opt._busy, dict(opt._split)
-            run.updates += 1
-            for k, v in {"total": opt._busy, **opt._split}.items():
-                run.update_seconds[k] = run.update_seconds.get(k, 0.0) + v
-        finally:
-            out.set_result(None)
+            with run.mu:
+                run.owed.clear()
+                self._maybe_updated(run, step)
+
+        fut.add_done_callback(redone)
 
     def _layout(self, client: Client, msg: dict) -> dict:
         run = self._attached(client, msg)
@@ -487,8 +588,9 @@ class Service:
             self.pending_config = cfg
         self.say("SIGHUP: config reloaded; re-placement happens before the next update")
 
-    def _replace(self, run: Run) -> None:
-        """Move optimizer state between tiers to follow the reloaded config (between two updates)."""
+    def _replace(self, run: Run) -> bool:
+        """Move optimizer state between tiers to follow the reloaded config (between two updates); True
+        when something moved."""
         cfg, self.pending_config = self.pending_config, None
         self.cfg, self.plan_cfg = cfg, _planning(cfg)
         budgets = dict(default_budgets(cfg), gpu=0)
@@ -496,7 +598,7 @@ class Service:
             plan = make_plan(run.specs, self.plan_cfg, ("param",), budgets)
         except UserError as e:
             self.say(f"re-placement skipped: {e}")
-            return
+            return False
         run.wait()
         store, moves, refused = run.store, [], set()
         for e in store.catalog.entries():
@@ -522,7 +624,7 @@ class Service:
             for _, want, ext in done:
                 store.tier(want).free(ext)
             self.say(f"re-placement stopped: {err}; nothing moved")
-            return
+            return False
         for e, want, ext in done:
             olds.append((e.tier, e.extent))
             e.tier, e.extent = want, ext
@@ -537,6 +639,7 @@ class Service:
                 moved.setdefault((e.spec.kind, want), 0)
                 moved[(e.spec.kind, want)] += 1
             self.say("re-placed: " + ", ".join(f"{k} of {n} tensors -> {t}" for (k, t), n in moved.items()))
+        return bool(moves)
 
     # -- serving ------------------------------------------------------------------------------------------
     def listen(self) -> None:
@@ -594,6 +697,7 @@ class Service:
                 if run is not None and run.trainer is client:
                     run.trainer = None
                     run.store.catalog.on_bump = None
+                    self._trainer_left(run)
                     run.live["phase"] = "no trainer attached"
                     self.say(f"trainer pid {client.pid} detached from run {label_of(run)} (step "
                              f"{run.state.committed} committed)")

@@ -322,33 +322,41 @@ class Store:
 
         return self._ordered((group, kind), run)
 
-    def write_elsewhere(self, tensors: dict[str, torch.Tensor], bulk: bool = False) -> dict[str, Extent]:
+    def write_elsewhere(self, tensors: dict[str, torch.Tensor], bulk: bool = False,
+                        extents: dict[str, Extent] | None = None) -> dict[str, Extent]:
         """Write each tensor to a new extent on its home tier, leaving its current bytes untouched; returns
         the new extents once every write has landed. ``switch`` then makes them the tensors' homes (an
-        out-of-place update: a crash before the switch leaves the old state whole)."""
+        out-of-place update: a crash before the switch leaves the old state whole). ``extents``: places
+        allocated by the tiers' owner (an attached trainer writes where the service tells it), else
+        allocated here (and freed again if a write fails)."""
         wait = _event_now(*tensors.values())
         new, futs = {}, []
         try:
             for name, t in tensors.items():
                 e = self.catalog[name]
-                ext = self.tier(e.tier).allocate(e.spec.nbytes)
+                ext = extents[name] if extents is not None else self.tier(e.tier).allocate(e.spec.nbytes)
+                if ext.nbytes < e.spec.nbytes:
+                    raise ValueError(f"{name}: a place of {ext.nbytes} bytes cannot hold {e.spec.nbytes}")
                 new[name] = ext
                 futs.append(self.mover.copy(t.contiguous(), Location(e.tier, ext, e.spec.nbytes), wait, bulk=bulk))
             all_of(futs).result()
         except BaseException:
             for f in futs:
                 f.exception()
-            for name, ext in new.items():
-                self.tier(self.catalog[name].tier).free(ext)
+            if extents is None:
+                for name, ext in new.items():
+                    self.tier(self.catalog[name].tier).free(ext)
             raise
         return new
 
-    def switch(self, name: str, extent: Extent) -> None:
-        """Make ``extent`` (written by ``write_elsewhere``) the tensor's home and free the old one."""
+    def switch(self, name: str, extent: Extent, free: bool = True) -> None:
+        """Make ``extent`` (written by ``write_elsewhere``) the tensor's home and free the old one (``free``
+        False: the old place is the tiers' owner's to free)."""
         e = self.catalog[name]
         old, e.extent, e.valid = e.extent, extent, True
         self._offered.pop((e.spec.group, e.spec.kind), None)
-        self.tier(e.tier).free(old)
+        if free:
+            self.tier(e.tier).free(old)
 
     def mark_valid(self, group: Group, kind: str) -> None:
         """Declare the bytes of a group's resident tensors valid after writing them through views in place."""

@@ -93,10 +93,10 @@ class Executor:
 
     def _hand_grads(self, group, grads: dict[str, torch.Tensor]) -> None:
         named = {state_name(n, "grad"): g for n, g in grads.items()}
+        if self.optimizer.grads_home(group):  # (an attached trainer's: also kept for the service's redo)
+            self.store.store_group(group, "grad", named)
         if self.optimizer.grads_on_gpu(group):  # updated on the GPU: no round trip through DRAM
             self.store.offer(group, "grad", named)
-        else:
-            self.store.store_group(group, "grad", named)
 
     def _grads(self, group, grads: dict[str, torch.Tensor], first: bool, last: bool):
         """Hand a layer's gradient of this pass on: partial sums go to the store between passes (and come
