@@ -28,6 +28,7 @@ from trainer.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 PLACEMENT = {"param": "dram", "grad": "dram", "master": "dram", "exp_avg": "nvme", "exp_avg_sq": "dram"}
+DRAM = dict.fromkeys(PLACEMENT, "dram")
 
 
 class Service:
@@ -165,20 +166,23 @@ def test_trainer_killed_in_forward_backward_and_optimizer_continues_bit_identica
     assert not list((env.tmp / "shm").glob("*.arena"))  # every run finished: nothing left behind
 
 
-@pytest.mark.parametrize("share,group", [(0, 1), (0.5, 1), (0.5, 0)])
-def test_service_killed_mid_update_recovers_and_the_run_ends_bit_identically(env, share, group):
+@pytest.mark.parametrize("share,group,placement", [(0, 1, DRAM), (0, 1, PLACEMENT), (0.5, 1, PLACEMENT),
+                                                     (0.5, 0, DRAM)])
+def test_service_killed_mid_update_recovers_and_the_run_ends_bit_identically(env, share, group, placement):
     ref = env.reference()
-    # group's update 3 written, not journaled: group 1 is the service's CPU worker's (updated in place, its
-    # undo copy goes back); at share 0.5 group 0 is the trainer's GPU worker's (written out of place: whole
-    # in its old place; the trainer's flip request is what the service dies in)
-    svc = env.service(share=share, env={"TIERMEM_TEST_KILL_AT": f"update:3:{group}"})
+    # group's update 3 written, not journaled. Group 1 is the service's CPU worker's: with all its state in
+    # DRAM it is written out of place (the old state stays whole), with exp_avg on NVMe it is updated in
+    # place behind the undo copy, which goes back. At share 0.5 group 0 is the trainer's GPU worker's,
+    # written out of place; the trainer's flip request is what the service dies in. Then the update is redone.
+    svc = env.service(placement=placement, share=share, env={"TIERMEM_TEST_KILL_AT": f"update:3:{group}"})
     lost = env.train("run")
     assert svc.proc.wait(timeout=60) == -signal.SIGKILL
     assert lost.returncode == 1 and "lost the tiermem service" in lost.stderr, lost.stderr
     assert len(lost.stderr.strip().splitlines()) == 1
-    svc = env.service(share=share)
+    svc = env.service(placement=placement, share=share)
     try:
-        assert ("put back group 1 as it was before update 3" in svc.text) == (group == 1)
+        undone = "put back group 1 as it was before update 3" in svc.text
+        assert undone == (placement is PLACEMENT and group == 1), svc.text
         assert "finishing update 3 of" in svc.text
         assert "recovered run" in svc.text and "step 3 committed" in svc.text
         again = env.train("run")
@@ -189,16 +193,18 @@ def test_service_killed_mid_update_recovers_and_the_run_ends_bit_identically(env
         assert svc.stop() == 0
 
 
-def test_bf16_service_killed_mid_update_recovers(env):
-    """bf16 with fp32 master weights: the undo copy holds the master, moments and gradient; the redo
-    rewrites the bf16 compute copy from the restored master."""
+@pytest.mark.parametrize("placement", [DRAM, PLACEMENT])
+def test_bf16_service_killed_mid_update_recovers(env, placement):
+    """bf16 with fp32 master weights: CPU AdamW writes the new master and moments out of place (all in
+    DRAM) or, with exp_avg on NVMe, updates in place behind the undo copy (master, moments and gradient);
+    the redo rewrites the bf16 compute copy from the old master."""
     ref = env.reference(bf16=True)
-    svc = env.service(env={"TIERMEM_TEST_KILL_AT": "update:4:2"})
+    svc = env.service(placement=placement, env={"TIERMEM_TEST_KILL_AT": "update:4:2"})
     lost = env.train("run", bf16=True)
     assert svc.proc.wait(timeout=60) == -signal.SIGKILL and lost.returncode == 1
-    svc = env.service()
+    svc = env.service(placement=placement)
     try:
-        assert "put back group 2 as it was before update 4" in svc.text
+        assert ("put back group 2 as it was before update 4" in svc.text) == (placement is PLACEMENT)
         again = env.train("run", bf16=True)
         assert again.returncode == 0, again.stderr
         assert same(env.weights("run"), ref)
@@ -487,6 +493,47 @@ def test_the_trainers_share_of_an_update_is_checked_and_taken_over_when_it_leave
     svc.run.wait()
     assert svc.run.state.updated == 2 and store.catalog.version(0) == 2
     assert store.dram.allocator.free_bytes() == free
+    svc._close_run(keep=False)
+    theirs.close()
+
+
+def test_cpu_adamw_writes_out_of_place_and_falls_back_to_the_undo_copy_without_room(tmp_path):
+    """In-process, the service's CPU AdamW: update 1 finds no room in the arena and goes in place behind
+    the undo copy (journal: begin, then done); update 2 writes out of place (journal: done with the new
+    places). Both give torch.optim.AdamW's numbers; out of place the gradient keeps its bytes (the clip's
+    unscale works on a copy)."""
+    import torch
+
+    from tiermem.tiers.extents import OutOfSpace
+
+    svc, client, _, theirs, hello, _ = _unit_service(tmp_path, 0)
+    assert svc.dispatch(client, hello)["ok"]
+    store = svc.run.store
+    w0, grads = torch.randn(4, 4), [torch.randn(4, 4), torch.randn(4, 4)]
+    store.write("w", w0).result()
+    assert svc.dispatch(client, {"op": "init", "id": 2, "run": "r1", "step": 0})["ok"]
+    ref = torch.nn.Parameter(w0.clone())
+    opt = torch.optim.AdamW([ref], lr=0.1, weight_decay=0.0)
+    real = store.dram.allocate
+
+    def full(nbytes):
+        raise OutOfSpace("full")
+
+    for step, grad in enumerate(grads, 1):
+        store.write("grad/w", grad).result()
+        store.dram.allocate = full if step == 1 else real
+        assert svc.dispatch(client, {"op": "commit", "id": 2 + step, "run": "r1", "step": step, "lr": 0.1,
+                                     "grad_scale": 2.0})["ok"]
+        svc.run.wait()
+        ref.grad = grad / 2.0
+        opt.step()
+        assert torch.allclose(store.read("w").result(), ref.detach(), rtol=0, atol=1e-6), step
+        # in place the fused kernel unscales the gradient (the undo copy keeps it); out of place a copy takes it
+        assert torch.equal(store.read("grad/w").result(), grad) == (step == 2)
+    store.dram.allocate = real
+    ops = [json.loads(line) for line in svc.journal_path.read_text().splitlines()]
+    ops = [(r["op"], r.get("step"), "moves" in r) for r in ops if r["op"] in ("begin", "done")]
+    assert ops == [("begin", 1, False), ("done", 1, False), ("done", 2, True)]
     svc._close_run(keep=False)
     theirs.close()
 

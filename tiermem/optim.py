@@ -15,6 +15,11 @@ for exactly that. Two workers run at once:
 When a group has fp32 ``master`` weights the update also writes the new compute copy (``param``, e.g.
 bf16) from them; without ``master`` the ``param`` tensors are the weights and are updated in place.
 
+With a ``guard`` (the service, ``tiermem.journal``) an update must survive a crash at any point: the GPU
+worker writes the new weights and moments out of place and the guard switches to them; the CPU worker
+does the same when they all live in DRAM and the arena has room (``tiermem.adamw``'s chunked update,
+about the in-place traffic), else it updates in place behind the guard's undo copy.
+
 Semantics are ``torch.optim.AdamW``'s: decoupled weight decay (only for tensors flagged to decay), bias
 correction, fp32 moments; gradients may be divided by ``grad_scale`` (global-norm clipping).
 """
@@ -29,10 +34,12 @@ from dataclasses import dataclass
 
 import torch
 
+from tiermem.adamw import adamw_out_of_place, fused_adamw
 from tiermem.catalog import Group, state_name
 from tiermem.errors import BudgetError
 from tiermem.futures import all_of, done_future
 from tiermem.mover import host_sync
+from tiermem.tiers.extents import OutOfSpace
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # measured best on the H200 machine (16 cores, PCIe Gen5) for a 3B model with all state in DRAM:
@@ -157,14 +164,10 @@ class StoreAdamW:
             self._split["save_wait"] += self.gate(g, step)
 
     def _adamw(self, lists, step: int, lr: float, grad_scale: float | None, dev: torch.device) -> None:
+        c = self.cfg
         for decays, (ps, gs, ms, vs) in lists.items():
-            if not ps:
-                continue
-            steps = [torch.tensor(float(step), device=dev) for _ in ps]
-            scale = None if grad_scale is None else torch.tensor(grad_scale, dtype=torch.float32, device=dev)
-            torch._fused_adamw_(ps, gs, ms, vs, [], steps, lr=lr, beta1=self.cfg.beta1, beta2=self.cfg.beta2,
-                                weight_decay=self.cfg.weight_decay if decays else 0.0, eps=self.cfg.eps,
-                                amsgrad=False, maximize=False, grad_scale=scale, found_inf=None)
+            fused_adamw(ps, gs, ms, vs, step, lr, c.beta1, c.beta2, c.eps, c.weight_decay if decays else 0.0,
+                        grad_scale, dev)
 
     def _base(self, name: str) -> str:
         return name if self.p_kind == "param" else name.split("/", 1)[1]
@@ -188,6 +191,11 @@ class StoreAdamW:
             self._split["cpu_staging"] += time.perf_counter() - ts
             self._wait_gate(g, step)
             if self.guard is not None:
+                new = self._places_elsewhere(g)
+                if new is not None:
+                    self._update_out_of_place(g, views, new, step, lr, grad_scale)
+                    prev_writeback = done_future()
+                    continue
                 t0 = time.perf_counter()
                 self.guard.begin(g, step, views)
                 self._split["undo_copy"] = self._split.get("undo_copy", 0.0) + time.perf_counter() - t0
@@ -243,6 +251,56 @@ class StoreAdamW:
             host_sync(torch.cuda.current_stream())
         self._split["cpu_adamw"] += t1 - t0
         self._split["cpu_compute_copy"] += time.perf_counter() - t1
+
+    def _places_elsewhere(self, g: Group) -> dict | None:
+        """New DRAM places for the group's weights and moments, for an update out of place; None when some
+        of them live elsewhere (NVMe: staged copies, updated with the undo copy) or the arena has no room
+        (fragmented): then the update goes in place behind the undo copy."""
+        kinds, dram = (self.p_kind, *MOMENTS), self.store.dram
+        entries = [e for k in kinds for e in self.store.catalog.group_entries(g, k)]
+        if any(e.tier != "dram" for e in entries):
+            return None
+        new = {}
+        try:
+            for e in entries:
+                new[e.spec.name] = dram.allocate(e.spec.nbytes)
+        except OutOfSpace:
+            for ext in new.values():
+                dram.free(ext)
+            return None
+        return new
+
+    def _update_out_of_place(self, g: Group, views, new: dict, step: int, lr: float, grad_scale) -> None:
+        """CPU AdamW into ``new`` places (the old state and the gradient keep their bytes), then the guard
+        journals and switches to them: crash-safe without an undo copy (see tiermem.adamw)."""
+        store, cat, pk = self.store, self.store.catalog, self.p_kind
+        rows: dict[bool, list] = {True: [], False: []}
+        for e in cat.group_entries(g, pk):
+            base = self._base(e.spec.name)
+            row = [views[pk].tensors[e.spec.name], views["grad"].tensors[state_name(base, "grad")]]
+            for k in MOMENTS:
+                name = state_name(base, k)
+                row.append(views[k].tensors[name] if cat[name].valid else None)  # None: starts at zero
+            row += [store.view_at(n, new[n]) for n in (e.spec.name, *(state_name(base, k) for k in MOMENTS))]
+            rows[self.decay.get(base, True)].append(row)
+        t0 = time.perf_counter()
+        c = self.cfg
+        for decays, group_rows in rows.items():
+            adamw_out_of_place(group_rows, step, lr, c.beta1, c.beta2, c.eps, c.weight_decay if decays else 0.0,
+                               grad_scale)
+        t1 = time.perf_counter()
+        if self.has_master:
+            for e in cat.group_entries(g, "param"):
+                master = state_name(e.spec.name, "master")
+                views["param"].tensors[e.spec.name].copy_(store.view_at(master, new[master]))
+            store.mark_valid(g, "param")
+            views.pop("param").release(write_back=True).result()
+        self._split["cpu_adamw"] += t1 - t0
+        self._split["cpu_compute_copy"] += time.perf_counter() - t1
+        self.guard.flip(g, step, new)
+        for view in views.values():
+            view.release(write_back=False)
+        self.store.catalog.bump(g, to=step)
 
     def _finish(self, g: Group, views, step: int) -> cf.Future:
         """Declare the updated state valid, write NVMe-staged state back, bump the group's version once

@@ -6,9 +6,10 @@ itself, fetches weights and writes gradients through them, and commits each step
 the update is the service's to finish even if the trainer dies. An update is split as in an embedded
 run: the trainer's own GPU worker updates ``gpu_share`` of the groups (on the GPU that made their
 gradients, writing the new state out of place to places the service hands out, then asking it to
-journal and switch: ``alloc``/``flip``), the service's CPU AdamW the rest (in place, with the undo
-guard of ``tiermem.journal``). When the trainer leaves mid-update the service updates what it still owed
-(its own GPU worker, out of place). The service pushes each group's new version to its trainer.
+journal and switch: ``alloc``/``flip``), the service's CPU AdamW the rest (out of place too, or in
+place behind the undo copy of ``tiermem.journal`` where it cannot: NVMe-resident state, no room).
+When the trainer leaves mid-update the service updates what it still owed (its own GPU worker, out of
+place). The service pushes each group's new version to its trainer.
 
 Requests (JSON, ``op``):
   hello {run, label, specs, optim, rank, world}  attach; creates the run or rejoins it; layout and the
@@ -57,7 +58,7 @@ from tiermem.optim import AUTO_GPU_SHARE, AdamWConfig, StoreAdamW
 from tiermem.placement import default_budgets, make_plan
 from tiermem.schema import to_plain
 from tiermem.stats import snapshot
-from tiermem.tiers.extents import Extent
+from tiermem.tiers.extents import Extent, OutOfSpace
 
 log = logging.getLogger(__name__)
 MOVABLE = ("master", "exp_avg", "exp_avg_sq")  # kinds only the service touches between steps
@@ -94,9 +95,8 @@ def _planning(cfg: StoreConfig) -> StoreConfig:
 
 
 def gpu_share(plan_cfg: StoreConfig) -> float:
-    """The share of groups the trainer's GPU worker updates (out of place: no undo copy) while the
-    service's CPU AdamW updates the rest (in place, with the undo copy); auto: as embedded runs, 0.7 with
-    CUDA, else 0."""
+    """The share of groups the trainer's GPU worker updates while the service's CPU AdamW updates the
+    rest; auto: as embedded runs, 0.7 with CUDA, else 0."""
     share = plan_cfg.optimizer.gpu_share
     if share is None:
         share = AUTO_GPU_SHARE if plan_cfg.tiers.gpu.device != "cpu" else 0.0
@@ -104,7 +104,8 @@ def gpu_share(plan_cfg: StoreConfig) -> float:
 
 
 def _spare(specs: list[TensorSpec], plan, kinds: tuple[str, ...], tier: str) -> int:
-    """Room for one group's new state written out of place on ``tier`` (twice the largest, for fragmentation)."""
+    """Room for the new state of the groups being written out of place on ``tier`` (twice the largest:
+    one per worker)."""
     per: dict = {}
     for (g, k), t in plan.where.items():
         if k in kinds and t == tier:
@@ -265,7 +266,7 @@ class Service:
         share = gpu_share(self.plan_cfg)
         undo = undo_bytes(specs, optim["has_master"]) if share < 1 else 0
         moved = ("master" if optim["has_master"] else "param", "exp_avg", "exp_avg_sq")
-        spare = {t: _spare(specs, plan, moved, t) if share > 0 else 0 for t in ("dram", "nvme")}
+        spare = {t: _spare(specs, plan, moved, t) for t in ("dram", "nvme")}  # both workers write out of place
         for p in (self.record_path, self.journal_path):
             p.unlink(missing_ok=True)
         store = create_store(self.plan_cfg, specs, plan, undo + spare["dram"], spare["nvme"])
@@ -459,7 +460,7 @@ class Service:
                 for k in (run.optimizer.p_kind, "exp_avg", "exp_avg_sq"):
                     for e in store.catalog.group_entries(g, k):
                         places[e.spec.name] = (e.tier, store.tier(e.tier).allocate(e.spec.nbytes))
-            except UserError as e:
+            except OutOfSpace as e:
                 self._free_grant(run, (step, places))
                 raise RequestError(f"no room to write group {g!r}'s update out of place: {e}") from None
             run.grants[g] = (step, places)

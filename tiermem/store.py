@@ -349,6 +349,12 @@ class Store:
             raise
         return new
 
+    def view_at(self, name: str, extent: Extent) -> torch.Tensor:
+        """The tensor ``name`` as if it lived at ``extent`` of its (DRAM or GPU) tier: a typed view to write
+        its new value into before ``switch``."""
+        e = self.catalog[name]
+        return _typed(self.mover.view(Location(e.tier, extent, e.spec.nbytes)), e.spec)
+
     def switch(self, name: str, extent: Extent, free: bool = True) -> None:
         """Make ``extent`` (written by ``write_elsewhere``) the tensor's home and free the old one (``free``
         False: the old place is the tiers' owner's to free)."""

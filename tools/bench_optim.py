@@ -4,15 +4,23 @@ over one Llama-3B-shaped decoder layer (100.7 M params, 12 tensors), in host mem
     python tools/bench_optim.py [--threads 16] [--reps 5] [--pinned]
 
 Prints G params/s for: AdamW alone, the bf16 copy alone, and the two together (as StoreAdamW does
-them), for the given thread counts; the ceiling is a plain fp32 memcpy of the same bytes.
+them), for the given thread counts; the ceiling is a plain fp32 memcpy of the same bytes. Then the
+service's crash-safe variants (clipped gradients): AdamW in place behind an undo copy of the weights,
+moments and gradient (16 B/param copied first), and AdamW out of place (tiermem.adamw: chunked, the old
+state and the gradient untouched), each as a ratio to AdamW in place in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tiermem.adamw import adamw_out_of_place  # noqa: E402
 
 SHAPES = [(3072, 3072), (1024, 3072), (1024, 3072), (3072, 3072), (8192, 3072), (8192, 3072), (3072, 8192),
           (3072,), (3072,)]
@@ -57,11 +65,32 @@ def main() -> None:
         for dst, src in zip(m, p):
             dst.copy_(src)
 
+    hp = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01, "grad_scale": 2.0}
+    undo = [mk(s) for s in SHAPES * 4]
+    new = [[mk(s) for s in SHAPES] for _ in range(3)]
+
+    def clipped():
+        torch._fused_adamw_(p, g, m, v, [], steps, lr=1e-4, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8,
+                            amsgrad=False, maximize=False, grad_scale=torch.tensor(2.0), found_inf=None)
+
+    def undo_then_adam():
+        for dst, src in zip(undo, p + g + m + v):
+            dst.copy_(src)
+        clipped()
+
+    def out_of_place():
+        adamw_out_of_place(list(zip(p, g, m, v, *new)), 2, **hp)
+
     for th in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(th)
         res = {k: n / timed(f, args.reps) / 1e9 for k, f in
                (("adamw", adam), ("bf16 copy", copy), ("adamw+copy", both), ("fp32 memcpy", memcpy))}
         print(f"threads {th:2d}: " + ", ".join(f"{k} {r:.2f} G params/s" for k, r in res.items()))
+        base = n / timed(clipped, args.reps) / 1e9
+        safe = {k: n / timed(f, args.reps) / 1e9 for k, f in
+                (("undo copy + in place", undo_then_adam), ("out of place", out_of_place))}
+        print(f"threads {th:2d}: clipped adamw in place {base:.2f} G params/s; crash-safe: " +
+              ", ".join(f"{k} {r:.2f} ({r / base:.2f}x)" for k, r in safe.items()))
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@
 Both runs are `tiermem-train` on a random-init Llama-3B shape (bf16, tiermem_init: random) over random
 tokenized rows, with the same tiermem config: every kind of state in a DRAM arena under /dev/shm,
 optimizer.gpu_share auto (0.7 of the groups on the trainer's GPU worker, the rest CPU AdamW: in the
-trainer's process when embedded; in the service when attached, where CPU AdamW keeps an undo copy and
-the trainer's GPU worker writes out of place to places the service hands out).
+trainer's process when embedded; in the service when attached, where both write the new state out of
+place: CPU AdamW chunk by chunk, the trainer's GPU worker to places the service hands out).
 The embedded run keeps the store in the trainer's process; the attached one starts `tiermem serve` with
 that config and sets tiermem_server. Prints the median step time of the steps after the first two, the
 step split and the ratio attached / embedded. Layers are reduced when /dev/shm cannot hold the state.
