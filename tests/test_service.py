@@ -270,9 +270,13 @@ def test_state_lost_with_the_arena_names_the_newest_checkpoint(env):
 
 @SHARES
 def test_sighup_moves_optimizer_state_between_tiers_while_training(env, share):
+    from tiermem.top import read_service
+
     ref = env.reference()
+    # the service dies in the last update (6), well after the re-placement at the first commit after SIGHUP:
+    # the moved places must be what the restarted service finds
     svc = env.service(placement=dict(PLACEMENT, exp_avg="dram"), share=share,
-                      env={"TIERMEM_TEST_SLOW_UPDATE": "0.1"})
+                      env={"TIERMEM_TEST_SLOW_UPDATE": "0.1", "TIERMEM_TEST_KILL_AT": "update:6:0"})
     try:
         trainer = env.start_train("run")
         svc.wait_for("attached to run")
@@ -280,14 +284,13 @@ def test_sighup_moves_optimizer_state_between_tiers_while_training(env, share):
                                                                                          "exp_avg: nvme"))
         svc.proc.send_signal(signal.SIGHUP)
         svc.wait_for("re-placed: exp_avg of")
-        snap = json.loads(subprocess.run([sys.executable, "-m", "tiermem.cli", "stats", "--socket", str(env.sock)],
-                                         cwd=ROOT, capture_output=True, text=True, check=True).stdout)
+        snap = read_service(env.sock)
         assert snap["store"]["tiers"]["nvme"]["by_kind"].get("exp_avg", 0) > 0
         assert "exp_avg" not in snap["store"]["tiers"]["dram"]["by_kind"]
-        svc.stop(signal.SIGKILL)  # the moved places must be what a restarted service finds
-        svc = env.service(placement=dict(PLACEMENT, exp_avg="nvme"), share=share)
+        assert svc.proc.wait(timeout=120) == -signal.SIGKILL
         _, err = trainer.communicate(timeout=120)
         assert trainer.returncode == 1, err  # it lost the service
+        svc = env.service(placement=dict(PLACEMENT, exp_avg="nvme"), share=share)
         again = env.train("run")
         assert again.returncode == 0, again.stderr
         assert same(env.weights("run"), ref)
