@@ -76,15 +76,23 @@ def test_training_on_the_gpu_matches_plain_pytorch(tmp_path):
         assert err <= (1e-3 if n.endswith("k_proj.bias") else 1e-4), f"{n}: {err:.2e}"
 
 
-def test_attached_training_on_the_gpu_matches_embedded(env):  # noqa: F811 - the fixture
+@pytest.mark.parametrize("kill_at", [None, "update:3:0"])
+def test_attached_training_on_the_gpu_matches_embedded(env, kill_at):  # noqa: F811 - the fixture
     """A trainer attached to a service computing on CUDA (arena registered by the trainer, gradients D2H
-    into the shared arena, CPU AdamW in the service) ends where the embedded CUDA run (CPU AdamW too)
-    ends; only GPU kernels' run-to-run rounding may differ."""
+    into the shared arena and kept on the GPU for the trainer's GPU worker, 0.7 of the groups updated
+    there out of place, the rest by CPU AdamW in the service) ends where the embedded CUDA run (CPU AdamW)
+    ends; only GPU kernels' rounding may differ. Killed with its GPU worker's update of group 0 written but
+    not journaled, the service updates what it owed (on its own GPU worker) and the rerun ends the same."""
     ref = env.reference(device="cuda")
     svc = env.service(device="cuda", shm="/dev/shm")  # CUDA pins tmpfs pages, not a disk file's
     try:
+        if kill_at:
+            killed = env.train("attached", kill_at=kill_at)
+            assert killed.returncode == -9, killed.stderr
         run = env.train("attached")
         assert run.returncode == 0, run.stderr
+        if kill_at:
+            assert "groups the trainer left" in svc.text
         got = env.weights("attached")
         for k in ref:
             assert torch.allclose(got[k], ref[k], rtol=1e-4, atol=1e-6), k
