@@ -129,9 +129,9 @@ def same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
-# the service's optimizer: CPU AdamW in place with an undo copy (gpu_share 0, the default without CUDA), or
-# half of the groups on the GPU worker, which writes their new state out of place (with CUDA the default is
-# 0.7; here the "GPU" is the CPU stand-in)
+# the update's split: every group by the service's CPU AdamW (gpu_share 0, the default without CUDA), or half
+# of the groups by the trainer's GPU worker, which writes their new state out of place to places the service
+# hands out (with CUDA the default is 0.7; here the "GPU" is the CPU stand-in)
 SHARES = pytest.mark.parametrize("share", [0, 0.5])
 
 
@@ -382,7 +382,8 @@ def test_top_and_stats_over_the_socket(env):
         time.sleep(0.6)  # a progress message has reached the service
         frame = cli("top", "--once")
         assert frame.returncode == 0, frame.stderr
-        for needle in ("service on", "trainer pid", "committed step", "dram", "nvme", "step ", "loss"):
+        for needle in ("service on", "trainer pid", "committed step", "dram", "nvme", "step ", "loss",
+                       "at full overlap"):
             assert needle in frame.stdout, (needle, frame.stdout)
         snap = json.loads(cli("stats", "--json").stdout)
         assert snap["service"]["trainer_pid"] == trainer.pid and snap["run"]["total_steps"] == 12

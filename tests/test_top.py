@@ -11,7 +11,7 @@ import yaml
 from rich.console import Console
 
 from tiermem.cli import main as tiermem_main
-from tiermem.top import ceilings, prometheus, render
+from tiermem.top import ceilings, predict, prometheus, render
 
 GOLDEN = Path(__file__).parent / "golden" / "top_frame.txt"
 MiB = 1 << 20
@@ -39,6 +39,7 @@ SNAPSHOT = {
     "run": {"step": 30, "total_steps": 120, "phase": "backward", "layer": 7, "eta_s": 95.0, "loss": 2.3456,
             "grad_norm": 0.789, "lr": 1.5e-4, "eval_loss": 2.5, "tokens_per_s": 12345.0, "tflops": 210.5,
             "step_s": 1.25, "split": {"compute": 1.1, "wait_transfer": 0.05, "wait_optimizer": 0.1},
+            "link_bytes_per_step": {"dram->gpu": 8 * 1024 * MiB, "gpu->dram": 4 * 1024 * MiB},
             "optimizer": {"last_update_s": 0.9, "split": {"cpu_adamw": 0.5, "gpu_path": 0.8}, "gpu_share": 0.7}},
 }
 PROBE = {"rows": [{"link": "arena -> GPU", "raw": 55.13}, {"link": "GPU -> arena", "raw": 55.05},
@@ -58,6 +59,16 @@ def test_frame_matches_the_golden_text(tmp_path):
     assert frame(SNAPSHOT, ceiling) == GOLDEN.read_text()
 
 
+def test_predicted_step_time_is_the_largest_part():
+    best = predict(SNAPSHOT, {"dram->gpu": 55.13})
+    assert best["bound"] == "compute" and best["seconds"] == 1.1
+    assert abs(best["parts"]["dram->gpu"] - 8 * 1024 * MiB / 55.13e9) < 1e-9
+    assert abs(best["parts"]["gpu->dram"] - 4 * 1024 * MiB / 48.1e9) < 1e-9  # no ceiling: its own average
+    slow = {**SNAPSHOT, "run": {**SNAPSHOT["run"], "link_bytes_per_step": {"dram->gpu": 80 * 1024 * MiB}}}
+    assert predict(slow, {"dram->gpu": 55.13})["bound"] == "dram->gpu"
+    assert predict({"run": {}}) is None
+
+
 def test_prometheus_text_is_well_formed():
     text = prometheus(SNAPSHOT)
     sample = re.compile(r'^tiermem_[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? -?[0-9.e+-]+$')
@@ -65,6 +76,7 @@ def test_prometheus_text_is_well_formed():
         assert line.startswith("# HELP tiermem_") or line.startswith("# TYPE tiermem_") or sample.match(line), line
     assert 'tiermem_tier_used_bytes{tier="nvme",kind="exp_avg"} 134217728' in text
     assert "tiermem_train_step 30" in text
+    assert 'tiermem_train_predicted_step_s{bound="compute"} 1.1' in text
 
 
 def test_top_and_stats_follow_a_real_run(tmp_path, capsys):
@@ -82,6 +94,7 @@ def test_top_and_stats_follow_a_real_run(tmp_path, capsys):
     assert tiermem_main(["top", "--run", str(tmp_path / "out"), "--once"]) == 0
     shown = capsys.readouterr().out
     assert "step 3/3 (100%)" in shown and "dram->gpu" in shown and "loss" in shown
+    assert "predicted" in shown and "at full overlap" in shown
     assert tiermem_main(["stats", "--run", str(tmp_path / "out"), "--json"]) == 0
     snap = json.loads(capsys.readouterr().out)
     assert snap["run"]["step"] == 3 and set(snap["store"]["tiers"]) >= {"gpu", "dram"}

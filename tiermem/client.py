@@ -169,10 +169,10 @@ class RemoteOptimizer:
 
     def _on_version(self, g: Group, v: int) -> None:
         if g == self.groups[-1] and v == self.committed and self._t_commit:
-            self.last_step_seconds = time.perf_counter() - self._t_commit
-            self.last_split = {"service": self.last_step_seconds}
+            self.last_step_seconds = time.perf_counter() - self._t_commit  # commit to the last group's version
+            self.last_split = {}
             if self.local is not None and self.local.last_split:
-                self.last_split.update({f"here_{k}": v for k, v in self.local.last_split.items() if v})
+                self.last_split = {f"trainer_{k}": v for k, v in self.local.last_split.items() if v}
 
     def grads_on_gpu(self, g: Group) -> bool:
         return g in self.mine

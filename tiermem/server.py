@@ -567,9 +567,13 @@ class Service:
         live = dict(run.live)
         if run.trainer is None:
             live["phase"] = "no trainer attached"
-        live["optimizer"] = dict(live.get("optimizer") or {}, committed=st.committed, updated=st.updated,
+        theirs = dict(live.get("optimizer") or {})  # the trainer's: the whole update as it saw it, its GPU share
+        split = {k: v for k, v in (theirs.get("split") or {}).items() if k.startswith("trainer_")}
+        split.update({f"service_{k}": v for k, v in run.optimizer.last_split.items()})
+        live["optimizer"] = dict(theirs, committed=st.committed, updated=st.updated,
                                  lag_groups=sum(v < st.committed for v in versions), gpu_share=run.record["gpu_share"],
-                                 last_update_s=run.optimizer.last_step_seconds, split=run.optimizer.last_split)
+                                 last_update_s=theirs.get("last_update_s") or run.optimizer.last_step_seconds,
+                                 split=split)
         return {"pid": os.getpid(), "store": snap, "run": live,
                 "service": {"socket": str(self.socket_path), "run": run.record["run"], "label": run.record["label"],
                             "trainer_pid": run.trainer.pid if run.trainer else None, "error": run.error}}

@@ -7,8 +7,8 @@ scripts (JSON, Prometheus text), read from a stats snapshot only, so watching ne
 
 The view: per tier a bar of used/capacity split by kind; per link GB/s now and on average against the
 probed ceiling (a ``tiermem probe --save`` file); the step, phase and the layer on the GPU; the step-time
-split (compute / waiting on transfers / waiting on the optimizer); the optimizer's last update; loss,
-tokens/s, TFLOP/s, ETA.
+split (compute / waiting on transfers / waiting on the optimizer) and the step time predicted at full
+overlap against the measured one; the optimizer's last update; loss, tokens/s, TFLOP/s, ETA.
 """
 
 from __future__ import annotations
@@ -81,6 +81,27 @@ def _hms(seconds) -> str:
     return str(timedelta(seconds=int(seconds))) if seconds is not None else "-"
 
 
+def predict(snap: dict, ceiling: dict[str, float] | None = None) -> dict | None:
+    """The step time if transfers and the optimizer overlapped the GPU's compute perfectly: the largest
+    of the last step's compute, each link's bytes of a step at its probed ceiling (else at its own
+    average rate) and the optimizer's last update (the next forward cannot end before it). A lower
+    bound; the part that bounds it is what to speed up. None before the first step."""
+    run, links = snap.get("run") or {}, (snap.get("store") or {}).get("links", {})
+    split = run.get("split") or {}
+    if "compute" not in split:
+        return None
+    parts = {"compute": float(split["compute"])}
+    for link, nbytes in (run.get("link_bytes_per_step") or {}).items():
+        rate = (ceiling or {}).get(link) or (links.get(link) or {}).get("gbps_avg")
+        if rate:
+            parts[link] = nbytes / (rate * 1e9)
+    update = (run.get("optimizer") or {}).get("last_update_s")
+    if update:
+        parts["optimizer"] = float(update)
+    bound = max(parts, key=parts.get)
+    return {"seconds": parts[bound], "bound": bound, "parts": parts}
+
+
 def render(snap: dict, ceiling: dict[str, float] | None = None):
     """One frame of ``tiermem top`` for a snapshot (a rich renderable)."""
     store, run = snap.get("store", {}), snap.get("run", {}) or {}
@@ -148,6 +169,11 @@ def render(snap: dict, ceiling: dict[str, float] | None = None):
             f" = compute {split.get('compute', 0.0):.3f} + wait transfer {split.get('wait_transfer', 0.0):.3f}"
             f" + wait optimizer {split.get('wait_optimizer', 0.0):.3f}",
         ]
+        best = predict(snap, ceiling)
+        if best is not None:
+            lines.append(f"predicted {best['seconds']:.3f} s at full overlap, bound by {best['bound']} ("
+                         + ", ".join(f"{k} {v:.3f}" for k, v in best["parts"].items())
+                         + f") vs measured {step_s:.3f} s")
         opt = run.get("optimizer") or {}
         if opt:
             busy = ", ".join(f"{k} {v:.3f}" for k, v in (opt.get("split") or {}).items() if v)
@@ -186,6 +212,10 @@ def prometheus(snap: dict) -> str:
                                                                    for n, lk in links.items()])
     metric("wait_seconds_total", "counter", "seconds spent waiting, by cause",
            [({"what": k}, v) for k, v in store.get("waits_s", {}).items()])
+    best = predict(snap)
+    if best is not None:
+        metric("train_predicted_step_s", "gauge", "step seconds at full overlap (the bound: compute, a link at "
+               "its average rate, or the optimizer)", [({"bound": best["bound"]}, best["seconds"])])
     for key, help_ in (("step", "optimizer steps done"), ("total_steps", "optimizer steps planned"),
                        ("loss", "training loss of the last step"), ("tokens_per_s", "tokens per second"),
                        ("step_s", "seconds of the last step"), ("eta_s", "seconds left")):

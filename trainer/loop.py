@@ -165,6 +165,7 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
             optimizer.gate = saver.gate
         t0 = time.perf_counter()
         rows_seen = 0
+        link_bytes = _link_bytes(store)
         with _bar(console) as bar:
             task = bar.add_task("training", total=total, completed=start)
             for step in range(start, total):
@@ -188,6 +189,10 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
                         "layer-major passes, gradients adding up in the store between them")
                 report.step(step + 1, result, lr, plan.epoch_of(step + 1), time.perf_counter() - t0,
                             step + 1 == total, cfg.logging_steps)
+                now = _link_bytes(store)  # what each link carried this step: top's predicted step time
+                report.live["link_bytes_per_step"] = {k: n - link_bytes.get(k, 0) for k, n in now.items()
+                                                      if n > link_bytes.get(k, 0)}
+                link_bytes = now
                 if saver is not None and (step + 1) % cfg.save_steps == 0:
                     if attached is not None:
                         attached.refresh_layout()
@@ -266,6 +271,10 @@ def run_identity(cfg: TrainConfig, mcfg, dtype: torch.dtype, rows: Rows) -> str:
     settings = {k: v for k, v in to_plain(cfg).items() if k not in NOT_IDENTITY}
     ident = {"model": ckpt.signature(mcfg), "dtype": str(dtype), "settings": settings, "data": data.hexdigest()}
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _link_bytes(store) -> dict[str, int]:
+    return {name: int(link.get("bytes", 0)) for name, link in store.mover.stats().items()}
 
 
 def _attach(cfg: TrainConfig, mcfg, dtype: torch.dtype, rows: Rows, decay: dict, adamw: AdamWConfig, out: Path,
