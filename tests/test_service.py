@@ -110,11 +110,11 @@ def env(tmp_path):
             return subprocess.run([sys.executable, "-m", "trainer.cli", str(cfg)], cwd=ROOT, env=env,
                                   capture_output=True, text=True, timeout=300)
 
-        def start_train(self, name: str, **over) -> subprocess.Popen:
+        def start_train(self, name: str, extra_env: dict | None = None, **over) -> subprocess.Popen:
             cfg = train_config(name, **over)
             return subprocess.Popen([sys.executable, "-m", "trainer.cli", str(cfg)], cwd=ROOT, text=True,
-                                    env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE)
+                                    env=dict(os.environ, PYTHONPATH=str(ROOT), **(extra_env or {})),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
         def weights(self, name: str) -> dict:
             return load_file(tmp_path / name / "model.safetensors")
@@ -220,19 +220,27 @@ def _wait_for_steps(trainer: subprocess.Popen, log: Path, n: int) -> None:
         time.sleep(0.05)
 
 
-def test_sigterm_and_ctrl_c_stop_cleanly_and_training_continues(env):
+@SHARES
+def test_sigterm_and_ctrl_c_stop_cleanly_and_training_continues(env, share):
+    """At share 0.5 the SIGTERM lands while the trainer owes group 0 of update 2 (its GPU worker is held
+    before the flip): the service finishes it itself before it stops."""
     ref = env.reference()
-    svc = env.service(env={"TIERMEM_TEST_SLOW_UPDATE": "0.1"})
-    trainer = env.start_train("run")
+    svc = env.service(share=share, env={"TIERMEM_TEST_SLOW_UPDATE": "0.1"})
+    trainer = env.start_train("run", extra_env={"TIERMEM_TEST_HOLD_AT": "update:2:0"})
     log = env.tmp / "run" / "trainer_log.jsonl"
     _wait_for_steps(trainer, log, 2)
     assert svc.stop(signal.SIGTERM) == 0  # the service: SIGTERM
-    assert "kept at step" in svc.text
-    _, err = trainer.communicate(timeout=60)
-    assert trainer.returncode == 1 and "lost the tiermem service" in err
-    svc = env.service(env={"TIERMEM_TEST_SLOW_UPDATE": "0.1"})
+    assert "kept at step 2" in svc.text
+    if share:
+        assert "finishing update 2 of 2 groups the trainer left" in svc.text, svc.text
+        trainer.kill()  # its held thread would keep it from exiting
+        trainer.communicate(timeout=60)
+    else:
+        _, err = trainer.communicate(timeout=60)
+        assert trainer.returncode == 1 and "lost the tiermem service" in err
+    svc = env.service(share=share, env={"TIERMEM_TEST_SLOW_UPDATE": "0.1"})
     try:
-        assert "recovered run" in svc.text
+        assert "recovered run" in svc.text and "finishing" not in svc.text  # update 2 was whole at the stop
         other = env.train("other", learning_rate=5e-3)  # another run while this one is held: refused
         assert other.returncode == 2 and "holds another run" in other.stderr, other.stderr
         trainer = env.start_train("run")

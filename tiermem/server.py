@@ -396,12 +396,12 @@ class Service:
             if run.error:
                 raise RequestError(f"the optimizer failed: {run.error}; fix the cause and restart the service: "
                                    "it recovers the last committed step")
+            run.wait()  # the last update is whole (its last journal line may still be on its way)
             moved = self._replace(run) if self.pending_config is not None else False
             run.journal.compact()
             for g in run.optimizer.groups:
                 run.store.mark_valid(g, "grad")
             run.journal.append("commit", sync=True, step=step, lr=lr, grad_scale=scale)
-            run.wait()  # the last update is whole (its last journal line may still be on its way)
             opt = run.optimizer
             with run.mu:
                 run.owed = set(opt.on_gpu)  # the trainer's GPU worker updates these (alloc, flip)
@@ -486,6 +486,13 @@ class Service:
     def _free_grant(self, run: Run, grant) -> None:
         for tier, ext in grant[1].values():
             run.store.tier(tier).free(ext)
+
+    def _detach(self, run: Run) -> None:
+        """The run's trainer is gone (call with the lock held)."""
+        run.trainer = None
+        run.store.catalog.on_bump = None
+        run.live["phase"] = "no trainer attached"
+        self._trainer_left(run)
 
     def _trainer_left(self, run: Run) -> None:
         """The trainer is gone (call with the lock held): its unfinished share of the committed update is
@@ -700,10 +707,7 @@ class Service:
             with self.lock:
                 run = self.run
                 if run is not None and run.trainer is client:
-                    run.trainer = None
-                    run.store.catalog.on_bump = None
-                    self._trainer_left(run)
-                    run.live["phase"] = "no trainer attached"
+                    self._detach(run)
                     self.say(f"trainer pid {client.pid} detached from run {label_of(run)} (step "
                              f"{run.state.committed} committed)")
                     if not run.state.initialized:  # nothing of value yet: do not block other runs
@@ -724,6 +728,8 @@ class Service:
                         run.trainer.sock.shutdown(socket.SHUT_RDWR)
                     except OSError:
                         pass
+                    self.say(f"trainer pid {run.trainer.pid} detached")
+                    self._detach(run)  # what it still owed of the update in flight is the service's to finish
                 self._close_run(keep=True)
                 self.say(f"stopped; run {label_of(run)} kept at step {run.state.committed} for the next "
                          "`tiermem serve` with this config")
