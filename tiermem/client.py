@@ -186,6 +186,8 @@ class RemoteOptimizer:
         if self.client.lost:
             raise self.client._lost()
         if self.local is not None:
+            if isinstance(self.local._error, UserError):  # the service refused: its one line says why
+                raise self.local._error
             self.local.check()
 
     def step(self, step: int, lr: float, grad_scale: float | None = None):
