@@ -550,6 +550,52 @@ def test_cpu_adamw_writes_out_of_place_and_falls_back_to_the_undo_copy_without_r
     theirs.close()
 
 
+def test_with_no_room_for_the_trainers_share_the_service_updates_it(tmp_path):
+    """In-process, every group the trainer's, the arena full: asked for places, the service answers none
+    and updates the group itself (CPU AdamW behind the undo copy); a trainer gone mid-update leaves a group
+    the service's GPU worker finds no room for either, so its CPU worker takes it. Both give
+    torch.optim.AdamW's numbers."""
+    import torch
+
+    from tiermem.tiers.extents import OutOfSpace
+
+    svc, client, _, theirs, hello, err = _unit_service(tmp_path, 1)
+    assert svc.dispatch(client, hello)["ok"]
+    store = svc.run.store
+    w0 = torch.randn(4, 4)
+    store.write("w", w0).result()
+    assert svc.dispatch(client, {"op": "init", "id": 2, "run": "r1", "step": 0})["ok"]
+    ref = torch.nn.Parameter(w0.clone())
+    opt = torch.optim.AdamW([ref], lr=0.1, weight_decay=0.0)
+
+    def full(nbytes):
+        raise OutOfSpace("full")
+
+    store.dram.allocate = full
+    for step in (1, 2):
+        grad = torch.randn(4, 4)
+        store.write("grad/w", grad).result()
+        assert svc.dispatch(client, {"op": "commit", "id": 10 * step, "run": "r1", "step": step, "lr": 0.1})["ok"]
+        if step == 1:
+            reply = svc.dispatch(client, {"op": "alloc", "id": 11, "run": "r1", "step": 1, "group": 0})
+            assert reply["ok"] and reply["places"] is None
+            assert "not owed" in err(client, {"op": "flip", "id": 12, "run": "r1", "step": 1, "group": 0,
+                                              "places": {}})
+        else:
+            with svc.lock:
+                svc.run.trainer = None
+                svc._trainer_left(svc.run)
+        svc.run.wait()
+        assert svc.run.state.updated == step and store.catalog.version(0) == step
+        ref.grad = grad
+        opt.step()
+        assert torch.allclose(store.read("w").result(), ref.detach(), rtol=0, atol=1e-6), step
+    ops = [json.loads(line)["op"] for line in svc.journal_path.read_text().splitlines()]
+    assert ops.count("begin") == 2  # both in place behind the undo copy
+    svc._close_run(keep=False)
+    theirs.close()
+
+
 def test_journal_replay_keeps_the_begun_group_while_another_finishes(tmp_path):
     from tiermem.journal import Journal
 

@@ -134,9 +134,12 @@ class RemoteGuard:
     def __init__(self, client: ServiceClient, store, run_id: str):
         self.client, self.store, self.run = client, store, run_id
 
-    def allocate(self, g: Group, step: int, tensors: dict) -> dict[str, Extent]:
+    def allocate(self, g: Group, step: int, names: list[str]) -> dict[str, Extent] | None:
+        """Places for the group's new state; None when the service found no room and updates it itself."""
         places = self.client.request("alloc", run=self.run, step=step, group=g)["places"]
-        if set(places) != set(tensors):
+        if places is None:
+            return None
+        if set(places) != set(names):
             raise RuntimeError(f"the service allocated places for other tensors of group {g!r}")
         return {name: Extent(int(off), int(n)) for name, (off, n) in places.items()}
 
@@ -282,6 +285,7 @@ def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: dict)
                            has_master=optim["has_master"], gpu_share=0.0)
         local.on_gpu = set(mine)
         local.guard = RemoteGuard(client, store, run_id)
+        local.cpu_takes_over = False  # the service updates a group it found no room for
     opt = RemoteOptimizer(client, store, optim["groups"], run_id, reply["committed"], local,
                           float(reply.get("gpu_share", 0.0)))
     return Attached(client, store, opt, run_id, reply["initialized"], reply["committed"])

@@ -33,7 +33,7 @@ import torch
 from tiermem import faults
 from tiermem.catalog import Group
 from tiermem.sizes import align_up
-from tiermem.tiers.extents import Extent
+from tiermem.tiers.extents import Extent, OutOfSpace
 
 COMPACT_BYTES = 256 << 10
 
@@ -196,8 +196,12 @@ class UndoGuard:
         faults.point("update", step, g)  # test hook: the update is home, not yet journaled
         self.journal.append("done", group=g, step=step)
 
-    def allocate(self, g: Group, step: int, tensors: dict) -> None:
-        return None  # the GPU worker allocates in the service's own store
+    def allocate(self, g: Group, step: int, names: list[str]) -> dict | None:
+        """New places for the group's new state, or None when there is no room (the CPU worker takes it)."""
+        try:
+            return self.store.allocate_elsewhere(names)
+        except OutOfSpace:
+            return None
 
     def flip(self, g: Group, step: int, new: dict) -> None:
         if self.slow:

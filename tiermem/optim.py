@@ -91,12 +91,15 @@ class StoreAdamW:
         # checkpoint being written reads it first); returns the seconds it waited
         self.gate = None
         # guard.begin(group, update, views) before the CPU worker changes a group in place, guard.done(group,
-        # update) once all of its new state is home; guard.allocate(group, update, tensors) -> places for the
-        # GPU worker's out-of-place write (None: allocate here), guard.flip(group, update, extents) after it
-        # wrote them (the service's journal, undo copy and out-of-place updates; an attached trainer's
-        # GPU worker asks the service for both)
+        # update) once all of its new state is home; guard.allocate(group, update, names) -> places for the
+        # GPU worker's out-of-place write (None: no room, the CPU worker takes the group), guard.flip(group,
+        # update, extents) after it wrote them (the service's journal, undo copy and out-of-place updates; an
+        # attached trainer's GPU worker asks the service for both)
         self.guard = None
         self.offer_params = True  # hand GPU-updated compute copies to the next fetch (embedded runs)
+        # a group the guard finds no room for is updated by this optimizer's CPU worker (False: an attached
+        # trainer's, whose service takes such a group itself)
+        self.cpu_takes_over = True
 
     def _assign(self, share: float) -> set[Group]:
         """Spread ``share`` of the streamed groups evenly over the order, so both workers progress together."""
@@ -134,6 +137,11 @@ class StoreAdamW:
                                step, lr, grad_scale)
         self._pending = all_of([cpu, gpu])
         return self._pending
+
+    def update_on_cpu(self, groups: list[Group], step: int, lr: float, grad_scale: float | None) -> cf.Future:
+        """Update ``groups`` on the CPU worker (after what it is doing): groups whose new state found no room
+        to be written out of place."""
+        return self._cpu.submit(self._catch, self._run_cpu, list(groups), step, lr, grad_scale)
 
     def wait(self) -> None:
         if self._pending is not None:
@@ -252,23 +260,21 @@ class StoreAdamW:
         self._split["cpu_adamw"] += t1 - t0
         self._split["cpu_compute_copy"] += time.perf_counter() - t1
 
+    def _state_names(self, g: Group) -> list[str]:
+        """The group's tensors an update replaces: weights (fp32 master or the params) and both moments."""
+        return [e.spec.name for k in (self.p_kind, *MOMENTS) for e in self.store.catalog.group_entries(g, k)]
+
     def _places_elsewhere(self, g: Group) -> dict | None:
         """New DRAM places for the group's weights and moments, for an update out of place; None when some
         of them live elsewhere (NVMe: staged copies, updated with the undo copy) or the arena has no room
         (fragmented): then the update goes in place behind the undo copy."""
-        kinds, dram = (self.p_kind, *MOMENTS), self.store.dram
-        entries = [e for k in kinds for e in self.store.catalog.group_entries(g, k)]
-        if any(e.tier != "dram" for e in entries):
+        names = self._state_names(g)
+        if any(self.store.catalog[n].tier != "dram" for n in names):
             return None
-        new = {}
         try:
-            for e in entries:
-                new[e.spec.name] = dram.allocate(e.spec.nbytes)
+            return self.store.allocate_elsewhere(names)
         except OutOfSpace:
-            for ext in new.values():
-                dram.free(ext)
             return None
-        return new
 
     def _update_out_of_place(self, g: Group, views, new: dict, step: int, lr: float, grad_scale) -> None:
         """CPU AdamW into ``new`` places (the old state and the gradient keep their bytes), then the guard
@@ -329,7 +335,7 @@ class StoreAdamW:
         ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
         with ctx:
             incoming = self._fetch_state(groups[0]) if groups else None
-            leaving = done_future()
+            leaving, handed = done_future(), []
             for n, g in enumerate(groups):
                 t0 = time.perf_counter()
                 work, reads = incoming
@@ -338,9 +344,17 @@ class StoreAdamW:
                     leaving.result()  # bounds the GPU memory in use to three groups
                     incoming = self._fetch_state(groups[n + 1])
                 self._wait_gate(g, step)
-                leaving = self._update_streamed(g, work, step, lr, grad_scale)
+                places = self.guard.allocate(g, step, self._state_names(g)) if self.guard is not None else None
+                if self.guard is not None and places is None:  # no room to write it out of place
+                    if self.cpu_takes_over:
+                        handed.append(self.update_on_cpu([g], step, lr, grad_scale))
+                    leaving = done_future()
+                    continue
+                leaving = self._update_streamed(g, work, step, lr, grad_scale, places)
                 self._split["gpu_path"] += time.perf_counter() - t0
             leaving.result()
+            for f in handed:
+                f.result()
 
     def _fetch_state(self, g: Group):
         store, dev = self.store, self.store.gpu.device
@@ -363,7 +377,8 @@ class StoreAdamW:
                 work[e.spec.name] = t
         return work, all_of(reads)
 
-    def _update_streamed(self, g: Group, work, step: int, lr: float, grad_scale: float | None) -> cf.Future:
+    def _update_streamed(self, g: Group, work, step: int, lr: float, grad_scale: float | None,
+                         places: dict | None) -> cf.Future:
         store, cat, pk, dev = self.store, self.store.catalog, self.p_kind, self.store.gpu.device
         lists = {True: ([], [], [], []), False: ([], [], [], [])}
         for e in cat.group_entries(g, pk):
@@ -379,8 +394,7 @@ class StoreAdamW:
             if self.offer_params:
                 store.offer(g, "param", params)  # the next forward copies them on the GPU, not over PCIe
         if self.guard is not None:  # out of place: a crash leaves the old state whole; redo recomputes param
-            state = {e.spec.name: work[e.spec.name] for k in (pk, *MOMENTS) for e in cat.group_entries(g, k)}
-            new = store.write_elsewhere(state, bulk=True, extents=self.guard.allocate(g, step, state))
+            new = store.write_elsewhere({n: work[n] for n in places}, places, bulk=True)
             if self.has_master:
                 home.result()
             self.guard.flip(g, step, new)

@@ -140,6 +140,7 @@ class Run:
     # the committed update's groups the trainer's GPU worker owes (the service redoes them if it leaves),
     # whether the service's own part of it is done, and the places handed out for the trainer's writes
     owed: set = field(default_factory=set)
+    taken: set = field(default_factory=set)  # owed groups the service found no room for and updates itself
     own_done: bool = True
     grants: dict = field(default_factory=dict)  # group -> (step, {name: (tier, Extent)})
     mu: threading.Lock = field(default_factory=threading.Lock)  # owed, own_done, pending's completion
@@ -264,7 +265,7 @@ class Service:
         budgets = dict(default_budgets(self.cfg), gpu=0)
         plan = make_plan(specs, self.plan_cfg, ("param",), budgets)
         share = gpu_share(self.plan_cfg)
-        undo = undo_bytes(specs, optim["has_master"]) if share < 1 else 0
+        undo = undo_bytes(specs, optim["has_master"])  # any group may have to go in place (no room elsewhere)
         moved = ("master" if optim["has_master"] else "param", "exp_avg", "exp_avg_sq")
         spare = {t: _spare(specs, plan, moved, t) for t in ("dram", "nvme")}  # both workers write out of place
         for p in (self.record_path, self.journal_path):
@@ -436,7 +437,7 @@ class Service:
 
     def _maybe_updated(self, run: Run, step: int) -> None:
         """Journal update ``step`` whole once both its parts are (call with ``run.mu`` held)."""
-        if run.own_done and not run.owed and run.pending is not None and not run.pending.done():
+        if run.own_done and not run.owed and not run.taken and run.pending is not None and not run.pending.done():
             run.journal.append("updated", step=step)
             run.pending.set_result(None)
 
@@ -449,22 +450,40 @@ class Service:
         return run, g, step
 
     def _alloc(self, client: Client, msg: dict) -> dict:
-        """Places for the new master weights and moments of a group the trainer updates out of place."""
+        """Places for the new master weights and moments of a group the trainer updates out of place. With
+        no room for them (a fragmented arena) the service takes the group: its CPU worker updates it in
+        place behind the undo copy, and the reply says so (places: null)."""
         with self.lock:
             run, g, step = self._owed(client, msg)
             store, old = run.store, run.grants.pop(g, None)
             if old is not None:
                 self._free_grant(run, old)
-            places = {}
+            names = run.optimizer._state_names(g)
             try:
-                for k in (run.optimizer.p_kind, "exp_avg", "exp_avg_sq"):
-                    for e in store.catalog.group_entries(g, k):
-                        places[e.spec.name] = (e.tier, store.tier(e.tier).allocate(e.spec.nbytes))
-            except OutOfSpace as e:
-                self._free_grant(run, (step, places))
-                raise RequestError(f"no room to write group {g!r}'s update out of place: {e}") from None
-            run.grants[g] = (step, places)
-            return {"places": {n: [ext.offset, ext.nbytes] for n, (_, ext) in places.items()}}
+                places = store.allocate_elsewhere(names)
+            except OutOfSpace:
+                self._take_over(run, g, step)
+                return {"places": None}
+            run.grants[g] = (step, {n: (store.catalog[n].tier, places[n]) for n in names})
+            return {"places": {n: [ext.offset, ext.nbytes] for n, ext in places.items()}}
+
+    def _take_over(self, run: Run, g, step: int) -> None:
+        """The service updates owed group ``g`` on its CPU worker (call with the lock held)."""
+        st = run.state
+        with run.mu:
+            run.owed.discard(g)
+            run.taken.add(g)
+        fut = run.optimizer.update_on_cpu([g], step, st.commit_args["lr"], st.commit_args["grad_scale"])
+
+        def done(f, run=run, g=g):
+            if f.exception() is not None:
+                self._failed(run, step, f.exception())
+                return
+            with run.mu:
+                run.taken.discard(g)
+                self._maybe_updated(run, step)
+
+        fut.add_done_callback(done)
 
     def _flip(self, client: Client, msg: dict) -> dict:
         """The trainer wrote a group's update where ``alloc`` said: journal it, make it the home, publish."""

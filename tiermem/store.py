@@ -322,32 +322,41 @@ class Store:
 
         return self._ordered((group, kind), run)
 
-    def write_elsewhere(self, tensors: dict[str, torch.Tensor], bulk: bool = False,
-                        extents: dict[str, Extent] | None = None) -> dict[str, Extent]:
-        """Write each tensor to a new extent on its home tier, leaving its current bytes untouched; returns
-        the new extents once every write has landed. ``switch`` then makes them the tensors' homes (an
-        out-of-place update: a crash before the switch leaves the old state whole). ``extents``: places
-        allocated by the tiers' owner (an attached trainer writes where the service tells it), else
-        allocated here (and freed again if a write fails)."""
+    def allocate_elsewhere(self, names: list[str]) -> dict[str, Extent]:
+        """New places for ``names`` on their home tiers, their current bytes left alone (the places an
+        out-of-place update writes to); raises OutOfSpace, having freed what it took, when a tier has no
+        room (a fragmented arena: the update then goes in place behind an undo copy)."""
+        new: dict[str, Extent] = {}
+        try:
+            for name in names:
+                e = self.catalog[name]
+                new[name] = self.tier(e.tier).allocate(e.spec.nbytes)
+        except OutOfSpace:
+            for name, ext in new.items():
+                self.tier(self.catalog[name].tier).free(ext)
+            raise
+        return new
+
+    def write_elsewhere(self, tensors: dict[str, torch.Tensor], extents: dict[str, Extent],
+                        bulk: bool = False) -> dict[str, Extent]:
+        """Write each tensor to its new place (``allocate_elsewhere``, here or in the service that owns the
+        tiers), leaving its current bytes untouched; returns the places once every write has landed.
+        ``switch`` then makes them the tensors' homes (an out-of-place update: a crash before the switch
+        leaves the old state whole)."""
         wait = _event_now(*tensors.values())
-        new, futs = {}, []
+        futs = []
         try:
             for name, t in tensors.items():
-                e = self.catalog[name]
-                ext = extents[name] if extents is not None else self.tier(e.tier).allocate(e.spec.nbytes)
+                e, ext = self.catalog[name], extents[name]
                 if ext.nbytes < e.spec.nbytes:
                     raise ValueError(f"{name}: a place of {ext.nbytes} bytes cannot hold {e.spec.nbytes}")
-                new[name] = ext
                 futs.append(self.mover.copy(t.contiguous(), Location(e.tier, ext, e.spec.nbytes), wait, bulk=bulk))
             all_of(futs).result()
         except BaseException:
             for f in futs:
                 f.exception()
-            if extents is None:
-                for name, ext in new.items():
-                    self.tier(self.catalog[name].tier).free(ext)
             raise
-        return new
+        return {name: extents[name] for name in tensors}
 
     def view_at(self, name: str, extent: Extent) -> torch.Tensor:
         """The tensor ``name`` as if it lived at ``extent`` of its (DRAM or GPU) tier: a typed view to write
