@@ -189,8 +189,8 @@ class RemoteOptimizer:
         if self.client.lost:
             raise self.client._lost()
         if self.local is not None:
-            if isinstance(self.local._error, UserError):  # the service refused: its one line says why
-                raise self.local._error
+            if isinstance(self.local.failure, UserError):  # the service refused: its one line says why
+                raise self.local.failure
             self.local.check()
 
     def step(self, step: int, lr: float, grad_scale: float | None = None):

@@ -149,6 +149,11 @@ class StoreAdamW:
             self.last_step_seconds, self.last_split = self._busy, dict(self._split)
         self.check()
 
+    @property
+    def failure(self) -> BaseException | None:
+        """What made an update fail, if one did."""
+        return self._error
+
     def check(self) -> None:
         """Raise the optimizer's failure, if it had one."""
         if self._error is not None:
@@ -260,7 +265,7 @@ class StoreAdamW:
         self._split["cpu_adamw"] += t1 - t0
         self._split["cpu_compute_copy"] += time.perf_counter() - t1
 
-    def _state_names(self, g: Group) -> list[str]:
+    def state_names(self, g: Group) -> list[str]:
         """The group's tensors an update replaces: weights (fp32 master or the params) and both moments."""
         return [e.spec.name for k in (self.p_kind, *MOMENTS) for e in self.store.catalog.group_entries(g, k)]
 
@@ -268,7 +273,7 @@ class StoreAdamW:
         """New DRAM places for the group's weights and moments, for an update out of place; None when some
         of them live elsewhere (NVMe: staged copies, updated with the undo copy) or the arena has no room
         (fragmented): then the update goes in place behind the undo copy."""
-        names = self._state_names(g)
+        names = self.state_names(g)
         if any(self.store.catalog[n].tier != "dram" for n in names):
             return None
         try:
@@ -344,7 +349,7 @@ class StoreAdamW:
                     leaving.result()  # bounds the GPU memory in use to three groups
                     incoming = self._fetch_state(groups[n + 1])
                 self._wait_gate(g, step)
-                places = self.guard.allocate(g, step, self._state_names(g)) if self.guard is not None else None
+                places = self.guard.allocate(g, step, self.state_names(g)) if self.guard is not None else None
                 if self.guard is not None and places is None:  # no room to write it out of place
                     if self.cpu_takes_over:
                         handed.append(self.update_on_cpu([g], step, lr, grad_scale))

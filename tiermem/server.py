@@ -458,7 +458,7 @@ class Service:
             store, old = run.store, run.grants.pop(g, None)
             if old is not None:
                 self._free_grant(run, old)
-            names = run.optimizer._state_names(g)
+            names = run.optimizer.state_names(g)
             try:
                 places = store.allocate_elsewhere(names)
             except OutOfSpace:
