@@ -7,7 +7,7 @@ Prints G params/s for: AdamW alone, the bf16 copy alone, and the two together (a
 them), for the given thread counts; the ceiling is a plain fp32 memcpy of the same bytes. Then the
 service's crash-safe variants (clipped gradients): AdamW in place behind an undo copy of the weights,
 moments and gradient (16 B/param copied first), and AdamW out of place (tiermem.adamw: chunked, the old
-state and the gradient untouched), each as a ratio to AdamW in place in the same run.
+state and the gradient untouched; three chunk sizes), each as a ratio to AdamW in place in the same run.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tiermem.adamw import adamw_out_of_place  # noqa: E402
+from tiermem.adamw import CHUNK, adamw_out_of_place  # noqa: E402
 
 SHAPES = [(3072, 3072), (1024, 3072), (1024, 3072), (3072, 3072), (8192, 3072), (8192, 3072), (3072, 8192),
           (3072,), (3072,)]
@@ -78,8 +78,8 @@ def main() -> None:
             dst.copy_(src)
         clipped()
 
-    def out_of_place():
-        adamw_out_of_place(list(zip(p, g, m, v, *new)), 2, **hp)
+    def out_of_place(chunk: int):
+        return lambda: adamw_out_of_place(list(zip(p, g, m, v, *new)), 2, **hp, chunk=chunk)
 
     for th in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(th)
@@ -88,7 +88,9 @@ def main() -> None:
         print(f"threads {th:2d}: " + ", ".join(f"{k} {r:.2f} G params/s" for k, r in res.items()))
         base = n / timed(clipped, args.reps) / 1e9
         safe = {k: n / timed(f, args.reps) / 1e9 for k, f in
-                (("undo copy + in place", undo_then_adam), ("out of place", out_of_place))}
+                (("undo copy + in place", undo_then_adam),
+                 *((f"out of place, chunk {c >> 10} Ki{' (default)' if c == CHUNK else ''}", out_of_place(c))
+                   for c in (1 << 18, CHUNK, 1 << 22)))}
         print(f"threads {th:2d}: clipped adamw in place {base:.2f} G params/s; crash-safe: " +
               ", ".join(f"{k} {r:.2f} ({r / base:.2f}x)" for k, r in safe.items()))
 
