@@ -620,8 +620,8 @@ class Service:
         self.say("SIGHUP: config reloaded; re-placement happens before the next update")
 
     def _replace(self, run: Run) -> bool:
-        """Move optimizer state between tiers to follow the reloaded config (between two updates); True
-        when something moved."""
+        """Move optimizer state between tiers to follow the reloaded config (called by commit once the last
+        update is whole, before the next starts); True when something moved."""
         cfg, self.pending_config = self.pending_config, None
         self.cfg, self.plan_cfg = cfg, _planning(cfg)
         budgets = dict(default_budgets(cfg), gpu=0)
@@ -630,7 +630,6 @@ class Service:
         except UserError as e:
             self.say(f"re-placement skipped: {e}")
             return False
-        run.wait()
         store, moves, refused = run.store, [], set()
         for e in store.catalog.entries():
             want = plan.where[(e.spec.group, e.spec.kind)]
