@@ -78,3 +78,35 @@ def test_a_pinned_arena_keeps_its_header(tmp_path, monkeypatch):
         assert [a.name for a in dram.list_arenas(tmp_path)] == ["hdr"]
         with dram.DramArena.attach("hdr", tmp_path) as other:
             assert other.size == arena.size
+
+
+def test_a_process_attached_to_the_arena_never_allocates_in_it(store_name, nvme_dir):
+    """The arena's free space is its owner's (the service writes new state there at any time): a trainer
+    attached to it stages an NVMe -> GPU read through memory of its own, and may not allocate at all."""
+    from tiermem.mover import Location, Mover
+    from tiermem.tiers.extents import Extent, ExtentAllocator
+    from tiermem.tiers.gpu import GpuTier
+    from tiermem.tiers.nvme import NvmeTier
+
+    nvme = NvmeTier(nvme_dir, store_name, 1 << 20, backend="posix")
+    with DramArena.create(store_name, 1 << 20) as owner:
+        mine = owner.view(Extent(4096, owner.capacity)).view(torch.int32)
+        mine.fill_(-7)  # the owner's state, everywhere in the arena
+        attached = DramArena.attach(store_name)
+        attached.allocator = ExtentAllocator(attached.size - 4096, 4096, base=4096)  # as a trainer's store has
+        with pytest.raises(RuntimeError, match="another process"):
+            attached.allocate(4096)
+        data = torch.arange(1024, dtype=torch.int32)
+        ext = nvme.allocate(4096)
+        nvme.pwrite(data.view(torch.uint8), ext).result()
+        gpu = GpuTier(torch.device("cpu"), 0, 4096, 1)  # the CPU stand-in: a slot of "GPU" memory
+        mover = Mover(gpu, attached, nvme)
+        try:
+            slot = gpu.acquire_slot()
+            mover.copy(Location("nvme", ext, 4096), Location("gpu", slot.extent, 4096)).result()
+            assert torch.equal(gpu.view(slot.extent, 4096).view(torch.int32), data)
+            assert (mine == -7).all()  # no byte of the owner's touched
+        finally:
+            mover.close()
+            attached.close()
+    nvme.close()

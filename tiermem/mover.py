@@ -105,6 +105,7 @@ class Mover:
         self.gpu, self.dram, self.nvme = gpu, dram, nvme
         self.links = {name: LinkStats(name) for name in LINKS}
         dev = gpu.device if gpu is not None else torch.device("cpu")
+        self.cuda = dev.type == "cuda"
         self._h2d = _StreamLane("h2d", dev, self.links["dram->gpu"])
         self._d2h = _StreamLane("d2h", dev, self.links["gpu->dram"])
         # bulk lanes: long transfers (the optimizer's state) on their own streams, so a layer fetch the
@@ -193,19 +194,26 @@ class Mover:
         fut.add_done_callback(account)
         return fut
 
-    def _staged(self, src: Location, dst: Location, wait_event=None) -> cf.Future:
-        """NVMe <-> GPU through a temporary arena extent (posix backend)."""
+    def _staged(self, src, dst, wait_event=None) -> cf.Future:
+        """NVMe <-> GPU through host memory (posix backend): a temporary extent of the arena when this
+        process owns it; else (a trainer attached to the service's arena, whose free space is the service's)
+        a pinned buffer of its own."""
         n = self.nbytes(src)
-        try:
-            tmp = Location("dram", self.dram.allocate(n), n)
-        except OutOfSpace as e:
-            raise RuntimeError(f"no arena space to stage an NVMe<->GPU transfer: {e}") from None
+        owned = self.dram is not None and self.dram.owner
+        if owned:
+            try:
+                tmp = Location("dram", self.dram.allocate(n), n)
+            except OutOfSpace as e:
+                raise RuntimeError(f"no arena space to stage an NVMe<->GPU transfer: {e}") from None
+        else:
+            tmp = torch.empty(n, dtype=torch.uint8, pin_memory=self.cuda)
         first = self.copy(src, tmp, wait_event)
         fut = then(first, lambda _: self.copy(tmp, dst))
         out: cf.Future = cf.Future()
 
-        def release(f: cf.Future) -> None:
-            self.dram.free(tmp.extent)
+        def release(f: cf.Future, tmp=tmp) -> None:  # (holds a pinned buffer until both copies are done)
+            if owned:
+                self.dram.free(tmp.extent)
 
         fut.add_done_callback(release)
         forward(fut, out)

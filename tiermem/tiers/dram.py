@@ -253,6 +253,8 @@ class DramArena:
         return self.size - HEADER
 
     def allocate(self, nbytes: int) -> Extent:
+        if not self.owner:  # its free space is the owner's: a place taken here may hold the owner's data
+            raise RuntimeError(f"arena {self.name} is mapped from another process, which alone allocates in it")
         return self.allocator.allocate(nbytes)
 
     def free(self, extent: Extent) -> None:
