@@ -79,7 +79,7 @@ def test_training_on_the_gpu_matches_plain_pytorch(tmp_path):
 @pytest.mark.parametrize("kill_at", [None, "update:3:0"])
 def test_attached_training_on_the_gpu_matches_embedded(env, kill_at):  # noqa: F811 - the fixture
     """A trainer attached to a service computing on CUDA (arena registered by the trainer, gradients D2H
-    into the shared arena and kept on the GPU for the trainer's GPU worker, 0.7 of the groups updated
+    into the shared arena and kept on the GPU for the trainer's GPU worker, 0.85 of the groups updated
     there out of place, the rest by CPU AdamW in the service) ends where the embedded CUDA run (CPU AdamW)
     ends; only GPU kernels' rounding may differ. Killed with its GPU worker's update of group 0 written but
     not journaled, the service updates what it owed (on its own GPU worker) and the rerun ends the same."""
@@ -94,7 +94,8 @@ def test_attached_training_on_the_gpu_matches_embedded(env, kill_at):  # noqa: F
         if kill_at:
             assert "groups the trainer left" in svc.text
         got = env.weights("attached")
-        for k in ref:
-            assert torch.allclose(got[k], ref[k], rtol=1e-4, atol=1e-6), k
+        off = {k: f"{((got[k] - ref[k]).abs() / (ref[k].abs() + 1e-6)).max():.1e}" for k in ref
+               if not torch.allclose(got[k], ref[k], rtol=1e-4, atol=1e-6)}
+        assert not off, f"{len(off)} of {len(ref)} tensors differ (max relative error): {off}"
     finally:
         assert svc.stop() == 0
