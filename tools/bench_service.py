@@ -1,13 +1,15 @@
 """Benchmark: a trainer attached to `tiermem serve` against the same run embedded, same command.
 
     python3 tools/bench_service.py [--batch 4] [--accum 4] [--seq 4096] [--steps 6] [--layers 28] [--json FILE]
+                                   [--share S] [--attached-share S1,S2,...]  # one attached run per share
                                    [--small]   # a small model: a smoke test that runs on a CPU
 
 Both runs are `tiermem-train` on a random-init Llama-3B shape (bf16, tiermem_init: random) over random
 tokenized rows, with the same tiermem config: every kind of state in a DRAM arena under /dev/shm,
-optimizer.gpu_share auto (0.7 of the groups on the trainer's GPU worker, the rest CPU AdamW: in the
-trainer's process when embedded; in the service when attached, where both write the new state out of
-place: CPU AdamW chunk by chunk, the trainer's GPU worker to places the service hands out).
+optimizer.gpu_share auto (embedded: 0.7 of the groups on the trainer's GPU worker, the rest CPU AdamW in
+the trainer's process; attached: 0.85, the rest CPU AdamW in the service, where both write the new state
+out of place: CPU AdamW chunk by chunk, the trainer's GPU worker to places the service hands out;
+--attached-share runs the attached trainer once per listed share, against the one embedded run).
 The embedded run keeps the store in the trainer's process; the attached one starts `tiermem serve` with
 that config and sets tiermem_server. Prints the median step time of the steps after the first two, the
 step split and the ratio attached / embedded. Layers are reduced when /dev/shm cannot hold the state.
@@ -59,6 +61,32 @@ def step_times(out: Path, skip: int = 2) -> dict:
             "steps": len(rows)}
 
 
+def attach(work: Path, svc_store: dict, run, env: dict) -> dict:
+    """Start `tiermem serve` with ``svc_store``, run the attached trainer (``run``), stop the service;
+    the service's last line on its updates goes into the result."""
+    svc_cfg = work / "serve.yaml"
+    svc_cfg.write_text(json.dumps(svc_store))
+    sock = work / "s.sock"
+    svc = subprocess.Popen([sys.executable, "-m", "tiermem.cli", "serve", "--config", str(svc_cfg), "--socket",
+                            str(sock), "--fresh"], cwd=ROOT, env=env, stdout=(work / "serve.log").open("w"),
+                           stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 60
+        while not sock.exists():
+            if svc.poll() is not None or time.time() > deadline:
+                raise SystemExit("the service did not start:\n" + (work / "serve.log").read_text())
+            time.sleep(0.1)
+        r = run()
+    finally:
+        svc.send_signal(signal.SIGTERM)
+        svc.wait(timeout=120)
+    for line in (work / "serve.log").read_text().splitlines():
+        if "finished at step" in line:
+            print(line)
+            r["service_updates"] = line
+    return r
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=4)
@@ -68,7 +96,10 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--shm", default="/dev/shm")
     ap.add_argument("--json")
-    ap.add_argument("--share", default="auto", help="optimizer.gpu_share for both runs (auto: 0.7)")
+    ap.add_argument("--share", default="auto", help="optimizer.gpu_share of the embedded run (auto: 0.7)")
+    ap.add_argument("--attached-share", default=None,
+                    help="comma-separated optimizer.gpu_share values of the service, one attached run each "
+                         "(default: the service's auto)")
     ap.add_argument("--small", action="store_true", help="a small model (hidden 256, vocab 1024): a smoke test")
     args = ap.parse_args()
 
@@ -121,35 +152,24 @@ def main() -> int:
     results["embedded"] = trainer("embedded", {"tiermem": dict(store, name="bench-embedded")})
     print(f"embedded: {results['embedded']}", flush=True)
 
-    svc_cfg = work / "serve.yaml"
-    svc_cfg.write_text(json.dumps(dict(store, name="bench-service")))
-    sock = work / "s.sock"
-    svc = subprocess.Popen([sys.executable, "-m", "tiermem.cli", "serve", "--config", str(svc_cfg), "--socket",
-                            str(sock), "--fresh"], cwd=ROOT, env=env, stdout=(work / "serve.log").open("w"),
-                           stderr=subprocess.STDOUT)
-    try:
-        deadline = time.time() + 60
-        while not sock.exists():
-            if svc.poll() is not None or time.time() > deadline:
-                raise SystemExit("the service did not start:\n" + (work / "serve.log").read_text())
-            time.sleep(0.1)
-        results["attached"] = trainer("attached", {"tiermem_server": str(sock)})
-        print(f"attached: {results['attached']}", flush=True)
-    finally:
-        svc.send_signal(signal.SIGTERM)
-        svc.wait(timeout=120)
-    for line in (work / "serve.log").read_text().splitlines():
-        if "finished at step" in line:
-            print(line)
-            results["service_updates"] = line
-    e, a = results["embedded"], results["attached"]
-    results["ratio_step_time"] = a["step_s"] / e["step_s"]
-    print(f"\n{'run':10} {'step s':>8} {'tok/s':>9} {'compute':>8} {'wait xfer':>9} {'wait opt':>9} {'wall s':>7}")
-    for name in ("embedded", "attached"):
+    shares = args.attached_share.split(",") if args.attached_share else ["auto"]
+    runs = ["embedded"]
+    for share in shares:
+        name = "attached" if share == "auto" else f"attached {share}"
+        svc_store = dict(store, name="bench-service", optimizer={"gpu_share": share})
+        results[name] = attach(work, svc_store, lambda: trainer("attached", {"tiermem_server": str(work / "s.sock")}),
+                               env)
+        print(f"{name}: {results[name]}", flush=True)
+        results[name]["ratio_step_time"] = results[name]["step_s"] / results["embedded"]["step_s"]
+        runs.append(name)
+    print(f"\n{'run':16} {'step s':>8} {'tok/s':>9} {'compute':>8} {'wait xfer':>9} {'wait opt':>9} {'wall s':>7}"
+          f" {'/ embedded':>10}")
+    for name in runs:
         r = results[name]
-        print(f"{name:10} {r['step_s']:8.3f} {r['tokens_per_s']:9,.0f} {r['compute_s']:8.3f} "
-              f"{r['wait_transfer_s']:9.3f} {r['wait_optimizer_s']:9.3f} {r['wall_s']:7.1f}")
-    print(f"attached / embedded step time: {results['ratio_step_time']:.3f} (target 0.95-1.05)")
+        print(f"{name:16} {r['step_s']:8.3f} {r['tokens_per_s']:9,.0f} {r['compute_s']:8.3f} "
+              f"{r['wait_transfer_s']:9.3f} {r['wait_optimizer_s']:9.3f} {r['wall_s']:7.1f}"
+              f" {r.get('ratio_step_time', 1.0):10.3f}")
+    print(f"embedded gpu_share {args.share}; attached / embedded step time target 0.95-1.05")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     shutil.rmtree(work, ignore_errors=True)
