@@ -131,7 +131,7 @@ def same(a: dict, b: dict) -> bool:
 
 # the update's split: every group by the service's CPU AdamW (gpu_share 0, the default without CUDA), or half
 # of the groups by the trainer's GPU worker, which writes their new state out of place to places the service
-# hands out (with CUDA the default is 0.7; here the "GPU" is the CPU stand-in)
+# hands out (with CUDA the default is 0.85; here the "GPU" is the CPU stand-in)
 SHARES = pytest.mark.parametrize("share", [0, 0.5])
 
 
