@@ -4,7 +4,6 @@ fp32), kill -9 inside a save, and damaged or foreign checkpoints refused without
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
+from tests.procs import child_env
 from tests.tiny_models import save_tiny_model, tiny_run
 from trainer.cli import main
 
@@ -47,7 +47,7 @@ def test_stop_and_resume_is_bit_identical_even_when_killed_inside_a_save(setup):
     assert {p.name for p in (tmp / "straight").glob("checkpoint-*")} == set()  # no save_steps: no checkpoints
 
     cfg = write("stopped", save_steps=2)
-    env = dict(os.environ, TIERMEM_TEST_SLOW_SAVE="0.05", PYTHONPATH=str(ROOT))
+    env = child_env(TIERMEM_TEST_SLOW_SAVE="0.05")
     proc = subprocess.Popen([sys.executable, "-m", "trainer.cli", str(cfg)], env=env, cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     out = tmp / "stopped"

@@ -22,6 +22,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
+from tests.procs import child_env
 from tests.tiny_models import tiny_run
 from tiermem import protocol
 from trainer.cli import main
@@ -39,7 +40,7 @@ class Service:
         cmd = [sys.executable, "-m", "tiermem.cli", "serve", "--config", str(config), "--socket", str(sock)]
         self.proc = subprocess.Popen(cmd + (["--fresh"] if fresh else []), cwd=ROOT, text=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})))
+                                     env=child_env(**(env or {})))
         threading.Thread(target=self._collect, daemon=True).start()
         self.wait_for("listening on")
 
@@ -104,7 +105,7 @@ def env(tmp_path):
         def train(self, name: str, kill_at: str | None = None, extra_env: dict | None = None,
                   **over) -> subprocess.CompletedProcess:
             cfg = train_config(name, **over)
-            env = dict(os.environ, PYTHONPATH=str(ROOT), **(extra_env or {}))
+            env = child_env(**(extra_env or {}))
             if kill_at:
                 env["TIERMEM_TEST_KILL_AT"] = kill_at
             return subprocess.run([sys.executable, "-m", "trainer.cli", str(cfg)], cwd=ROOT, env=env,
@@ -113,7 +114,7 @@ def env(tmp_path):
         def start_train(self, name: str, extra_env: dict | None = None, **over) -> subprocess.Popen:
             cfg = train_config(name, **over)
             return subprocess.Popen([sys.executable, "-m", "trainer.cli", str(cfg)], cwd=ROOT, text=True,
-                                    env=dict(os.environ, PYTHONPATH=str(ROOT), **(extra_env or {})),
+                                    env=child_env(**(extra_env or {})),
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
         def weights(self, name: str) -> dict:

@@ -128,7 +128,8 @@ def main() -> int:
              "cutoff_len": args.seq, "per_device_train_batch_size": args.batch,
              "gradient_accumulation_steps": args.accum, "max_steps": args.steps, "learning_rate": 1e-5,
              "bf16": True, "logging_steps": 1, "lr_scheduler_type": "constant", "overwrite_output_dir": True}
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
     results = {"params": n, "layers": shape["num_hidden_layers"],
                "tokens_per_step": args.batch * args.accum * args.seq}
     print(f"model: Llama-3B shape with {shape['num_hidden_layers']} layers, {n / 1e9:.2f} B params; "
