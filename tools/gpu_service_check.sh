@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
-# The service's GPU check, for the GPU machine (the `device` tool):
-#   bash tools/gpu_service_check.sh tests    # CUDA + service + trainer tests, the quickstart attached on the GPU
+# The service's GPU check, for the GPU machine (the `device` tool); each call fits its 10-minute limit:
+#   bash tools/gpu_service_check.sh tests    # the CUDA tests and the service's tests
+#   bash tools/gpu_service_check.sh more     # checkpoint + trainer CLI tests, the quickstart attached on the GPU
 #   bash tools/gpu_service_check.sh bench    # bench_optim (the service's crash-safe CPU AdamW variants),
 #                                            # bench_service at 16x4096 and 4x4096 tokens a step
-# Details under $OUT; tables print last.
+#   (SHARE: the embedded run's gpu_share; ATTACHED_SHARE=0.7,1: one attached run per share)
+# Details under $OUT; tables print last. Packages carried in (zarr, kvikio) may sit on PYTHONPATH: the
+# tests' subprocesses keep it.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; df -h /dev/shm | tail -1; nproc
 if [ "${1:-tests}" = tests ]; then
-  python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_service.py tests/test_checkpoint.py \
-    tests/test_train_cli.py 2>&1 | tee "$OUT/pytest.log" | tail -4
+  python3 -m pytest -q -rf --durations=8 -p no:cacheprovider tests/test_cuda.py tests/test_service.py \
+    > "$OUT/pytest.log" 2>&1; grep -E "^FAILED|passed|failed|s call" "$OUT/pytest.log" | cut -c1-300
+elif [ "$1" = more ]; then
+  python3 -m pytest -q -rf -p no:cacheprovider tests/test_checkpoint.py tests/test_train_cli.py \
+    > "$OUT/pytest_more.log" 2>&1; grep -E "^FAILED|passed|failed" "$OUT/pytest_more.log" | cut -c1-300
   printf 'name: qs-gpu\ntiers: {dram: {path: /dev/shm, budget: 2GiB}}\n' > /tmp/serve.yaml
   python3 -m tiermem.cli serve --config /tmp/serve.yaml --socket /tmp/qs.sock > "$OUT/serve.log" 2>&1 &
   sleep 5
@@ -21,6 +27,6 @@ if [ "${1:-tests}" = tests ]; then
   kill -TERM %1; wait; tail -3 "$OUT/serve.log"
 else
   python3 tools/bench_optim.py --threads 14 --reps 3 2>&1 | tee "$OUT/bench_optim.txt"
-  python3 tools/bench_service.py --batch 4 --accum 4 --steps 5 ${SHARE:+--share $SHARE} --json "$OUT/service_16x4096.json" 2>&1 | tee "$OUT/service_16x4096.txt"
-  python3 tools/bench_service.py --batch 4 --accum 1 --steps 7 ${SHARE:+--share $SHARE} --json "$OUT/service_4x4096.json" 2>&1 | tee "$OUT/service_4x4096.txt"
+  python3 tools/bench_service.py --batch 4 --accum 4 --steps 5 ${SHARE:+--share $SHARE} ${ATTACHED_SHARE:+--attached-share $ATTACHED_SHARE} --json "$OUT/service_16x4096.json" 2>&1 | tee "$OUT/service_16x4096.txt"
+  python3 tools/bench_service.py --batch 4 --accum 1 --steps 7 ${SHARE:+--share $SHARE} ${ATTACHED_SHARE:+--attached-share $ATTACHED_SHARE} --json "$OUT/service_4x4096.json" 2>&1 | tee "$OUT/service_4x4096.txt"
 fi
