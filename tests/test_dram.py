@@ -103,9 +103,11 @@ def test_a_process_attached_to_the_arena_never_allocates_in_it(store_name, nvme_
         mover = Mover(gpu, attached, nvme)
         try:
             slot = gpu.acquire_slot()
-            mover.copy(Location("nvme", ext, 4096), Location("gpu", slot.extent, 4096)).result()
+            mover.copy(Location("nvme", ext, 4096), Location("gpu", slot.extent, 4096), bulk=True).result()
             assert torch.equal(gpu.view(slot.extent, 4096).view(torch.int32), data)
             assert (mine == -7).all()  # no byte of the owner's touched
+            # the optimizer's state (bulk) leaves the lane the layer fetches use alone
+            assert (mover.links["dram->gpu bulk"].bytes, mover.links["dram->gpu"].bytes) == (4096, 0)
         finally:
             mover.close()
             attached.close()

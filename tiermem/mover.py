@@ -159,13 +159,13 @@ class Mover:
                 if wait_event is not None:
                     wait_event.synchronize()
                 return self._io(self.links[key], self.nvme.pread, self.view(dst), src.extent)
-            return self._staged(src, dst, wait_event)
+            return self._staged(src, dst, wait_event, bulk)
         if key == "gpu->nvme":
             if self.nvme.direct_to_gpu:
                 if wait_event is not None:
                     wait_event.synchronize()
                 return self._io(self.links[key], self.nvme.pwrite, self.view(src), dst.extent)
-            return self._staged(src, dst, wait_event)
+            return self._staged(src, dst, wait_event, bulk)
         if key in ("dram->dram", "gpu->gpu"):
             link = self.links[key]
             s, d = self.view(src), self.view(dst)
@@ -194,10 +194,10 @@ class Mover:
         fut.add_done_callback(account)
         return fut
 
-    def _staged(self, src, dst, wait_event=None) -> cf.Future:
+    def _staged(self, src, dst, wait_event=None, bulk: bool = False) -> cf.Future:
         """NVMe <-> GPU through host memory (posix backend): a temporary extent of the arena when this
         process owns it; else (a trainer attached to the service's arena, whose free space is the service's)
-        a pinned buffer of its own."""
+        a pinned buffer of its own. ``bulk``: the PCIe leg goes through a bulk lane."""
         n = self.nbytes(src)
         owned = self.dram is not None and self.dram.owner
         if owned:
@@ -207,8 +207,8 @@ class Mover:
                 raise RuntimeError(f"no arena space to stage an NVMe<->GPU transfer: {e}") from None
         else:
             tmp = torch.empty(n, dtype=torch.uint8, pin_memory=self.cuda)
-        first = self.copy(src, tmp, wait_event)
-        fut = then(first, lambda _: self.copy(tmp, dst))
+        first = self.copy(src, tmp, wait_event, bulk=bulk)
+        fut = then(first, lambda _: self.copy(tmp, dst, bulk=bulk))
         out: cf.Future = cf.Future()
 
         def release(f: cf.Future, tmp=tmp) -> None:  # (holds a pinned buffer until both copies are done)
