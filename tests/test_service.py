@@ -22,7 +22,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from tests.procs import child_env
+from tests.procs import child_env, ctrl_c_works
 from tests.tiny_models import tiny_run
 from tiermem import protocol
 from trainer.cli import main
@@ -114,7 +114,7 @@ def env(tmp_path):
         def start_train(self, name: str, extra_env: dict | None = None, **over) -> subprocess.Popen:
             cfg = train_config(name, **over)
             return subprocess.Popen([sys.executable, "-m", "trainer.cli", str(cfg)], cwd=ROOT, text=True,
-                                    env=child_env(**(extra_env or {})),
+                                    env=child_env(**(extra_env or {})), preexec_fn=ctrl_c_works,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
         def weights(self, name: str) -> dict:
@@ -244,7 +244,8 @@ def test_sigterm_and_ctrl_c_stop_cleanly_and_training_continues(env, share):
         assert "recovered run" in svc.text and "finishing" not in svc.text  # update 2 was whole at the stop
         other = env.train("other", learning_rate=5e-3)  # another run while this one is held: refused
         assert other.returncode == 2 and "holds another run" in other.stderr, other.stderr
-        trainer = env.start_train("run")
+        # held before committing step 5 at the latest, so the Ctrl-C lands inside the run however fast it goes
+        trainer = env.start_train("run", extra_env={"TIERMEM_TEST_HOLD_AT": "commit:5"})
         _wait_for_steps(trainer, log, 4)
         trainer.send_signal(signal.SIGINT)  # the trainer: Ctrl-C
         _, err = trainer.communicate(timeout=60)

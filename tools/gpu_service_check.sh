@@ -12,8 +12,13 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; df -h /dev/shm | tail -1; nproc
 if [ "${1:-tests}" = tests ]; then
-  python3 -m pytest -q -rf --durations=8 -p no:cacheprovider tests/test_cuda.py tests/test_service.py \
-    > "$OUT/pytest.log" 2>&1; grep -E "^FAILED|passed|failed|s call" "$OUT/pytest.log" | cut -c1-300
+  # three pytest processes at once (each test starts several Python processes; 16 cores)
+  KILLS="kill or sigterm or bf16 or state_lost"
+  python3 -m pytest -q -rf -p no:cacheprovider tests/test_cuda.py > "$OUT/pytest_cuda.log" 2>&1 &
+  python3 -m pytest -q -rf -p no:cacheprovider tests/test_service.py -k "$KILLS" > "$OUT/pytest_kills.log" 2>&1 &
+  python3 -m pytest -q -rf -p no:cacheprovider tests/test_service.py -k "not ($KILLS)" > "$OUT/pytest_rest.log" 2>&1 &
+  wait
+  for f in cuda kills rest; do echo "$f: $(grep -E "^FAILED|passed|failed|skipped" "$OUT/pytest_$f.log" | cut -c1-300)"; done
 elif [ "$1" = more ]; then
   python3 -m pytest -q -rf -p no:cacheprovider tests/test_checkpoint.py tests/test_train_cli.py \
     > "$OUT/pytest_more.log" 2>&1; grep -E "^FAILED|passed|failed" "$OUT/pytest_more.log" | cut -c1-300
