@@ -377,19 +377,21 @@ def test_bad_peers_are_refused_and_the_trainer_is_not_disturbed(env):
 
 
 def test_top_and_stats_over_the_socket(env):
-    svc = env.service(share=0.5, env={"TIERMEM_TEST_SLOW_UPDATE": "0.25"})  # a run that lasts while watched
+    svc = env.service(share=0.5)
     cli = lambda *a: subprocess.run([sys.executable, "-m", "tiermem.cli", *a, "--socket", str(env.sock)], cwd=ROOT,
                                     capture_output=True, text=True, timeout=60)
     try:
         idle = cli("top", "--once")
         assert idle.returncode == 0 and "idle, no run" in idle.stdout, idle.stderr
-        trainer = env.start_train("run", max_steps=12)
+        # the trainer is held before committing step 4, so the run lasts while it is watched however fast
+        # the machine is
+        trainer = env.start_train("run", max_steps=12, extra_env={"TIERMEM_TEST_HOLD_AT": "commit:4"})
         log = env.tmp / "run" / "trainer_log.jsonl"
         deadline = time.time() + 120
-        while not (log.is_file() and log.read_text().strip()):
+        while len(log.read_text().splitlines() if log.is_file() else []) < 3:
             assert time.time() < deadline and trainer.poll() is None
             time.sleep(0.05)
-        time.sleep(0.6)  # a progress message has reached the service
+        time.sleep(0.6)  # step 3's progress message has reached the service
         frame = cli("top", "--once")
         assert frame.returncode == 0, frame.stderr
         for needle in ("service on", "trainer pid", "committed step", "dram", "nvme", "step ", "loss",
@@ -397,15 +399,23 @@ def test_top_and_stats_over_the_socket(env):
             assert needle in frame.stdout, (needle, frame.stdout)
         snap = json.loads(cli("stats", "--json").stdout)
         assert snap["service"]["trainer_pid"] == trainer.pid and snap["run"]["total_steps"] == 12
-        assert snap["run"]["optimizer"]["gpu_share"] == 0.5 and snap["run"]["optimizer"]["committed"] >= 1
+        assert snap["run"]["optimizer"]["gpu_share"] == 0.5 and snap["run"]["optimizer"]["committed"] == 3
+        assert snap["run"]["step"] == 3 and snap["run"]["loss"] > 0
         prom = cli("stats", "--prometheus").stdout
-        assert 'tiermem_tier_used_bytes{tier="nvme",kind="exp_avg"}' in prom
-        trainer.communicate(timeout=120)
-        assert trainer.returncode == 0
+        assert 'tiermem_tier_used_bytes{tier="nvme",kind="exp_avg"}' in prom, prom
+        assert "tiermem_train_step 3" in prom, prom
     finally:
+        if "trainer" in locals():
+            trainer.kill()
+            trainer.communicate()
         svc.stop()
     gone = cli("stats", "--json")
     assert gone.returncode == 2 and "no tiermem service at" in gone.stderr
+
+
+def ok(reply: dict) -> dict:
+    assert reply["ok"], reply
+    return reply
 
 
 def _unit_service(tmp_path, share):
@@ -417,7 +427,9 @@ def _unit_service(tmp_path, share):
 
     (tmp_path / "shm").mkdir()
     cfg = tmp_path / "serve.yaml"
-    cfg.write_text(yaml.safe_dump({"name": "unit", "tiers": {"dram": {"path": str(tmp_path / "shm"), "budget": "1MiB"}},
+    # the CPU stand-in, also on a GPU machine (where the arena would be pinned, which a disk directory refuses)
+    cfg.write_text(yaml.safe_dump({"name": "unit", "tiers": {"gpu": {"device": "cpu"},
+                                                             "dram": {"path": str(tmp_path / "shm"), "budget": "1MiB"}},
                                    "placement": "auto", "optimizer": {"gpu_share": share}}))
     svc = Svc(str(cfg), str(tmp_path / "s.sock"), say=lambda _: None)
     mine, theirs = socket.socketpair()
@@ -448,7 +460,7 @@ def test_requests_are_checked_one_by_one(tmp_path):
     assert "bad shape" in err(client, dict(hello, specs=[dict(spec_to_json(specs[0]), shape=[-1])]))
     assert "missing or of the wrong type" in err(client, dict(hello, specs="all of them"))
     assert "data parallel" in err(client, dict(hello, world=2))
-    assert svc.dispatch(client, hello)["ok"]
+    ok(svc.dispatch(client, hello))
     assert "unknown tensor names: nope" in err(client, {"op": "layout", "id": 2, "run": "r1", "names": ["w", "nope"]})
     assert svc.dispatch(client, {"op": "layout", "id": 3, "run": "r1", "names": ["w"]})["layout"]["w"][0] == "dram"
     assert "commit before init" in err(client, {"op": "commit", "id": 4, "run": "r1", "step": 1, "lr": 0.1})
@@ -474,7 +486,7 @@ def test_the_trainers_share_of_an_update_is_checked_and_taken_over_when_it_leave
     from tiermem.tiers.extents import Extent
 
     svc, client, other, theirs, hello, err = _unit_service(tmp_path, 1)
-    reply = svc.dispatch(client, hello)
+    reply = ok(svc.dispatch(client, hello))
     assert reply["trainer_groups"] == [0] and reply["gpu_share"] == 1
     assert svc.dispatch(client, {"op": "init", "id": 2, "run": "r1", "step": 0})["ok"]
     assert "not owed" in err(client, {"op": "alloc", "id": 3, "run": "r1", "step": 1, "group": 0})
@@ -521,7 +533,7 @@ def test_cpu_adamw_writes_out_of_place_and_falls_back_to_the_undo_copy_without_r
     from tiermem.tiers.extents import OutOfSpace
 
     svc, client, _, theirs, hello, _ = _unit_service(tmp_path, 0)
-    assert svc.dispatch(client, hello)["ok"]
+    ok(svc.dispatch(client, hello))
     store = svc.run.store
     w0, grads = torch.randn(4, 4), [torch.randn(4, 4), torch.randn(4, 4)]
     store.write("w", w0).result()
@@ -562,7 +574,7 @@ def test_with_no_room_for_the_trainers_share_the_service_updates_it(tmp_path):
     from tiermem.tiers.extents import OutOfSpace
 
     svc, client, _, theirs, hello, err = _unit_service(tmp_path, 1)
-    assert svc.dispatch(client, hello)["ok"]
+    ok(svc.dispatch(client, hello))
     store = svc.run.store
     w0 = torch.randn(4, 4)
     store.write("w", w0).result()
@@ -636,12 +648,18 @@ def test_the_bundled_service_configs_load():
         assert cfg.tiers.dram.path != "anonymous" and cfg.name, path
 
 
-def test_serve_refuses_configs_a_service_cannot_use(tmp_path, capsys):
-    from tiermem.cli import main as tiermem
+def test_serve_refuses_configs_a_service_cannot_use(tmp_path, capsys, monkeypatch):
+    import torch
 
+    from tiermem.cli import main as tiermem
+    from tiermem.tiers.dram import on_disk
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine: the arena is pinned
     cases = {"anon": ({"tiers": {"dram": {"path": "anonymous"}}}, "must be a shared file"),
              "gpu": ({"tiers": {"dram": {"path": str(tmp_path)}}, "placement": {"exp_avg": "gpu"}}, "outlive"),
              "typo": ({"tiers": {"dram": {"pth": str(tmp_path)}}}, "did you mean 'path'")}
+    if on_disk(tmp_path):  # CUDA cannot pin an arena file on a disk filesystem: said at start, not at attach
+        cases["disk"] = ({"tiers": {"dram": {"path": str(tmp_path)}}}, "is on a disk filesystem")
     for name, (cfg, needle) in cases.items():
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump(cfg))

@@ -58,6 +58,7 @@ from tiermem.optim import AdamWConfig, StoreAdamW
 from tiermem.placement import default_budgets, make_plan
 from tiermem.schema import to_plain
 from tiermem.stats import snapshot
+from tiermem.tiers.dram import on_disk
 from tiermem.tiers.extents import Extent, OutOfSpace
 
 log = logging.getLogger(__name__)
@@ -168,6 +169,9 @@ class Service:
         self.config_path, self.say = config_path, say
         self.cfg = service_config(config_path)
         self.plan_cfg = _planning(self.cfg)
+        if self.plan_cfg.tiers.dram.pin == "true" and on_disk(Path(self.cfg.tiers.dram.path)):
+            raise ConfigError(f"{config_path}: tiers.dram.path {self.cfg.tiers.dram.path} is on a disk filesystem: "
+                              "the GPU cannot pin an arena there; set it to a tmpfs such as /dev/shm")
         self.dir = state_dir(self.cfg)
         try:
             self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -76,7 +76,7 @@ def cuda_register(ptr: int, nbytes: int, path: Path | None = None) -> None:
     """Pin an existing host mapping with one cudaHostRegister call."""
     rc = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
     if int(rc) != 0:
-        if path is not None and _mount_of(path.parent)[0] not in ("tmpfs", ""):
+        if path is not None and on_disk(path.parent):
             raise StorageError(f"cannot pin the DRAM arena {path} for the GPU: it is a file on a disk filesystem; set "
                                "tiers.dram.path to a tmpfs such as /dev/shm")
         raise RuntimeError(f"cudaHostRegister of {format_size(nbytes)} failed with CUDA error {int(rc)}")
@@ -98,6 +98,12 @@ def _mount_of(directory: Path) -> tuple[str, str]:
     except OSError:
         pass
     return found
+
+
+def on_disk(directory: Path) -> bool:
+    """Whether ``directory`` is on a disk filesystem (known, and not memory-backed): CUDA cannot pin a file
+    mapping there."""
+    return _mount_of(Path(directory))[0] not in ("tmpfs", "ramfs", "hugetlbfs", "")
 
 
 def huge_pages(directory: Path) -> bool:
