@@ -81,6 +81,9 @@ class StoreAdamW:
         self._cpu = cf.ThreadPoolExecutor(1, "tiermem-optim-cpu", initializer=torch.set_num_threads,
                                           initargs=(self.threads,))
         self._gpu = cf.ThreadPoolExecutor(1, "tiermem-optim-gpu")
+        # with a guard, the GPU worker's flips (a group's new state landed -> journaled, made its home) run
+        # here, in order, while the worker goes on with the next group
+        self._flips = cf.ThreadPoolExecutor(1, "tiermem-optim-flip")
         self._stream = torch.cuda.Stream(store.gpu.device) if store.gpu.is_cuda else None
         self._pending: cf.Future | None = None
         self._error: BaseException | None = None
@@ -162,6 +165,7 @@ class StoreAdamW:
     def close(self) -> None:
         self._cpu.shutdown(wait=True)
         self._gpu.shutdown(wait=True)
+        self._flips.shutdown(wait=True)
 
     def _catch(self, fn, *args) -> None:
         try:
@@ -353,8 +357,7 @@ class StoreAdamW:
                 if self.guard is not None and places is None:  # no room to write it out of place
                     if self.cpu_takes_over:
                         handed.append(self.update_on_cpu([g], step, lr, grad_scale))
-                    leaving = done_future()
-                    continue
+                    continue  # (``leaving`` stays the last group's flip: flips finish in order)
                 leaving = self._update_streamed(g, work, step, lr, grad_scale, places)
                 self._split["gpu_path"] += time.perf_counter() - t0
             leaving.result()
@@ -399,12 +402,16 @@ class StoreAdamW:
             if self.offer_params:
                 store.offer(g, "param", params)  # the next forward copies them on the GPU, not over PCIe
         if self.guard is not None:  # out of place: a crash leaves the old state whole; redo recomputes param
-            new = store.write_elsewhere({n: work[n] for n in places}, places, bulk=True)
-            if self.has_master:
-                home.result()
-            self.guard.flip(g, step, new)
-            cat.bump(g, to=step)
-            return done_future()
+            landed = store.write_elsewhere({n: work[n] for n in places}, places, bulk=True)
+
+            def flip(home=home if self.has_master else None):
+                landed.result()
+                if home is not None:
+                    home.result()
+                self.guard.flip(g, step, places)
+                cat.bump(g, to=step)
+
+            return self._flips.submit(flip)  # the loop waits on it before fetching the group after next
         back = [store.store_group(g, k, {e.spec.name: work[e.spec.name] for e in cat.group_entries(g, k)},
                                   bulk=True) for k in (pk, *MOMENTS)]
         (home if self.has_master else back[0]).result()

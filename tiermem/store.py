@@ -338,9 +338,9 @@ class Store:
         return new
 
     def write_elsewhere(self, tensors: dict[str, torch.Tensor], extents: dict[str, Extent],
-                        bulk: bool = False) -> dict[str, Extent]:
+                        bulk: bool = False) -> cf.Future:
         """Write each tensor to its new place (``allocate_elsewhere``, here or in the service that owns the
-        tiers), leaving its current bytes untouched; returns the places once every write has landed.
+        tiers), leaving its current bytes untouched; the future is done once every write has landed.
         ``switch`` then makes them the tensors' homes (an out-of-place update: a crash before the switch
         leaves the old state whole)."""
         wait = _event_now(*tensors.values())
@@ -351,12 +351,11 @@ class Store:
                 if ext.nbytes < e.spec.nbytes:
                     raise ValueError(f"{name}: a place of {ext.nbytes} bytes cannot hold {e.spec.nbytes}")
                 futs.append(self.mover.copy(t.contiguous(), Location(e.tier, ext, e.spec.nbytes), wait, bulk=bulk))
-            all_of(futs).result()
         except BaseException:
             for f in futs:
                 f.exception()
             raise
-        return {name: extents[name] for name in tensors}
+        return all_of(futs)
 
     def view_at(self, name: str, extent: Extent) -> torch.Tensor:
         """The tensor ``name`` as if it lived at ``extent`` of its (DRAM or GPU) tier: a typed view to write
