@@ -57,3 +57,20 @@ def test_nvme_placement_without_tier(make_cfg):
     cfg = make_cfg(nvme=False, dram_budget="1MiB")
     with pytest.raises(BudgetError, match="dram"):
         make_plan(model_specs(), cfg)
+
+
+
+@pytest.mark.parametrize("how,gpu", [("spread", {0, 2}), ("last", {"embed", 0})])
+def test_the_cpu_workers_groups_spread_or_last(make_cfg, how, gpu):
+    """optimizer.cpu_groups: the GPU worker's half of five streamed groups, the CPU worker's spread over the
+    forward order or the ones the next forward needs last."""
+    from tiermem.optim import AdamWConfig, StoreAdamW
+
+    cfg = make_cfg(placement={k: "dram" for k in ("param", "grad", "master", "exp_avg", "exp_avg_sq")},
+                   optimizer={"gpu_share": 0.5, "cpu_groups": how})
+    with Store.open(cfg, model_specs()) as store:
+        opt = StoreAdamW(store, ["embed", 0, 1, 2, 3], {}, AdamWConfig(), has_master=True)
+        try:
+            assert opt.on_gpu == gpu
+        finally:
+            opt.close()

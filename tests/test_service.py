@@ -71,10 +71,11 @@ def env(tmp_path):
     sock_dir = Path(tempfile.mkdtemp(prefix="tm-"))  # short: Unix socket paths are limited to 107 bytes
     (tmp_path / "shm").mkdir()
 
-    def service_config(placement=PLACEMENT, device="cpu", shm=None, share="auto") -> Path:
+    def service_config(placement=PLACEMENT, device="cpu", shm=None, share="auto", cpu_groups="spread") -> Path:
         path = tmp_path / "serve.yaml"
         path.write_text(yaml.safe_dump({
-            "name": f"t{os.getpid()}", "placement": placement, "optimizer": {"gpu_share": share},
+            "name": f"t{os.getpid()}", "placement": placement,
+            "optimizer": {"gpu_share": share, "cpu_groups": cpu_groups},
             "tiers": {"gpu": {"device": device}, "dram": {"path": str(shm or tmp_path / "shm"), "budget": "64MiB"},
                       "nvme": {"path": str(tmp_path / "nvme"), "budget": "64MiB", "backend": "posix"}}}))
         return path
@@ -93,8 +94,9 @@ def env(tmp_path):
     class Env:
         tmp, sock = tmp_path, sock_dir / "s.sock"
 
-        def service(self, placement=PLACEMENT, device="cpu", shm=None, share="auto", **kw) -> Service:
-            return Service(service_config(placement, device, shm, share), self.sock, **kw)
+        def service(self, placement=PLACEMENT, device="cpu", shm=None, share="auto", cpu_groups="spread",
+                    **kw) -> Service:
+            return Service(service_config(placement, device, shm, share, cpu_groups), self.sock, **kw)
 
         def reference(self, device="cpu", **over) -> dict:
             name = f"embedded-{device}" + "".join(f"-{k}" for k in over)
@@ -165,6 +167,21 @@ def test_trainer_killed_in_forward_backward_and_optimizer_continues_bit_identica
     finally:
         assert svc.stop() == 0
     assert not list((env.tmp / "shm").glob("*.arena"))  # every run finished: nothing left behind
+
+
+def test_with_cpu_groups_last_the_trainer_takes_the_first_groups_and_the_run_is_bit_identical(env):
+    """optimizer.cpu_groups: last in the service's config: the trainer's GPU worker updates the first two of
+    the tiny model's five groups (embed, 0-2, head: embed and 0), the service the ones the next forward
+    needs last; the weights are the embedded run's."""
+    ref = env.reference()
+    svc = env.service(share=0.5, cpu_groups="last")
+    try:
+        run = env.train("last")
+        assert run.returncode == 0, run.stderr
+        assert "this trainer's GPU updates 2 of 5 groups (embed, 0), the service the others" in run.stdout
+        assert same(env.weights("last"), ref)
+    finally:
+        assert svc.stop() == 0
 
 
 @pytest.mark.parametrize("share,group,placement", [(0, 1, DRAM), (0, 1, PLACEMENT), (0.5, 1, PLACEMENT),

@@ -106,6 +106,10 @@ class OptimizerConfig:
     # fraction of those groups updated on the GPU (state streamed over PCIe and back) instead of by CPU
     # AdamW; both run at once. auto: 0.7 with a CUDA GPU tier (measured best on the H200 machine), else 0.
     gpu_share: float | None = field(default=None, metadata={"convert": _share})
+    # which of those groups the CPU worker takes: "spread" evenly over the forward order (both workers
+    # progress together), or the "last" ones the next forward needs (a slow CPU AdamW, such as the
+    # service's crash-safe one, then runs while the forward works through the GPU worker's groups)
+    cpu_groups: Literal["spread", "last"] = "spread"
 
 
 @dataclass

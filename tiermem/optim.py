@@ -105,9 +105,13 @@ class StoreAdamW:
         self.cpu_takes_over = True
 
     def _assign(self, share: float) -> set[Group]:
-        """Spread ``share`` of the streamed groups evenly over the order, so both workers progress together."""
+        """``share`` of the streamed groups for the GPU worker: spread evenly over the order, so both
+        workers progress together; or (optimizer.cpu_groups: last) the first ones, the CPU worker taking the
+        ones the next forward needs last."""
         streamed = [g for g in self.groups
                     if any(e.tier != "gpu" for e in self.store.catalog.group_entries(g, self.p_kind))]
+        if self.store.cfg.optimizer.cpu_groups == "last":
+            return set(streamed[:int(len(streamed) * share)])
         return {g for n, g in enumerate(streamed) if int((n + 1) * share) > int(n * share)}
 
     def grads_on_gpu(self, g: Group) -> bool:

@@ -609,6 +609,7 @@ class Service:
         split.update({f"service_{k}": v for k, v in run.optimizer.last_split.items()})
         live["optimizer"] = dict(theirs, committed=st.committed, updated=st.updated,
                                  lag_groups=sum(v < st.committed for v in versions), gpu_share=run.record["gpu_share"],
+                                 cpu_groups=self.plan_cfg.optimizer.cpu_groups,
                                  last_update_s=theirs.get("last_update_s") or run.optimizer.last_step_seconds,
                                  split=split)
         return {"pid": os.getpid(), "store": snap, "run": live,

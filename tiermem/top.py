@@ -178,7 +178,8 @@ def render(snap: dict, ceiling: dict[str, float] | None = None):
         if opt:
             busy = ", ".join(f"{k} {v:.3f}" for k, v in (opt.get("split") or {}).items() if v)
             lines.append(f"optimizer: last update {opt.get('last_update_s', 0.0):.3f} s"
-                         + (f" ({busy})" if busy else "") + f"; gpu_share {opt.get('gpu_share', 0)}")
+                         + (f" ({busy})" if busy else "") + f"; gpu_share {opt.get('gpu_share', 0)}"
+                         + ("; the CPU takes the last groups" if opt.get("cpu_groups") == "last" else ""))
         waits = store.get("waits_s", {})
         if waits:
             lines.append("store waits (not GPU idle): " + ", ".join(f"{k} {v:.2f} s" for k, v in waits.items()))

@@ -2,6 +2,7 @@
 
     python3 tools/bench_service.py [--batch 4] [--accum 4] [--seq 4096] [--steps 6] [--layers 28] [--json FILE]
                                    [--share S] [--attached-share S1,S2,...]  # one attached run per share
+                                   [--attached-cpu-groups spread,last]  # ... per share and cpu_groups
                                    [--small]   # a small model: a smoke test that runs on a CPU
 
 Both runs are `tiermem-train` on a random-init Llama-3B shape (bf16, tiermem_init: random) over random
@@ -9,7 +10,8 @@ tokenized rows, with the same tiermem config: every kind of state in a DRAM aren
 optimizer.gpu_share auto (embedded: 0.7 of the groups on the trainer's GPU worker, the rest CPU AdamW in
 the trainer's process; attached: 0.85, the rest CPU AdamW in the service, where both write the new state
 out of place: CPU AdamW chunk by chunk, the trainer's GPU worker to places the service hands out;
---attached-share runs the attached trainer once per listed share, against the one embedded run).
+--attached-share runs the attached trainer once per listed share, against the one embedded run;
+--attached-cpu-groups once per share and listed optimizer.cpu_groups of the service).
 The embedded run keeps the store in the trainer's process; the attached one starts `tiermem serve` with
 that config and sets tiermem_server. Prints the median step time of the steps after the first two, the
 step split and the ratio attached / embedded. Layers are reduced when /dev/shm cannot hold the state.
@@ -100,6 +102,9 @@ def main() -> int:
     ap.add_argument("--attached-share", default=None,
                     help="comma-separated optimizer.gpu_share values of the service, one attached run each "
                          "(default: the service's auto)")
+    ap.add_argument("--attached-cpu-groups", default=None,
+                    help="comma-separated optimizer.cpu_groups values of the service (spread, last), one attached "
+                         "run each per share (default: the config's default, spread)")
     ap.add_argument("--small", action="store_true", help="a small model (hidden 256, vocab 1024): a smoke test")
     args = ap.parse_args()
 
@@ -155,19 +160,21 @@ def main() -> int:
 
     shares = args.attached_share.split(",") if args.attached_share else ["auto"]
     runs = ["embedded"]
-    for share in shares:
-        name = "attached" if share == "auto" else f"attached {share}"
-        svc_store = dict(store, name="bench-service", optimizer={"gpu_share": share})
+    hows = args.attached_cpu_groups.split(",") if args.attached_cpu_groups else [None]
+    for share, how in [(s, h) for s in shares for h in hows]:
+        name = "attached" + ("" if share == "auto" else f" {share}") + (f" {how}" if how else "")
+        optimizer = {"gpu_share": share, **({"cpu_groups": how} if how else {})}
+        svc_store = dict(store, name="bench-service", optimizer=optimizer)
         results[name] = attach(work, svc_store, lambda: trainer("attached", {"tiermem_server": str(work / "s.sock")}),
                                env)
         print(f"{name}: {results[name]}", flush=True)
         results[name]["ratio_step_time"] = results[name]["step_s"] / results["embedded"]["step_s"]
         runs.append(name)
-    print(f"\n{'run':16} {'step s':>8} {'tok/s':>9} {'compute':>8} {'wait xfer':>9} {'wait opt':>9} {'wall s':>7}"
+    print(f"\n{'run':22} {'step s':>8} {'tok/s':>9} {'compute':>8} {'wait xfer':>9} {'wait opt':>9} {'wall s':>7}"
           f" {'/ embedded':>10}")
     for name in runs:
         r = results[name]
-        print(f"{name:16} {r['step_s']:8.3f} {r['tokens_per_s']:9,.0f} {r['compute_s']:8.3f} "
+        print(f"{name:22} {r['step_s']:8.3f} {r['tokens_per_s']:9,.0f} {r['compute_s']:8.3f} "
               f"{r['wait_transfer_s']:9.3f} {r['wait_optimizer_s']:9.3f} {r['wall_s']:7.1f}"
               f" {r.get('ratio_step_time', 1.0):10.3f}")
     print(f"embedded gpu_share {args.share}; attached / embedded step time target 0.95-1.05")

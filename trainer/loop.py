@@ -154,7 +154,7 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
 
         def live() -> dict:
             opt = {"last_update_s": optimizer.last_step_seconds, "split": optimizer.last_split,
-                   "gpu_share": optimizer.gpu_share}
+                   "gpu_share": optimizer.gpu_share, "cpu_groups": store.cfg.optimizer.cpu_groups}
             return dict(report.live, phase=executor.phase, layer=executor.layer, optimizer=opt,
                         tflops=6 * n_params * report.live.get("tokens_per_s", 0.0) / 1e12)
 
@@ -285,9 +285,29 @@ def _attach(cfg: TrainConfig, mcfg, dtype: torch.dtype, rows: Rows, decay: dict,
              "has_master": cfg.bf16, "decay": decay, "groups": group_order(mcfg)}
     label = {"model": str(cfg.model_name_or_path), "output_dir": str(out.resolve())}
     attached = attach(path, run_identity(cfg, mcfg, dtype, rows), label, state_specs(mcfg, dtype), optim)
+    opt = attached.optimizer
+    mine = [g for g in opt.groups if g in opt.mine]
+    split = (f"this trainer's GPU updates {len(mine)} of {len(opt.groups)} groups ({_span(mine)}), the service "
+             "the others" if mine else "the service updates every group")
     say(f"attached to the tiermem service at {path}"
-        + (f" (its run is at step {attached.committed})" if attached.initialized else " (a new run)"))
+        + (f" (its run is at step {attached.committed})" if attached.initialized else " (a new run)")
+        + f"; {split}")
     return attached
+
+
+def _span(groups: list) -> str:
+    """Groups named briefly: ``embed, 0-3, 5``."""
+    parts, run = [], []
+    for g in groups + [None]:
+        if isinstance(g, int) and run and g == run[-1] + 1:
+            run.append(g)
+            continue
+        if run:
+            parts.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+        run = [g] if isinstance(g, int) else []
+        if g is not None and not isinstance(g, int):
+            parts.append(str(g))
+    return ", ".join(parts)
 
 
 def activation_budget(cfg: TrainConfig, store: Store) -> int | None:
