@@ -674,7 +674,10 @@ def test_serve_refuses_configs_a_service_cannot_use(tmp_path, capsys, monkeypatc
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine: the arena is pinned
     cases = {"anon": ({"tiers": {"dram": {"path": "anonymous"}}}, "must be a shared file"),
              "gpu": ({"tiers": {"dram": {"path": str(tmp_path)}}, "placement": {"exp_avg": "gpu"}}, "outlive"),
-             "typo": ({"tiers": {"dram": {"pth": str(tmp_path)}}}, "did you mean 'path'")}
+             "typo": ({"tiers": {"dram": {"pth": str(tmp_path)}}}, "did you mean 'path'"),
+             "disk full": ({"tiers": {"gpu": {"device": "cpu"}, "dram": {"path": str(tmp_path)},
+                                      "nvme": {"path": str(tmp_path / "nv"), "budget": "1000TiB"}}},
+                           "NVMe tier needs 1000.0 TiB but")}
     if on_disk(tmp_path):  # CUDA cannot pin an arena file on a disk filesystem: said at start, not at attach
         cases["disk"] = ({"tiers": {"dram": {"path": str(tmp_path)}}}, "is on a disk filesystem")
     for name, (cfg, needle) in cases.items():

@@ -60,6 +60,7 @@ from tiermem.schema import to_plain
 from tiermem.stats import snapshot
 from tiermem.tiers.dram import on_disk
 from tiermem.tiers.extents import Extent, OutOfSpace
+from tiermem.tiers.nvme import check_directory
 
 log = logging.getLogger(__name__)
 MOVABLE = ("master", "exp_avg", "exp_avg_sq")  # kinds only the service touches between steps
@@ -172,6 +173,10 @@ class Service:
         if self.plan_cfg.tiers.dram.pin == "true" and on_disk(Path(self.cfg.tiers.dram.path)):
             raise ConfigError(f"{config_path}: tiers.dram.path {self.cfg.tiers.dram.path} is on a disk filesystem: "
                               "the GPU cannot pin an arena there; set it to a tmpfs such as /dev/shm")
+        nv = self.cfg.tiers.nvme
+        if nv is not None and nv.budget:  # the NVMe file is sized to the budget: say so now, not at attach
+            file = Path(nv.path) / f"{self.cfg.store_name()}.nvme"
+            check_directory(Path(nv.path), nv.budget - (file.stat().st_size if file.is_file() else 0))
         self.dir = state_dir(self.cfg)
         try:
             self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
