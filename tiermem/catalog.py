@@ -3,8 +3,9 @@
 A tensor has a name, shape, dtype, kind (param, grad, master, exp_avg, exp_avg_sq) and a group (a layer
 index, or a named shared group such as "embed"). An entry records its home tier and extent and whether
 its bytes there are valid: an extent becomes valid only when a write to it has completed. Each group has
-a version a reader can wait on ("group g at version >= v"): the optimizer bumps it after an update and
-the next forward pass waits for it.
+a version a reader can wait on ("group g at version >= v"): the optimizer bumps it after an update, and a
+checkpoint reads the state at it. The next forward pass waits for the params version, which may run
+ahead of it: the update's compute copy is home, the rest of its state not yet.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class Entry:
 @dataclass
 class GroupState:
     version: int = 0
+    params: int = 0  # the update whose compute copy is home (``params_version``)
     cond: threading.Condition = field(default_factory=threading.Condition)
     wait_seconds: float = 0.0
 
@@ -124,6 +126,24 @@ class Catalog:
         if self.on_bump is not None:
             self.on_bump(group, version)
         return version
+
+    def params_version(self, group: Group) -> int:
+        """The latest update whose compute copy (kind ``param``) is home: the group's version, or ahead of
+        it while that update's other state is still being made durable (an attached trainer's GPU worker
+        hands the new weights to the next forward before the service has journaled the new master
+        weights and moments)."""
+        state = self._groups[group]
+        return max(state.version, state.params)
+
+    def params_ready(self, group: Group, version: int) -> None:
+        """Update ``version``'s compute copy of ``group`` is home (its other state may not be yet)."""
+        state = self._groups[group]
+        with state.cond:
+            state.params = max(state.params, version)
+            state.cond.notify_all()
+        with self._any:
+            self._bumps += 1
+            self._any.notify_all()
 
     def bump_count(self) -> int:
         return self._bumps

@@ -406,6 +406,8 @@ class StoreAdamW:
             if self.offer_params:
                 store.offer(g, "param", params)  # the next forward copies them on the GPU, not over PCIe
         if self.guard is not None:  # out of place: a crash leaves the old state whole; redo recomputes param
+            if self.has_master:  # the next forward may use the new weights once home, before the flip
+                home.add_done_callback(lambda f: f.exception() is None and cat.params_ready(g, step))
             landed = store.write_elsewhere({n: work[n] for n in places}, places, bulk=True)
 
             def flip(home=home if self.has_master else None):

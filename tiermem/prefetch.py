@@ -50,7 +50,9 @@ class Prefetcher:
 
     # -- the worker ------------------------------------------------------------------------------
     def _ready(self, req: Request) -> bool:
-        return self.store.catalog.version(req.group) >= req.version
+        cat = self.store.catalog
+        have = cat.params_version(req.group) if req.kind == "param" else cat.version(req.group)
+        return have >= req.version
 
     def _resident(self, req: Request) -> bool:
         return all(e.tier == "gpu" for e in self.store.catalog.group_entries(req.group, req.kind))
