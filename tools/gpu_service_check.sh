@@ -2,8 +2,8 @@
 # The service's GPU check, for the GPU machine (the `device` tool); each call fits its 10-minute limit:
 #   bash tools/gpu_service_check.sh tests    # the CUDA tests and the service's tests
 #   bash tools/gpu_service_check.sh more     # checkpoint + trainer CLI tests, the quickstart attached on the GPU
-#   bash tools/gpu_service_check.sh bench    # bench_optim (the service's crash-safe CPU AdamW variants),
-#                                            # bench_service at 16x4096 and 4x4096 tokens a step
+#   bash tools/gpu_service_check.sh bench    # bench_service at 16x4096 and 4x4096 tokens a step (OPTIM=1:
+#                                            # first bench_optim, the service's crash-safe CPU AdamW variants)
 #   (SHARE: the embedded run's gpu_share; ATTACHED_SHARE=0.7,1: one attached run per share;
 #    CPU_GROUPS=spread,last: ... per share and the service's optimizer.cpu_groups)
 # Details under $OUT; tables print last. Packages carried in (zarr, kvikio) may sit on PYTHONPATH: the
@@ -32,7 +32,7 @@ elif [ "$1" = more ]; then
   python3 -m tiermem.cli top --once --socket /tmp/qs.sock > "$OUT/top_idle.txt" 2>&1; head -3 "$OUT/top_idle.txt"
   kill -TERM %1; wait; tail -3 "$OUT/serve.log"
 else
-  python3 tools/bench_optim.py --threads 14 --reps 3 2>&1 | tee "$OUT/bench_optim.txt"
+  [ "${OPTIM:-0}" = 1 ] && python3 tools/bench_optim.py --threads 14 --reps 3 2>&1 | tee "$OUT/bench_optim.txt"
   python3 tools/bench_service.py --batch 4 --accum 4 --steps 5 ${SHARE:+--share $SHARE} ${ATTACHED_SHARE:+--attached-share $ATTACHED_SHARE} ${CPU_GROUPS:+--attached-cpu-groups $CPU_GROUPS} --json "$OUT/service_16x4096.json" 2>&1 | tee "$OUT/service_16x4096.txt"
   python3 tools/bench_service.py --batch 4 --accum 1 --steps 7 ${SHARE:+--share $SHARE} ${ATTACHED_SHARE:+--attached-share $ATTACHED_SHARE} ${CPU_GROUPS:+--attached-cpu-groups $CPU_GROUPS} --json "$OUT/service_4x4096.json" 2>&1 | tee "$OUT/service_4x4096.txt"
 fi
