@@ -120,9 +120,7 @@ class Catalog:
             state.version = state.version + 1 if to is None else to
             state.cond.notify_all()
             version = state.version
-        with self._any:
-            self._bumps += 1
-            self._any.notify_all()
+        self._notify_any()
         if self.on_bump is not None:
             self.on_bump(group, version)
         return version
@@ -141,6 +139,9 @@ class Catalog:
         with state.cond:
             state.params = max(state.params, version)
             state.cond.notify_all()
+        self._notify_any()
+
+    def _notify_any(self) -> None:
         with self._any:
             self._bumps += 1
             self._any.notify_all()

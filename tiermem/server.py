@@ -99,7 +99,8 @@ def _planning(cfg: StoreConfig) -> StoreConfig:
 # auto gpu_share of an attached run with CUDA: more than an embedded run's 0.7, as the service's CPU AdamW
 # is crash-safe (out of place: 0.37x the in-place rate on the H200 machine's host). Measured there
 # (tools/bench_service.py, 3.6 B params, attached / embedded at 0.7): 16x4096 tokens a step 0.7 -> 1.065,
-# 0.85 -> 1.034, 1.0 -> 1.052; 4x4096: 0.7 -> 1.133, 0.85 -> 1.177, 1.0 -> 1.38.
+# 0.85 -> 1.034-1.057 over five runs (median 1.05), 0.92 -> 1.056, 1.0 -> 1.052; 4x4096: 0.7 -> 1.133,
+# 0.85 -> 1.177, 1.0 -> 1.38.
 SERVICE_GPU_SHARE = 0.85
 
 
