@@ -113,6 +113,14 @@ def gpu_share(plan_cfg: StoreConfig) -> float:
     return share
 
 
+def _no_room(in_place: int, taken: int) -> str:
+    """The finish line's note on group updates a fragmented arena had no room for out of place (slower)."""
+    out = f"; {in_place} group updates went in place for want of room in the arena" if in_place else ""
+    if taken:
+        out += f"; {taken} of the trainer's were handed to the service for want of room"
+    return out
+
+
 def _spare(specs: list[TensorSpec], plan, kinds: tuple[str, ...], tier: str) -> int:
     """Room for the new state of the groups being written out of place on ``tier`` (twice the largest:
     one per worker)."""
@@ -151,6 +159,7 @@ class Run:
     # whether the service's own part of it is done, and the places handed out for the trainer's writes
     owed: set = field(default_factory=set)
     taken: set = field(default_factory=set)  # owed groups the service found no room for and updates itself
+    taken_count: int = 0  # ... how many so far
     own_done: bool = True
     grants: dict = field(default_factory=dict)  # group -> (step, {name: (tier, Extent)})
     mu: threading.Lock = field(default_factory=threading.Lock)  # owed, own_done, pending's completion
@@ -490,6 +499,7 @@ class Service:
         with run.mu:
             run.owed.discard(g)
             run.taken.add(g)
+            run.taken_count += 1
         fut = run.optimizer.update_on_cpu([g], step, st.commit_args["lr"], st.commit_args["grad_scale"])
 
         def done(f, run=run, g=g):
@@ -581,7 +591,8 @@ class Service:
             n = max(run.updates, 1)
             split = ", ".join(f"{k} {v / n:.3f}" for k, v in run.update_seconds.items() if k != "total" and v)
             self.say(f"run {label_of(run)} finished at step {run.state.committed}; its state is freed. "
-                     f"{run.updates} updates here, {run.update_seconds.get('total', 0.0) / n:.3f} s each ({split})")
+                     f"{run.updates} updates here, {run.update_seconds.get('total', 0.0) / n:.3f} s each ({split})"
+                     + _no_room(run.optimizer.no_room, run.taken_count))
             self._close_run(keep=False)
         return {}
 

@@ -1,7 +1,11 @@
 """An allocator of aligned extents in a linear address space [0, capacity).
 
-First fit over a sorted free list; freeing coalesces with both neighbours, so freed space is reused.
-Used by the DRAM arena, the NVMe files and the GPU tier.
+Best fit over a sorted free list (the smallest free run that holds the request, the lowest of equals);
+freeing coalesces with both neighbours, so freed space is reused. Best fit matters for the out-of-place
+updates: each frees its old places as it takes new ones of the same sizes, and best fit hands those
+exact holes to the next group of the same shape instead of carving the large free runs the embedding and
+LM head need (first fit fragmented a 3 B model's spare room so that the embedding found no room every
+step). Used by the DRAM arena, the NVMe files and the GPU tier.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ class OutOfSpace(Exception):
 
 
 class ExtentAllocator:
-    """Thread-safe first-fit allocator; every extent's offset and length are multiples of ``alignment``."""
+    """Thread-safe best-fit allocator; every extent's offset and length are multiples of ``alignment``."""
 
     def __init__(self, capacity: int, alignment: int = 4096, base: int = 0):
         if alignment <= 0 or alignment & (alignment - 1):
@@ -44,18 +48,23 @@ class ExtentAllocator:
     def allocate(self, nbytes: int) -> Extent:
         size = max(align_up(nbytes, self.alignment), self.alignment)
         with self._lock:
+            best = None
             for start in self._starts:
                 length = self._lengths[start]
-                if length >= size:
-                    idx = bisect.bisect_left(self._starts, start)
-                    del self._starts[idx]
-                    del self._lengths[start]
-                    if length > size:
-                        rest = start + size
-                        self._starts.insert(idx, rest)
-                        self._lengths[rest] = length - size
-                    self._live[start] = size
-                    return Extent(start, size)
+                if length >= size and (best is None or length < self._lengths[best]):
+                    best = start
+                    if length == size:
+                        break
+            if best is not None:
+                length = self._lengths.pop(best)
+                idx = bisect.bisect_left(self._starts, best)
+                del self._starts[idx]
+                if length > size:
+                    rest = best + size
+                    self._starts.insert(idx, rest)
+                    self._lengths[rest] = length - size
+                self._live[best] = size
+                return Extent(best, size)
         raise OutOfSpace(f"no free extent of {size} bytes (free {self.free_bytes()}, largest {self.largest_free()})")
 
     def reserve(self, extent: Extent) -> None:
