@@ -49,7 +49,7 @@ def test_full_config_reads():
     ({"placement": {"exp_avg": "nvme"}}, "tiers.nvme is not configured"),
     ({"tiers": {"nvme": {"budget": "1GiB"}}}, "tiers.nvme.path is required"),
     ({"placement": "everywhere"}, "expected 'auto' or a mapping"),
-    ({"optimizer": {"cpu_groups": "lats"}}, "optimizer.cpu_groups: 'lats' is not one of spread, last"),
+    ({"optimizer": {"cpu_groups": "lats"}}, "optimizer.cpu_groups: 'lats' is not one of auto, spread, last"),
 ])
 def test_config_errors_are_one_line(data, fragment):
     with pytest.raises(ConfigError) as e:

@@ -665,6 +665,24 @@ def test_the_bundled_service_configs_load():
         assert cfg.tiers.dram.path != "anonymous" and cfg.name, path
 
 
+def test_a_service_with_a_gpu_gives_its_cpu_the_last_groups(monkeypatch):
+    """optimizer.cpu_groups: auto resolves in the service: last with a GPU (measured best there), spread
+    on the CPU stand-in; an explicit value stays."""
+    import torch
+
+    from tiermem.config import load_store_config
+    from tiermem.server import _planning
+
+    def planned(**optimizer):
+        return _planning(load_store_config({"tiers": {"gpu": {"device": "cuda"}, "dram": {"path": "/dev/shm"}},
+                                            "optimizer": optimizer})).optimizer.cpu_groups
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert planned() == "spread"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert planned() == "last" and planned(cpu_groups="spread") == "spread"
+
+
 def test_serve_refuses_configs_a_service_cannot_use(tmp_path, capsys, monkeypatch):
     import torch
 

@@ -107,8 +107,8 @@ class StoreAdamW:
 
     def _assign(self, share: float) -> set[Group]:
         """``share`` of the streamed groups for the GPU worker: spread evenly over the order, so both
-        workers progress together; or (optimizer.cpu_groups: last) the first ones, the CPU worker taking the
-        ones the next forward needs last."""
+        workers progress together (optimizer.cpu_groups: spread or auto; a service resolves auto itself);
+        or (last) the first ones, the CPU worker taking the ones the next forward needs last."""
         streamed = [g for g in self.groups
                     if any(e.tier != "gpu" for e in self.store.catalog.group_entries(g, self.p_kind))]
         if self.store.cfg.optimizer.cpu_groups == "last":

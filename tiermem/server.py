@@ -93,14 +93,18 @@ def _planning(cfg: StoreConfig) -> StoreConfig:
     if not (c.tiers.gpu.device.startswith("cuda") and torch.cuda.is_available()):
         c.tiers.gpu.device = "cpu"
     c.tiers.dram.pin = "true" if c.tiers.gpu.device != "cpu" else "false"
+    if c.optimizer.cpu_groups == "auto":  # (see SERVICE_GPU_SHARE)
+        c.optimizer.cpu_groups = "last" if c.tiers.gpu.device != "cpu" else "spread"
     return c
 
 
 # auto gpu_share of an attached run with CUDA: more than an embedded run's 0.7, as the service's CPU AdamW
-# is crash-safe (out of place: 0.37x the in-place rate on the H200 machine's host). Measured there
-# (tools/bench_service.py, 3.6 B params, attached / embedded at 0.7): 16x4096 tokens a step 0.7 -> 1.065,
-# 0.85 -> 1.034-1.057 over five runs (median 1.05), 0.92 -> 1.056, 1.0 -> 1.052; 4x4096: 0.7 -> 1.133,
-# 0.85 -> 1.177, 1.0 -> 1.38.
+# is crash-safe (out of place: 0.37x the in-place rate on the H200 machine's host); and auto cpu_groups
+# there: last, so the slow CPU share is the groups the next forward needs last, not the embedding first.
+# Measured there (tools/bench_service.py, 3.6 B params, attached / embedded at 0.7), 16x4096 tokens a step:
+# spread 0.7 -> 1.065, 0.85 -> 1.034-1.057 over six runs (median 1.05), 0.92 -> 1.056, 1.0 -> 1.052;
+# last 0.85 -> 1.003 (with the best-fit allocator; first fit left the embedding no room: 1.256).
+# 4x4096, spread: 0.7 -> 1.133, 0.85 -> 1.177, 1.0 -> 1.38.
 SERVICE_GPU_SHARE = 0.85
 
 
