@@ -577,6 +577,7 @@ def test_cpu_adamw_writes_out_of_place_and_falls_back_to_the_undo_copy_without_r
     ops = [json.loads(line) for line in svc.journal_path.read_text().splitlines()]
     ops = [(r["op"], r.get("step"), "moves" in r) for r in ops if r["op"] in ("begin", "done")]
     assert ops == [("begin", 1, False), ("done", 1, False), ("done", 2, True)]
+    assert svc.run.optimizer.no_room == 1 and svc.run.taken_count == 0  # for the finish line
     svc._close_run(keep=False)
     theirs.close()
 
@@ -623,6 +624,13 @@ def test_with_no_room_for_the_trainers_share_the_service_updates_it(tmp_path):
         assert torch.allclose(store.read("w").result(), ref.detach(), rtol=0, atol=1e-6), step
     ops = [json.loads(line)["op"] for line in svc.journal_path.read_text().splitlines()]
     assert ops.count("begin") == 2  # both in place behind the undo copy
+    # the finish line counts them: the trainer's group taken (then no room on the service's CPU either);
+    # the left group, no room on the service's GPU worker then on its CPU worker
+    from tiermem.server import _no_room
+
+    assert (svc.run.taken_count, svc.run.optimizer.no_room) == (1, 3)
+    assert _no_room(3, 1) == ("; 3 group updates went in place for want of room in the arena; 1 of the trainer's "
+                              "were handed to the service for want of room") and _no_room(0, 0) == ""
     svc._close_run(keep=False)
     theirs.close()
 

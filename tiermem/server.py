@@ -104,7 +104,8 @@ def _planning(cfg: StoreConfig) -> StoreConfig:
 # Measured there (tools/bench_service.py, 3.6 B params, attached / embedded at 0.7), 16x4096 tokens a step:
 # spread 0.7 -> 1.065, 0.85 -> 1.034-1.057 over six runs (median 1.05), 0.92 -> 1.056, 1.0 -> 1.052;
 # last 0.85 -> 1.003 (with the best-fit allocator; first fit left the embedding no room: 1.256).
-# 4x4096, spread: 0.7 -> 1.133, 0.85 -> 1.177, 1.0 -> 1.38.
+# 4x4096 (the update on the step's critical path), spread: 0.7 -> 1.133, 0.85 -> 1.177 (1.127 with best fit),
+# 1.0 -> 1.38; last: 0.85 -> 1.129, 0.92 -> 1.126.
 SERVICE_GPU_SHARE = 0.85
 
 
