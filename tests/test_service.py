@@ -421,6 +421,14 @@ def test_top_and_stats_over_the_socket(env):
         prom = cli("stats", "--prometheus").stdout
         assert 'tiermem_tier_used_bytes{tier="nvme",kind="exp_avg"}' in prom, prom
         assert "tiermem_train_step 3" in prom, prom
+        # the trainer's own stats file leaves the shared tiers' free space to the service
+        own = json.loads((env.tmp / "run" / "tiermem_stats.json").read_text())["store"]["tiers"]
+        theirs = snap["store"]["tiers"]
+        for name in ("dram", "nvme"):
+            assert own[name]["owner"] == "service" and own[name]["free"] is None, own[name]
+            assert own[name]["used"] == sum(own[name]["by_kind"].values()) > 0
+            t = theirs[name]
+            assert t["free"] == t["capacity"] - t["used"] and "owner" not in t
     finally:
         if "trainer" in locals():
             trainer.kill()

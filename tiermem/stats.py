@@ -15,6 +15,9 @@ def snapshot(store) -> dict:
         by_kind[e.tier][e.spec.kind] += e.extent.nbytes
         valid[e.tier] += e.spec.nbytes if e.valid else 0
     budgets = store.plan.budgets if store.plan is not None else {}
+    # a trainer attached to a service maps the service's arena and NVMe file: its allocators only hold the
+    # layout it attached with, so free space and fragmentation are the service's to say (tiermem stats)
+    attached = store.dram is not None and not store.dram.owner
     tiers = {}
     for name in TIERS:
         tier = store.tier(name)
@@ -30,6 +33,8 @@ def snapshot(store) -> dict:
             "valid_bytes": valid[name],
             "fragmentation": round(alloc.fragmentation(), 4),
         }
+        if attached and name != "gpu":
+            info.update(used=sum(by_kind[name].values()), free=None, fragmentation=None, owner="service")
         if name == "gpu":
             info.update(device=str(tier.device), slots=tier.n_slots, slots_free=tier.slots_free(),
                         slot_bytes=tier.slot_bytes)
