@@ -90,3 +90,38 @@ def test_rope_parameters_and_rope_scaling_give_the_same_frequencies():
 
     want, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
     torch.testing.assert_close(old.inv_freq(), want.float())
+
+
+@pytest.mark.parametrize("every,killed_after,resume", [(3, 5, 5), (3, 6, 6), (1, 3, 3), (3, 5, 4), (3, 8, 8)])
+def test_a_resumed_run_logs_the_steps_its_killed_trainer_took_but_did_not_log(tmp_path, every, killed_after,
+                                                                              resume):
+    """trainer_log.jsonl of a run killed after taking step ``killed_after`` (its figures kept as pending, no
+    line for it yet) and resumed at step ``resume`` (the service's last committed step, or a checkpoint)
+    equals the uninterrupted run's: the pending steps up to ``resume`` are logged as they would have been."""
+    from trainer.executor import StepResult
+    from trainer.report import Reporter
+
+    total = 8
+    result = lambda n: StepResult(1.0 / n, float(n), 100 * n, 0.5, 0.0, 0.0, {})
+
+    def run(out: Path, steps: range, resume_step: int = 0) -> None:
+        rep = Reporter(out, total, 1000, lambda text: None, resume_step=resume_step)
+        rep.replay(every)
+        for n in steps:
+            rep.pending(n, result(n), 0.1, n / total, float(n))
+            if n == killed_after and out.name == "killed" and not resume_step:
+                return  # killed: the step was taken (committed), its line never written
+            rep.step(n, result(n), 0.1, n / total, float(n), n == total, every)
+
+    def lines(out: Path) -> list:
+        rows = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
+        return [(r["current_steps"], r["loss"], r["grad_norm"], r["total_tokens"] > 0) for r in rows]
+
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    straight.mkdir()
+    killed.mkdir()
+    run(straight, range(1, total + 1))
+    run(killed, range(1, total + 1))
+    run(killed, range(resume + 1, total + 1), resume_step=resume)
+    assert lines(killed) == lines(straight)
+    assert (killed / "trainer_log.pending.jsonl").read_text() == ""

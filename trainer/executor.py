@@ -15,6 +15,7 @@ Hugging Face Trainer computes it. The executor computes on the store's GPU devic
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -64,6 +65,9 @@ class Executor:
         self.phase, self.layer = "starting", None  # what the GPU is doing now (for tiermem top)
         self.activation_budget = activation_budget  # bytes of boundary activations a pass may keep; None: any
         self.last_passes = 1
+        # before_commit(step, result): the step's figures, before the optimizer takes the step (a committed
+        # step's figures must outlive a trainer killed before it logs them)
+        self.before_commit = None
         # the trainer's thread, the copy lanes, the prefetcher and the optimizer hand work to each other
         # many times a step: a 5 ms GIL switch interval (Python's default) would add up to waits
         sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
@@ -158,11 +162,13 @@ class Executor:
             coef = self.max_grad_norm / (norm + 1e-6)
             if coef < 1.0:
                 grad_scale = 1.0 / coef
+        result = StepResult(loss_value, norm, tokens, time.perf_counter() - t_start, self._waits[0],
+                            self._waits[1], self._phase_waits)
+        if self.before_commit is not None:
+            self.before_commit(step + 1, result)
         self.optimizer.step(step + 1, lr, grad_scale)
         self.phase, self.layer = "optimizer", None
-        seconds = time.perf_counter() - t_start
-        return StepResult(loss_value, norm, tokens, seconds, self._waits[0], self._waits[1],
-                          self._phase_waits)
+        return dataclasses.replace(result, seconds=time.perf_counter() - t_start)
 
     def _pass(self, batches: list, step: int, scale: float, first: bool, last: bool):
         """Forward, loss and backward of ``batches``, layer-major; (summed loss, squared gradient norm on

@@ -166,6 +166,9 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
         t0 = time.perf_counter()
         rows_seen = 0
         link_bytes = _link_bytes(store)
+        report.replay(cfg.logging_steps)  # steps a killed trainer took but did not log
+        executor.before_commit = lambda n, result: report.pending(n, result, lr, plan.epoch_of(n),
+                                                                  time.perf_counter() - t0)
         with _bar(console) as bar:
             task = bar.add_task("training", total=total, completed=start)
             for step in range(start, total):

@@ -8,31 +8,80 @@ import math
 from datetime import timedelta
 from pathlib import Path
 
+from trainer.executor import StepResult
+
 
 def _hms(seconds: float) -> str:
     return str(timedelta(seconds=int(seconds)))
 
 
+PENDING = "trainer_log.pending.jsonl"  # the steps taken since the last trainer_log line (see Reporter)
+FIGURES = ("loss", "grad_norm", "tokens", "seconds", "wait_transfer", "wait_optimizer")
+
+
 class Reporter:
+    """Prints and logs a line every ``logging_steps`` steps, averaging the steps since the last one.
+
+    Each step's figures are also appended to ``trainer_log.pending.jsonl`` before the optimizer takes the
+    step (``pending``) and dropped once a line covers them: a run resumed at a step a killed trainer had
+    committed but not logged (the service's last committed step, or a checkpoint between two lines) still
+    logs those steps, and its lines equal an uninterrupted run's."""
+
     def __init__(self, out_dir: Path, total_steps: int, n_params: int, print_fn, resume_step: int = 0):
         self.out_dir, self.total, self.n_params, self.print = out_dir, total_steps, n_params, print_fn
         self.log_path = out_dir / "trainer_log.jsonl"
-        kept = []
-        if resume_step and self.log_path.is_file():  # keep the history up to the checkpoint resumed from
+        self.pending_path = out_dir / PENDING
+        kept, rows = [], []
+        if resume_step and self.log_path.is_file():  # keep the history up to the step resumed at
             for line in self.log_path.read_text().splitlines():
                 try:
-                    if json.loads(line).get("current_steps", 0) <= resume_step:
-                        kept.append(line)
+                    row = json.loads(line)
                 except json.JSONDecodeError:
                     break
+                if row.get("current_steps", 0) <= resume_step:
+                    kept.append(line)
+                    rows.append(row)
         self.log_path.write_text("".join(line + "\n" for line in kept))
+        logged = max((r["current_steps"] for r in rows if "loss" in r), default=0)
+        backlog = [r for r in self._read_pending() if logged < r["step"] <= resume_step]
+        self.pending_path.write_text("".join(json.dumps(r) + "\n" for r in backlog))
+        self._kept = backlog  # what the pending file holds
+        self._backlog = list(backlog)  # for replay
         self.window: list = []
-        self.losses: list[tuple[int, float]] = []
-        self.eval_losses: list[tuple[int, float]] = []
+        self.losses: list[tuple[int, float]] = [(r["current_steps"], r["loss"]) for r in rows if "loss" in r]
+        self.eval_losses: list[tuple[int, float]] = [(r["current_steps"], r["eval_loss"]) for r in rows
+                                                     if "eval_loss" in r]
         self.all_losses: list[float] = []
         self.total_tokens = 0
         self.train_seconds = 0.0
         self.live: dict = {"total_steps": total_steps}  # the latest figures, for the stats file
+
+    def _read_pending(self) -> list[dict]:
+        out = []
+        if self.pending_path.is_file():
+            for line in self.pending_path.read_text().splitlines():
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:
+                    break  # a line cut short by a kill: the step was not committed
+                if isinstance(r, dict) and isinstance(r.get("step"), int) and \
+                        all(k in r for k in (*FIGURES, "lr", "epoch", "elapsed")):
+                    out.append(r)
+        return out
+
+    def pending(self, step: int, result, lr: float, epoch: float, elapsed: float) -> None:
+        """Keep ``step``'s figures until a line covers them (call before the optimizer takes the step)."""
+        r = {"step": step, **{k: getattr(result, k) for k in FIGURES}, "lr": lr, "epoch": epoch, "elapsed": elapsed}
+        self._kept.append(r)
+        with self.pending_path.open("a") as f:
+            f.write(json.dumps(r) + "\n")
+
+    def replay(self, every: int) -> None:
+        """Log the steps a killed trainer took (committed) but had not logged yet, as it would have."""
+        backlog, self._backlog = self._backlog, []
+        for r in backlog:
+            self.step(r["step"], StepResult(*(r[k] for k in FIGURES), {}), r["lr"], r["epoch"], r["elapsed"],
+                      r["step"] == self.total, every)
 
     def step(self, step: int, result, lr: float, epoch: float, elapsed: float, force: bool, every: int) -> None:
         self.window.append(result)
@@ -68,6 +117,8 @@ class Reporter:
                   "wait_optimizer_seconds": round(opt, 4)}
         with self.log_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        self._kept = [r for r in self._kept if r["step"] > step]  # the line covers the others
+        self.pending_path.write_text("".join(json.dumps(r) + "\n" for r in self._kept))
 
     def eval(self, step: int, loss: float, epoch: float, elapsed: float) -> None:
         self.eval_losses.append((step, loss))
