@@ -167,7 +167,7 @@ def test_trainer_killed_in_forward_backward_and_optimizer_continues_bit_identica
             # every step has its line, with the uninterrupted run's figures (a step the killed trainer had
             # committed but not logged too: its figures were kept in trainer_log.pending.jsonl)
             assert losses(env.tmp / name) == losses(env.tmp / "straight"), point
-            assert (env.tmp / name / "trainer_log.pending.jsonl").read_text() == ""
+            assert not (env.tmp / name / "trainer_log.pending.jsonl").exists()  # removed at the end
         assert "finished at step 6" in svc.text
         if share:  # the service updated what the killed trainers had left of their share
             assert "groups the trainer left" in svc.text

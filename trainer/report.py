@@ -136,6 +136,7 @@ class Reporter:
                "train_steps_per_second": round(steps / runtime, 3),
                "train_tokens_per_second": round(self.total_tokens / max(self.train_seconds, 1e-9), 2)}
         (self.out_dir / "train_results.json").write_text(json.dumps(res, indent=2) + "\n")
+        self.pending_path.unlink(missing_ok=True)  # the run is whole: every step has its line
         return res
 
 
