@@ -130,3 +130,26 @@ class StoreMachine(RuleBasedStateMachine):
 
 StoreMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
 TestStore = StoreMachine.TestCase
+
+
+def test_a_move_with_no_dram_room_to_stage_it_fails_cleanly(tmp_path):
+    """NVMe -> GPU goes through a staging extent of the arena; with none free the move fails with a
+    BudgetError naming the budget to raise, and the tensor stays whole where it was (the GPU place taken
+    for it is given back). Hypothesis found it: it used to be a RuntimeError that leaked the GPU place."""
+    from tiermem.config import load_store_config
+
+    cfg = load_store_config({"tiers": {"gpu": {"device": "cpu", "slots": 2},
+                                       "nvme": {"path": str(tmp_path), "backend": "posix"}}, "name": "tmprop-stage"})
+    with Store(cfg, {"gpu": CAP, "dram": CAP, "nvme": CAP}, slot_bytes=CAP // 2, n_slots=2) as store:
+        store.create(TensorSpec("t0", (6145,), torch.float32, "param", 0), "nvme")
+        value = torch.arange(6145, dtype=torch.float32)
+        store.write("t0", value).result()
+        store.create(TensorSpec("t1", (CAP // 8 - 1024,), torch.int64, "param", 0), "dram")  # the arena nearly full
+        gpu_free = store.gpu.allocator.free_bytes()
+        try:
+            store.move("t0", "gpu").result()
+            raise AssertionError("the move found room to stage")
+        except BudgetError as e:
+            assert "tiers.dram.budget" in str(e)
+        assert store.gpu.allocator.free_bytes() == gpu_free
+        assert store.catalog["t0"].tier == "nvme" and torch.equal(store.read("t0").result(), value)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tiermem.errors import BudgetError
 from tiermem.futures import forward, then
 from tiermem.links import LinkStats
 from tiermem.tiers.dram import DramArena
@@ -204,7 +205,8 @@ class Mover:
             try:
                 tmp = Location("dram", self.dram.allocate(n), n)
             except OutOfSpace as e:
-                raise RuntimeError(f"no arena space to stage an NVMe<->GPU transfer: {e}") from None
+                raise BudgetError(f"no DRAM room to stage an NVMe<->GPU transfer ({e}); raise tiers.dram.budget") \
+                    from None
         else:
             tmp = torch.empty(n, dtype=torch.uint8, pin_memory=self.cuda)
         first = self.copy(src, tmp, wait_event, bulk=bulk)

@@ -198,7 +198,11 @@ class Store:
             except (OutOfSpace, BudgetError, AttributeError):
                 raise BudgetError(f"cannot move {name} to {tier}: no room there") from None
             new = Location(tier, extent, entry.spec.nbytes)
-            copied = self.mover.copy(self.location(entry), new) if entry.valid else done_future()
+            try:
+                copied = self.mover.copy(self.location(entry), new) if entry.valid else done_future()
+            except BaseException:  # (no room to stage it, say): the tensor stays where it is
+                self.tier(tier).free(extent)
+                raise
 
             def switch(f: cf.Future) -> None:
                 if f.exception() is not None:
