@@ -639,11 +639,11 @@ def test_with_no_room_for_the_trainers_share_the_service_updates_it(tmp_path):
         assert torch.allclose(store.read("w").result(), ref.detach(), rtol=0, atol=1e-6), step
     ops = [json.loads(line)["op"] for line in svc.journal_path.read_text().splitlines()]
     assert ops.count("begin") == 2  # both in place behind the undo copy
-    # the finish line counts them: the trainer's group taken (then no room on the service's CPU either);
-    # the left group, no room on the service's GPU worker then on its CPU worker
+    # the finish line counts them: the trainer's group taken, then in place on the service's CPU; the left
+    # group, no room on the service's GPU worker, then in place on its CPU worker: two updates in place
     from tiermem.server import _no_room
 
-    assert (svc.run.taken_count, svc.run.optimizer.no_room) == (1, 3)
+    assert (svc.run.taken_count, svc.run.optimizer.no_room) == (1, 2)
     assert _no_room(3, 1) == ("; 3 group updates went in place for want of room in the arena; 1 of the trainer's "
                               "were handed to the service for want of room") and _no_room(0, 0) == ""
     svc._close_run(keep=False)

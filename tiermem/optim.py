@@ -103,7 +103,9 @@ class StoreAdamW:
         # a group the guard finds no room for is updated by this optimizer's CPU worker (False: an attached
         # trainer's, whose service takes such a group itself)
         self.cpu_takes_over = True
-        self.no_room = 0  # group updates that found no room out of place (went in place, or to the CPU worker)
+        # group updates the CPU worker made in place for want of room out of place (a group the GPU worker
+        # found no room for is counted there, if it finds none either)
+        self.no_room = 0
 
     def _assign(self, share: float) -> set[Group]:
         """``share`` of the streamed groups for the GPU worker: spread evenly over the order, so both
@@ -361,7 +363,6 @@ class StoreAdamW:
                 self._wait_gate(g, step)
                 places = self.guard.allocate(g, step, self.state_names(g)) if self.guard is not None else None
                 if self.guard is not None and places is None:  # no room to write it out of place
-                    self.no_room += 1
                     if self.cpu_takes_over:
                         handed.append(self.update_on_cpu([g], step, lr, grad_scale))
                     continue  # (``leaving`` stays the last group's flip: flips finish in order)
