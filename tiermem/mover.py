@@ -209,8 +209,11 @@ class Mover:
                     from None
         else:
             tmp = torch.empty(n, dtype=torch.uint8, pin_memory=self.cuda)
-        first = self.copy(src, tmp, wait_event, bulk=bulk)
-        fut = then(first, lambda _: self.copy(tmp, dst, bulk=bulk))
+        # ``wait_event`` orders the leg that touches the GPU: the read of a GPU source, or the write of a
+        # GPU destination (whose memory earlier kernels may still use)
+        to_gpu = self.tier_of(dst) == "gpu"
+        first = self.copy(src, tmp, None if to_gpu else wait_event, bulk=bulk)
+        fut = then(first, lambda _: self.copy(tmp, dst, wait_event if to_gpu else None, bulk=bulk))
         out: cf.Future = cf.Future()
 
         def release(f: cf.Future, tmp=tmp) -> None:  # (holds a pinned buffer until both copies are done)

@@ -178,11 +178,15 @@ class Store:
         spec = entry.spec
         if out is None:
             out = torch.empty(spec.shape, dtype=spec.dtype)
+        # ``out`` on the GPU came from the caching allocator on the caller's stream, which hands a block out
+        # again as soon as the caller's last use of it is *queued*: the copy (on a lane's stream) must wait
+        # until those kernels have run, or they and the copy write the same memory
+        wait = _event_now(out)
 
         def run(_):
             if not entry.valid:
                 raise ValueError(f"tensor {name!r} has no valid data (never written, or its last write failed)")
-            return then(self.mover.copy(self.location(entry), out, bulk=bulk), lambda _: done_future(out))
+            return then(self.mover.copy(self.location(entry), out, wait, bulk=bulk), lambda _: done_future(out))
 
         return self._ordered(entry, run)
 
