@@ -14,8 +14,9 @@ def run(*args, cwd=None):
 
 
 def test_probe_json(tmp_path):
+    disk = tmp_path / "new"  # created, as tiers.nvme.path is when its parent exists
     r = run("probe", "--size", "4MiB", "--reps", "1", "--json", "--save", str(tmp_path / "p.json"),
-            "--nvme-path", str(tmp_path))
+            "--nvme-path", str(disk))
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout)
     assert json.loads((tmp_path / "p.json").read_text()) == result
@@ -25,11 +26,13 @@ def test_probe_json(tmp_path):
     assert rows["CPU AdamW"]["tiermem"] > 0
     if not torch.cuda.is_available():
         assert rows["arena -> GPU"]["note"] == "no CUDA on this machine"
-    assert not list(tmp_path.glob("*.nvme"))  # the probe cleans up
+    assert disk.is_dir() and not list(disk.glob("*.nvme"))  # the probe cleans up
 
 
 def test_bad_input_exits_2(tmp_path):
-    for args in (["probe", "--size", "lots"], ["probe", "--nvme-path", str(tmp_path / "missing")],
+    (tmp_path / "c.yaml").write_text("not a directory")
+    for args in (["probe", "--size", "lots"], ["probe", "--nvme-path", str(tmp_path / "no" / "parent")],
+                 ["probe", "--nvme-path", str(tmp_path / "c.yaml")],
                  ["probe", "--size", "10"]):
         r = run(*args)
         assert r.returncode == 2, args

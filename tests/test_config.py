@@ -65,3 +65,16 @@ def test_config_file_errors(tmp_path):
     bad.write_text("tiers: {gpu: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_store_config(bad)
+
+
+def test_yaml_bools_read_as_the_words_they_were():
+    """YAML reads a bare no / true as a bool: where a key's choices are words, the word is meant."""
+    from trainer.config import TrainConfig
+    from tiermem.schema import load_dataclass
+
+    base = {"model_name_or_path": "m", "output_dir": "o", "dataset": "d"}
+    assert load_dataclass(TrainConfig, dict(base, eval_strategy=False)).eval_strategy == "no"
+    assert load_store_config({"tiers": {"dram": {"pin": True}}}).tiers.dram.pin == "true"
+    assert load_store_config({"tiers": {"dram": {"pin": False}}}).tiers.dram.pin == "false"
+    with pytest.raises(ConfigError, match="eval_strategy: True is not one of no, steps"):
+        load_dataclass(TrainConfig, dict(base, eval_strategy=True))

@@ -20,8 +20,10 @@ def _probe(args) -> int:
     if size < (1 << 20):
         raise UserError("--size must be at least 1MiB")
     arena_size = parse_size(args.arena_size, "--arena-size") if args.arena_size else None
-    if args.nvme_path and not Path(args.nvme_path).is_dir():
-        raise UserError(f"--nvme-path {args.nvme_path} is not a directory")
+    if args.nvme_path:  # created when its parent exists, as tiers.nvme.path is
+        from tiermem.tiers.nvme import check_directory
+
+        check_directory(Path(args.nvme_path), 2 * size)
     result = run_probe(size, args.nvme_path, args.arena_dir, args.reps, arena_size)
     if args.save:
         Path(args.save).write_text(json.dumps(result, indent=1))

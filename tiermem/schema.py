@@ -36,7 +36,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: unexpected value {value!r}")
     if origin is typing.Literal:
         options = typing.get_args(tp)
-        if value in options:
+        if isinstance(value, bool):  # YAML reads a bare no/yes/false/true as a bool
+            for word in (("true", "yes") if value else ("false", "no")):
+                if word in options:
+                    return word
+        elif value in options:
             return value
         hint = nearest(str(value), [str(o) for o in options])
         raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(str, options))}{hint}")
