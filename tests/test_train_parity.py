@@ -117,6 +117,23 @@ def test_fp32_training_matches_plain_pytorch(tmp_path, family, gpu_share):
     assert [r["loss"] for r in log] == pytest.approx(losses, rel=1e-5)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_the_pad_row_trains_as_in_hugging_face(tmp_path, family, tied):
+    """With a pad token that also stands in the rows, Hugging Face's padding_idx keeps the lookups' gradient
+    off the pad row, while a tied LM head's gradient of that row is trained (weight decay on matrices only,
+    clipping that triggers): each family tied and untied."""
+    model_dir = save_tiny_model(family, tmp_path / "model", pad_token_id=4, tie_word_embeddings=tied)
+    data_dir = tmp_path / "data"
+    name = write_tokenized_dataset(data_dir, vocab=12, low=0)  # a small vocab: the pad token is in most rows
+    norms: list[float] = []
+    ref = reference_training(model_dir, data_dir, name, norms)
+    assert max(norms) > HP["max_grad_norm"], "the test must make clipping trigger"
+    tiermem = {"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}}}
+    assert run_cli(tmp_path, model_dir, data_dir, name, tiermem) == 0
+    assert_same_weights(tmp_path / "out", ref, tied=tied)
+
+
 @pytest.mark.parametrize("gpu_share,passes", [(0.0, 1), (0.5, 1), (1.0, 1), (0.0, 2), (0.5, 2)])
 def test_auto_placement_with_resident_shared_groups_matches(tmp_path, gpu_share, passes):
     """Embeddings and head resident on the (CPU stand-in) GPU tier, layers streamed from DRAM; a share of

@@ -17,15 +17,16 @@ def hf_config(family: str, **extra):
     import transformers as T
 
     if family == "llama":
-        return T.LlamaConfig(**COMMON, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
-                             pad_token_id=0, **extra)
+        return T.LlamaConfig(**{**COMMON, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                           "high_freq_factor": 4.0,
+                                                           "original_max_position_embeddings": 16},
+                                "pad_token_id": 0, **extra})
     if family == "mistral":
-        return T.MistralConfig(**COMMON, sliding_window=None, **extra)
+        return T.MistralConfig(**{**COMMON, "sliding_window": None, **extra})
     if family == "qwen2":
-        return T.Qwen2Config(**COMMON, **extra)
+        return T.Qwen2Config(**{**COMMON, **extra})
     if family == "qwen3":
-        return T.Qwen3Config(**COMMON, head_dim=12, tie_word_embeddings=True, **extra)
+        return T.Qwen3Config(**{**COMMON, "head_dim": 12, "tie_word_embeddings": True, **extra})
     raise ValueError(family)
 
 
@@ -45,13 +46,14 @@ def save_tiny_model(family: str, path: Path, seed: int = 0, **extra) -> Path:
 
 
 def write_tokenized_dataset(data_dir: Path, n_rows: int = 14, vocab: int = 96, seed: int = 0,
-                            name: str = "toy") -> str:
-    """Rows of 5..20 tokens; most with the first few labels masked (like a prompt), some without labels."""
+                            name: str = "toy", low: int = 1) -> str:
+    """Rows of 5..20 tokens (ids from ``low``); most with the first few labels masked (like a prompt),
+    some without labels."""
     rng = random.Random(seed)
     data_dir.mkdir(parents=True, exist_ok=True)
     with (data_dir / f"{name}.jsonl").open("w") as f:
         for i in range(n_rows):
-            ids = [rng.randrange(1, vocab) for _ in range(rng.randrange(5, 21))]
+            ids = [rng.randrange(low, vocab) for _ in range(rng.randrange(5, 21))]
             row = {"input_ids": ids}
             if i % 3:
                 cut = rng.randrange(1, len(ids) - 1)

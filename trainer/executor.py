@@ -25,12 +25,25 @@ import torch
 import torch.nn.functional as F
 
 from tiermem import faults
+from tiermem.errors import UserError
 from tiermem.catalog import state_name
+from tiermem.futures import all_of
 from tiermem.mover import host_sync
 from tiermem.prefetch import Prefetcher
 from trainer.model.config import ModelConfig
 from trainer.model.layers import decoder_layer, head_loss, head_loss_backward, rope_tables, shift_labels
 from trainer.model.weights import EMBED, LM_HEAD, NORM, all_weights
+
+
+class NonFiniteStep(UserError):
+    """A step whose loss or gradient norm is not finite: it is not applied, so the store and the last
+    checkpoint keep the step before."""
+
+    def __init__(self, step: int, loss: float, norm: float):
+        self.step = step
+        super().__init__(f"step {step}: gradient norm is {norm} (loss {loss}); the step was not applied, the "
+                         f"weights stay those after step {step - 1}: lower learning_rate, check the data, or resume "
+                         "from the last checkpoint")
 
 
 @dataclass
@@ -102,14 +115,29 @@ class Executor:
         if self.optimizer.grads_on_gpu(group):  # updated on the GPU: no round trip through DRAM
             self.store.offer(group, "grad", named)
 
-    def _grads(self, group, grads: dict[str, torch.Tensor], first: bool, last: bool):
-        """Hand a layer's gradient of this pass on: partial sums go to the store between passes (and come
-        back to be added); the last pass's sum is the gradient, whose squared norm is returned."""
-        if not first:
+    def _partials(self, group, first: bool):
+        """On a pass after the first, start reading back the group's gradient partial sums of the earlier
+        passes into fresh GPU buffers: (name -> buffer, future), or None on the first pass. Started before
+        the group's compute is queued, the copy runs while the GPU computes (it waits for the kernels queued
+        so far, which may still use the buffers' memory)."""
+        if first:
+            return None
+        bufs, futs = {}, []
+        for n in self.local_names[group]:
+            spec = self.store.catalog[state_name(n, "grad")].spec
+            bufs[n] = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+            futs.append(self.store.read(spec.name, out=bufs[n]))
+        return bufs, all_of(futs)
+
+    def _grads(self, group, grads: dict[str, torch.Tensor], partials, last: bool):
+        """Hand a layer's gradient of this pass on: partial sums go to the store between passes and come
+        back (``partials``, from ``_partials``) to be added; the last pass's sum is the gradient, whose
+        squared norm is returned."""
+        if partials is not None:
+            prev, fut = partials
+            self.store.wait(fut, "gradient_partials")
             for n, g in grads.items():
-                prev = torch.empty_like(g)
-                self.store.wait(self.store.read(state_name(n, "grad"), out=prev), "gradient_partials")
-                g.add_(prev)
+                g.add_(prev[n])
         if last:
             self._hand_grads(group, grads)
             return sum(g.pow(2).sum() for g in grads.values())
@@ -157,6 +185,8 @@ class Executor:
         self._drain()
         norm = math.sqrt(float(sumsq))
         loss_value = float(loss) * scale
+        if not (math.isfinite(norm) and math.isfinite(loss_value)):
+            raise NonFiniteStep(step + 1, loss_value, norm)
         grad_scale = None
         if self.max_grad_norm > 0:
             coef = self.max_grad_norm / (norm + 1e-6)
@@ -201,6 +231,7 @@ class Executor:
 
         # 2. loss + its backward, chunked over tokens
         self.phase, self.layer = "loss", "head"
+        head_partials = self._partials("head", first)
         view = self._take(r_head, "loss")
         tied_view = self._take(r_tied, "loss") if tied else None
         head_w = (tied_view or view).tensors[EMBED if tied else LM_HEAD]
@@ -221,12 +252,16 @@ class Executor:
         head_grads = {NORM: g_norm}
         if not tied:
             head_grads[LM_HEAD] = g_head
-        sq = [self._grads("head", head_grads, first, last)]
+        sq = [self._grads("head", head_grads, head_partials, last)]
 
         # 3. backward, layer-major, with recompute
         self.phase = "backward"
+        embed_partials = None
         for n, i in enumerate(reversed(range(L))):
             self.layer = i
+            partials = self._partials(i, first)
+            if i == 0:
+                embed_partials = self._partials("embed", first)
             view = self._take(r_bwd[n], "backward")
             w = self._weights(view)
             acc: list[torch.Tensor] | None = None
@@ -244,17 +279,23 @@ class Executor:
                     for a, g in zip(acc, outs[1:]):
                         a.add_(g)
             view.release()
-            sq.append(self._grads(i, dict(zip(view.tensors.keys(), acc)), first, last))
+            sq.append(self._grads(i, dict(zip(view.tensors.keys(), acc)), partials, last))
             faults.point("backward", step + 1)
 
-        # the embedding's gradient: every micro-batch's input gradient, plus the tied LM head's
+        # the embedding's gradient: every micro-batch's input gradient, plus the tied LM head's. As Hugging
+        # Face's padding_idx, the lookups of the pad token add nothing to its row; a tied head's gradient
+        # of that row stays
         hidden = cfg.hidden_size
+        if embed_partials is None:  # (no layers)
+            embed_partials = self._partials("embed", first)
         g_embed = g_head if tied else torch.zeros((cfg.vocab_size, hidden), dtype=torch.float32, device=dev)
+        pad = cfg.pad_token_id if cfg.pad_token_id is not None and 0 <= cfg.pad_token_id < cfg.vocab_size else None
+        pad_row = g_embed[pad].clone() if pad is not None else None
         for x, gy in zip(ids, grads_y):
             g_embed.index_add_(0, x.reshape(-1), gy.reshape(-1, hidden).float())
-        if cfg.pad_token_id is not None and 0 <= cfg.pad_token_id < cfg.vocab_size:
-            g_embed[cfg.pad_token_id] = 0
-        sq.append(self._grads("embed", {EMBED: g_embed}, first, last))
+        if pad is not None:
+            g_embed[pad] = pad_row
+        sq.append(self._grads("embed", {EMBED: g_embed}, embed_partials, last))
         del grads_y, acts
         return loss, (sum(sq) if last else None)
 
