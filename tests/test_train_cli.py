@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from tests.tiny_models import save_tiny_model, write_tokenized_dataset
@@ -139,3 +140,35 @@ def test_existing_output_dir_is_not_overwritten_unless_asked(good, capsys):
     assert "overwrite_output_dir" in capsys.readouterr().err
     assert run(dict(cfg, overwrite_output_dir=True)) == 0
     assert (out / "keep.txt").read_text() == "mine" and (out / "model.safetensors").is_file()
+
+
+def test_eval_strategy_no_as_yaml_writes_it(good, capsys):
+    """`eval_strategy: no` in a file and `eval_strategy=no` as an override: YAML reads both as false."""
+    cfg, run, tmp = good
+    assert run(cfg, raw=yaml.safe_dump(cfg) + "eval_strategy: no\n") == 0
+    assert run(dict(cfg, overwrite_output_dir=True), "eval_strategy=no") == 0
+    assert yaml.safe_load((tmp / "out" / "training_args.yaml").read_text())["eval_strategy"] == "no"
+
+
+def test_a_non_finite_step_is_not_applied(good, capsys):
+    """An absurd learning rate sends step 2's loss to inf/nan: the run stops there with one line and exit 2
+    before the optimizer takes the step; the last checkpoint holds step 1's weights (those a 1-step run
+    ends with) and nothing of step 2 is saved."""
+    from safetensors.torch import load_file
+
+    cfg, run, tmp = good
+    cfg = dict(cfg, learning_rate=1e35, lr_scheduler_type="constant", max_steps=4, save_steps=1, logging_steps=1)
+    rc = run(cfg)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.startswith("tiermem-train: error: step 2: gradient norm is ") and err.count("\n") == 1, err
+    assert "the step was not applied" in err and "lower learning_rate" in err
+    out = tmp / "out"
+    assert (out / "checkpoint-1").is_dir() and not (out / "checkpoint-2").exists()
+    assert not (out / "model.safetensors").exists()
+    log = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
+    assert [r["current_steps"] for r in log] == [1]
+    assert run(dict(cfg, max_steps=1, save_steps=None, output_dir=str(tmp / "one"))) == 0
+    want = load_file(tmp / "one" / "model.safetensors")
+    got = load_file(out / "checkpoint-1" / "model.safetensors")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)

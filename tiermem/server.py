@@ -333,7 +333,7 @@ class Service:
         op, mid = msg.get("op"), msg.get("id")
         handler = {"hello": self._hello, "init": self._init, "commit": self._commit, "layout": self._layout,
                    "progress": self._progress, "finish": self._finish, "stats": self._stats,
-                   "alloc": self._alloc, "flip": self._flip}.get(op)
+                   "alloc": self._alloc, "flip": self._flip, "stop": self._stop}.get(op)
         try:
             if handler is None:
                 raise RequestError(f"unknown op {str(op)[:40]!r}")
@@ -600,6 +600,15 @@ class Service:
                      + _no_room(run.optimizer.no_room, run.taken_count))
             self._close_run(keep=False)
         return {}
+
+    def _stop(self, client: Client, msg: dict) -> dict:
+        """The trainer stops without committing another step (a step it refused to apply, an error): say
+        why; the run stays at its last committed step for a rerun."""
+        run = self._attached(client, msg)
+        reason = " ".join(_field(msg, "reason", str)[:400].split())
+        self.say(f"trainer pid {client.pid} stopped run {label_of(run)}: {reason}; the run stays at step "
+                 f"{run.state.committed}")
+        return {"committed": run.state.committed}
 
     def _stats(self, client: Client, msg: dict) -> dict:
         return {"snapshot": self.snapshot()}

@@ -23,7 +23,7 @@ from tiermem import protocol
 from tiermem.catalog import TensorSpec, state_name
 from tiermem.client import attach
 from tiermem.config import StoreConfig, load_store_config
-from tiermem.errors import BudgetError, ConfigError
+from tiermem.errors import BudgetError, ConfigError, UserError
 from tiermem.optim import AdamWConfig, StoreAdamW
 from tiermem.schema import read_yaml, to_plain
 from tiermem.sizes import format_size
@@ -229,9 +229,14 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
         say(f"done: {total} steps in {runtime:.1f}s, train_loss {results['train_loss']:.4f}; "
                       f"model saved to {out}")
         return results
-    except BaseException:
+    except BaseException as e:
         if saver is not None:
             saver.settle()  # a checkpoint already read out of the store is still worth writing
+        if attached is not None and isinstance(e, UserError) and not attached.client.lost:
+            try:  # the service says why its run stops here (it keeps the last committed step)
+                attached.request("stop", reason=str(e))
+            except Exception:  # noqa: BLE001 - the error being raised is the one to report
+                pass
         raise
     finally:
         if stats is not None:
