@@ -1,6 +1,7 @@
 """Benchmark: streamed training (tiermem, every piece of state in DRAM) against plain PyTorch on the GPU.
 
-    python tools/bench_train.py [--batch 4] [--accum 1] [--seq 4096] [--steps 5] [--layers 28] [--json FILE]
+    python tools/bench_train.py [--batch 4] [--accum 1] [--seq 4096] [--steps 5] [--layers 28] [--passes 1]
+                                [--json FILE]
 
 Both train a random-init Llama-3B shape (hidden 3072, 28 layers, intermediate 8192, 24 heads, 8 KV heads,
 vocab 128256, untied: 3.6 B params) in bf16 on random tokens, in the same process:
@@ -98,7 +99,11 @@ def run_tiermem(args, raw: dict, model_dir: Path) -> dict:
     t_init = time.perf_counter() - t0 - t_open
     opt = StoreAdamW(store, group_order(mcfg), {w.name: w.decay for w in all_weights(mcfg)}, AdamWConfig(),
                      has_master=True)
-    ex = Executor(store, mcfg, torch.bfloat16, opt, 1.0, args.loss_chunk)
+    budget = None  # --passes N: an activation budget that holds ceil(accum / N) micro-batches' boundaries
+    if args.passes > 1:
+        per_mb = (mcfg.num_layers + 1) * mcfg.hidden_size * 2 * args.batch * args.seq
+        budget = per_mb * -(-args.accum // args.passes)
+    ex = Executor(store, mcfg, torch.bfloat16, opt, 1.0, args.loss_chunk, budget)
     torch.cuda.reset_peak_memory_stats()
     starts, results, opt_s = [], [], []
     total = args.warmup + args.steps
@@ -125,7 +130,9 @@ def run_tiermem(args, raw: dict, model_dir: Path) -> dict:
                                     for k in ("transfer", "optimizer")} for ph in ("forward", "loss", "backward")},
             "optimizer_busy_s": statistics.median(opt_s or [opt.last_step_seconds]),
             "optimizer_split": opt.last_split, "optimizer_threads": opt.threads, "gpu_share": opt.gpu_share,
-            "store_open_s": t_open, "init_s": t_init, "links": stats.get("links")}
+            "store_open_s": t_open, "init_s": t_init, "links": stats.get("links"), "passes": ex.last_passes,
+            "losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
+            "gradient_partials_wait_s": stats.get("waits_s", {}).get("gradient_partials", 0.0) / total}
 
 
 def main() -> None:
@@ -139,6 +146,8 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=3)
     ap.add_argument("--loss-chunk", type=int, default=4096)
     ap.add_argument("--gpu-share", default="auto", help="tiermem optimizer.gpu_share (auto, or 0..1)")
+    ap.add_argument("--passes", type=int, default=1,
+                    help="tiermem: run each step as this many layer-major passes (partial gradients in DRAM between)")
     ap.add_argument("--only", choices=["plain", "tiermem"])
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -179,6 +188,11 @@ def main() -> None:
         print(f"{k:10} {r['step_s']:8.3f} {r['tokens_per_s']:9.0f} {r['tflops']:8.1f} "
               f"{r['peak_hbm_gib']:8.1f}G  {split}")
     if "tiermem" in res:
+        t = res["tiermem"]
+        print(f"tiermem: {t['passes']} pass(es) a step; trainer thread blocked on partial gradients "
+              f"{t['gradient_partials_wait_s']:.3f} s/step (the GPU computes its queue meanwhile); step times "
+              f"{' '.join(f'{x:.2f}' for x in t['times'])}; losses {' '.join(f'{x:.4f}' for x in t['losses'])}; "
+              f"grad norms {' '.join(f'{x:.4f}' for x in t['grad_norms'])}")
         print("tiermem waits by phase (s/step): " + "; ".join(
             f"{ph} transfer {w['transfer']:.3f} optimizer {w['optimizer']:.3f}"
             for ph, w in res["tiermem"]["waits_by_phase"].items()))
