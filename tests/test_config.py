@@ -69,8 +69,8 @@ def test_config_file_errors(tmp_path):
 
 def test_yaml_bools_read_as_the_words_they_were():
     """YAML reads a bare no / true as a bool: where a key's choices are words, the word is meant."""
-    from trainer.config import TrainConfig
     from tiermem.schema import load_dataclass
+    from trainer.config import TrainConfig
 
     base = {"model_name_or_path": "m", "output_dir": "o", "dataset": "d"}
     assert load_dataclass(TrainConfig, dict(base, eval_strategy=False)).eval_strategy == "no"

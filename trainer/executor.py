@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from tiermem import faults
-from tiermem.errors import UserError
 from tiermem.catalog import state_name
+from tiermem.errors import UserError
 from tiermem.futures import all_of
 from tiermem.mover import host_sync
 from tiermem.prefetch import Prefetcher

@@ -184,8 +184,8 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
                     raise BudgetError(
                         f"the GPU ran out of memory holding the activations of {len(batches)} micro-batches of "
                         f"{cfg.per_device_train_batch_size} rows x up to {cfg.cutoff_len} tokens; lower "
-                        "per_device_train_batch_size or cutoff_len, or tiers.gpu.budget (steps split into several "
-                        "layer-major passes are not supported yet)") from None
+                        "per_device_train_batch_size or cutoff_len, tiermem_activation_budget (a step then runs as "
+                        "several layer-major passes) or tiers.gpu.budget") from None
                 if step == start and executor.last_passes > 1:
                     say(f"note: a step's boundary activations exceed the activation budget "
                         f"({format_size(executor.activation_budget)}): each step runs as {executor.last_passes} "
