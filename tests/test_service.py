@@ -302,6 +302,28 @@ def test_state_lost_with_the_arena_names_the_newest_checkpoint(env):
         svc.stop()
 
 
+def test_a_non_finite_step_is_not_committed_and_the_service_says_why(env):
+    """An attached trainer whose step 2 has a non-finite gradient norm stops with one line and exit 2
+    without committing it; the service says why and keeps step 1: a rerun continues at step 1 and stops at
+    step 2 again."""
+    svc = env.service()
+    try:
+        for attempt in range(2):
+            run = env.train("nan", learning_rate=1e35, lr_scheduler_type="constant", max_steps=4)
+            assert run.returncode == 2, run.stderr
+            assert run.stderr.startswith("tiermem-train: error: step 2: gradient norm is "), run.stderr
+            assert run.stderr.count("\n") == 1, run.stderr
+            if attempt:
+                assert "continuing the service's run at step 1" in run.stdout, run.stdout
+            deadline = time.time() + 30
+            while svc.text.count("the run stays at step 1") <= attempt and time.time() < deadline:
+                time.sleep(0.05)
+        assert svc.text.count("step 2: gradient norm is") == 2, svc.text
+        assert svc.text.count("the run stays at step 1") == 2, svc.text
+    finally:
+        assert svc.stop() == 0
+
+
 @SHARES
 def test_sighup_moves_optimizer_state_between_tiers_while_training(env, share):
     from tiermem.top import read_service
