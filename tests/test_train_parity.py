@@ -157,7 +157,7 @@ def test_auto_placement_with_resident_shared_groups_matches(tmp_path, gpu_share,
 def test_export_loads_in_transformers_with_the_same_logits(tmp_path, monkeypatch):
     """Import from a sharded checkpoint (index + shards), train, export sharded: transformers loads the
     export and computes the same logits as the reference model trained the plain way."""
-    import trainer.model.hf_io as hf_io
+    import trainer.weights_io as weights_io
 
     model_dir = tmp_path / "model"
     transformers.AutoModelForCausalLM.from_pretrained(save_tiny_model("llama", tmp_path / "single")).save_pretrained(
@@ -166,7 +166,7 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, monkeypatch
     data_dir = tmp_path / "data"
     name = write_tokenized_dataset(data_dir)
     ref = reference_training(model_dir, data_dir, name, [])
-    monkeypatch.setattr(hf_io, "SHARD_BYTES", 40_000)
+    monkeypatch.setattr(weights_io, "SHARD_BYTES", 40_000)
     assert run_cli(tmp_path, model_dir, data_dir, name, nvme_moments(tmp_path)) == 0
     out = tmp_path / "out"
     index = json.loads((out / "model.safetensors.index.json").read_text())

@@ -63,8 +63,10 @@ def _reader(args):
 
 
 def _serve(args) -> int:
+    from tiermem.faults import install_from_env
     from tiermem.server import serve
 
+    install_from_env()
     return serve(args.config, args.socket, args.fresh)
 
 

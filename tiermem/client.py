@@ -21,10 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from tiermem import faults, protocol
+from tiermem import protocol
 from tiermem.catalog import Group, TensorSpec
 from tiermem.config import load_store_config
 from tiermem.errors import UserError
+from tiermem.faults import HOOKS
 from tiermem.futures import done_future
 from tiermem.layout import apply_layout, attach_store, spec_from_json, spec_to_json
 from tiermem.optim import AdamWConfig, StoreAdamW
@@ -144,7 +145,7 @@ class RemoteGuard:
         return {name: Extent(int(off), int(n)) for name, (off, n) in places.items()}
 
     def flip(self, g: Group, step: int, new: dict[str, Extent]) -> None:
-        faults.point("update", step, g)  # test hook: the new state is written, not yet journaled
+        HOOKS.point("update", step, g)  # test hook: the new state is written, not yet journaled
         self.client.request("flip", run=self.run, step=step, group=g,
                             places={name: [ext.offset, ext.nbytes] for name, ext in new.items()})
         for name, ext in new.items():
@@ -198,7 +199,7 @@ class RemoteOptimizer:
         this process's GPU worker updates the others."""
         self.check()
         self.store.flush("grad")  # home before the GPU worker unscales its copies in place
-        faults.point("commit", step)
+        HOOKS.point("commit", step)
         if self.gate is not None:
             for g in self.groups:
                 self.gate(g, step)
@@ -207,7 +208,7 @@ class RemoteOptimizer:
         if reply.get("layout"):  # re-placement moved optimizer state before this update
             apply_layout(self.store.catalog, reply["layout"])
         self.committed = step
-        faults.point("optimizer", step)
+        HOOKS.point("optimizer", step)
         if self.mine:
             return self.local.step(step, lr, grad_scale, only=self.mine)
         return done_future()

@@ -1,27 +1,54 @@
-"""Test hooks for the crash-safety tests: ``TIERMEM_TEST_KILL_AT=POINT:KEY`` makes the process kill
-itself with SIGKILL when it reaches that point (``forward:3``, ``backward:3``, ``optimizer:3`` in a
-trainer: inside step 3 or right after committing it; ``update:3:1``: group 1's update 3 is written but
-not yet journaled, in the service or in a trainer's GPU worker). ``TIERMEM_TEST_HOLD_AT=POINT:KEY`` makes
-the thread that reaches the point wait there for good instead (a test then acts on the other process
-while this one is held at a known place). Inert when the variables are unset."""
+"""Test hooks for the crash-safety tests, as one object: ``HOOKS``, inert unless an entry point installs
+it from the environment when it starts (``install_from_env``: ``tiermem-train`` and ``tiermem serve`` do).
+Production code only calls ``HOOKS.point(...)`` and reads the two slow-downs; nothing reads the
+environment at import time.
+
+- ``TIERMEM_TEST_KILL_AT=POINT:KEY``: the process kills itself with SIGKILL when it reaches that point
+  (``forward:3``, ``backward:3``, ``commit:3``, ``optimizer:3`` in a trainer: inside step 3, or around
+  committing it; ``update:3:1``: group 1's update 3 is written but not yet journaled, in the service or
+  in a trainer's GPU worker).
+- ``TIERMEM_TEST_HOLD_AT=POINT:KEY``: the thread that reaches the point waits there for good instead (a
+  test then acts on the other process while this one is held at a known place).
+- ``TIERMEM_TEST_SLOW_UPDATE=SECONDS``: the service takes this much longer over each group's update (a
+  kill then lands inside an update).
+- ``TIERMEM_TEST_SLOW_SAVE=SECONDS``: a checkpoint's writer takes this much longer over each group.
+"""
 
 from __future__ import annotations
 
 import os
 import signal
 import threading
-
-_AT = os.environ.get("TIERMEM_TEST_KILL_AT")
-_HOLD = os.environ.get("TIERMEM_TEST_HOLD_AT")
+from dataclasses import dataclass
 
 
-def point(name: str, *key) -> None:
-    if _AT is None and _HOLD is None:
-        return
-    here = ":".join([name, *map(str, key)])
-    if here == _AT:
-        os.kill(os.getpid(), signal.SIGKILL)
-    if here == _HOLD:
-        held = threading.Event()
-        while not held.wait(0.05):  # in slices: a signal another thread received still reaches this one
-            pass
+@dataclass
+class Hooks:
+    kill_at: str | None = None
+    hold_at: str | None = None
+    slow_update: float = 0.0  # seconds added to each group's update in the service
+    slow_save: float = 0.0  # seconds added to each group a checkpoint writes
+
+    def point(self, name: str, *key) -> None:
+        """The process is at ``name:key``: die or hold there if a test asked for it."""
+        if self.kill_at is None and self.hold_at is None:
+            return
+        here = ":".join([name, *map(str, key)])
+        if here == self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if here == self.hold_at:
+            held = threading.Event()
+            while not held.wait(0.05):  # in slices: a signal another thread received still reaches this one
+                pass
+
+
+HOOKS = Hooks()
+
+
+def install_from_env(environ=None) -> None:
+    """Set ``HOOKS`` from the TIERMEM_TEST_* variables (an entry point calls this once, at start)."""
+    env = os.environ if environ is None else environ
+    HOOKS.kill_at = env.get("TIERMEM_TEST_KILL_AT") or None
+    HOOKS.hold_at = env.get("TIERMEM_TEST_HOLD_AT") or None
+    HOOKS.slow_update = float(env.get("TIERMEM_TEST_SLOW_UPDATE") or 0)
+    HOOKS.slow_save = float(env.get("TIERMEM_TEST_SLOW_SAVE") or 0)

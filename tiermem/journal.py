@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from tiermem import faults
 from tiermem.catalog import Group
+from tiermem.faults import HOOKS
 from tiermem.sizes import align_up
 from tiermem.tiers.extents import Extent, OutOfSpace
 
@@ -173,7 +173,7 @@ class UndoGuard:
     def __init__(self, store, journal: Journal, extent: Extent | None, has_master: bool, epoch: int = 0):
         self.store, self.journal, self.extent, self.epoch = store, journal, extent, epoch
         self.kinds = undo_kinds(has_master)
-        self.slow = float(os.environ.get("TIERMEM_TEST_SLOW_UPDATE", "0") or 0)  # test hook: seconds per group
+        self.slow = HOOKS.slow_update  # test hook: seconds per group
 
     def _pieces(self, g: Group):
         """(kind, entry, byte range in the undo extent) for the group's state, in catalog order."""
@@ -193,7 +193,7 @@ class UndoGuard:
             time.sleep(self.slow)
 
     def done(self, g: Group, step: int) -> None:
-        faults.point("update", step, g)  # test hook: the update is home, not yet journaled
+        HOOKS.point("update", step, g)  # test hook: the update is home, not yet journaled
         self.journal.append("done", group=g, step=step)
 
     def allocate(self, g: Group, step: int, names: list[str]) -> dict | None:
@@ -206,7 +206,7 @@ class UndoGuard:
     def flip(self, g: Group, step: int, new: dict) -> None:
         if self.slow:
             time.sleep(self.slow)
-        faults.point("update", step, g)  # test hook: the new state is written, not yet journaled
+        HOOKS.point("update", step, g)  # test hook: the new state is written, not yet journaled
         moves = {}
         for name, ext in new.items():
             moves[name] = [self.store.catalog[name].tier, ext.offset, ext.nbytes, self.epoch]

@@ -22,19 +22,11 @@ from tiermem.futures import forward, then
 from tiermem.links import LinkStats
 from tiermem.tiers.dram import DramArena
 from tiermem.tiers.extents import Extent, OutOfSpace
-from tiermem.tiers.gpu import GpuTier
+from tiermem.tiers.gpu import GpuTier, host_sync
 from tiermem.tiers.nvme import NvmeTier
 
 LINKS = ("dram->gpu", "gpu->dram", "dram->gpu bulk", "gpu->dram bulk", "nvme->dram", "dram->nvme", "nvme->gpu",
          "gpu->nvme", "dram->dram", "gpu->gpu")
-
-
-def host_sync(stream) -> None:
-    """Wait for ``stream``'s work with the calling thread asleep, not spinning on a core (which the CPU
-    optimizer's threads need)."""
-    ev = torch.cuda.Event(blocking=True)
-    ev.record(stream)
-    ev.synchronize()
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,8 @@ from tiermem.adamw import adamw_out_of_place, fused_adamw
 from tiermem.catalog import Group, state_name
 from tiermem.errors import BudgetError
 from tiermem.futures import all_of, done_future
-from tiermem.mover import host_sync
 from tiermem.tiers.extents import OutOfSpace
+from tiermem.tiers.gpu import host_sync
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # measured best on the H200 machine (16 cores, PCIe Gen5) for a 3B model with all state in DRAM:

@@ -85,8 +85,8 @@ def run_tiermem(args, raw: dict, model_dir: Path) -> dict:
     from trainer.executor import Executor
     from trainer.loop import state_specs, store_config
     from trainer.model.config import load_model_config
-    from trainer.model.hf_io import init_weights
     from trainer.model.weights import all_weights, group_order
+    from trainer.weights_io import init_weights
 
     mcfg = load_model_config(model_dir)
     scfg = store_config({"placement": {k: "dram" for k in ("param", "grad", "master", "exp_avg", "exp_avg_sq")},

@@ -36,8 +36,9 @@ import torch
 from tiermem.catalog import state_name
 from tiermem.checkpoint import StateReader, StateWriter, fsync_dir
 from tiermem.errors import ConfigError, StorageError
-from trainer.model.hf_io import TOKENIZER_FILES, ModelWriter
+from tiermem.faults import HOOKS
 from trainer.model.weights import all_weights, group_order
+from trainer.weights_io import TOKENIZER_FILES, ModelWriter
 
 FORMAT = 1
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -228,7 +229,7 @@ class Saver:
                 continue
 
     def _write(self, step: int, tmp: Path, q: queue.Queue, room: threading.Semaphore, trainer_state: dict) -> None:
-        slow = float(os.environ.get("TIERMEM_TEST_SLOW_SAVE", "0") or 0)  # tests: make a kill land inside a save
+        slow = HOOKS.slow_save  # tests: make a kill land inside a save
         try:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)

@@ -28,9 +28,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="print the first N processed training examples as JSON lines and exit")
     args = parser.parse_args(argv)
     try:
+        from tiermem.faults import install_from_env
         from trainer.config import load_train_config
         from trainer.loop import preview, run
 
+        install_from_env()
         cfg = load_train_config(args.config, args.overrides)
         if args.preview is not None:
             preview(cfg, args.preview)

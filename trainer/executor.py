@@ -24,11 +24,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tiermem import faults
 from tiermem.catalog import state_name
 from tiermem.errors import UserError
+from tiermem.faults import HOOKS
 from tiermem.futures import all_of
-from tiermem.mover import host_sync
 from tiermem.prefetch import Prefetcher
 from trainer.model.config import ModelConfig
 from trainer.model.layers import decoder_layer, head_loss, head_loss_backward, rope_tables, shift_labels
@@ -92,8 +91,7 @@ class Executor:
         return self._rope
 
     def _drain(self) -> None:
-        if self.device.type == "cuda":
-            host_sync(torch.cuda.current_stream(self.device))
+        self.store.gpu.sync()
 
     def _take(self, req, phase: str) -> dict[str, torch.Tensor]:
         view, on_opt, on_xfer = Prefetcher.take(req, self._drain)
@@ -227,7 +225,7 @@ class Executor:
                 w = self._weights(view)
                 acts.append([decoder_layer(w, x, rope, cfg) for x in acts[i]])
                 view.release()
-                faults.point("forward", step + 1)
+                HOOKS.point("forward", step + 1)
 
         # 2. loss + its backward, chunked over tokens
         self.phase, self.layer = "loss", "head"
@@ -280,7 +278,7 @@ class Executor:
                         a.add_(g)
             view.release()
             sq.append(self._grads(i, dict(zip(view.tensors.keys(), acc)), partials, last))
-            faults.point("backward", step + 1)
+            HOOKS.point("backward", step + 1)
 
         # the embedding's gradient: every micro-batch's input gradient, plus the tied LM head's. As Hugging
         # Face's padding_idx, the lookups of the pad token add nothing to its row; a tied head's gradient

@@ -35,11 +35,11 @@ from trainer.data.batches import StepPlan, collate
 from trainer.data.prepare import Rows, load_rows, split_eval
 from trainer.data.registry import resolve
 from trainer.executor import Executor
-from trainer.model.config import load_model_config
-from trainer.model.hf_io import export_model, import_weights, init_weights, weight_files
+from trainer.model.config import ModelConfigError, load_model_config
 from trainer.model.weights import all_weights, group_order
 from trainer.report import Reporter, plot_loss
 from trainer.schedule import lr_factor, warmup_steps
+from trainer.weights_io import export_model, import_weights, init_weights, weight_files
 
 
 def store_config(value) -> StoreConfig:
@@ -73,7 +73,7 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
     console = console or Console()
     say = lambda text: console.print(text, soft_wrap=True, highlight=False)
     model_dir = Path(cfg.model_name_or_path)
-    mcfg = load_model_config(model_dir)
+    mcfg = model_config(model_dir)
     if mcfg.sliding_window is not None and cfg.cutoff_len > mcfg.sliding_window:
         raise ConfigError(f"cutoff_len {cfg.cutoff_len} exceeds the model's sliding_window {mcfg.sliding_window}; "
                           "sliding-window attention is not supported yet: lower cutoff_len")
@@ -251,6 +251,14 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
             store.close()
 
 
+def model_config(model_dir: Path):
+    """The model's config.json read, its problems reported as the user's (one line, exit code 2)."""
+    try:
+        return load_model_config(model_dir)
+    except ModelConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _checked_resume(cfg: TrainConfig, out: Path, mcfg, model_dir: Path) -> Path | None:
     """The checkpoint to resume from (checked whole and this model's) and, for a fresh start from
     pretrained weights, that the weight files are there: before anything is touched."""
@@ -372,7 +380,7 @@ def prepare_data(cfg: TrainConfig, mcfg, model_dir: Path, console: Console):
 def preview(cfg: TrainConfig, n: int) -> None:
     """``--preview N``: the first N processed training rows (file order) as JSON lines on stdout."""
     model_dir = Path(cfg.model_name_or_path)
-    mcfg = load_model_config(model_dir)
+    mcfg = model_config(model_dir)
     rows = load_rows(cfg.dataset, cfg, mcfg, model_dir)
     for ids, labels in list(zip(rows.input_ids, rows.labels))[:n]:
         print(json.dumps({"input_ids": ids, "labels": ids if labels is None else labels}))

@@ -21,6 +21,14 @@ from tiermem.tiers.extents import Extent, ExtentAllocator, OutOfSpace
 ALIGN = 512
 
 
+def host_sync(stream) -> None:
+    """Wait for ``stream``'s work with the calling thread asleep, not spinning on a core (which the CPU
+    optimizer's threads need)."""
+    ev = torch.cuda.Event(blocking=True)
+    ev.record(stream)
+    ev.synchronize()
+
+
 @dataclass
 class Slot:
     index: int
@@ -61,6 +69,12 @@ class GpuTier:
     def view(self, extent: Extent, nbytes: int | None = None) -> torch.Tensor:
         n = extent.nbytes if nbytes is None else nbytes
         return self._buffer[extent.offset: extent.offset + n]
+
+    def sync(self) -> None:
+        """Wait, asleep, until the kernels the calling thread queued on this device have run (no-op on the
+        CPU stand-in)."""
+        if self.is_cuda:
+            host_sync(torch.cuda.current_stream(self.device))
 
     @property
     def n_slots(self) -> int:

@@ -12,7 +12,11 @@ from pathlib import Path
 
 import torch
 
-from tiermem.errors import ConfigError
+
+class ModelConfigError(ValueError):
+    """config.json asks for what this model code cannot compute, or is malformed: one line saying what, and
+    what is supported (the trainer reports it as a user error)."""
+
 
 SUPPORTED = {
     "LlamaForCausalLM": "llama",
@@ -100,21 +104,22 @@ def _llama3_scale(inv: torch.Tensor, p: dict) -> torch.Tensor:
 def _rope(raw: dict, where: str) -> dict:
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:  # per-layer-type form
-        raise ConfigError(f"{where}: per-layer-type rope_parameters are not supported")
+        raise ModelConfigError(f"{where}: per-layer-type rope_parameters are not supported")
     if not isinstance(params, dict):
         params = dict(raw.get("rope_scaling") or {})
         params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
     params = dict(params)
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     if kind not in ROPE_TYPES:
-        raise ConfigError(f"{where}: RoPE scaling '{kind}' is not supported yet; supported: {', '.join(ROPE_TYPES)}")
+        raise ModelConfigError(f"{where}: RoPE scaling '{kind}' is not supported yet; supported: "
+                               f"{', '.join(ROPE_TYPES)}")
     params["rope_type"] = kind
     params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
     need = {"linear": ("factor",),
             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
     for key in need.get(kind, ()):
         if key not in params:
-            raise ConfigError(f"{where}: RoPE type '{kind}' needs '{key}'")
+            raise ModelConfigError(f"{where}: RoPE type '{kind}' needs '{key}'")
     return params
 
 
@@ -122,12 +127,12 @@ def model_config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig
     archs = raw.get("architectures") or []
     arch = archs[0] if archs else None
     if arch not in SUPPORTED:
-        raise ConfigError(f"{where}: architecture {arch or '(none given)'} is not supported; supported: "
+        raise ModelConfigError(f"{where}: architecture {arch or '(none given)'} is not supported; supported: "
                           + ", ".join(SUPPORTED))
     family = SUPPORTED[arch]
     act = raw.get("hidden_act", "silu")
     if act != "silu":
-        raise ConfigError(f"{where}: hidden_act '{act}' is not supported (only silu)")
+        raise ModelConfigError(f"{where}: hidden_act '{act}' is not supported (only silu)")
     try:
         h, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
         cfg = ModelConfig(
@@ -153,9 +158,9 @@ def model_config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig
             raw=raw,
         )
     except KeyError as e:
-        raise ConfigError(f"{where}: missing key {e.args[0]!r}") from None
+        raise ModelConfigError(f"{where}: missing key {e.args[0]!r}") from None
     if cfg.num_heads % cfg.num_kv_heads:
-        raise ConfigError(f"{where}: num_attention_heads must be a multiple of num_key_value_heads")
+        raise ModelConfigError(f"{where}: num_attention_heads must be a multiple of num_key_value_heads")
     return cfg
 
 
@@ -170,13 +175,13 @@ def _uses_window(raw: dict, family: str) -> bool:
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     path = Path(model_dir)
     if not path.is_dir():
-        raise ConfigError(f"model_name_or_path: {model_dir} is not a directory (tiermem reads local Hugging Face "
+        raise ModelConfigError(f"model_name_or_path: {model_dir} is not a directory (tiermem reads local Hugging Face "
                           "model directories; download the model first, e.g. `hf download ORG/NAME --local-dir DIR`)")
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
-        raise ConfigError(f"model_name_or_path: {model_dir} has no config.json")
+        raise ModelConfigError(f"model_name_or_path: {model_dir} has no config.json")
     try:
         raw = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{cfg_path}: not valid JSON: {e}") from None
+        raise ModelConfigError(f"{cfg_path}: not valid JSON: {e}") from None
     return model_config_from_dict(raw, str(cfg_path))
