@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiermem.adamw import adamw_out_of_place, fused_adamw
+from tiermem.optim.kernels import adamw_out_of_place, fused_adamw
 
 HP = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
 

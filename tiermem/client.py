@@ -28,7 +28,7 @@ from tiermem.errors import UserError
 from tiermem.faults import HOOKS
 from tiermem.futures import done_future
 from tiermem.layout import apply_layout, attach_store, spec_from_json, spec_to_json
-from tiermem.optim import AdamWConfig, StoreAdamW
+from tiermem.optim import AdamWConfig, Gate, StoreAdamW
 from tiermem.tiers.extents import Extent
 
 
@@ -165,11 +165,14 @@ class RemoteOptimizer:
         self.client, self.store, self.groups, self.run = client, store, list(groups), run_id
         self.committed, self.local, self.gpu_share = committed, local, gpu_share
         self.mine = set(local.on_gpu) if local is not None else set()
-        self.gate = None  # set by a checkpoint saver: commits wait until it has read the state
+        self.gate: Gate | None = None  # a checkpoint saver's: commits wait until it has read the state
         self.last_step_seconds = 0.0
         self.last_split: dict = {}
         self._t_commit = 0.0
         client.on_version = self._on_version
+
+    def set_gate(self, gate: Gate | None) -> None:
+        self.gate = gate
 
     def _on_version(self, g: Group, v: int) -> None:
         if g == self.groups[-1] and v == self.committed and self._t_commit:
@@ -281,12 +284,11 @@ def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: dict)
     local = None
     mine = reply.get("trainer_groups") or []
     if mine:
+        # the service said which groups this trainer's GPU updates; one it finds no room for, it takes itself
         local = StoreAdamW(store, optim["groups"], optim["decay"],
                            AdamWConfig(optim["beta1"], optim["beta2"], optim["eps"], optim["weight_decay"]),
-                           has_master=optim["has_master"], gpu_share=0.0)
-        local.on_gpu = set(mine)
-        local.guard = RemoteGuard(client, store, run_id)
-        local.cpu_takes_over = False  # the service updates a group it found no room for
+                           has_master=optim["has_master"], on_gpu=mine, guard=RemoteGuard(client, store, run_id),
+                           cpu_takes_over=False)
     opt = RemoteOptimizer(client, store, optim["groups"], run_id, reply["committed"], local,
                           float(reply.get("gpu_share", 0.0)))
     return Attached(client, store, opt, run_id, reply["initialized"], reply["committed"])

@@ -31,7 +31,6 @@ SIGINT stop cleanly (the in-flight update finishes; the run's state stays for th
 from __future__ import annotations
 
 import concurrent.futures as cf
-import copy
 import getpass
 import json
 import logging
@@ -45,8 +44,6 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from tiermem import protocol
 from tiermem.catalog import TensorSpec
 from tiermem.config import StoreConfig, load_store_config
@@ -56,6 +53,7 @@ from tiermem.layout import create_store, layout_of, reopen_store, spec_from_json
 from tiermem.mover import Location
 from tiermem.optim import AdamWConfig, StoreAdamW
 from tiermem.placement import default_budgets, make_plan
+from tiermem.resolve import resolve_auto
 from tiermem.schema import to_plain
 from tiermem.stats import snapshot
 from tiermem.tiers.dram import on_disk
@@ -85,37 +83,16 @@ def service_config(path: str) -> StoreConfig:
 
 
 def _planning(cfg: StoreConfig) -> StoreConfig:
-    """The config the service plans and builds its own store with: no GPU slots or resident groups; the
-    GPU (when the config names one and there is CUDA) only for the optimizer's GPU worker."""
-    c = copy.deepcopy(cfg)
-    c.tiers.gpu.slots = 0
-    c.tiers.gpu.budget = 0
-    if not (c.tiers.gpu.device.startswith("cuda") and torch.cuda.is_available()):
-        c.tiers.gpu.device = "cpu"
-    c.tiers.dram.pin = "true" if c.tiers.gpu.device != "cpu" else "false"
-    if c.optimizer.cpu_groups == "auto":  # (see SERVICE_GPU_SHARE)
-        c.optimizer.cpu_groups = "last" if c.tiers.gpu.device != "cpu" else "spread"
-    return c
-
-
-# auto gpu_share of an attached run with CUDA: more than an embedded run's 0.7, as the service's CPU AdamW
-# is crash-safe (out of place: 0.37x the in-place rate on the H200 machine's host); and auto cpu_groups
-# there: last, so the slow CPU share is the groups the next forward needs last, not the embedding first.
-# Measured there (tools/bench_service.py, 3.6 B params, attached / embedded at 0.7), 16x4096 tokens a step:
-# spread 0.7 -> 1.065, 0.85 -> 1.034-1.057 over six runs (median 1.05), 0.92 -> 1.056, 1.0 -> 1.052;
-# last 0.85 -> 1.003 (with the best-fit allocator; first fit left the embedding no room: 1.256).
-# 4x4096 (the update on the step's critical path), spread: 0.7 -> 1.133, 0.85 -> 1.177 (1.127 with best fit),
-# 1.0 -> 1.38; last: 0.85 -> 1.129, 0.92 -> 1.126.
-SERVICE_GPU_SHARE = 0.85
+    """The config the service plans and builds its own store with (``tiermem.resolve``): no GPU slots or
+    resident groups; the GPU (when the config names one and there is CUDA) only for the optimizer's GPU
+    worker; every ``auto`` decided."""
+    return resolve_auto(cfg, role="service")
 
 
 def gpu_share(plan_cfg: StoreConfig) -> float:
-    """The share of groups the trainer's GPU worker updates while the service's CPU AdamW updates the
-    rest; auto: 0.85 with CUDA, else 0."""
-    share = plan_cfg.optimizer.gpu_share
-    if share is None:
-        share = SERVICE_GPU_SHARE if plan_cfg.tiers.gpu.device != "cpu" else 0.0
-    return share
+    """The share of groups the trainer's GPU worker updates while the service's CPU AdamW updates the rest
+    (resolved in ``plan_cfg``)."""
+    return plan_cfg.optimizer.gpu_share
 
 
 def _no_room(in_place: int, taken: int) -> str:
@@ -265,13 +242,13 @@ class Service:
     def _make_run(self, record: dict, specs: list[TensorSpec], store, journal: Journal | None = None) -> Run:
         journal = journal or Journal(self.journal_path)
         o = record["optim"]
-        optimizer = StoreAdamW(store, o["groups"], o["decay"],
-                               AdamWConfig(o["beta1"], o["beta2"], o["eps"], o["weight_decay"]),
-                               has_master=o["has_master"], gpu_share=record["gpu_share"])
-        optimizer.offer_params = False  # the trainer is another process: nothing to hand over on the GPU
         undo = Extent(*record["undo"]) if record["undo"] is not None else None
         guard = UndoGuard(store, journal, undo, o["has_master"], record.get("epoch", 0))
-        optimizer.guard = guard
+        # (offer_params False: the trainer is another process, nothing to hand over on the GPU)
+        optimizer = StoreAdamW(store, o["groups"], o["decay"],
+                               AdamWConfig(o["beta1"], o["beta2"], o["eps"], o["weight_decay"]),
+                               has_master=o["has_master"], gpu_share=record["gpu_share"], guard=guard,
+                               offer_params=False)
         return Run(record, specs, store, journal, optimizer, guard)
 
     def _new_run(self, msg: dict) -> Run:
@@ -448,10 +425,9 @@ class Service:
         if fut.exception() is not None:
             self._failed(run, step, fut.exception())
             return
-        opt = run.optimizer
-        opt.last_step_seconds, opt.last_split = opt._busy, dict(opt._split)
+        seconds, split = run.optimizer.update_figures()
         run.updates += 1
-        for k, v in {"total": opt._busy, **opt._split}.items():
+        for k, v in {"total": seconds, **split}.items():
             run.update_seconds[k] = run.update_seconds.get(k, 0.0) + v
         with run.mu:
             run.own_done = True

@@ -6,7 +6,7 @@ over one Llama-3B-shaped decoder layer (100.7 M params, 12 tensors), in host mem
 Prints G params/s for: AdamW alone, the bf16 copy alone, and the two together (as StoreAdamW does
 them), for the given thread counts; the ceiling is a plain fp32 memcpy of the same bytes. Then the
 service's crash-safe variants (clipped gradients): AdamW in place behind an undo copy of the weights,
-moments and gradient (16 B/param copied first), and AdamW out of place (tiermem.adamw: chunked, the old
+moments and gradient (16 B/param copied first), and AdamW out of place (tiermem.optim.kernels: chunked, the old
 state and the gradient untouched; three chunk sizes), each as a ratio to AdamW in place in the same run.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tiermem.adamw import CHUNK, adamw_out_of_place  # noqa: E402
+from tiermem.optim.kernels import CHUNK, adamw_out_of_place  # noqa: E402
 
 SHAPES = [(3072, 3072), (1024, 3072), (1024, 3072), (3072, 3072), (8192, 3072), (8192, 3072), (3072, 8192),
           (3072,), (3072,)]

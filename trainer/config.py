@@ -202,8 +202,10 @@ def validate(c: TrainConfig) -> None:
         raise ConfigError("tiermem: expected a path to a tiermem config file or an inline mapping")
 
 
-def resolved(c: TrainConfig, store_cfg) -> dict:
-    """The config as it will run, for ``output_dir/training_args.yaml``."""
+def resolved(c: TrainConfig, store_cfg, activation_budget: int | None = None) -> dict:
+    """The config as it will run, for ``output_dir/training_args.yaml``: the store's config with every
+    ``auto`` decided, and the activation budget in bytes (null: no limit)."""
     out = to_plain(c)
     out["tiermem"] = to_plain(store_cfg)
+    out["tiermem_activation_budget"] = activation_budget
     return out

@@ -25,6 +25,7 @@ from tiermem.client import attach
 from tiermem.config import StoreConfig, load_store_config
 from tiermem.errors import BudgetError, ConfigError, UserError
 from tiermem.optim import AdamWConfig, StoreAdamW
+from tiermem.resolve import resolve_auto
 from tiermem.schema import read_yaml, to_plain
 from tiermem.sizes import format_size
 from tiermem.stats import StatsFile
@@ -46,7 +47,8 @@ def store_config(value) -> StoreConfig:
     """The tiermem config of a training run: a file path, an inline mapping, or the defaults.
 
     Embedded runs default the DRAM arena to ``anonymous`` (private huge pages: nothing to share, nothing
-    left behind, fast to pin) and the GPU tier to the CPU when there is no CUDA.
+    left behind, fast to pin) and the GPU tier to the CPU when there is no CUDA; every other ``auto`` is
+    resolved by ``tiermem.resolve``.
     """
     data = read_yaml(value, "tiermem config file") if isinstance(value, str) else copy.deepcopy(value or {})
     tiers = data.setdefault("tiers", {}) or {}
@@ -56,7 +58,7 @@ def store_config(value) -> StoreConfig:
             tiers[key] = {}
     tiers["dram"].setdefault("path", "anonymous")
     tiers["gpu"].setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
-    return load_store_config(data, str(value) if isinstance(value, str) else "tiermem")
+    return resolve_auto(load_store_config(data, str(value) if isinstance(value, str) else "tiermem"), "embedded")
 
 
 def state_specs(model_cfg, dtype: torch.dtype) -> list[TensorSpec]:
@@ -145,11 +147,11 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
 
         out.mkdir(parents=True, exist_ok=True)
         ckpt.remove_partial(out)
-        (out / "training_args.yaml").write_text(yaml.safe_dump(resolved(cfg, scfg), sort_keys=False))
+        budget = activation_budget(cfg, store)
+        (out / "training_args.yaml").write_text(yaml.safe_dump(resolved(cfg, scfg, budget), sort_keys=False))
         if optimizer is None:
             optimizer = StoreAdamW(store, group_order(mcfg), decay, adamw, has_master=cfg.bf16)
-        executor = Executor(store, mcfg, dtype, optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens,
-                            activation_budget(cfg, store))
+        executor = Executor(store, mcfg, dtype, optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens, budget)
         report = Reporter(out, total, n_params, say, resume_step=start)
 
         def live() -> dict:
@@ -162,7 +164,7 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
         if cfg.save_steps:
             saver = ckpt.Saver(store, mcfg, out, model_dir, dtype, cfg.bf16, cfg.save_only_model,
                                cfg.save_total_limit, say)
-            optimizer.gate = saver.gate
+            optimizer.set_gate(saver.gate)
         t0 = time.perf_counter()
         rows_seen = 0
         link_bytes = _link_bytes(store)
@@ -201,7 +203,7 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
                         attached.refresh_layout()
                     saver.begin(step + 1, {"global_step": step + 1, "epoch": plan.epoch_of(step + 1),
                                            "total_steps": total, "rng": ckpt.rng_state(),
-                                           "config": resolved(cfg, scfg)})
+                                           "config": resolved(cfg, scfg, budget)})
                 if cfg.eval_strategy == "steps" and (step + 1) % cfg.eval_steps == 0:
                     loss = evaluate(executor, eval_rows, cfg, mcfg, step + 1)
                     report.eval(step + 1, loss, plan.epoch_of(step + 1), time.perf_counter() - t0)

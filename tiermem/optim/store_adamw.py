@@ -34,17 +34,16 @@ from dataclasses import dataclass
 
 import torch
 
-from tiermem.adamw import adamw_out_of_place, fused_adamw
 from tiermem.catalog import Group, state_name
 from tiermem.errors import BudgetError
 from tiermem.futures import all_of, done_future
+from tiermem.optim.interface import Gate
+from tiermem.optim.kernels import adamw_out_of_place, fused_adamw
+from tiermem.resolve import resolve_auto
 from tiermem.tiers.extents import OutOfSpace
 from tiermem.tiers.gpu import host_sync
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-# measured best on the H200 machine (16 cores, PCIe Gen5) for a 3B model with all state in DRAM:
-# 0.5 -> 2.17-2.50 s/step, 0.6 -> 1.88, 0.7 -> 1.78 (tools/bench_train.py, 4x4096 tokens)
-AUTO_GPU_SHARE = 0.7
 
 
 def default_threads() -> int:
@@ -66,18 +65,32 @@ class AdamWConfig:
 
 
 class StoreAdamW:
+    """AdamW over ``groups`` of ``store`` (the order the next forward needs them).
+
+    ``gpu_share`` and ``cpu_groups`` (optimizer.gpu_share and optimizer.cpu_groups; by default the store
+    config's, resolved as an embedded run's by ``tiermem.resolve``) pick the GPU worker's groups, or
+    ``on_gpu`` names them. With a ``guard`` (the service's journal and undo copy, or an attached trainer's
+    ``RemoteGuard``) every update survives a crash at any point: ``guard.begin(group, update, views)``
+    before the CPU worker changes a group in place, ``guard.done(group, update)`` once all of its new state
+    is home; ``guard.allocate(group, update, names)`` -> places for the GPU worker's out-of-place write
+    (None: no room), ``guard.flip(group, update, extents)`` after it wrote them. ``offer_params``: hand
+    GPU-updated compute copies to the next fetch (an embedded run's; the service's trainer is another
+    process). ``cpu_takes_over``: a group the guard finds no room for is updated by this optimizer's CPU
+    worker (an attached trainer's is not: its service takes such a group itself).
+    """
+
     def __init__(self, store, groups: list[Group], decay: dict[str, bool], cfg: AdamWConfig, has_master: bool,
-                 threads: int | None = None, gpu_share: float | None = None):
+                 *, gpu_share: float | None = None, cpu_groups: str | None = None, on_gpu=None,
+                 threads: int | None = None, guard=None, offer_params: bool = True, cpu_takes_over: bool = True):
         self.store, self.groups, self.decay, self.cfg = store, list(groups), dict(decay), cfg
         self.has_master = has_master
         self.p_kind = "master" if has_master else "param"
         self.threads = threads or default_threads()
-        if gpu_share is None:
-            gpu_share = store.cfg.optimizer.gpu_share
-        if gpu_share is None:
-            gpu_share = AUTO_GPU_SHARE if store.gpu.is_cuda else 0.0
-        self.gpu_share = gpu_share
-        self.on_gpu = self._assign(gpu_share)
+        auto = resolve_auto(store.cfg).optimizer
+        self.gpu_share = auto.gpu_share if gpu_share is None else gpu_share
+        self.cpu_groups = auto.cpu_groups if cpu_groups is None else cpu_groups
+        self.on_gpu = set(on_gpu) if on_gpu is not None else self._assign(self.gpu_share)
+        self.guard, self.offer_params, self.cpu_takes_over = guard, offer_params, cpu_takes_over
         self._cpu = cf.ThreadPoolExecutor(1, "tiermem-optim-cpu", initializer=torch.set_num_threads,
                                           initargs=(self.threads,))
         self._gpu = cf.ThreadPoolExecutor(1, "tiermem-optim-gpu")
@@ -90,30 +103,27 @@ class StoreAdamW:
         self.last_step_seconds = 0.0  # the last finished step's update, from its start to the last bump
         self.last_split: dict[str, float] = {}  # ... and where its time went
         self._busy, self._split, self._t0 = 0.0, {}, 0.0
-        # gate(group, update) blocks until update number ``update`` may change the group's state (a
-        # checkpoint being written reads it first); returns the seconds it waited
-        self.gate = None
-        # guard.begin(group, update, views) before the CPU worker changes a group in place, guard.done(group,
-        # update) once all of its new state is home; guard.allocate(group, update, names) -> places for the
-        # GPU worker's out-of-place write (None: no room, the CPU worker takes the group), guard.flip(group,
-        # update, extents) after it wrote them (the service's journal, undo copy and out-of-place updates; an
-        # attached trainer's GPU worker asks the service for both)
-        self.guard = None
-        self.offer_params = True  # hand GPU-updated compute copies to the next fetch (embedded runs)
-        # a group the guard finds no room for is updated by this optimizer's CPU worker (False: an attached
-        # trainer's, whose service takes such a group itself)
-        self.cpu_takes_over = True
+        self.gate: Gate | None = None
         # group updates the CPU worker made in place for want of room out of place (a group the GPU worker
         # found no room for is counted there, if it finds none either)
         self.no_room = 0
 
+    def set_gate(self, gate: Gate | None) -> None:
+        self.gate = gate
+
+    def update_figures(self) -> tuple[float, dict[str, float]]:
+        """The update just finished (the service calls this when its part ends): its seconds from start to
+        end and where they went, kept as ``last_step_seconds`` and ``last_split``."""
+        self.last_step_seconds, self.last_split = self._busy, dict(self._split)
+        return self.last_step_seconds, self.last_split
+
     def _assign(self, share: float) -> set[Group]:
         """``share`` of the streamed groups for the GPU worker: spread evenly over the order, so both
-        workers progress together (optimizer.cpu_groups: spread or auto; a service resolves auto itself);
-        or (last) the first ones, the CPU worker taking the ones the next forward needs last."""
+        workers progress together (cpu_groups spread); or (last) the first ones, the CPU worker taking the
+        ones the next forward needs last."""
         streamed = [g for g in self.groups
                     if any(e.tier != "gpu" for e in self.store.catalog.group_entries(g, self.p_kind))]
-        if self.store.cfg.optimizer.cpu_groups == "last":
+        if self.cpu_groups == "last":
             return set(streamed[:int(len(streamed) * share)])
         return {g for n, g in enumerate(streamed) if int((n + 1) * share) > int(n * share)}
 
@@ -136,7 +146,7 @@ class StoreAdamW:
         """
         self.check()
         if self._pending is not None and self._pending.done():
-            self.last_step_seconds, self.last_split = self._busy, dict(self._split)
+            self.update_figures()
         self._t0, self._busy = time.perf_counter(), 0.0
         self._split = {"cpu_adamw": 0.0, "cpu_compute_copy": 0.0, "cpu_staging": 0.0, "gpu_path": 0.0,
                        "save_wait": 0.0}
@@ -156,7 +166,7 @@ class StoreAdamW:
     def wait(self) -> None:
         if self._pending is not None:
             self._pending.result()
-            self.last_step_seconds, self.last_split = self._busy, dict(self._split)
+            self.update_figures()
         self.check()
 
     @property

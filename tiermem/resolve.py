@@ -1,0 +1,66 @@
+"""Every ``auto`` of a tiermem config, resolved in one place from the config and the machine.
+
+    cfg = resolve_auto(load_store_config(...), role="embedded")   # a training run's own store
+    cfg = resolve_auto(cfg, role="service")                        # the store ``tiermem serve`` builds
+
+What it decides (each value a user writes is kept as written):
+
+- ``tiers.dram.pin``: the arena is registered with CUDA when the store computes on a CUDA device;
+- ``optimizer.gpu_share``: the share of DRAM/NVMe-resident groups the GPU worker updates while CPU AdamW
+  updates the rest — 0 without CUDA; with it 0.7 embedded, 0.85 in a service (measured, below);
+- ``optimizer.cpu_groups``: which of those groups the CPU worker takes — the last ones the next forward
+  needs in a service with a GPU, spread evenly elsewhere (measured, below).
+
+A service plans its own store with no GPU slots or resident groups: the GPU (when the config names one
+and there is CUDA) serves only the optimizer's GPU worker. The resolved config is what ``tiermem top``,
+the service's run record and a run's ``training_args.yaml`` show. (``placement: auto`` is the planner's,
+``tiermem.plan``; ``tiers.nvme.backend: auto`` is the NVMe tier's, decided by what its directory allows.)
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Literal
+
+import torch
+
+from tiermem.config import StoreConfig
+
+# measured best on the H200 machine (16 cores, PCIe Gen5) for a 3B model with all state in DRAM:
+# 0.5 -> 2.17-2.50 s/step, 0.6 -> 1.88, 0.7 -> 1.78 (tools/bench_train.py, 4x4096 tokens)
+EMBEDDED_GPU_SHARE = 0.7
+# a service's: more than an embedded run's, as the service's CPU AdamW is crash-safe (out of place: 0.37x
+# the in-place rate on the H200 machine's host); and cpu_groups last there, so the slow CPU share is the
+# groups the next forward needs last, not the embedding first. Measured there (tools/bench_service.py,
+# 3.6 B params, attached / embedded at 0.7), 16x4096 tokens a step: spread 0.7 -> 1.065, 0.85 ->
+# 1.034-1.057 over six runs (median 1.05), 0.92 -> 1.056, 1.0 -> 1.052; last 0.85 -> 1.003 (with the
+# best-fit allocator; first fit left the embedding no room: 1.256). 4x4096 (the update on the step's
+# critical path), spread: 0.7 -> 1.133, 0.85 -> 1.177 (1.127 with best fit), 1.0 -> 1.38; last: 0.85 ->
+# 1.129, 0.92 -> 1.126.
+SERVICE_GPU_SHARE = 0.85
+
+Role = Literal["embedded", "service"]
+
+
+def on_cuda(cfg: StoreConfig) -> bool:
+    """True when a store of ``cfg`` computes on a CUDA device (the config names one and there is CUDA)."""
+    return cfg.tiers.gpu.device.startswith("cuda") and torch.cuda.is_available()
+
+
+def resolve_auto(cfg: StoreConfig, role: Role = "embedded") -> StoreConfig:
+    """A copy of ``cfg`` with every ``auto`` above decided for ``role`` on this machine."""
+    c = copy.deepcopy(cfg)
+    cuda = on_cuda(c)
+    if role == "service":
+        c.tiers.gpu.slots = 0
+        c.tiers.gpu.budget = 0
+        if not cuda:
+            c.tiers.gpu.device = "cpu"
+        c.tiers.dram.pin = "true" if cuda else "false"
+    elif c.tiers.dram.pin == "auto":
+        c.tiers.dram.pin = "true" if cuda else "false"
+    if c.optimizer.gpu_share is None:
+        c.optimizer.gpu_share = (SERVICE_GPU_SHARE if role == "service" else EMBEDDED_GPU_SHARE) if cuda else 0.0
+    if c.optimizer.cpu_groups == "auto":
+        c.optimizer.cpu_groups = "last" if role == "service" and cuda else "spread"
+    return c
