@@ -73,16 +73,7 @@ class StateWriter:
         for kind, k in self._kinds.items():
             if k["next"] != len(k["order"]) or k["pos"] != k["total"]:
                 raise ValueError(f"{kind}: {k['next']} of {len(k['order'])} tensors written")
-        files = sorted(p for p in self.path.rglob("*") if p.is_file())
-        for f in files:
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        for d in sorted({p.parent for p in files} | {self.path}):
-            fsync_dir(d)
-        return files
+        return fsync_tree(self.path)
 
 
 class StateReader:
@@ -137,6 +128,21 @@ class StateReader:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._cache.clear()
         self._ahead.clear()
+
+
+def fsync_tree(root: str | Path) -> list[Path]:
+    """fsync every file under ``root``, then every directory from the deepest up; returns the files."""
+    root = Path(root)
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    for d in sorted({p.parent for p in root.rglob("*")} | {root}, key=lambda p: len(p.parts), reverse=True):
+        fsync_dir(d)
+    return files
 
 
 def fsync_dir(path: str | Path) -> None:

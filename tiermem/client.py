@@ -19,8 +19,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-import torch
-
 from tiermem import protocol
 from tiermem.catalog import Group, TensorSpec
 from tiermem.config import load_store_config
@@ -29,6 +27,7 @@ from tiermem.faults import HOOKS
 from tiermem.futures import done_future
 from tiermem.layout import apply_layout, attach_store, spec_from_json, spec_to_json
 from tiermem.optim import AdamWConfig, Gate, StoreAdamW
+from tiermem.resolve import compute_device
 from tiermem.tiers.extents import Extent
 
 
@@ -269,8 +268,7 @@ def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: dict)
         reply = client.request("hello", run=run_id, label=label, specs=[spec_to_json(s) for s in specs],
                                optim=optim, pid=os.getpid(), rank=0, world=1)
         cfg = load_store_config(reply["config"], "the service's config")
-        want = cfg.tiers.gpu.device
-        device = torch.device(want if want == "cpu" or torch.cuda.is_available() else "cpu")
+        device = compute_device(cfg)
         theirs = [spec_from_json(s) for s in reply["specs"]]
         if {s.name: s for s in theirs} != {s.name: s for s in specs}:
             raise UserError("the service's run holds other tensors than this model's; restart the service with "

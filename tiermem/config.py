@@ -21,6 +21,7 @@ from tiermem.schema import load_dataclass, read_yaml
 from tiermem.sizes import parse_size
 
 KINDS = ("param", "grad", "master", "exp_avg", "exp_avg_sq")
+MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's two moments, fp32
 TIERS = ("gpu", "dram", "nvme")
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from tiermem.catalog import Group
+from tiermem.config import MOMENTS
 from tiermem.faults import HOOKS
 from tiermem.sizes import align_up
 from tiermem.tiers.extents import Extent, OutOfSpace
@@ -153,7 +154,7 @@ def undo_kinds(has_master: bool) -> tuple[str, ...]:
     """The kinds an update changes in place that its redo needs as they were: the weights, the moments and
     the gradient (fused AdamW unscales it in place). A bf16 compute copy is not kept: the redo rewrites it
     from the restored master."""
-    return ("master", "exp_avg", "exp_avg_sq", "grad") if has_master else ("param", "exp_avg", "exp_avg_sq", "grad")
+    return ("master" if has_master else "param", *MOMENTS, "grad")
 
 
 def undo_bytes(specs, has_master: bool) -> int:

@@ -47,6 +47,12 @@ def on_cuda(cfg: StoreConfig) -> bool:
     return cfg.tiers.gpu.device.startswith("cuda") and torch.cuda.is_available()
 
 
+def compute_device(cfg: StoreConfig) -> torch.device:
+    """The device a store of ``cfg`` computes on: its ``tiers.gpu.device``, the CPU when that names CUDA
+    and there is none (the CPU stand-in of the GPU tier)."""
+    return torch.device(cfg.tiers.gpu.device if cfg.tiers.gpu.device == "cpu" or torch.cuda.is_available() else "cpu")
+
+
 def resolve_auto(cfg: StoreConfig, role: Role = "embedded") -> StoreConfig:
     """A copy of ``cfg`` with every ``auto`` above decided for ``role`` on this machine."""
     c = copy.deepcopy(cfg)

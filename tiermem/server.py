@@ -46,7 +46,7 @@ from pathlib import Path
 
 from tiermem import protocol
 from tiermem.catalog import TensorSpec
-from tiermem.config import StoreConfig, load_store_config
+from tiermem.config import MOMENTS, StoreConfig, load_store_config
 from tiermem.errors import ConfigError, UserError
 from tiermem.journal import Journal, RunState, UndoGuard, state_dir, undo_bytes, write_atomic
 from tiermem.layout import create_store, layout_of, reopen_store, spec_from_json, spec_to_json
@@ -61,7 +61,7 @@ from tiermem.tiers.extents import Extent, OutOfSpace
 from tiermem.tiers.nvme import check_directory
 
 log = logging.getLogger(__name__)
-MOVABLE = ("master", "exp_avg", "exp_avg_sq")  # kinds only the service touches between steps
+MOVABLE = ("master", *MOMENTS)  # kinds only the service touches between steps
 
 
 class RequestError(Exception):
@@ -274,7 +274,7 @@ class Service:
         plan = make_plan(specs, self.plan_cfg, ("param",), budgets)
         share = gpu_share(self.plan_cfg)
         undo = undo_bytes(specs, optim["has_master"])  # any group may have to go in place (no room elsewhere)
-        moved = ("master" if optim["has_master"] else "param", "exp_avg", "exp_avg_sq")
+        moved = ("master" if optim["has_master"] else "param", *MOMENTS)
         spare = {t: _spare(specs, plan, moved, t) for t in ("dram", "nvme")}  # both workers write out of place
         for p in (self.record_path, self.journal_path):
             p.unlink(missing_ok=True)
@@ -381,7 +381,7 @@ class Service:
         if run.state.initialized or step < 0:
             raise RequestError("init of a run already initialized, or at a negative step")
         groups = run.optimizer.groups
-        for kind in ("param", "master") + (("exp_avg", "exp_avg_sq") if step else ()):
+        for kind in ("param", "master") + (MOMENTS if step else ()):
             for g in groups:
                 run.store.mark_valid(g, kind)
         for g in groups:

@@ -27,6 +27,7 @@ from tiermem.errors import BudgetError
 from tiermem.futures import all_of, done_future, then
 from tiermem.mover import Location, Mover
 from tiermem.placement import Plan, make_plan
+from tiermem.resolve import compute_device
 from tiermem.sizes import align_up, format_size
 from tiermem.tiers.dram import DramArena
 from tiermem.tiers.extents import Extent, OutOfSpace
@@ -66,7 +67,7 @@ class Store:
         self.name = cfg.store_name()
         self.catalog = Catalog()
         t = cfg.tiers
-        device = torch.device(t.gpu.device if (t.gpu.device == "cpu" or torch.cuda.is_available()) else "cpu")
+        device = compute_device(cfg)
         if pin is None:
             pin = device.type == "cuda" if t.dram.pin == "auto" else t.dram.pin == "true"
         self.gpu = self.dram = self.nvme = None

@@ -34,14 +34,14 @@ import psutil
 import torch
 
 from tiermem.catalog import state_name
-from tiermem.checkpoint import StateReader, StateWriter, fsync_dir
+from tiermem.checkpoint import StateReader, StateWriter, fsync_dir, fsync_tree
+from tiermem.config import MOMENTS
 from tiermem.errors import ConfigError, StorageError
 from tiermem.faults import HOOKS
 from trainer.model.weights import all_weights, group_order
 from trainer.weights_io import TOKENIZER_FILES, ModelWriter
 
 FORMAT = 1
-MOMENTS = ("exp_avg", "exp_avg_sq")
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -261,15 +261,7 @@ class Saver:
             manifest = {"format": FORMAT, "step": step, "model_only": self.model_only, "model": signature(self.mcfg),
                         "tokenizer": tokenizer_digest(self.model_dir), "files": files}
             (tmp / "checkpoint.json").write_text(json.dumps(manifest) + "\n")
-            for p in sorted(tmp.rglob("*")):
-                if p.is_file():
-                    fd = os.open(p, os.O_RDONLY)
-                    try:
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
-            for d in sorted({p.parent for p in tmp.rglob("*")} | {tmp}, reverse=True):
-                fsync_dir(d)
+            fsync_tree(tmp)
             final = self.out / f"checkpoint-{step}"
             if final.exists():
                 shutil.rmtree(final)

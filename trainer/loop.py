@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from tiermem import protocol
 from tiermem.catalog import TensorSpec, state_name
 from tiermem.client import attach
-from tiermem.config import StoreConfig, load_store_config
+from tiermem.config import MOMENTS, StoreConfig, load_store_config
 from tiermem.errors import BudgetError, ConfigError, UserError
 from tiermem.optim import AdamWConfig, StoreAdamW
 from tiermem.resolve import resolve_auto
@@ -65,7 +65,7 @@ def state_specs(model_cfg, dtype: torch.dtype) -> list[TensorSpec]:
     specs = []
     for w in all_weights(model_cfg):
         specs.append(TensorSpec(w.name, w.shape, dtype, "param", w.group))
-        kinds = (("master",) if dtype != torch.float32 else ()) + ("grad", "exp_avg", "exp_avg_sq")
+        kinds = (("master",) if dtype != torch.float32 else ()) + ("grad", *MOMENTS)
         for kind in kinds:
             specs.append(TensorSpec(state_name(w.name, kind), w.shape, torch.float32, kind, w.group))
     return specs

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from tiermem.catalog import Group, state_name
+from tiermem.config import MOMENTS
 from tiermem.errors import BudgetError
 from tiermem.futures import all_of, done_future
 from tiermem.optim.interface import Gate
@@ -42,8 +43,6 @@ from tiermem.optim.kernels import adamw_out_of_place, fused_adamw
 from tiermem.resolve import resolve_auto
 from tiermem.tiers.extents import OutOfSpace
 from tiermem.tiers.gpu import host_sync
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def default_threads() -> int:
