@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from tests.test_service import env  # noqa: F401 - the service fixture
-from tiermem.catalog import TensorSpec
 from tiermem.config import load_store_config
-from tiermem.store import Store
+from tiermem.store.catalog import TensorSpec
+from tiermem.store.store import Store
 from tiermem.tiers.dram import DramArena
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (runs on the GPU machine)")

@@ -83,10 +83,10 @@ def test_a_pinned_arena_keeps_its_header(tmp_path, monkeypatch):
 def test_a_process_attached_to_the_arena_never_allocates_in_it(store_name, nvme_dir):
     """The arena's free space is its owner's (the service writes new state there at any time): a trainer
     attached to it stages an NVMe -> GPU read through memory of its own, and may not allocate at all."""
-    from tiermem.mover import Location, Mover
     from tiermem.tiers.extents import Extent, ExtentAllocator
     from tiermem.tiers.gpu import GpuTier
     from tiermem.tiers.nvme import NvmeTier
+    from tiermem.transfer.mover import Location, Mover
 
     nvme = NvmeTier(nvme_dir, store_name, 1 << 20, backend="posix")
     with DramArena.create(store_name, 1 << 20) as owner:

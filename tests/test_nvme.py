@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from tiermem.catalog import TensorSpec
 from tiermem.errors import StorageError
-from tiermem.store import Store
+from tiermem.store.catalog import TensorSpec
+from tiermem.store.store import Store
 from tiermem.tiers.nvme import NvmeTier, choose_backend
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiermem.catalog import TensorSpec
 from tiermem.errors import BudgetError
-from tiermem.placement import make_plan
-from tiermem.store import Store
+from tiermem.plan.placement import make_plan
+from tiermem.store.catalog import TensorSpec
+from tiermem.store.store import Store
 from tiermem.tiers.dram import list_arenas
 
 MiB = 1 << 20

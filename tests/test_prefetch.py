@@ -8,9 +8,9 @@ import time
 
 import torch
 
-from tiermem.catalog import TensorSpec
-from tiermem.prefetch import Prefetcher
-from tiermem.store import Store
+from tiermem.store.catalog import TensorSpec
+from tiermem.store.prefetch import Prefetcher
+from tiermem.store.store import Store
 
 
 def test_a_param_request_starts_once_the_params_are_home_before_the_version(make_cfg):

@@ -474,10 +474,10 @@ def ok(reply: dict) -> dict:
 
 def _unit_service(tmp_path, share):
     """An in-process service over a one-tensor model, a trainer connection and another one."""
-    from tiermem.catalog import TensorSpec
-    from tiermem.layout import spec_to_json
     from tiermem.server import Client
     from tiermem.server import Service as Svc
+    from tiermem.store.catalog import TensorSpec
+    from tiermem.store.layout import spec_to_json
 
     (tmp_path / "shm").mkdir()
     cfg = tmp_path / "serve.yaml"
@@ -505,7 +505,7 @@ def _unit_service(tmp_path, share):
 def test_requests_are_checked_one_by_one(tmp_path):
     """In-process: malformed specs, unknown tensor names, out-of-order and foreign messages get an error
     reply each, and the run goes on."""
-    from tiermem.layout import spec_from_json, spec_to_json
+    from tiermem.store.layout import spec_from_json, spec_to_json
 
     svc, client, other, theirs, hello, err = _unit_service(tmp_path, 0)
     specs = [spec_from_json(x) for x in hello["specs"]]
@@ -757,8 +757,8 @@ def test_versions_pushed_while_attaching_are_applied_in_order(tmp_path):
     kept and applied in their order over the hello's layout; later ones apply at once."""
     import torch
 
-    from tiermem.catalog import Catalog, TensorSpec
     from tiermem.client import ServiceClient
+    from tiermem.store.catalog import Catalog, TensorSpec
     from tiermem.tiers.extents import Extent
 
     path = tmp_path / "s.sock"

@@ -9,10 +9,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tiermem.catalog import TensorSpec
 from tiermem.config import KINDS, TIERS
 from tiermem.errors import BudgetError
-from tiermem.store import Store
+from tiermem.store.catalog import TensorSpec
+from tiermem.store.store import Store
 
 DTYPES = [torch.float32, torch.bfloat16, torch.uint8, torch.int64]
 CAP = 128 * 1024

@@ -20,14 +20,14 @@ import time
 from dataclasses import dataclass
 
 from tiermem import protocol
-from tiermem.catalog import Group, TensorSpec
 from tiermem.config import load_store_config
 from tiermem.errors import UserError
 from tiermem.faults import HOOKS
 from tiermem.futures import done_future
-from tiermem.layout import apply_layout, attach_store, spec_from_json, spec_to_json
 from tiermem.optim import AdamWConfig, Gate, StoreAdamW
-from tiermem.resolve import compute_device
+from tiermem.plan.resolve import compute_device
+from tiermem.store.catalog import Group, TensorSpec
+from tiermem.store.layout import apply_layout, attach_store, spec_from_json, spec_to_json
 from tiermem.tiers.extents import Extent
 
 

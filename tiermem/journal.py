@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from tiermem.catalog import Group
 from tiermem.config import MOMENTS
 from tiermem.faults import HOOKS
 from tiermem.sizes import align_up
+from tiermem.store.catalog import Group
 from tiermem.tiers.extents import Extent, OutOfSpace
 
 COMPACT_BYTES = 256 << 10

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from tiermem.mover import Location, Mover
 from tiermem.sizes import format_size
 from tiermem.tiers.dram import DramArena
 from tiermem.tiers.gpu import GpuTier
 from tiermem.tiers.nvme import NvmeTier
 from tiermem.tiers.nvme_kvikio import kvikio_usable
+from tiermem.transfer.mover import Location, Mover
 
 RAW_BLOCK = 64 << 20
 

@@ -45,20 +45,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tiermem import protocol
-from tiermem.catalog import TensorSpec
 from tiermem.config import MOMENTS, StoreConfig, load_store_config
 from tiermem.errors import ConfigError, UserError
 from tiermem.journal import Journal, RunState, UndoGuard, state_dir, undo_bytes, write_atomic
-from tiermem.layout import create_store, layout_of, reopen_store, spec_from_json, spec_to_json
-from tiermem.mover import Location
 from tiermem.optim import AdamWConfig, StoreAdamW
-from tiermem.placement import default_budgets, make_plan
-from tiermem.resolve import resolve_auto
+from tiermem.plan.placement import default_budgets, make_plan
+from tiermem.plan.resolve import resolve_auto
 from tiermem.schema import to_plain
-from tiermem.stats import snapshot
+from tiermem.store.catalog import TensorSpec
+from tiermem.store.layout import create_store, layout_of, reopen_store, spec_from_json, spec_to_json
+from tiermem.store.stats import snapshot
 from tiermem.tiers.dram import on_disk
 from tiermem.tiers.extents import Extent, OutOfSpace
 from tiermem.tiers.nvme import check_directory
+from tiermem.transfer.mover import Location
 
 log = logging.getLogger(__name__)
 MOVABLE = ("master", *MOMENTS)  # kinds only the service touches between steps
@@ -83,7 +83,7 @@ def service_config(path: str) -> StoreConfig:
 
 
 def _planning(cfg: StoreConfig) -> StoreConfig:
-    """The config the service plans and builds its own store with (``tiermem.resolve``): no GPU slots or
+    """The config the service plans and builds its own store with (``tiermem.plan.resolve``): no GPU slots or
     resident groups; the GPU (when the config names one and there is CUDA) only for the optimizer's GPU
     worker; every ``auto`` decided."""
     return resolve_auto(cfg, role="service")

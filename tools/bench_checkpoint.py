@@ -26,8 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import SHAPE  # noqa: E402
 
-from tiermem.catalog import state_name  # noqa: E402
 from tiermem.sizes import parse_size  # noqa: E402
+from tiermem.store.catalog import state_name  # noqa: E402
 
 
 def evict(path: Path) -> None:
@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--raw-size", default="4GiB")
     ap.add_argument("--vocab", type=int, default=SHAPE["vocab_size"], help="smaller for a quick check")
     args = ap.parse_args()
-    from tiermem.store import Store
+    from tiermem.store.store import Store
     from trainer import checkpoint as ckpt
     from trainer.loop import state_specs, store_config
     from trainer.model.config import model_config_from_dict

@@ -81,7 +81,7 @@ def run_plain(args, raw: dict) -> dict:
 
 def run_tiermem(args, raw: dict, model_dir: Path) -> dict:
     from tiermem.optim import AdamWConfig, StoreAdamW
-    from tiermem.store import Store
+    from tiermem.store.store import Store
     from trainer.executor import Executor
     from trainer.loop import state_specs, store_config
     from trainer.model.config import load_model_config

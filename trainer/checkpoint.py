@@ -3,7 +3,7 @@ the model in Hugging Face format; written while training goes on, visible only w
 
     checkpoint-N/
       model*.safetensors (+ index), config.json, tokenizer files   # loads for inference
-      state.zarr/          master weights and both Adam moments, fp32 (tiermem.checkpoint)
+      state.zarr/          master weights and both Adam moments, fp32 (tiermem.store.checkpoint)
       trainer_state.json   step, epoch, RNG state, the resolved config
       checkpoint.json      written last: format, step, the model's tensor shapes, the tokenizer's digest,
                            every file with its size (resume checks them all before touching anything)
@@ -33,11 +33,11 @@ from pathlib import Path
 import psutil
 import torch
 
-from tiermem.catalog import state_name
-from tiermem.checkpoint import StateReader, StateWriter, fsync_dir, fsync_tree
 from tiermem.config import MOMENTS
 from tiermem.errors import ConfigError, StorageError
 from tiermem.faults import HOOKS
+from tiermem.store.catalog import state_name
+from tiermem.store.checkpoint import StateReader, StateWriter, fsync_dir, fsync_tree
 from trainer.model.weights import all_weights, group_order
 from trainer.weights_io import TOKENIZER_FILES, ModelWriter
 

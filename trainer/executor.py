@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tiermem.catalog import state_name
 from tiermem.errors import UserError
 from tiermem.faults import HOOKS
 from tiermem.futures import all_of
-from tiermem.prefetch import Prefetcher
+from tiermem.store.catalog import state_name
+from tiermem.store.prefetch import Prefetcher
 from trainer.model.config import ModelConfig
 from trainer.model.layers import decoder_layer, head_loss, head_loss_backward, rope_tables, shift_labels
 from trainer.model.weights import EMBED, LM_HEAD, NORM, all_weights

@@ -20,16 +20,16 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from tiermem import protocol
-from tiermem.catalog import TensorSpec, state_name
 from tiermem.client import attach
 from tiermem.config import MOMENTS, StoreConfig, load_store_config
 from tiermem.errors import BudgetError, ConfigError, UserError
 from tiermem.optim import AdamWConfig, StoreAdamW
-from tiermem.resolve import resolve_auto
+from tiermem.plan.resolve import resolve_auto
 from tiermem.schema import read_yaml, to_plain
 from tiermem.sizes import format_size
-from tiermem.stats import StatsFile
-from tiermem.store import Store
+from tiermem.store.catalog import TensorSpec, state_name
+from tiermem.store.stats import StatsFile
+from tiermem.store.store import Store
 from trainer import checkpoint as ckpt
 from trainer.config import TrainConfig, resolved
 from trainer.data.batches import StepPlan, collate
@@ -48,7 +48,7 @@ def store_config(value) -> StoreConfig:
 
     Embedded runs default the DRAM arena to ``anonymous`` (private huge pages: nothing to share, nothing
     left behind, fast to pin) and the GPU tier to the CPU when there is no CUDA; every other ``auto`` is
-    resolved by ``tiermem.resolve``.
+    resolved by ``tiermem.plan.resolve``.
     """
     data = read_yaml(value, "tiermem config file") if isinstance(value, str) else copy.deepcopy(value or {})
     tiers = data.setdefault("tiers", {}) or {}

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from tiermem.catalog import state_name
 from tiermem.errors import ConfigError
+from tiermem.store.catalog import state_name
 from trainer.model.config import ModelConfig
 from trainer.model.weights import LM_HEAD, Weight, all_weights, init_weight
 

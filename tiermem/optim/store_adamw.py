@@ -34,13 +34,13 @@ from dataclasses import dataclass
 
 import torch
 
-from tiermem.catalog import Group, state_name
 from tiermem.config import MOMENTS
 from tiermem.errors import BudgetError
 from tiermem.futures import all_of, done_future
 from tiermem.optim.interface import Gate
 from tiermem.optim.kernels import adamw_out_of_place, fused_adamw
-from tiermem.resolve import resolve_auto
+from tiermem.plan.resolve import resolve_auto
+from tiermem.store.catalog import Group, state_name
 from tiermem.tiers.extents import OutOfSpace
 from tiermem.tiers.gpu import host_sync
 
@@ -67,7 +67,7 @@ class StoreAdamW:
     """AdamW over ``groups`` of ``store`` (the order the next forward needs them).
 
     ``gpu_share`` and ``cpu_groups`` (optimizer.gpu_share and optimizer.cpu_groups; by default the store
-    config's, resolved as an embedded run's by ``tiermem.resolve``) pick the GPU worker's groups, or
+    config's, resolved as an embedded run's by ``tiermem.plan.resolve``) pick the GPU worker's groups, or
     ``on_gpu`` names them. With a ``guard`` (the service's journal and undo copy, or an attached trainer's
     ``RemoteGuard``) every update survives a crash at any point: ``guard.begin(group, update, views)``
     before the CPU worker changes a group in place, ``guard.done(group, update)`` once all of its new state

@@ -21,19 +21,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tiermem.catalog import Catalog, Entry, Group, TensorSpec
 from tiermem.config import KINDS, TIERS, StoreConfig
 from tiermem.errors import BudgetError
 from tiermem.futures import all_of, done_future, then
-from tiermem.mover import Location, Mover
-from tiermem.placement import Plan, make_plan
-from tiermem.resolve import compute_device
+from tiermem.plan.placement import Plan, make_plan
+from tiermem.plan.resolve import compute_device
 from tiermem.sizes import align_up, format_size
+from tiermem.store.catalog import Catalog, Entry, Group, TensorSpec
 from tiermem.tiers.dram import DramArena
 from tiermem.tiers.extents import Extent, OutOfSpace
 from tiermem.tiers.gpu import ALIGN as GPU_ALIGN
 from tiermem.tiers.gpu import GpuTier
 from tiermem.tiers.nvme import NvmeTier
+from tiermem.transfer.mover import Location, Mover
 
 
 @dataclass
@@ -396,7 +396,7 @@ class Store:
 
     # -- stats and lifetime ---------------------------------------------------------------------
     def stats(self) -> dict:
-        from tiermem.stats import snapshot
+        from tiermem.store.stats import snapshot
 
         return snapshot(self)
 

@@ -19,11 +19,11 @@ import torch
 
 from tiermem.errors import BudgetError
 from tiermem.futures import forward, then
-from tiermem.links import LinkStats
 from tiermem.tiers.dram import DramArena
 from tiermem.tiers.extents import Extent, OutOfSpace
 from tiermem.tiers.gpu import GpuTier, host_sync
 from tiermem.tiers.nvme import NvmeTier
+from tiermem.transfer.links import LinkStats
 
 LINKS = ("dram->gpu", "gpu->dram", "dram->gpu bulk", "gpu->dram bulk", "nvme->dram", "dram->nvme", "nvme->gpu",
          "gpu->nvme", "dram->dram", "gpu->gpu")

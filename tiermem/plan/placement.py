@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
-from tiermem.catalog import Group, TensorSpec
 from tiermem.config import KINDS, StoreConfig
 from tiermem.errors import BudgetError
 from tiermem.sizes import align_up, format_size
+from tiermem.store.catalog import Group, TensorSpec
 
 ALIGN = 4096
 HOT_FIRST = KINDS  # param, grad, master, exp_avg, exp_avg_sq

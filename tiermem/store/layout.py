@@ -18,11 +18,11 @@ import math
 
 import torch
 
-from tiermem.catalog import TensorSpec
 from tiermem.config import KINDS, StoreConfig
-from tiermem.placement import Plan, default_budgets
+from tiermem.plan.placement import Plan, default_budgets
 from tiermem.sizes import align_up
-from tiermem.store import Store
+from tiermem.store.catalog import TensorSpec
+from tiermem.store.store import Store
 from tiermem.tiers.dram import HEADER, DramArena
 from tiermem.tiers.extents import Extent, ExtentAllocator
 from tiermem.tiers.gpu import ALIGN as GPU_ALIGN

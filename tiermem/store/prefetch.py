@@ -20,8 +20,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from tiermem.catalog import Group
 from tiermem.futures import forward
+from tiermem.store.catalog import Group
 
 LOOKAHEAD = 4  # requests past the first one that may start out of order
 
