@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tiermem.cli import main
+from tiermem.cli.main import main
 from tiermem.errors import StorageError
 from tiermem.tiers.dram import DramArena, list_arenas
 

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from tests.procs import child_env, ctrl_c_works
 from tests.tiny_models import tiny_run
-from tiermem import protocol
+from tiermem.service import protocol
 from trainer.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -326,7 +326,7 @@ def test_a_non_finite_step_is_not_committed_and_the_service_says_why(env):
 
 @SHARES
 def test_sighup_moves_optimizer_state_between_tiers_while_training(env, share):
-    from tiermem.top import read_service
+    from tiermem.cli.top import read_service
 
     ref = env.reference()
     # the service dies in the last update (6), well after the re-placement at the first commit after SIGHUP:
@@ -474,8 +474,8 @@ def ok(reply: dict) -> dict:
 
 def _unit_service(tmp_path, share):
     """An in-process service over a one-tensor model, a trainer connection and another one."""
-    from tiermem.server import Client
-    from tiermem.server import Service as Svc
+    from tiermem.service.server import Client
+    from tiermem.service.server import Service as Svc
     from tiermem.store.catalog import TensorSpec
     from tiermem.store.layout import spec_to_json
 
@@ -663,7 +663,7 @@ def test_with_no_room_for_the_trainers_share_the_service_updates_it(tmp_path):
     assert ops.count("begin") == 2  # both in place behind the undo copy
     # the finish line counts them: the trainer's group taken, then in place on the service's CPU; the left
     # group, no room on the service's GPU worker, then in place on its CPU worker: two updates in place
-    from tiermem.server import _no_room
+    from tiermem.service.server import _no_room
 
     assert (svc.run.taken_count, svc.run.optimizer.no_room) == (1, 2)
     assert _no_room(3, 1) == ("; 3 group updates went in place for want of room in the arena; 1 of the trainer's "
@@ -673,7 +673,7 @@ def test_with_no_room_for_the_trainers_share_the_service_updates_it(tmp_path):
 
 
 def test_journal_replay_keeps_the_begun_group_while_another_finishes(tmp_path):
-    from tiermem.journal import Journal
+    from tiermem.service.journal import Journal
 
     j = Journal(tmp_path / "j")
     j.append("init", step=0, groups=[0, 1, "head"])
@@ -686,7 +686,7 @@ def test_journal_replay_keeps_the_begun_group_while_another_finishes(tmp_path):
     assert st.layout({"layout": {"w0": ["dram", 0, 4096]}, "epoch": 0}) == {"w0": ["dram", 4096, 4096]}
     assert st.layout({"layout": {"w0": ["dram", 0, 4096]}, "epoch": 1}) == {"w0": ["dram", 0, 4096]}
     j = Journal(tmp_path / "j")
-    import tiermem.journal as journal
+    import tiermem.service.journal as journal
 
     before = j.state.to_json()
     journal.COMPACT_BYTES = 0
@@ -703,7 +703,7 @@ def test_journal_replay_keeps_the_begun_group_while_another_finishes(tmp_path):
 
 
 def test_the_bundled_service_configs_load():
-    from tiermem.server import service_config
+    from tiermem.service.server import service_config
 
     for path in sorted((ROOT / "configs" / "tiermem").glob("*.yaml")):
         cfg = service_config(str(path))
@@ -716,7 +716,7 @@ def test_a_service_with_a_gpu_gives_its_cpu_the_last_groups(monkeypatch):
     import torch
 
     from tiermem.config import load_store_config
-    from tiermem.server import _planning
+    from tiermem.service.server import _planning
 
     def planned(**optimizer):
         return _planning(load_store_config({"tiers": {"gpu": {"device": "cuda"}, "dram": {"path": "/dev/shm"}},
@@ -731,7 +731,7 @@ def test_a_service_with_a_gpu_gives_its_cpu_the_last_groups(monkeypatch):
 def test_serve_refuses_configs_a_service_cannot_use(tmp_path, capsys, monkeypatch):
     import torch
 
-    from tiermem.cli import main as tiermem
+    from tiermem.cli.main import main as tiermem
     from tiermem.tiers.dram import on_disk
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine: the arena is pinned
@@ -757,7 +757,7 @@ def test_versions_pushed_while_attaching_are_applied_in_order(tmp_path):
     kept and applied in their order over the hello's layout; later ones apply at once."""
     import torch
 
-    from tiermem.client import ServiceClient
+    from tiermem.service.client import ServiceClient
     from tiermem.store.catalog import Catalog, TensorSpec
     from tiermem.tiers.extents import Extent
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 
-from tiermem.cli import main as tiermem_main
-from tiermem.top import ceilings, predict, prometheus, render
+from tiermem.cli.main import main as tiermem_main
+from tiermem.cli.top import ceilings, predict, prometheus, render
 
 GOLDEN = Path(__file__).parent / "golden" / "top_frame.txt"
 MiB = 1 << 20

@@ -19,13 +19,13 @@ import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from tiermem import protocol
-from tiermem.client import attach
 from tiermem.config import MOMENTS, StoreConfig, load_store_config
 from tiermem.errors import BudgetError, ConfigError, UserError
 from tiermem.optim import AdamWConfig, StoreAdamW
 from tiermem.plan.resolve import resolve_auto
 from tiermem.schema import read_yaml, to_plain
+from tiermem.service import protocol
+from tiermem.service.client import attach
 from tiermem.sizes import format_size
 from tiermem.store.catalog import TensorSpec, state_name
 from tiermem.store.stats import StatsFile

@@ -1,7 +1,7 @@
 """What the trainer's executor, the checkpoint saver and the service call an optimizer.
 
 Two implementations: ``StoreAdamW`` (the store's own AdamW: an embedded run, the service's runs, the
-trainer's GPU worker when attached) and ``tiermem.client.RemoteOptimizer`` (an attached trainer's: a
+trainer's GPU worker when attached) and ``tiermem.service.client.RemoteOptimizer`` (an attached trainer's: a
 step is committed to the service, which updates the groups its CPU takes; the trainer's own GPU worker,
 a ``StoreAdamW``, the rest). Everything an implementation needs is given to its constructor; the one
 thing set later is the checkpoint gate (``set_gate``), since the saver that owns it is made after.

@@ -15,7 +15,7 @@ for exactly that. Two workers run at once:
 When a group has fp32 ``master`` weights the update also writes the new compute copy (``param``, e.g.
 bf16) from them; without ``master`` the ``param`` tensors are the weights and are updated in place.
 
-With a ``guard`` (the service, ``tiermem.journal``) an update must survive a crash at any point: the GPU
+With a ``guard`` (the service, ``tiermem.service.journal``) an update must survive a crash at any point: the GPU
 worker writes the new weights and moments out of place and the guard switches to them; the CPU worker
 does the same when they all live in DRAM and the arena has room (``tiermem.adamw``'s chunked update,
 about the in-place traffic), else it updates in place behind the guard's undo copy.

@@ -14,7 +14,7 @@ from tiermem.sizes import format_size, parse_size
 
 
 def _probe(args) -> int:
-    from tiermem.probe import render, run_probe
+    from tiermem.cli.probe import render, run_probe
 
     size = parse_size(args.size, "--size")
     if size < (1 << 20):
@@ -51,8 +51,8 @@ def _arenas(args) -> int:
 
 def _reader(args):
     """Where top and stats read snapshots: an embedded run's directory, else a service's socket."""
-    from tiermem.protocol import default_socket
-    from tiermem.top import read_service, read_snapshot
+    from tiermem.cli.top import read_service, read_snapshot
+    from tiermem.service.protocol import default_socket
 
     if args.run and args.socket:
         raise UserError("give --run OUTPUT_DIR (an embedded run) or --socket PATH (a service), not both")
@@ -64,20 +64,20 @@ def _reader(args):
 
 def _serve(args) -> int:
     from tiermem.faults import install_from_env
-    from tiermem.server import serve
+    from tiermem.service.server import serve
 
     install_from_env()
     return serve(args.config, args.socket, args.fresh)
 
 
 def _top(args) -> int:
-    from tiermem.top import top
+    from tiermem.cli.top import top
 
     return top(_reader(args), args.once, args.probe)
 
 
 def _stats(args) -> int:
-    from tiermem.top import prometheus
+    from tiermem.cli.top import prometheus
 
     snap = _reader(args)()
     print(prometheus(snap) if args.prometheus else json.dumps(snap, indent=1), end="" if args.prometheus else "\n")

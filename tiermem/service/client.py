@@ -19,13 +19,13 @@ import threading
 import time
 from dataclasses import dataclass
 
-from tiermem import protocol
 from tiermem.config import load_store_config
 from tiermem.errors import UserError
 from tiermem.faults import HOOKS
 from tiermem.futures import done_future
 from tiermem.optim import AdamWConfig, Gate, StoreAdamW
 from tiermem.plan.resolve import compute_device
+from tiermem.service import protocol
 from tiermem.store.catalog import Group, TensorSpec
 from tiermem.store.layout import apply_layout, attach_store, spec_from_json, spec_to_json
 from tiermem.tiers.extents import Extent

@@ -227,7 +227,7 @@ def prometheus(snap: dict) -> str:
 
 def read_service(socket_path) -> dict:
     """One snapshot from a running service (``tiermem serve``)."""
-    from tiermem.client import ServiceClient
+    from tiermem.service.client import ServiceClient
 
     client = ServiceClient(socket_path)
     try:

@@ -1,13 +1,13 @@
 """``tiermem serve``: the store as a service that trainers attach to.
 
 The service owns the DRAM arena (a shared file), the NVMe file, the catalog and the optimizer state. A
-trainer attaches over the control socket (``tiermem.protocol``), maps the arena and the NVMe file
+trainer attaches over the control socket (``tiermem.service.protocol``), maps the arena and the NVMe file
 itself, fetches weights and writes gradients through them, and commits each step; from the commit on
 the update is the service's to finish even if the trainer dies. An update is split as in an embedded
 run: the trainer's own GPU worker updates ``gpu_share`` of the groups (on the GPU that made their
 gradients, writing the new state out of place to places the service hands out, then asking it to
 journal and switch: ``alloc``/``flip``), the service's CPU AdamW the rest (out of place too, or in
-place behind the undo copy of ``tiermem.journal`` where it cannot: NVMe-resident state, no room).
+place behind the undo copy of ``tiermem.service.journal`` where it cannot: NVMe-resident state, no room).
 When the trainer leaves mid-update the service updates what it still owed (its own GPU worker, out of
 place). The service pushes each group's new version to its trainer.
 
@@ -44,14 +44,14 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tiermem import protocol
 from tiermem.config import MOMENTS, StoreConfig, load_store_config
 from tiermem.errors import ConfigError, UserError
-from tiermem.journal import Journal, RunState, UndoGuard, state_dir, undo_bytes, write_atomic
 from tiermem.optim import AdamWConfig, StoreAdamW
 from tiermem.plan.placement import default_budgets, make_plan
 from tiermem.plan.resolve import resolve_auto
 from tiermem.schema import to_plain
+from tiermem.service import protocol
+from tiermem.service.journal import Journal, RunState, UndoGuard, state_dir, undo_bytes, write_atomic
 from tiermem.store.catalog import TensorSpec
 from tiermem.store.layout import create_store, layout_of, reopen_store, spec_from_json, spec_to_json
 from tiermem.store.stats import snapshot

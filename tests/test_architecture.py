@@ -1,0 +1,78 @@
+"""The import rules of docs/architecture.md hold: each part imports only what sits below it on the data
+path. Read from the source with ``ast``, so a rule broken in any module (even one no test imports) fails."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BASICS = {"tiermem", "tiermem.errors", "tiermem.sizes", "tiermem.schema", "tiermem.futures", "tiermem.config",
+          "tiermem.faults"}
+
+# part -> prefixes of the modules it must not import
+RULES = {
+    "tiermem": ["trainer"],
+    "tiermem.tiers": ["tiermem.transfer", "tiermem.store", "tiermem.plan", "tiermem.optim", "tiermem.service",
+                      "tiermem.cli"],
+    "tiermem.transfer": ["tiermem.store", "tiermem.plan", "tiermem.optim", "tiermem.service", "tiermem.cli"],
+    "tiermem.store": ["tiermem.optim", "tiermem.service", "tiermem.cli"],
+    "tiermem.plan": ["tiermem.transfer", "tiermem.optim", "tiermem.service", "tiermem.cli"],
+    "tiermem.optim": ["tiermem.service", "tiermem.cli"],
+    "tiermem.service": ["tiermem.cli"],
+    "trainer.model": ["tiermem", "trainer.data", "trainer.config", "trainer.loop", "trainer.executor",
+                      "trainer.checkpoint", "trainer.weights_io", "trainer.report", "trainer.cli"],
+    "trainer.data": ["trainer.model", "trainer.loop", "trainer.executor", "trainer.checkpoint"],
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, at any depth of the file (``from a import b`` counts as a and a.b)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+    return out
+
+
+def modules() -> dict[str, set[str]]:
+    return {module_name(p): imports(p) for top in ("tiermem", "trainer") for p in (ROOT / top).rglob("*.py")}
+
+
+def within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+@pytest.mark.parametrize("part", sorted(RULES))
+def test_each_part_imports_only_what_sits_below_it(part):
+    broken = [f"{mod} imports {imp}" for mod, imps in modules().items() if within(mod, part)
+              for imp in sorted(imps) for banned in RULES[part] if within(imp, banned)]
+    assert not broken, "; ".join(broken)
+
+
+def test_the_basics_import_only_basics():
+    def basic(imp: str) -> bool:  # a basic module, or a name taken from one
+        return imp in BASICS or imp.rsplit(".", 1)[0] in BASICS - {"tiermem"}
+
+    ours = [f"{mod} imports {imp}" for mod, imps in modules().items() if mod in BASICS
+            for imp in sorted(imps) if within(imp, "tiermem") and not basic(imp)]
+    assert not ours, "; ".join(ours)
+
+
+def test_the_rules_would_catch_a_break(tmp_path):
+    """The checker sees an import inside a function, not only at the top of a file."""
+    f = tmp_path / "m.py"
+    f.write_text("def f():\n    from trainer.loop import run\n")
+    assert "trainer.loop" in imports(f) and within("trainer.loop.run", "trainer")
