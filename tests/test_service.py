@@ -719,7 +719,7 @@ def test_a_service_with_a_gpu_gives_its_cpu_the_last_groups(monkeypatch):
     from tiermem.service.server import _planning
 
     def planned(**optimizer):
-        return _planning(load_store_config({"tiers": {"gpu": {"device": "cuda"}, "dram": {"path": "/dev/shm"}},
+        return _planning(load_store_config({"tiers": {"dram": {"path": "/dev/shm"}},
                                             "optimizer": optimizer})).optimizer.cpu_groups
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

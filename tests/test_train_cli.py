@@ -153,7 +153,7 @@ def test_eval_strategy_no_as_yaml_writes_it(good, capsys):
 def test_a_non_finite_step_is_not_applied(good, capsys):
     """An absurd learning rate sends step 2's loss to inf/nan: the run stops there with one line and exit 2
     before the optimizer takes the step; the last checkpoint holds step 1's weights (those a 1-step run
-    ends with) and nothing of step 2 is saved."""
+    ends with: its save finishes although the run stops) and nothing of step 2 is saved."""
     from safetensors.torch import load_file
 
     cfg, run, tmp = good

@@ -33,13 +33,28 @@ def _opt_size(value: Any, where: str) -> int | None:
     return None if value in (None, "auto") else parse_size(value, where)
 
 
+def _device(value: Any, where: str) -> str:
+    text = str(value).strip() if isinstance(value, str) else None
+    if text in ("auto", "cpu", "cuda") or (text and text.startswith("cuda:") and text[5:].isdigit()):
+        return text
+    raise ConfigError(f"{where}: {value!r} is not a device tiermem computes on: auto, cuda, cuda:N or cpu")
+
+
+def _slots(value: Any, where: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 64:
+        return value
+    raise ConfigError(f"{where}: expected a number of streaming slots from 1 to 64, got {value!r}")
+
+
 @dataclass
 class GpuTierConfig:
     """HBM for streamed layer slots and resident groups. ``budget: auto`` = what the placement needs."""
 
     budget: int | None = field(default=None, metadata={"convert": _opt_size})
-    device: str = "cuda"  # "cuda", "cuda:N", or "cpu" (the CPU stand-in the tests use)
-    slots: int = 3  # streamed-layer slots per kind fetched to the GPU (current, next, the one being freed)
+    # "auto" (CUDA when there is a GPU, else the CPU), "cuda", "cuda:N", or "cpu" (the CPU stand-in)
+    device: str = field(default="auto", metadata={"convert": _device})
+    # streamed-layer slots per kind fetched to the GPU (current, next, the one being freed)
+    slots: int = field(default=3, metadata={"convert": _slots})
 
 
 @dataclass

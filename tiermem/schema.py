@@ -126,7 +126,9 @@ def read_yaml(path, what: str = "config file") -> dict:
     if not p.is_file():
         raise ConfigError(f"{what} not found: {p}")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.safe_load(p.read_bytes().decode())
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: not a text file (YAML must be UTF-8 text)") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark else ""

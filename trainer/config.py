@@ -10,6 +10,7 @@ an error saying why.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -188,8 +189,20 @@ def validate(c: TrainConfig) -> None:
         raise ConfigError("per_device_eval_batch_size must be positive")
     if c.max_samples is not None and c.max_samples <= 0:
         raise ConfigError(f"max_samples must be positive, got {c.max_samples}")
-    if c.learning_rate < 0 or c.weight_decay < 0 or c.max_grad_norm < 0:
-        raise ConfigError("learning_rate, weight_decay and max_grad_norm must not be negative")
+    numbers = {"learning_rate": c.learning_rate, "weight_decay": c.weight_decay, "max_grad_norm": c.max_grad_norm,
+               "num_train_epochs": c.num_train_epochs, "warmup_ratio": c.warmup_ratio, "adam_beta1": c.adam_beta1,
+               "adam_beta2": c.adam_beta2, "adam_epsilon": c.adam_epsilon, "val_size": c.val_size}
+    for k, v in numbers.items():
+        if not math.isfinite(v):
+            raise ConfigError(f"{k} must be a finite number, got {v}")
+    for k in ("learning_rate", "weight_decay", "max_grad_norm", "adam_epsilon", "warmup_steps"):
+        if getattr(c, k) < 0:
+            raise ConfigError(f"{k} must not be negative, got {getattr(c, k)}")
+    for k in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(c, k) < 1:
+            raise ConfigError(f"{k} must be in [0, 1), got {getattr(c, k)}")
+    if not 0 <= c.seed < 2**32:
+        raise ConfigError(f"seed must be from 0 to 2**32 - 1 (as the Hugging Face Trainer's), got {c.seed}")
     if not 0 <= c.warmup_ratio <= 1:
         raise ConfigError(f"warmup_ratio must be in [0, 1], got {c.warmup_ratio}")
     if c.max_steps <= 0 and c.num_train_epochs <= 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -35,12 +36,12 @@ from trainer.config import TrainConfig, resolved
 from trainer.data.batches import StepPlan, collate
 from trainer.data.prepare import Rows, load_rows, split_eval
 from trainer.data.registry import resolve
-from trainer.executor import Executor
+from trainer.executor import Executor, NonFiniteStep
 from trainer.model.config import ModelConfigError, load_model_config
 from trainer.model.weights import all_weights, group_order
 from trainer.report import Reporter, plot_loss
 from trainer.schedule import lr_factor, warmup_steps
-from trainer.weights_io import export_model, import_weights, init_weights, weight_files
+from trainer.weights_io import check_weight_files, export_model, import_weights, init_weights
 
 
 def store_config(value) -> StoreConfig:
@@ -57,7 +58,6 @@ def store_config(value) -> StoreConfig:
         if tiers.get(key) is None:
             tiers[key] = {}
     tiers["dram"].setdefault("path", "anonymous")
-    tiers["gpu"].setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
     return resolve_auto(load_store_config(data, str(value) if isinstance(value, str) else "tiermem"), "embedded")
 
 
@@ -182,6 +182,11 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
                 lr = cfg.learning_rate * lr_factor(cfg.lr_scheduler_type, step, total, warmup)
                 try:
                     result = executor.step(batches, step, lr)
+                except NonFiniteStep:  # not applied: the last good update and its checkpoint still finish
+                    optimizer.wait()
+                    if saver is not None:
+                        saver.wait()
+                    raise
                 except torch.OutOfMemoryError:
                     raise BudgetError(
                         f"the GPU ran out of memory holding the activations of {len(batches)} micro-batches of "
@@ -268,7 +273,7 @@ def _checked_resume(cfg: TrainConfig, out: Path, mcfg, model_dir: Path) -> Path 
     if resume is not None:
         ckpt.check(resume, mcfg, model_dir)
     if cfg.tiermem_init == "pretrained" and resume is None:
-        weight_files(model_dir)
+        check_weight_files(mcfg, model_dir)
     return resume
 
 
@@ -345,6 +350,13 @@ def find_resume(cfg: TrainConfig, out: Path) -> Path | None:
     that holds no checkpoint unless overwrite_output_dir is set."""
     if out.is_file():
         raise ConfigError(f"output_dir {out} is a file")
+    above = out
+    while not above.exists():
+        above = above.parent
+    if not above.is_dir():
+        raise ConfigError(f"output_dir {out} cannot be made: {above} is a file")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise ConfigError(f"output_dir {out} cannot be written: {above} is not writable by this user")
     if cfg.resume_from_checkpoint:
         return Path(cfg.resume_from_checkpoint)
     if cfg.overwrite_output_dir or not out.is_dir():

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from tiermem.errors import ConfigError
+from tiermem.errors import ConfigError, StorageError
 from tiermem.store.catalog import state_name
 from trainer.model.config import ModelConfig
 from trainer.model.weights import LM_HEAD, Weight, all_weights, init_weight
@@ -49,6 +49,44 @@ def weight_files(model_dir: str | Path) -> list[Path]:
                       "to start from config.json alone)")
 
 
+def _open(path: Path):
+    """A safetensors file opened (its header read and checked against the file's size), or one line."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a bad header or size
+        raise ConfigError(f"{path}: not a readable safetensors file ({str(e)[:160]}); download it again") from None
+
+
+def check_weight_files(cfg: ModelConfig, model_dir: str | Path) -> list[Path]:
+    """The model's weight files, their headers checked against config.json before anything is loaded:
+    every tensor the model needs is there once, of its shape, in a floating-point dtype."""
+    wanted = {w.name: w for w in all_weights(cfg)}
+    seen: set[str] = set()
+    files = weight_files(model_dir)
+    for path in files:
+        with _open(path) as f:
+            for key in f.keys():
+                w = wanted.get(key)
+                if w is None:
+                    if key.endswith("rotary_emb.inv_freq") or (key == LM_HEAD and cfg.tie_word_embeddings):
+                        continue
+                    raise ConfigError(f"{path}: unexpected tensor {key} (does config.json match the weights?)")
+                sl = f.get_slice(key)
+                shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
+                if dtype not in ("F32", "BF16", "F16", "F64"):
+                    raise ConfigError(f"{path}: {key} is {dtype}; the model's weights must be floating point")
+                if shape != w.shape:
+                    raise ConfigError(f"{path}: {key} has shape {list(shape)}, config.json implies {list(w.shape)}")
+                seen.add(key)
+    missing = [n for n in wanted if n not in seen]
+    if missing:
+        raise ConfigError(f"{model_dir}: weights lack {missing[0]}" + (f" and {len(missing) - 1} more"
+                                                                         if len(missing) > 1 else ""))
+    return files
+
+
 def _write_all(store, w: Weight, t: torch.Tensor, kinds: dict[str, torch.dtype]) -> list:
     return [store.write(state_name(w.name, kind), t.to(dtype)) for kind, dtype in kinds.items()]
 
@@ -56,19 +94,20 @@ def _write_all(store, w: Weight, t: torch.Tensor, kinds: dict[str, torch.dtype])
 def import_weights(store, cfg: ModelConfig, model_dir: str | Path, kinds: dict[str, torch.dtype],
                    progress=None) -> None:
     """Load every weight of ``model_dir`` into the store as each kind in ``kinds`` (kind -> dtype)."""
-    from safetensors import safe_open
-
     wanted = {w.name: w for w in all_weights(cfg)}
     seen = set()
-    for path in weight_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
+    for path in check_weight_files(cfg, model_dir):
+        with _open(path) as f:
             for key in f.keys():
                 w = wanted.get(key)
                 if w is None:
                     if key.endswith("rotary_emb.inv_freq") or (key == LM_HEAD and cfg.tie_word_embeddings):
                         continue
                     raise ConfigError(f"{path}: unexpected tensor {key} (does config.json match the weights?)")
-                t = f.get_tensor(key)
+                try:
+                    t = f.get_tensor(key)
+                except Exception as e:  # noqa: BLE001 - a file changed or cut since its header was read
+                    raise ConfigError(f"{path}: cannot read {key} ({str(e)[:120]})") from None
                 if tuple(t.shape) != w.shape:
                     raise ConfigError(f"{path}: {key} has shape {list(t.shape)}, config.json implies {list(w.shape)}")
                 for fut in _write_all(store, w, t, kinds):
@@ -122,6 +161,14 @@ class _ShardWriter:
         self.f.close()
         os.replace(self.tmp, self.path)
 
+    def abort(self) -> None:
+        """Give up the file: close it and remove what was written."""
+        try:
+            self.f.close()
+        except OSError:
+            pass
+        self.tmp.unlink(missing_ok=True)
+
 
 class ModelWriter:
     """Writes a model directory in Hugging Face format from tensors handed over in ``all_weights`` order
@@ -165,6 +212,12 @@ class ModelWriter:
             self.total += self._writer.size
             self._writer = None
 
+    def abort(self) -> None:
+        """Give up the shard being written (a failure): no temp file stays behind."""
+        if self._writer is not None:
+            self._writer.abort()
+            self._writer = None
+
     def close(self) -> list[Path]:
         if self._next != len(self._plan):
             raise ValueError(f"model writer closed after {self._next} of {len(self._plan)} tensors")
@@ -190,12 +243,20 @@ def export_model(store, cfg: ModelConfig, out_dir: str | Path, source_kind: str,
                  model_dir: str | Path, progress=None) -> list[Path]:
     """Write the model in Hugging Face format to ``out_dir``, reading ``source_kind`` (param or master)."""
     writer = ModelWriter(cfg, out_dir, dtype, model_dir)
-    for w in all_weights(cfg):
-        t = store.read(state_name(w.name, source_kind)).result()
-        writer.put(w.name, t)
-        if progress:
-            progress(t.numel())
-    return writer.close()
+    try:
+        for w in all_weights(cfg):
+            t = store.read(state_name(w.name, source_kind)).result()
+            writer.put(w.name, t)
+            if progress:
+                progress(t.numel())
+        return writer.close()
+    except OSError as e:
+        writer.abort()
+        raise StorageError(f"cannot write the model to {out_dir}: {e.strerror or e}; free disk space and run "
+                           "again (training resumes from the newest checkpoint, if any)") from None
+    except BaseException:
+        writer.abort()
+        raise
 
 
 def _write_json(path: Path, data) -> None:

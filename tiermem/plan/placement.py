@@ -20,6 +20,7 @@ import torch
 
 from tiermem.config import KINDS, StoreConfig
 from tiermem.errors import BudgetError
+from tiermem.plan.resolve import compute_device
 from tiermem.sizes import align_up, format_size
 from tiermem.store.catalog import Group, TensorSpec
 
@@ -53,8 +54,11 @@ def default_budgets(cfg: StoreConfig) -> dict[str, int | None]:
     """Budgets from config; unset ones from what the machine has."""
     t = cfg.tiers
     gpu = t.gpu.budget
-    if gpu is None and t.gpu.device.startswith("cuda") and torch.cuda.is_available():
-        gpu = torch.cuda.get_device_properties(torch.device(t.gpu.device)).total_memory // 2
+    device = compute_device(cfg)
+    if gpu is None and device.type == "cuda":
+        gpu = torch.cuda.get_device_properties(device).total_memory // 2
+    elif gpu is None:  # the CPU stand-in is host memory: a quarter of what is available
+        gpu = psutil.virtual_memory().available // 4
     dram = t.dram.budget
     if dram is None:
         if t.dram.path == "anonymous":

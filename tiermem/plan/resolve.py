@@ -5,6 +5,8 @@
 
 What it decides (each value a user writes is kept as written):
 
+- ``tiers.gpu.device``: CUDA when there is a GPU, else the CPU stand-in (a CUDA device the machine lacks
+  is refused);
 - ``tiers.dram.pin``: the arena is registered with CUDA when the store computes on a CUDA device;
 - ``optimizer.gpu_share``: the share of DRAM/NVMe-resident groups the GPU worker updates while CPU AdamW
   updates the rest — 0 without CUDA; with it 0.7 embedded, 0.85 in a service (measured, below);
@@ -25,6 +27,7 @@ from typing import Literal
 import torch
 
 from tiermem.config import StoreConfig
+from tiermem.errors import ConfigError
 
 # measured best on the H200 machine (16 cores, PCIe Gen5) for a 3B model with all state in DRAM:
 # 0.5 -> 2.17-2.50 s/step, 0.6 -> 1.88, 0.7 -> 1.78 (tools/bench_train.py, 4x4096 tokens)
@@ -42,26 +45,35 @@ SERVICE_GPU_SHARE = 0.85
 Role = Literal["embedded", "service"]
 
 
-def on_cuda(cfg: StoreConfig) -> bool:
-    """True when a store of ``cfg`` computes on a CUDA device (the config names one and there is CUDA)."""
-    return cfg.tiers.gpu.device.startswith("cuda") and torch.cuda.is_available()
-
-
 def compute_device(cfg: StoreConfig) -> torch.device:
-    """The device a store of ``cfg`` computes on: its ``tiers.gpu.device``, the CPU when that names CUDA
-    and there is none (the CPU stand-in of the GPU tier)."""
-    return torch.device(cfg.tiers.gpu.device if cfg.tiers.gpu.device == "cpu" or torch.cuda.is_available() else "cpu")
+    """The device a store of ``cfg`` computes on: ``tiers.gpu.device``; ``auto`` is CUDA when there is a
+    GPU, else the CPU (the stand-in of the GPU tier). A CUDA device this machine does not have is refused."""
+    want = cfg.tiers.gpu.device
+    if want == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if want.startswith("cuda"):
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(want[5:]) if want.startswith("cuda:") else 0
+        if index >= n:
+            have = f"has {n} CUDA device{'s' if n != 1 else ''}" if n else "has no CUDA"
+            raise ConfigError(f"tiers.gpu.device: {want}, but this machine {have}; set device: cpu (the CPU "
+                              "stand-in) or auto")
+    return torch.device(want)
+
+
+def on_cuda(cfg: StoreConfig) -> bool:
+    """True when a store of ``cfg`` computes on a CUDA device."""
+    return compute_device(cfg).type == "cuda"
 
 
 def resolve_auto(cfg: StoreConfig, role: Role = "embedded") -> StoreConfig:
     """A copy of ``cfg`` with every ``auto`` above decided for ``role`` on this machine."""
     c = copy.deepcopy(cfg)
-    cuda = on_cuda(c)
+    c.tiers.gpu.device = str(compute_device(c))
+    cuda = c.tiers.gpu.device.startswith("cuda")
     if role == "service":
         c.tiers.gpu.slots = 0
         c.tiers.gpu.budget = 0
-        if not cuda:
-            c.tiers.gpu.device = "cpu"
         c.tiers.dram.pin = "true" if cuda else "false"
     elif c.tiers.dram.pin == "auto":
         c.tiers.dram.pin = "true" if cuda else "false"

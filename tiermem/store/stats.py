@@ -76,8 +76,12 @@ class StatsFile:
 
         snap = {"store": snapshot(self.store), "run": self.extra(), "pid": os.getpid()}
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(snap, default=str))
-        os.replace(tmp, self.path)
+        try:
+            tmp.write_text(json.dumps(snap, default=str))
+            os.replace(tmp, self.path)
+        except OSError:  # (a full disk): leave no temp file behind
+            tmp.unlink(missing_ok=True)
+            raise
         if self.sink is not None:
             self.sink(json.loads(json.dumps(snap, default=str)))
 

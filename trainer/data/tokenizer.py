@@ -41,7 +41,10 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     path = d / "tokenizer.json"
     if not path.is_file():
         raise ConfigError(f"model_name_or_path: {d} has no tokenizer.json (needed to tokenize text)")
-    backend = Backend.from_file(str(path))
+    try:
+        backend = Backend.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception for a bad file
+        raise ConfigError(f"{path}: not a tokenizer the tokenizers library can read ({str(e)[:120]})") from None
     tcfg = json.loads((d / "tokenizer_config.json").read_text()) if (d / "tokenizer_config.json").is_file() else {}
     mcfg = json.loads((d / "config.json").read_text()) if (d / "config.json").is_file() else {}
 

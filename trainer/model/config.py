@@ -123,8 +123,26 @@ def _rope(raw: dict, where: str) -> dict:
     return params
 
 
+def _int(raw: dict, key: str, where: str, default=None, low: int = 1) -> int:
+    value = raw.get(key, default) if default is not None else raw[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ModelConfigError(f"{where}: {key} must be an integer of at least {low}, got {value!r}")
+    return value
+
+
+def _float(raw: dict, key: str, where: str, default: float) -> float:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ModelConfigError(f"{where}: {key} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
 def model_config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig:
+    if not isinstance(raw, dict):
+        raise ModelConfigError(f"{where}: expected a JSON object of the model's settings")
     archs = raw.get("architectures") or []
+    if not isinstance(archs, list):
+        raise ModelConfigError(f"{where}: architectures must be a list of class names")
     arch = archs[0] if archs else None
     if arch not in SUPPORTED:
         raise ModelConfigError(f"{where}: architecture {arch or '(none given)'} is not supported; supported: "
@@ -134,17 +152,17 @@ def model_config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig
     if act != "silu":
         raise ModelConfigError(f"{where}: hidden_act '{act}' is not supported (only silu)")
     try:
-        h, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+        h, heads = _int(raw, "hidden_size", where), _int(raw, "num_attention_heads", where)
         cfg = ModelConfig(
             family=family,
-            vocab_size=int(raw["vocab_size"]),
+            vocab_size=_int(raw, "vocab_size", where),
             hidden_size=h,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            intermediate_size=_int(raw, "intermediate_size", where),
+            num_layers=_int(raw, "num_hidden_layers", where),
             num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or h // heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            num_kv_heads=_int(raw, "num_key_value_heads", where, heads) if raw.get("num_key_value_heads") else heads,
+            head_dim=_int(raw, "head_dim", where, h // heads) if raw.get("head_dim") else h // heads,
+            rms_norm_eps=_float(raw, "rms_norm_eps", where, 1e-6),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=family == "qwen2" or (family in ("llama", "qwen3") and bool(raw.get("attention_bias"))),
             o_bias=family in ("llama", "qwen3") and bool(raw.get("attention_bias")),
@@ -159,6 +177,8 @@ def model_config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig
         )
     except KeyError as e:
         raise ModelConfigError(f"{where}: missing key {e.args[0]!r}") from None
+    if cfg.head_dim < 1:
+        raise ModelConfigError(f"{where}: hidden_size {h} is smaller than num_attention_heads {heads}; set head_dim")
     if cfg.num_heads % cfg.num_kv_heads:
         raise ModelConfigError(f"{where}: num_attention_heads must be a multiple of num_key_value_heads")
     return cfg
@@ -181,7 +201,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     if not cfg_path.is_file():
         raise ModelConfigError(f"model_name_or_path: {model_dir} has no config.json")
     try:
-        raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
+        raw = json.loads(cfg_path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelConfigError(f"{cfg_path}: not valid JSON: {e}") from None
     return model_config_from_dict(raw, str(cfg_path))

@@ -1,0 +1,195 @@
+"""Bad input through ``tiermem-train``, as a hostile user tries it: each gets one line on stderr, exit code
+2, and output_dir untouched (or, where a run already saved something, nothing saved is damaged)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from tests.tiny_models import save_tiny_model, write_tokenized_dataset
+from trainer.cli import main
+
+
+@pytest.fixture
+def setup(tmp_path):
+    model_dir = save_tiny_model("llama", tmp_path / "model")
+    data_dir = tmp_path / "data"
+    name = write_tokenized_dataset(data_dir)
+    cfg = {"model_name_or_path": str(model_dir), "dataset": name, "dataset_dir": str(data_dir),
+           "output_dir": str(tmp_path / "out"), "max_steps": 2, "per_device_train_batch_size": 2,
+           "logging_steps": 1, "tiermem": {"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}}}}
+    return tmp_path, model_dir, cfg
+
+
+def run(tmp_path, cfg, *overrides, raw: bytes | None = None) -> int:
+    path = tmp_path / "train.yaml"
+    if raw is not None:
+        path.write_bytes(raw)
+    else:
+        path.write_text(yaml.safe_dump(cfg))
+    return main([str(path), *overrides])
+
+
+def expect_one_line(capsys, rc, *needles, out: Path | None = None):
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.startswith("tiermem-train: error: ") and err.count("\n") == 1, err
+    for n in needles:
+        assert n in err, err
+    if out is not None:
+        assert not out.exists(), f"output_dir was written: {sorted(p.name for p in out.iterdir())}"
+
+
+BAD_VALUES = [
+    ("num_train_epochs=.nan", "num_train_epochs"),
+    (f"seed={2 ** 70}", "seed"),
+    ("learning_rate=.nan", "learning_rate"),
+    ("learning_rate=.inf", "learning_rate"),
+    ("adam_beta1=2.0", "adam_beta1"),
+    ("adam_beta2=-0.5", "adam_beta2"),
+    ("adam_epsilon=-1", "adam_epsilon"),
+    ("warmup_steps=-5", "warmup_steps"),
+    ("weight_decay=.nan", "weight_decay"),
+    ("max_grad_norm=.inf", "max_grad_norm"),
+    ("tiermem.tiers.gpu.slots=0", "tiers.gpu.slots"),
+    ("tiermem.tiers.gpu.device=tpu:9", "tiers.gpu.device"),
+]
+
+
+@pytest.mark.parametrize("override,needle", BAD_VALUES)
+def test_bad_config_values(setup, capsys, override, needle):
+    tmp, _, cfg = setup
+    expect_one_line(capsys, run(tmp, cfg, override), needle, out=tmp / "out")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_cuda_device_without_cuda_is_refused(setup, capsys):
+    tmp, _, cfg = setup
+    expect_one_line(capsys, run(tmp, cfg, "tiermem.tiers.gpu.device=cuda"), "tiers.gpu.device", "CUDA",
+                    out=tmp / "out")
+
+
+def test_a_yaml_of_random_bytes(setup, capsys):
+    tmp, _, cfg = setup
+    raw = bytes(random.Random(0).randrange(256) for _ in range(400))
+    expect_one_line(capsys, run(tmp, cfg, raw=raw), "train.yaml", out=tmp / "out")
+
+
+def _cut(p: Path):
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+
+
+def _garble_header(p: Path):
+    b = bytearray(p.read_bytes())
+    b[8:40] = b"\xff" * 32
+    p.write_bytes(bytes(b))
+
+
+def _huge_header(p: Path):
+    b = p.read_bytes()
+    p.write_bytes(struct.pack("<Q", 1 << 60) + b[8:])
+
+
+def _empty(p: Path):
+    p.write_bytes(b"")
+
+
+def _int32(p: Path):
+    t = load_file(p)
+    k = "model.layers.0.mlp.up_proj.weight"
+    t[k] = (t[k] * 100).to(torch.int32)
+    save_file(t, p)
+
+
+@pytest.mark.parametrize("damage", [_cut, _garble_header, _huge_header, _empty, _int32])
+def test_bad_weight_files(setup, capsys, damage):
+    tmp, model_dir, cfg = setup
+    damage(model_dir / "model.safetensors")
+    expect_one_line(capsys, run(tmp, cfg), "model.safetensors", out=tmp / "out")
+
+
+CONFIGS = [
+    ("random bytes", None),
+    ("a list", [1, 2]),
+    ("hidden_size abc", {"hidden_size": "abc"}),
+    ("no heads", {"num_attention_heads": 0}),
+    ("negative layers", {"num_hidden_layers": -1}),
+    ("fractional layers", {"num_hidden_layers": 2.5}),
+    ("nan eps", {"rms_norm_eps": math.nan}),
+]
+
+
+@pytest.mark.parametrize("what,change", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_bad_config_json(setup, capsys, what, change):
+    tmp, model_dir, cfg = setup
+    path = model_dir / "config.json"
+    if change is None:
+        path.write_bytes(bytes(random.Random(1).randrange(256) for _ in range(300)))
+    elif isinstance(change, list):
+        path.write_text(json.dumps(change))
+    else:
+        path.write_text(json.dumps(dict(json.loads(path.read_text()), **change)))
+    expect_one_line(capsys, run(tmp, cfg), "config.json", out=tmp / "out")
+
+
+def test_a_vocabulary_beyond_any_budget_is_refused_before_allocating(setup, capsys):
+    tmp, model_dir, cfg = setup
+    path = model_dir / "config.json"
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), vocab_size=10**10)))
+    cfg = dict(cfg, tiermem_init="random", tiermem={"tiers": {"gpu": {"device": "cpu"}}})
+    expect_one_line(capsys, run(tmp, cfg), out=tmp / "out")
+
+
+def test_a_tokenizer_that_is_not_json(setup, capsys):
+    tmp, model_dir, cfg = setup
+    (model_dir / "tokenizer.json").write_text("{not json")
+    expect_one_line(capsys, run(tmp, cfg), "tokenizer.json", out=tmp / "out")
+
+
+def test_output_dir_under_a_regular_file(setup, capsys):
+    tmp, _, cfg = setup
+    (tmp / "afile").write_text("x")
+    expect_one_line(capsys, run(tmp, dict(cfg, output_dir=str(tmp / "afile" / "out"))), "afile")
+
+
+def test_disk_full_during_the_export_leaves_no_temp_files(setup, capsys, monkeypatch):
+    import errno
+
+    import trainer.weights_io as weights_io
+
+    tmp, _, cfg = setup
+
+    def full(self, t):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(weights_io._ShardWriter, "write", full)
+    expect_one_line(capsys, run(tmp, cfg), "No space left")
+    assert not list((tmp / "out").rglob("*.tmp")), sorted(p.name for p in (tmp / "out").rglob("*"))
+
+
+@pytest.mark.parametrize("damage", ["trainer_state", "rng", "zarr_meta"])
+def test_damaged_checkpoint_files_are_refused_before_resuming(setup, capsys, damage):
+    tmp, _, cfg = setup
+    assert run(tmp, dict(cfg, save_steps=1, max_steps=1)) == 0
+    ck = tmp / "out" / "checkpoint-1"
+    if damage == "trainer_state":
+        (ck / "trainer_state.json").write_text("{garbled")
+    elif damage == "rng":
+        st = json.loads((ck / "trainer_state.json").read_text())
+        st["rng"] = {"torch": "not a state"}
+        (ck / "trainer_state.json").write_text(json.dumps(st))
+    else:
+        (ck / "state.zarr" / "master" / "zarr.json").write_text("{garbled")
+    before = {p: p.read_bytes() for p in ck.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    expect_one_line(capsys, run(tmp, dict(cfg, save_steps=1, max_steps=2)), "checkpoint-1")
+    assert {p: p.read_bytes() for p in ck.rglob("*") if p.is_file()} == before
