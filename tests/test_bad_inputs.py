@@ -193,3 +193,35 @@ def test_damaged_checkpoint_files_are_refused_before_resuming(setup, capsys, dam
     capsys.readouterr()
     expect_one_line(capsys, run(tmp, dict(cfg, save_steps=1, max_steps=2)), "checkpoint-1")
     assert {p: p.read_bytes() for p in ck.rglob("*") if p.is_file()} == before
+
+
+def test_every_flipped_byte_in_a_checkpoint_is_refused_before_training(setup, capsys):
+    """16 bytes flipped at a random place of each file of a checkpoint (the state's chunk files and zarr
+    metadata, the model's safetensors, config and tokenizer files, trainer_state.json, the manifest): the
+    resume stops with one line naming the checkpoint, exit 2, and no step is trained from it."""
+    import shutil
+
+    tmp, _, cfg = setup
+    assert run(tmp, dict(cfg, save_steps=1, max_steps=1)) == 0
+    good = tmp / "good"
+    shutil.move(tmp / "out" / "checkpoint-1", good)
+    files = sorted(p.relative_to(good) for p in good.rglob("*") if p.is_file())
+    assert any(str(f).startswith("state.zarr/master/c") for f in files) and Path("model.safetensors") in files
+    rng = random.Random(5)
+    for rel in files:
+        ck = tmp / "flip"
+        shutil.rmtree(ck, ignore_errors=True)
+        shutil.copytree(good, ck)
+        f = ck / rel
+        data = bytearray(f.read_bytes())
+        at = rng.randrange(max(len(data) - 16, 1))
+        for i in range(at, min(at + 16, len(data))):
+            data[i] ^= 0xFF
+        f.write_bytes(bytes(data))
+        out = tmp / "resumed"
+        shutil.rmtree(out, ignore_errors=True)
+        capsys.readouterr()
+        rc = run(tmp, dict(cfg, resume_from_checkpoint=str(ck), output_dir=str(out), max_steps=2))
+        err = capsys.readouterr().err
+        assert rc == 2 and err.count("\n") == 1 and str(ck) in err, f"{rel} flipped at {at}: rc {rc}: {err}"
+        assert not (out / "trainer_log.jsonl").exists(), f"{rel} flipped at {at}: a step was trained"

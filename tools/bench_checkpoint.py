@@ -5,8 +5,9 @@
 Fills a store (bf16 compute copy, fp32 master and moments, all in the DRAM arena) with random state,
 then: raw disk write (64 MiB blocks, fsync) and read (page cache evicted first) of --raw-size; the
 checkpoint save (trainer.checkpoint.Saver: HF safetensors + zarr state, fsynced, renamed); the
-checkpoint load into the store (page cache evicted first). Prints GB/s of each and the ratios. When the
-disk cannot hold a 3B checkpoint, fewer layers are used and the table says so.
+checkpoint load into the store (page cache evicted first), each once without checksums and once with the
+CRC32Cs tiermem writes. Prints GB/s of each, the ratios to the raw disk, and what the checksums cost. When
+the disk cannot hold a 3B checkpoint, fewer layers are used and the table says so.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def main() -> None:
     layers = args.layers
     shape = dict(SHAPE, vocab_size=args.vocab)
     per_layer = model_config_from_dict(dict(shape, num_hidden_layers=1)).layer_params()
-    fixed = model_config_from_dict(dict(shape, num_hidden_layers=0)).num_params()
+    fixed = model_config_from_dict(dict(shape, num_hidden_layers=1)).num_params() - per_layer
     free = shutil.disk_usage(d).free
     while layers > 1 and (fixed + layers * per_layer) * 14 * 1.05 > free * 0.9:
         layers -= 1
@@ -106,27 +107,36 @@ def main() -> None:
     for g in group_order(mcfg):
         store.catalog.bump(g, to=1)
 
-    saver = ckpt.Saver(store, mcfg, d, model_dir, torch.bfloat16, True, False, None, lambda s: print(s, flush=True))
-    t0 = time.perf_counter()
-    saver.begin(1, {"global_step": 1})
-    last = saver.wait()
-    t_save = time.perf_counter() - t0
-    path = d / "checkpoint-1"
-    state_bytes = sum(p.stat().st_size for p in (path / "state.zarr").rglob("*") if p.is_file())
-    evict(path)
-    t0 = time.perf_counter()
-    ckpt.check(path, mcfg, model_dir)
-    ckpt.load(store, path, mcfg, torch.bfloat16, True)
-    t_load = time.perf_counter() - t0
+    rows = {}
+    for checksums in (False, True):  # the same save and load without CRC32Cs, then with them
+        saver = ckpt.Saver(store, mcfg, d, model_dir, torch.bfloat16, True, False, None,
+                           lambda s: print(s, flush=True), checksums=checksums)
+        t0 = time.perf_counter()
+        saver.begin(1, {"global_step": 1})
+        last = saver.wait()
+        t_save = time.perf_counter() - t0
+        path = d / "checkpoint-1"
+        state_bytes = sum(p.stat().st_size for p in (path / "state.zarr").rglob("*") if p.is_file())
+        evict(path)
+        t0 = time.perf_counter()
+        ckpt.check(path, mcfg, model_dir)
+        ckpt.load(store, path, mcfg, torch.bfloat16, True)
+        t_load = time.perf_counter() - t0
+        shutil.rmtree(path)
+        rows[checksums] = (last["bytes"], t_save, state_bytes, t_load)
     store.close()
-    shutil.rmtree(path)
-    save_gbs, load_gbs = last["bytes"] / t_save / 1e9, state_bytes / t_load / 1e9
-    print(f"\n{'':24} {'GB':>7} {'s':>7} {'GB/s':>6} {'vs raw':>7}")
-    print(f"{'raw disk write (fsync)':24} {'':>7} {'':>7} {w_raw:6.2f}")
-    print(f"{'raw disk read':24} {'':>7} {'':>7} {r_raw:6.2f}")
-    print(f"{'checkpoint save':24} {last['bytes'] / 1e9:7.1f} {t_save:7.1f} {save_gbs:6.2f} {save_gbs / w_raw:7.2f}")
-    print(f"{'checkpoint load (state)':24} {state_bytes / 1e9:7.1f} {t_load:7.1f} {load_gbs:6.2f} "
-          f"{load_gbs / r_raw:7.2f}")
+    print(f"\n{'':34} {'GB':>7} {'s':>7} {'GB/s':>6} {'vs raw':>7}")
+    print(f"{'raw disk write (fsync)':34} {'':>7} {'':>7} {w_raw:6.2f}")
+    print(f"{'raw disk read':34} {'':>7} {'':>7} {r_raw:6.2f}")
+    for checksums, (nbytes, t_save, state_bytes, t_load) in rows.items():
+        what = "with CRC32C" if checksums else "without checksums"
+        save_gbs, load_gbs = nbytes / t_save / 1e9, state_bytes / t_load / 1e9
+        print(f"{'checkpoint save, ' + what:34} {nbytes / 1e9:7.1f} {t_save:7.1f} {save_gbs:6.2f} "
+              f"{save_gbs / w_raw:7.2f}")
+        print(f"{'checkpoint load (state), ' + what:34} {state_bytes / 1e9:7.1f} {t_load:7.1f} {load_gbs:6.2f} "
+              f"{load_gbs / r_raw:7.2f}")
+    (_, s0, _, l0), (_, s1, _, l1) = rows[False], rows[True]
+    print(f"checksums cost: save {s1 / s0:.3f}x, load {l1 / l0:.3f}x")
 
 
 if __name__ == "__main__":

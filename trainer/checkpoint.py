@@ -6,7 +6,8 @@ the model in Hugging Face format; written while training goes on, visible only w
       state.zarr/          master weights and both Adam moments, fp32 (tiermem.store.checkpoint)
       trainer_state.json   step, epoch, RNG state, the resolved config
       checkpoint.json      written last: format, step, the model's tensor shapes, the tokenizer's digest,
-                           every file with its size (resume checks them all before touching anything)
+                           every file with its size and (but the state's chunk files, whose every chunk
+                           carries its own CRC32C) its CRC32C: resume checks them all before training on
 
 Saving: a reader thread copies each group's state out of the store as soon as update N of the group is
 done and lets update N+1 of that group go on (the optimizer waits only for that copy); a writer thread
@@ -19,6 +20,7 @@ is the whole data position.
 from __future__ import annotations
 
 import base64
+import concurrent.futures as cf
 import hashlib
 import json
 import math
@@ -37,11 +39,12 @@ from tiermem.config import MOMENTS
 from tiermem.errors import ConfigError, StorageError
 from tiermem.faults import HOOKS
 from tiermem.store.catalog import state_name
-from tiermem.store.checkpoint import StateReader, StateWriter, fsync_dir, fsync_tree
+from tiermem.store.checkpoint import StateReader, StateWriter, file_crc32c, fsync_dir, fsync_tree
 from trainer.model.weights import all_weights, group_order
 from trainer.weights_io import TOKENIZER_FILES, ModelWriter
 
-FORMAT = 1
+FORMAT = 2  # 1: sizes only; 2: sizes and CRC32C checksums
+SMALL = 64 << 20  # files up to this size are verified before the store is filled; larger ones while it is
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -70,6 +73,12 @@ def checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def _is_state_chunks(rel: str) -> bool:
+    """True for a data file of the state's zarr arrays (state.zarr/<kind>/c/...), not its metadata."""
+    parts = Path(rel).parts
+    return len(parts) > 3 and parts[0] == "state.zarr" and parts[2] == "c"
+
+
 def remove_partial(out_dir: str | Path) -> None:
     """Remove what interrupted saves left behind (never a complete checkpoint)."""
     out = Path(out_dir)
@@ -85,10 +94,13 @@ def check(path: str | Path, mcfg, model_dir) -> dict:
     if not path.is_dir():
         raise ConfigError(f"resume_from_checkpoint: {path} is not a directory")
     try:
-        manifest = json.loads(mpath.read_text())
-    except (OSError, json.JSONDecodeError):
+        manifest = json.loads(mpath.read_bytes())
+    except (OSError, ValueError):
         raise ConfigError(f"{path} is not a complete tiermem checkpoint (no readable checkpoint.json)") from None
-    if manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or ("crc32c" in manifest and manifest["crc32c"] != _manifest_crc(manifest)) \
+            or (manifest.get("format") == FORMAT and "crc32c" not in manifest):
+        raise ConfigError(f"{path} is damaged: checkpoint.json does not match its checksum{_other_checkpoint(path)}")
+    if manifest.get("format") not in (1, FORMAT):
         raise ConfigError(f"{path}: checkpoint format {manifest.get('format')} is not one this version reads")
     if manifest.get("model_only"):
         raise ConfigError(f"{path} holds the model only (saved with save_only_model): it cannot resume training")
@@ -100,14 +112,55 @@ def check(path: str | Path, mcfg, model_dir) -> dict:
         raise ConfigError(f"{path} belongs to another model: {diff}")
     if manifest.get("tokenizer") != tokenizer_digest(model_dir):
         raise ConfigError(f"{path} was trained with a different tokenizer than {model_dir}'s")
-    hint = "; resume from another one with resume_from_checkpoint=PATH, or remove it"
-    for rel, size in manifest.get("files", {}).items():
+    hint = _other_checkpoint(path)
+    for rel, rec in _files(manifest).items():
         f = path / rel
         if not f.is_file():
             raise ConfigError(f"{path} is damaged: {rel} is missing{hint}")
-        if f.stat().st_size != size:
-            raise ConfigError(f"{path} is damaged: {rel} has {f.stat().st_size} bytes, {size} were written{hint}")
+        if f.stat().st_size != rec["size"]:
+            raise ConfigError(f"{path} is damaged: {rel} has {f.stat().st_size} bytes, {rec['size']} were "
+                              f"written{hint}")
+    verify(path, manifest, large=False)
+    try:
+        json.loads((path / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        raise ConfigError(f"{path} is damaged: trainer_state.json is not readable JSON{hint}") from None
     return manifest
+
+
+def _manifest_crc(manifest: dict) -> str:
+    """The CRC32C of the manifest's content (all but its own checksum), canonically serialised."""
+    import google_crc32c
+
+    body = json.dumps({k: v for k, v in manifest.items() if k != "crc32c"}, sort_keys=True).encode()
+    return f"{google_crc32c.value(body):08x}"
+
+
+def _files(manifest: dict) -> dict[str, dict]:
+    """The manifest's files as {relative path: {"size": n, "crc32c": hex (format 2)}}."""
+    files = manifest.get("files", {})
+    if not isinstance(files, dict):
+        return {}
+    return {rel: rec if isinstance(rec, dict) else {"size": rec} for rel, rec in files.items()}
+
+
+def _other_checkpoint(path: Path) -> str:
+    """The hint of a damaged checkpoint's error line: the newest other complete one beside it."""
+    others = [p for _, p in checkpoints(path.parent) if p.resolve() != path.resolve()]
+    if others:
+        return f"; resume from {others[-1]} instead (resume_from_checkpoint={others[-1]})"
+    return "; no other checkpoint is beside it: start again, or remove it"
+
+
+def verify(path: Path, manifest: dict, large: bool) -> None:
+    """Compare the CRC32C of the checkpoint's files (those up to SMALL bytes, or the larger ones) with the
+    manifest's; a mismatch is one line naming the file."""
+    path = Path(path)
+    for rel, rec in _files(manifest).items():
+        if "crc32c" not in rec or (rec["size"] > SMALL) != large:
+            continue
+        if file_crc32c(path / rel) != rec["crc32c"]:
+            raise ConfigError(f"{path} is damaged: {rel} does not match its checksum{_other_checkpoint(path)}")
 
 
 def load(store, path: str | Path, mcfg, dtype: torch.dtype, has_master: bool, progress=None) -> int:
@@ -115,15 +168,20 @@ def load(store, path: str | Path, mcfg, dtype: torch.dtype, has_master: bool, pr
     path = Path(path)
     manifest = json.loads((path / "checkpoint.json").read_text())
     step = int(manifest["step"])
-    reader = StateReader(path / "state.zarr")
+    try:
+        reader = StateReader(path / "state.zarr")
+    except StorageError as e:
+        raise ConfigError(f"{path} is damaged: {e}{_other_checkpoint(path)}") from None
     pending: list = []
+    big = cf.ThreadPoolExecutor(1, thread_name_prefix="tiermem-ckpt-verify")
+    checked = big.submit(verify, path, manifest, True)  # the model's shards, read while the state loads
     try:
         for kind in ("master", *MOMENTS):  # kind by kind: each array streams from disk in order
             for w in all_weights(mcfg):
                 try:
                     t = torch.from_numpy(reader.get(kind, w.name))
                 except StorageError as e:
-                    raise ConfigError(f"{path} is damaged: {e}") from None
+                    raise ConfigError(f"{path} is damaged: {e}{_other_checkpoint(path)}") from None
                 if kind == "master":
                     pending.append(store.write(state_name(w.name, "param"), t.to(dtype)))
                     if has_master:
@@ -136,8 +194,10 @@ def load(store, path: str | Path, mcfg, dtype: torch.dtype, has_master: bool, pr
                     progress(t.numel() // 3)
         for f in pending:
             f.result()
+        checked.result()
     finally:
         reader.close()
+        big.shutdown(wait=True, cancel_futures=True)
     for g in group_order(mcfg):
         store.catalog.bump(g, to=step)
     return step
@@ -147,8 +207,10 @@ class Saver:
     """Writes checkpoints in the background while training goes on; one at a time."""
 
     def __init__(self, store, mcfg, out_dir: Path, model_dir: Path, dtype: torch.dtype, has_master: bool,
-                 model_only: bool, total_limit: int | None, say):
+                 model_only: bool, total_limit: int | None, say, checksums: bool = True):
+        """``checksums`` False writes a checkpoint without CRC32Cs (format 1: what the benchmark compares)."""
         self.store, self.mcfg, self.out, self.model_dir = store, mcfg, Path(out_dir), Path(model_dir)
+        self.checksums = checksums
         self.dtype, self.src = dtype, "master" if has_master else "param"
         self.model_only, self.total_limit, self.say = model_only, total_limit, say
         self.groups = group_order(mcfg)
@@ -235,7 +297,7 @@ class Saver:
             tmp.mkdir(parents=True)
             model = ModelWriter(self.mcfg, tmp, self.dtype, self.model_dir)
             layout = {k: [(w.name, w.shape) for w in all_weights(self.mcfg)] for k in ("master", *MOMENTS)}
-            state = None if self.model_only else StateWriter(tmp / "state.zarr", layout)
+            state = None if self.model_only else StateWriter(tmp / "state.zarr", layout, self.checksums)
             while True:
                 item = q.get()
                 if item is None:
@@ -257,9 +319,17 @@ class Saver:
             if state is not None:
                 state.close()
             (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1) + "\n")
-            files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-            manifest = {"format": FORMAT, "step": step, "model_only": self.model_only, "model": signature(self.mcfg),
-                        "tokenizer": tokenizer_digest(self.model_dir), "files": files}
+            files = {}
+            for p in sorted(tmp.rglob("*")):
+                if p.is_file():  # (the state's chunk files carry a CRC32C per chunk)
+                    rel = str(p.relative_to(tmp))
+                    files[rel] = {"size": p.stat().st_size}
+                    if self.checksums and not _is_state_chunks(rel):
+                        files[rel]["crc32c"] = file_crc32c(p)
+            manifest = {"format": FORMAT if self.checksums else 1, "step": step, "model_only": self.model_only,
+                        "model": signature(self.mcfg), "tokenizer": tokenizer_digest(self.model_dir), "files": files}
+            if self.checksums:
+                manifest["crc32c"] = _manifest_crc(manifest)
             (tmp / "checkpoint.json").write_text(json.dumps(manifest) + "\n")
             fsync_tree(tmp)
             final = self.out / f"checkpoint-{step}"
@@ -270,7 +340,7 @@ class Saver:
             self._prune()
             seconds = time.perf_counter() - self._t0
             self.last = {"step": step, "seconds": seconds, "paused": self.paused - self._paused0,
-                         "bytes": sum(files.values())}
+                         "bytes": sum(f["size"] for f in files.values())}
         except BaseException as e:  # noqa: BLE001 - reported by wait()
             self._error = self._error or e
             shutil.rmtree(tmp, ignore_errors=True)
