@@ -6,8 +6,8 @@ the model in Hugging Face format; written while training goes on, visible only w
       state.zarr/          master weights and both Adam moments, fp32 (tiermem.store.checkpoint)
       trainer_state.json   step, epoch, RNG state, the resolved config
       checkpoint.json      written last: format, step, the model's tensor shapes, the tokenizer's digest,
-                           every file with its size and (but the state's chunk files, whose every chunk
-                           carries its own CRC32C) its CRC32C: resume checks them all before training on
+                           every file with its size and (but the state's shard files, whose data carries
+                           its own CRC32C per shard) its CRC32C: resume checks them all before training on
 
 Saving: a reader thread copies each group's state out of the store as soon as update N of the group is
 done and lets update N+1 of that group go on (the optimizer waits only for that copy); a writer thread
@@ -321,11 +321,11 @@ class Saver:
             (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1) + "\n")
             files = {}
             for p in sorted(tmp.rglob("*")):
-                if p.is_file():  # (the state's chunk files carry a CRC32C per chunk)
+                if p.is_file():  # (the state's shard files carry a CRC32C per shard in their metadata)
                     rel = str(p.relative_to(tmp))
                     files[rel] = {"size": p.stat().st_size}
-                    if self.checksums and not _is_state_chunks(rel):
-                        files[rel]["crc32c"] = file_crc32c(p)
+                    if self.checksums and not _is_state_chunks(rel):  # (the model's shards: as written)
+                        files[rel]["crc32c"] = model.crc32c.get(rel) or file_crc32c(p)
             manifest = {"format": FORMAT if self.checksums else 1, "step": step, "model_only": self.model_only,
                         "model": signature(self.mcfg), "tokenizer": tokenizer_digest(self.model_dir), "files": files}
             if self.checksums:

@@ -15,6 +15,7 @@ import shutil
 import struct
 from pathlib import Path
 
+import google_crc32c
 import torch
 
 from tiermem.errors import ConfigError, StorageError
@@ -149,11 +150,16 @@ class _ShardWriter:
         raw += b" " * (-len(raw) % 8)
         self.path, self.tmp = path, path.with_name(path.name + ".tmp")
         self.f = self.tmp.open("wb")
-        self.f.write(struct.pack("<Q", len(raw)) + raw)
+        self.crc = google_crc32c.Checksum()  # of the file's bytes, taken as they are written
+        self._put(struct.pack("<Q", len(raw)) + raw)
         self.size = off
 
+    def _put(self, b: bytes) -> None:
+        self.f.write(b)
+        self.crc.update(b)
+
     def write(self, t: torch.Tensor) -> None:
-        self.f.write(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        self._put(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
 
     def close(self) -> None:
         self.f.flush()
@@ -197,6 +203,7 @@ class ModelWriter:
         self._writer: _ShardWriter | None = None
         self.weight_map: dict[str, str] = {}
         self.total = 0
+        self.crc32c: dict[str, str] = {}  # each shard's CRC32C, as written
 
     def put(self, name: str, t: torch.Tensor) -> None:
         file, w = self._plan[self._next]
@@ -209,6 +216,7 @@ class ModelWriter:
         self._next += 1
         if self._next == len(self._plan) or self._plan[self._next][0] != file:
             self._writer.close()
+            self.crc32c[file] = self._writer.crc.hexdigest().decode()
             self.total += self._writer.size
             self._writer = None
 

@@ -4,8 +4,9 @@ All tensors of a kind (``master``, ``exp_avg``, ... in a given order) are laid e
 array; its attributes hold each tensor's name, offset and shape. Shards are large (1 GiB) so a checkpoint
 is a few big files, each written in one piece from a host buffer as tensors stream in; chunks equal to
 the fill value are written too (``write_empty_chunks``), so a missing file is an error, never zeros.
-Every chunk carries a CRC32C (zarr's ``crc32c`` codec), checked as it is read: a flipped byte is an
-error, never a wrong number. ``file_crc32c`` checksums the checkpoint's other files the same way.
+Every shard's data carries a CRC32C (the array's ``crc32c`` attribute, one per shard, computed on the
+host buffer as it is written, so it costs no second pass over the bytes), checked as the shard is read
+back: a flipped byte is an error, never a wrong number. ``file_crc32c`` checksums other files.
 
     w = StateWriter(path, {"master": [(name, shape), ...], ...});  w.put("master", name, tensor) ...; w.close()
     r = StateReader(path);  r.get("master", name) -> numpy array
@@ -27,6 +28,13 @@ CHUNK_ELEMS = 1 << 22  # 16 MiB of fp32
 SHARD_CHUNKS = 64  # 1 GiB shards
 
 
+def crc32c_of(data) -> str:
+    """The CRC32C of a contiguous numpy array's bytes, as 8 hex digits."""
+    import google_crc32c
+
+    return f"{google_crc32c.value(np.ascontiguousarray(data).view(np.uint8)):08x}"
+
+
 def file_crc32c(path: str | Path, block: int = 64 << 20) -> str:
     """The CRC32C of a file's bytes, as 8 hex digits."""
     import google_crc32c
@@ -40,9 +48,8 @@ def file_crc32c(path: str | Path, block: int = 64 << 20) -> str:
 
 class StateWriter:
     def __init__(self, path: str | Path, layout: dict[str, list[tuple[str, tuple[int, ...]]]], checksums: bool = True):
-        """``checksums``: a CRC32C on every chunk (False: none, as tiermem wrote before; benchmarks)."""
+        """``checksums``: a CRC32C of every shard (False: none, as tiermem wrote before; benchmarks)."""
         import zarr
-        from zarr.codecs import Crc32cCodec
 
         self.path = Path(path)
         self._group = zarr.open_group(str(self.path), mode="w")
@@ -52,7 +59,7 @@ class StateWriter:
             chunk = min(CHUNK_ELEMS, max(total, 1))
             shard = chunk * min(SHARD_CHUNKS, math.ceil(max(total, 1) / chunk))
             arr = self._group.create_array(kind, shape=(total,), chunks=(chunk,), shards=(shard,), dtype="float32",
-                                           compressors=[Crc32cCodec()] if checksums else None, fill_value=0.0,
+                                           compressors=None, fill_value=0.0,
                                            config={"write_empty_chunks": True})
             entries, off = [], 0
             for name, shape in tensors:
@@ -60,7 +67,10 @@ class StateWriter:
                 off += math.prod(shape)
             arr.attrs["tensors"] = entries
             self._kinds[kind] = {"arr": arr, "order": [e[0] for e in entries], "next": 0, "pos": 0,
-                                 "buf": np.empty(shard, dtype=np.float32), "fill": 0, "shard": shard, "total": total}
+                                 "buf": np.empty(shard, dtype=np.float32), "fill": 0, "shard": shard, "total": total,
+                                 "crc": [] if checksums else None}
+        # each shard's CRC32C is taken on a thread of its own while zarr writes the same buffer
+        self._crc = cf.ThreadPoolExecutor(1, thread_name_prefix="tiermem-ckpt-crc") if checksums else None
 
     def put(self, kind: str, name: str, tensor: torch.Tensor) -> None:
         """Append the next tensor of ``kind`` (tensors come in the layout's order)."""
@@ -80,15 +90,23 @@ class StateWriter:
 
     def _flush(self, k) -> None:
         if k["fill"]:
-            k["arr"][k["pos"]: k["pos"] + k["fill"]] = k["buf"][: k["fill"]]
+            data = k["buf"][: k["fill"]]
+            crc = self._crc.submit(crc32c_of, data) if self._crc is not None else None
+            k["arr"][k["pos"]: k["pos"] + k["fill"]] = data
+            if crc is not None:
+                k["crc"].append(crc.result())
             k["pos"] += k["fill"]
             k["fill"] = 0
 
     def close(self) -> list[Path]:
-        """Check every tensor came, fsync every file; returns the files written."""
+        """Check every tensor came, record the shards' checksums, fsync every file; returns the files."""
         for kind, k in self._kinds.items():
             if k["next"] != len(k["order"]) or k["pos"] != k["total"]:
                 raise ValueError(f"{kind}: {k['next']} of {len(k['order'])} tensors written")
+            if k["crc"] is not None:
+                k["arr"].attrs["crc32c"] = k["crc"]
+        if self._crc is not None:
+            self._crc.shutdown()
         return fsync_tree(self.path)
 
 
@@ -102,9 +120,11 @@ class StateReader:
         except Exception as e:  # noqa: BLE001 - any failure to open is a damaged checkpoint
             raise StorageError(f"{self.path}: not a readable training-state store ({e})") from None
         self.index: dict[str, dict[str, tuple[int, tuple[int, ...]]]] = {}
+        self.crcs: dict[str, list[str] | None] = {}
         for kind in self._group.array_keys():
             arr = self._group[kind]
             self.index[kind] = {n: (off, tuple(shape)) for n, off, shape in arr.attrs["tensors"]}
+            self.crcs[kind] = arr.attrs.get("crc32c")  # (none in checkpoints written before checksums)
         self._cache: dict[str, tuple[int, np.ndarray]] = {}
         self._ahead: dict[str, tuple[int, cf.Future]] = {}
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="tiermem-ckpt-read")
@@ -113,9 +133,13 @@ class StateReader:
         arr = self._group[kind]
         shard = arr.shards[0] if arr.shards else arr.chunks[0]
         try:
-            return arr[s0: min(s0 + shard, arr.shape[0])]
-        except Exception as e:  # noqa: BLE001 - a truncated, missing or corrupted shard (checksum mismatch)
+            data = arr[s0: min(s0 + shard, arr.shape[0])]
+        except Exception as e:  # noqa: BLE001 - a truncated, missing or garbled shard
             raise StorageError(f"{self.path / kind}: cannot read shard at {s0} ({str(e)[:160]})") from None
+        crcs = self.crcs.get(kind)
+        if crcs is not None and (s0 // shard >= len(crcs) or crc32c_of(data) != crcs[s0 // shard]):
+            raise StorageError(f"{self.path / kind}: shard {s0 // shard} does not match its checksum")
+        return data
 
     def get(self, kind: str, name: str) -> np.ndarray:
         """One tensor. Reading a kind's tensors in order reads each shard once, the next one ahead."""
