@@ -505,7 +505,8 @@ def test_requests_are_checked_one_by_one(tmp_path):
     svc.run.wait()
     assert svc.run.state.updated == 1 and svc.run.store.catalog.version(0) == 1
     assert "finish before" not in str(svc.dispatch(client, {"op": "finish", "id": 11, "run": "r1"}))
-    assert svc.run is None and not list((tmp_path / "shm").glob("*"))
+    # the finished run's state is freed; the store's lock file stays (tiermem.owner: removing it would race)
+    assert svc.run is None and [p.name for p in (tmp_path / "shm").glob("*")] == ["unit.lock"]
     theirs.close()
 
 

@@ -23,7 +23,9 @@ Requests (JSON, ``op``):
   finish {run}                                     the run is done and exported: free its state
   stats {}                                         the snapshot ``tiermem top --socket`` shows
 
-One run at a time; one trainer per run (the protocol carries rank/world for data parallel later).
+The service holds the store's lock (``tiermem.owner``) from before it touches any of the store's files
+until it exits: a second service on the same store is refused. One run at a time; one trainer per run
+(the protocol carries rank/world for data parallel later).
 SIGHUP re-reads the config and migrates optimizer state between tiers at the next commit; SIGTERM and
 SIGINT stop cleanly (the in-flight update finishes; the run's state stays for the next start).
 """
@@ -55,6 +57,7 @@ from tiermem.journal import Journal, RunState, UndoGuard, state_dir, undo_bytes,
 from tiermem.layout import create_store, layout_of, reopen_store, spec_from_json, spec_to_json
 from tiermem.mover import Location
 from tiermem.optim import AdamWConfig, StoreAdamW
+from tiermem.owner import Ownership
 from tiermem.placement import default_budgets, make_plan
 from tiermem.schema import to_plain
 from tiermem.stats import snapshot
@@ -198,17 +201,29 @@ class Service:
         except OSError as e:
             raise UserError(f"cannot create the service's state directory {self.dir}: {os.strerror(e.errno)}") from None
         name = self.cfg.store_name()
+        # the store's files are this service's before anything of them is read, written or deleted
+        self.owner = Ownership.take(name, (self.dir, self.cfg.tiers.dram.path),
+                                    {"name": name, "config": str(Path(config_path).resolve()),
+                                     "state_dir": str(self.dir.resolve())})
         self.record_path = self.dir / f"{name}.run.json"
         self.journal_path = self.dir / f"{name}.journal"
-        self.socket_path = Path(socket_path) if socket_path else protocol.default_socket()
         self.lock = threading.RLock()
         self.run: Run | None = None
         self.pending_config: StoreConfig | None = None
         self._listener: socket.socket | None = None
         self._stopping = False
-        if fresh:
-            self._discard_recorded()
-        self._recover()
+        try:
+            self.socket_path = Path(socket_path) if socket_path else protocol.default_socket()
+            if fresh:
+                self._discard_recorded()
+            self._recover()
+        except BaseException:
+            self.owner.release()
+            raise
+
+    def release(self) -> None:
+        """Give up the store's files (the service is stopped, or never started)."""
+        self.owner.release()
 
     # -- runs ------------------------------------------------------------------------------------------
     def _discard_recorded(self) -> None:
@@ -823,10 +838,13 @@ def serve(config_path: str, socket_path: str | None, fresh: bool) -> int:
     say = lambda text: print(f"tiermem serve: {text}", flush=True)
     # blocked before any thread starts, so that every thread inherits it and sigwait below takes them
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+    service = None
     try:
         service = Service(config_path, socket_path, fresh, say)
         service.listen()
     except BaseException:
+        if service is not None:
+            service.release()
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
         raise
     say(f"listening on {service.socket_path}")
@@ -837,6 +855,7 @@ def serve(config_path: str, socket_path: str | None, fresh: bool) -> int:
             continue
         say(f"{signal.Signals(sig).name}: stopping")
         service.shutdown()
+        service.release()
         sys.stdout.flush()
         return 0
 

@@ -1,0 +1,67 @@
+"""What must not lose a run's state, end to end on the CPU: a second `tiermem serve` on the same store,
+`tiermem arenas --clean` after a kill -9, a file where the socket goes, the state lost with the arena
+while the trainer would start over, the run record's mode, and malformed requests from a peer."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.procs import child_env
+from tests.test_service import ROOT, _exchange, _frame, _unit_service, _wait_for_steps, env, ok, same  # noqa: F401
+from tiermem import protocol
+
+
+def _tiermem(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`tiermem ARGS` in a subprocess; one that is still running after ``timeout`` is killed (a second
+    service that did not refuse to start)."""
+    proc = subprocess.Popen([sys.executable, "-m", "tiermem.cli", *args], cwd=ROOT, env=child_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"`tiermem {' '.join(args)}` still ran after {timeout} s:\n{out}{err}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _one_line(result: subprocess.CompletedProcess, needle: str) -> None:
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_a_second_service_on_the_same_store_is_refused_and_touches_nothing(env):
+    first = env.service()
+    config, other = str(env.tmp / "serve.yaml"), str(env.sock.parent / "b.sock")
+    owns = f"another tiermem service (pid {first.proc.pid}) owns the store t{os.getpid()}"
+    try:
+        _one_line(_tiermem("serve", "--config", config, "--socket", other, timeout=30), owns)
+        trainer = env.start_train("run", extra_env={"TIERMEM_TEST_HOLD_AT": "commit:4"})
+        _wait_for_steps(trainer, env.tmp / "run" / "trainer_log.jsonl", 3)
+        nvme = env.tmp / "nvme"
+        record, journal = next(nvme.glob("*.run.json")), next(nvme.glob("*.journal"))
+        before = {p: p.read_bytes() for p in (record, journal)}
+        arena = next((env.tmp / "shm").glob("*.arena"))
+        # with --fresh it would discard the run: refused all the same
+        _one_line(_tiermem("serve", "--config", config, "--socket", other, "--fresh", timeout=30), owns)
+        assert record.read_bytes() == before[record] and arena.is_file()
+        assert journal.read_bytes().startswith(before[journal])  # only ever appended to
+        first.proc.kill()  # kill -9: the lock goes with the process
+        assert first.proc.wait(timeout=60) == -signal.SIGKILL
+        trainer.kill()
+        trainer.communicate(timeout=60)
+        first = env.service()
+        assert "recovered run" in first.text and "step 3 committed" in first.text, first.text
+    finally:
+        first.stop()
