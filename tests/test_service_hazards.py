@@ -65,3 +65,21 @@ def test_a_second_service_on_the_same_store_is_refused_and_touches_nothing(env):
         assert "recovered run" in first.text and "step 3 committed" in first.text, first.text
     finally:
         first.stop()
+
+
+def test_serve_never_removes_what_is_not_a_dead_socket(tmp_path, capsys):
+    from tiermem.cli import main as tiermem
+
+    (tmp_path / "shm").mkdir()
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(yaml.safe_dump({"name": "sock", "tiers": {"gpu": {"device": "cpu"},
+                                                             "dram": {"path": str(tmp_path / "shm")}}}))
+    file, directory = tmp_path / "notes.txt", tmp_path / "adir"
+    file.write_text("keep me\n")
+    directory.mkdir()
+    (directory / "inside").write_text("x")
+    for path, what in ((file, "a regular file"), (directory, "a directory")):
+        assert tiermem(["serve", "--config", str(cfg), "--socket", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert str(path) in err and what in err and len(err.strip().splitlines()) == 1, err
+    assert file.read_text() == "keep me\n" and (directory / "inside").read_text() == "x"

@@ -100,6 +100,41 @@ def private_dir(path: Path) -> Path:
     return path
 
 
+def make_way(path: Path) -> None:
+    """Clear ``path`` for a service's socket: nothing there, or a socket no process answers on (left by a
+    service that is gone), which is removed. Anything else is refused with one line and left as it is."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise UserError(f"cannot listen on {path}: {os.strerror(e.errno)}") from None
+    if not stat.S_ISSOCK(st.st_mode):
+        raise UserError(f"cannot listen on {path}: {_kind(st.st_mode)} is there; remove it or choose another --socket")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(2)
+    try:
+        s.connect(str(path))
+    except ConnectionRefusedError:  # nobody listens: left by a service that is gone
+        path.unlink(missing_ok=True)
+        return
+    except OSError as e:
+        raise UserError(f"cannot listen on {path}: a socket is there that does not answer properly "
+                        f"({e.strerror or 'timed out'}); remove it if no service uses it") from None
+    finally:
+        s.close()
+    raise UserError(f"a tiermem service is already listening on {path}")
+
+
+def _kind(mode: int) -> str:
+    for test, what in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a device"),
+                       (stat.S_ISBLK, "a device")):
+        if test(mode):
+            return what
+    return "something other than a socket"
+
+
 def default_socket() -> Path:
     return runtime_dir() / "tiermem.sock"
 

@@ -732,13 +732,7 @@ class Service:
     # -- serving ------------------------------------------------------------------------------------------
     def listen(self) -> None:
         path = self.socket_path
-        if path.exists():
-            try:
-                protocol.connect(path, timeout=2).close()
-            except UserError:
-                path.unlink()  # a socket left by a service that is gone
-            else:
-                raise UserError(f"a tiermem service is already listening on {path}")
+        protocol.make_way(path)
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
