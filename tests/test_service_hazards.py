@@ -83,3 +83,35 @@ def test_serve_never_removes_what_is_not_a_dead_socket(tmp_path, capsys):
         err = capsys.readouterr().err
         assert str(path) in err and what in err and len(err.strip().splitlines()) == 1, err
     assert file.read_text() == "keep me\n" and (directory / "inside").read_text() == "x"
+
+
+def test_the_run_record_and_journal_are_private(tmp_path):
+    """Written 0600 (they name the model, the output_dir and every tensor), also after a compaction; a
+    recovered service makes an older, wider one private again."""
+    import tiermem.journal as journal
+    from tiermem.server import Service
+
+    svc, client, _, theirs, hello, _ = _unit_service(tmp_path, 0)
+    ok(svc.dispatch(client, hello))
+    assert svc.dispatch(client, {"op": "init", "id": 2, "run": "r1", "step": 0})["ok"]
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)
+    assert mode(svc.record_path) == 0o600 and mode(svc.journal_path) == 0o600
+    journal.COMPACT_BYTES = 0
+    try:
+        svc.run.journal.compact()
+    finally:
+        journal.COMPACT_BYTES = 256 << 10
+    assert mode(svc.journal_path) == 0o600
+    with svc.lock:
+        svc._close_run(keep=True)
+    svc.release()
+    for p in (svc.record_path, svc.journal_path):
+        os.chmod(p, 0o644)
+    again = Service(str(tmp_path / "serve.yaml"), str(tmp_path / "s.sock"), say=lambda _: None)
+    try:
+        assert again.run is not None and again.run.state.initialized
+        assert mode(again.record_path) == 0o600 and mode(again.journal_path) == 0o600
+    finally:
+        again._close_run(keep=False)
+        again.release()
+    theirs.close()

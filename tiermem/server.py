@@ -53,7 +53,7 @@ from tiermem import protocol
 from tiermem.catalog import TensorSpec
 from tiermem.config import StoreConfig, load_store_config
 from tiermem.errors import ConfigError, UserError
-from tiermem.journal import Journal, RunState, UndoGuard, state_dir, undo_bytes, write_atomic
+from tiermem.journal import Journal, RunState, UndoGuard, make_private, state_dir, undo_bytes, write_atomic
 from tiermem.layout import create_store, layout_of, reopen_store, spec_from_json, spec_to_json
 from tiermem.mover import Location
 from tiermem.optim import AdamWConfig, StoreAdamW
@@ -237,6 +237,7 @@ class Service:
     def _recover(self) -> None:
         if not self.record_path.is_file():
             return
+        make_private(self.record_path)
         record = json.loads(self.record_path.read_text())
         recorded = record.get("arena_dir", self.cfg.tiers.dram.path)
         if Path(recorded).resolve() != Path(self.cfg.tiers.dram.path).resolve():
