@@ -67,6 +67,47 @@ def test_a_second_service_on_the_same_store_is_refused_and_touches_nothing(env):
         first.stop()
 
 
+def _orphan_arena(directory: Path, name: str) -> Path:
+    """An arena whose owner is gone and that no run record names (an embedded run's, killed)."""
+    code = ("import os, sys; from tiermem.tiers.dram import DramArena; "
+            f"DramArena.create({name!r}, 1 << 20, sys.argv[1]); os._exit(0)")
+    subprocess.run([sys.executable, "-c", code, str(directory)], cwd=ROOT, env=child_env(), check=True, timeout=60)
+    return directory / f"{name}.arena"
+
+
+def test_arenas_clean_keeps_a_killed_services_arena_unless_forced(env):
+    shm = env.tmp / "shm"
+    svc = env.service(env={"TIERMEM_TEST_KILL_AT": "update:3:1"})
+    lost = env.train("run")
+    assert svc.proc.wait(timeout=60) == -signal.SIGKILL and lost.returncode == 1
+    arena = next(shm.glob("*.arena"))
+    orphan = _orphan_arena(shm, "orphan")
+    config = (env.tmp / "serve.yaml").resolve()
+    recoverable = f"recoverable: start `tiermem serve --config {config}` to recover step 3"
+    listed = _tiermem("arenas", "--dir", str(shm))
+    assert listed.returncode == 0, listed.stderr
+    line = next(x for x in listed.stdout.splitlines() if x.startswith(str(arena)))
+    assert "left behind" in line and recoverable in line, listed.stdout
+    assert "recoverable" not in next(x for x in listed.stdout.splitlines() if x.startswith(str(orphan)))
+    cleaned = _tiermem("arenas", "--dir", str(shm), "--clean")
+    assert cleaned.returncode == 0, cleaned.stderr
+    assert arena.is_file() and not orphan.exists(), cleaned.stdout
+    assert f"removed {orphan}" in cleaned.stdout and "--force" in cleaned.stdout
+    svc = env.service()  # what --clean kept is what the service recovers
+    try:
+        assert "recovered run" in svc.text and "step 3 committed" in svc.text, svc.text
+    finally:
+        assert svc.stop() == 0  # the run's state is kept for the next start: still recoverable
+    forced = _tiermem("arenas", "--dir", str(shm), "--clean", "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert not arena.exists() and f"removed {arena}" in forced.stdout, forced.stdout
+    svc = env.service()
+    try:
+        assert "is gone" in svc.text, svc.text  # as after a reboot
+    finally:
+        svc.stop()
+
+
 def test_serve_never_removes_what_is_not_a_dead_socket(tmp_path, capsys):
     from tiermem.cli import main as tiermem
 

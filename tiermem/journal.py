@@ -43,6 +43,10 @@ def state_dir(cfg) -> Path:
     $XDG_STATE_HOME/tiermem (~/.local/state/tiermem)."""
     if cfg.tiers.nvme is not None:
         return Path(cfg.tiers.nvme.path)
+    return default_state_dir()
+
+
+def default_state_dir() -> Path:
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "tiermem"
 
@@ -122,18 +126,44 @@ class RunState:
         return out
 
 
+def read_state(path: Path) -> RunState:
+    """How far the run of the journal at ``path`` got (a RunState of nothing when there is none)."""
+    state = RunState()
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                break  # a line cut by a crash is the last one
+            state.apply(rec)
+    return state
+
+
+def recoverable_run(directory: Path, name: str, arena_dir: Path) -> dict | None:
+    """The run recorded in ``directory`` for store ``name`` with its arena in ``arena_dir``, when a service
+    would recover it (weights loaded, not finished): ``{"config", "step"}`` (either may be None: not
+    recorded, an unreadable journal); None when there is none."""
+    try:
+        record = json.loads((directory / f"{name}.run.json").read_text())
+        arena = record.get("arena_dir")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if arena is not None and Path(str(arena)).resolve() != Path(arena_dir).resolve():
+        return None
+    try:
+        state = read_state(directory / f"{name}.journal")
+    except (OSError, ValueError, KeyError, TypeError):  # kept: the service is the judge of that
+        return {"config": record.get("config"), "step": None}
+    if not state.initialized or state.finished:
+        return None
+    return {"config": record.get("config"), "step": state.committed}
+
+
 class Journal:
     def __init__(self, path: Path):
         self.path = path
-        self.state = RunState()
         self._lock = threading.Lock()
-        if path.is_file():
-            for line in path.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    break  # a line cut by a crash is the last one
-                self.state.apply(rec)
+        self.state = read_state(path)
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.fchmod(self._fd, 0o600)  # one an older version wrote readable by others
 

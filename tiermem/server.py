@@ -322,7 +322,7 @@ class Service:
             ext = store.dram.allocate(undo) if undo else None
             record = {"format": 1, "run": msg["run"], "label": dict(msg.get("label") or {}), "created": time.time(),
                       "specs": [spec_to_json(s) for s in specs], "layout": layout_of(store), "epoch": 0,
-                      "arena_dir": self.cfg.tiers.dram.path,
+                      "arena_dir": self.cfg.tiers.dram.path, "config": str(Path(self.config_path).resolve()),
                       "undo": [ext.offset, ext.nbytes] if ext else None, "optim": optim, "gpu_share": share,
                       "nvme_capacity": store.nvme.capacity if store.nvme is not None else 0}
             write_atomic(self.record_path, record)
