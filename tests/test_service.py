@@ -281,7 +281,10 @@ def test_sigterm_and_ctrl_c_stop_cleanly_and_training_continues(env, share):
         svc.stop()
 
 
-def test_state_lost_with_the_arena_names_the_newest_checkpoint(env):
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_state_lost_with_the_arena_names_the_newest_checkpoint(env, overwrite):
+    """The service names the checkpoint to resume from, and the trainer resumes from it, also when it would
+    otherwise start over (overwrite_output_dir: true, as the quickstart)."""
     ref = env.reference()
     svc = env.service(env={"TIERMEM_TEST_KILL_AT": "update:5:0"})
     # the service dies while the trainer still writes checkpoint-4 (read out of the store before
@@ -294,9 +297,9 @@ def test_state_lost_with_the_arena_names_the_newest_checkpoint(env):
     svc = env.service()
     try:
         assert "is gone" in svc.text and "checkpoint-4" in svc.text, svc.text
-        again = env.train("run", save_steps=2)  # a new run in the service, from checkpoint-4
+        again = env.train("run", save_steps=2, overwrite_output_dir=overwrite)  # a new run, from checkpoint-4
         assert again.returncode == 0, again.stderr
-        assert "resumed from" in again.stdout and "checkpoint-4" in again.stdout
+        assert "resumed from" in again.stdout and "checkpoint-4 at step 4" in again.stdout, again.stdout
         assert same(env.weights("run"), ref)
     finally:
         svc.stop()

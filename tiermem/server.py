@@ -13,7 +13,8 @@ place). The service pushes each group's new version to its trainer.
 
 Requests (JSON, ``op``):
   hello {run, label, specs, optim, rank, world}  attach; creates the run or rejoins it; layout and the
-                                                   trainer's groups in the reply
+                                                   trainer's groups in the reply (and ``resume``: the
+                                                   checkpoint to resume from, when the run's state was lost)
   init {run}                                       the trainer has loaded the weights
   commit {run, step, lr, grad_scale}               step's gradients are home: journal, then update
   alloc {run, step, group}                         places for an owed group's new master and moments
@@ -209,6 +210,7 @@ class Service:
         self.journal_path = self.dir / f"{name}.journal"
         self.lock = threading.RLock()
         self.run: Run | None = None
+        self.lost: dict | None = None  # a run whose state is gone: {run, checkpoint, step} for its trainer
         self.pending_config: StoreConfig | None = None
         self._listener: socket.socket | None = None
         self._stopping = False
@@ -248,8 +250,11 @@ class Service:
         journal = Journal(self.journal_path)
         state = journal.state
         if not arena.is_file():
+            found, says = _newest_checkpoint(record)
             self.say(f"the state of run {record['label'].get('output_dir', record['run'])} (step {state.committed}) is "
-                     f"gone: its arena {arena} no longer exists (the machine restarted?). {_newest_checkpoint(record)}")
+                     f"gone: its arena {arena} no longer exists (the machine restarted?). {says}")
+            if found is not None:  # told to the run's trainer when it attaches
+                self.lost = {"run": record["run"], "checkpoint": str(found), "step": state.committed}
             journal.close()
             self._discard_recorded()
             return
@@ -396,7 +401,8 @@ class Service:
                 "ev": "version", "group": g, "version": v, "layout": layout_of(r.store, g)})
             st, cfg, nvme = run.state, self.cfg, run.store.nvme
             self.say(f"trainer pid {client.pid} attached to run {label_of(run)} at step {st.committed}")
-            return {"initialized": st.initialized, "committed": st.committed, "updated": st.updated,
+            lost = self.lost if self.lost is not None and self.lost["run"] == run_id and not st.initialized else None
+            return {"initialized": st.initialized, "resume": lost, "committed": st.committed, "updated": st.updated,
                     "versions": [[g, run.store.catalog.version(g)] for g in run.optimizer.groups],
                     "layout": layout_of(run.store), "specs": run.record["specs"],
                     "arena": {"name": cfg.store_name(), "dir": cfg.tiers.dram.path},
@@ -426,6 +432,8 @@ class Service:
         for g in groups:
             run.store.catalog.bump(g, to=step)
         run.journal.append("init", sync=True, step=step, groups=groups)
+        if self.lost is not None and self.lost["run"] == run.record["run"]:
+            self.lost = None  # its trainer has loaded the checkpoint (or chose to start over)
         return {}
 
     def _commit(self, client: Client, msg: dict) -> dict:
@@ -817,15 +825,16 @@ def _field(msg: dict, key: str, types):
     return value
 
 
-def _newest_checkpoint(record: dict) -> str:
+def _newest_checkpoint(record: dict) -> tuple[Path | None, str]:
+    """The newest complete checkpoint in the run's output_dir (None when there is none), and what to say."""
     out = record.get("label", {}).get("output_dir")
     if not out or not Path(out).is_dir():
-        return "No checkpoint of it is known."
+        return None, "No checkpoint of it is known."
     found = sorted((int(p.name.split("-")[1]), p) for p in Path(out).glob("checkpoint-*")
                    if p.name.split("-")[1].isdigit() and (p / "checkpoint.json").is_file())
     if not found:
-        return f"It has no checkpoint in {out}: start it again."
-    return f"Newest checkpoint: {found[-1][1]} (rerun the trainer: it resumes from there)."
+        return None, f"It has no checkpoint in {out}: start it again."
+    return found[-1][1], f"Newest checkpoint: {found[-1][1]} (rerun the trainer: it resumes from there)."
 
 
 def serve(config_path: str, socket_path: str | None, fresh: bool) -> int:
