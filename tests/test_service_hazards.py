@@ -181,3 +181,109 @@ def test_the_run_record_and_journal_are_private(tmp_path):
         again._close_run(keep=False)
         again.release()
     theirs.close()
+
+
+def _attach_raw(sock_path: Path):
+    """A connection that attached a one-tensor run of its own with hello (as _unit_service's)."""
+    import torch
+
+    from tiermem.catalog import TensorSpec
+    from tiermem.layout import spec_to_json
+
+    specs = [TensorSpec(n, (4, 4), torch.float32, k, 0) for n, k in
+             (("w", "param"), ("grad/w", "grad"), ("exp_avg/w", "exp_avg"), ("exp_avg_sq/w", "exp_avg_sq"))]
+    optim = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "has_master": False,
+             "decay": {"w": True}, "groups": [0]}
+    s = protocol.connect(sock_path)
+    protocol.send(s, {"op": "hello", "id": 1, "run": "raw", "specs": [spec_to_json(x) for x in specs], "optim": optim})
+    assert protocol.recv(s)["ok"]
+    return s
+
+
+def test_malformed_requests_get_an_error_naming_the_field_and_the_service_goes_on(env):
+    ref = env.reference()
+    svc = env.service()
+    try:
+        deep = b"[" * 200_000 + b"]" * 200_000
+        cases = [
+            (_frame({"op": ["hello"], "id": 1}), "'op'"),
+            (_frame({"op": "stats", "id": [1]}), "'id'"),
+            (struct_frame(deep), "nested too deep"),
+            (struct_frame(b'{"op": "stats", "id": 1, "x": ' + b"[" * 100 + b"]" * 100 + b"}"), "nested too deep"),
+            (_frame({"op": "hello", "id": 2, "run": "r", "label": "abc", "specs": [], "optim": {}}), "'label'"),
+        ]
+        for raw, needle in cases:
+            reply = _exchange(env.sock, raw)
+            assert reply is not None and reply["ok"] is False and needle in reply["error"], (needle, reply)
+            assert svc.proc.poll() is None
+        s = _attach_raw(env.sock)
+        try:
+            for live in ([1, 2], "fast", {"optimizer": [1]}):
+                protocol.send(s, {"op": "progress", "id": 3, "run": "raw", "live": live})
+                reply = protocol.recv(s)
+                assert reply["ok"] is False and "'live" in reply["error"], (live, reply)
+            protocol.send(s, {"op": "progress", "id": 4, "run": "raw", "live": {}, "store": {"tiers": [2]}})
+            reply = protocol.recv(s)
+            assert reply["ok"] is False and "'store" in reply["error"], reply
+            protocol.send(s, {"op": "stats", "id": 5})  # the same connection still answers
+            assert protocol.recv(s)["ok"]
+        finally:
+            s.close()
+        svc.wait_for("detached from run raw")
+        run = env.train("run")
+        assert run.returncode == 0, run.stderr
+        assert same(env.weights("run"), ref)
+    finally:
+        svc.stop()
+    assert "Traceback" not in svc.text and "internal error" not in svc.text, svc.text
+
+
+def struct_frame(body: bytes) -> bytes:
+    return len(body).to_bytes(4, "big") + body
+
+
+BAD = ([1, 2], {"a": [1]}, "abc", 1.5, -1, True, None, [[0]], {"": None})
+
+
+def test_no_malformed_field_of_any_request_is_an_internal_error(tmp_path, caplog):
+    """In-process, every field of every request given values of the wrong shape: each answer is a refusal
+    (or a success), never an internal error, and nothing is logged."""
+    svc, client, _, theirs, hello, _ = _unit_service(tmp_path, 1)
+    from tiermem.server import Client
+
+    for key in ("run", "label", "specs", "optim", "rank", "world", "pid"):
+        for bad in BAD:
+            c = Client(__import__("socket").socketpair()[0])
+            reply = svc.dispatch(c, dict(hello, **{key: bad}))
+            assert "internal error" not in str(reply.get("error")), (key, bad, reply)
+            if svc.run is not None:
+                with svc.lock:
+                    svc._close_run(keep=False)
+    for key in ("beta1", "decay", "groups", "has_master"):
+        for bad in BAD:
+            reply = svc.dispatch(client, dict(hello, optim=dict(hello["optim"], **{key: bad})))
+            assert "internal error" not in str(reply.get("error")), (key, bad, reply)
+            if svc.run is not None:
+                with svc.lock:
+                    svc._close_run(keep=False)
+    ok(svc.dispatch(client, hello))
+    assert svc.dispatch(client, {"op": "init", "id": 2, "run": "r1", "step": 0})["ok"]
+    assert svc.dispatch(client, {"op": "commit", "id": 3, "run": "r1", "step": 1, "lr": 0.1})["ok"]
+    fields = {"init": ("step",), "commit": ("step", "lr", "grad_scale"), "alloc": ("step", "group"),
+              "flip": ("step", "group", "places"), "layout": ("names",), "progress": ("live", "store"),
+              "stop": ("reason",), "stats": (), "finish": (), "hello": ()}
+    for op, keys in fields.items():
+        for key in keys + ("id", "op", "run"):
+            for bad in BAD:
+                msg = {"op": op, "id": 9, "run": "r1", "step": 1, "group": 0, **{key: bad}}
+                if op != "finish":  # a finish that passes would end the run
+                    reply = svc.dispatch(client, msg)
+                    assert "internal error" not in str(reply.get("error")), (op, key, bad, reply)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    with svc.lock:  # the trainer leaves: the service updates the group it owed
+        svc._detach(svc.run)
+    svc.run.wait()
+    with svc.lock:
+        svc._close_run(keep=False)
+    svc.release()
+    theirs.close()

@@ -1,6 +1,7 @@
 """The service's control protocol: length-prefixed JSON over a Unix-domain socket. Never pickle.
 
-A frame is a 4-byte big-endian length followed by that many bytes of UTF-8 JSON (one object). Requests
+A frame is a 4-byte big-endian length followed by that many bytes of UTF-8 JSON (one object, nested at
+most MAX_DEPTH deep: deeper is refused before anything walks it). Requests
 carry ``op`` and ``id``; replies echo ``id`` with ``ok`` true (and fields) or false with ``error`` (one
 line). The service also pushes events (``ev``) to an attached trainer: a group's new version, a failure.
 Bulk data never travels here: it moves through the shared DRAM arena and the NVMe files.
@@ -21,6 +22,7 @@ from pathlib import Path
 from tiermem.errors import UserError
 
 MAX_MESSAGE = 8 << 20  # a 70B model's layout is ~0.3 MiB of JSON; anything near this is not ours
+MAX_DEPTH = 64  # ours nest 5 deep at most
 HEADER = struct.Struct(">I")
 
 
@@ -62,9 +64,26 @@ def recv(sock: socket.socket) -> dict | None:
         obj = json.loads(body.decode())
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ProtocolError("message is not UTF-8 JSON") from None
+    except RecursionError:  # the decoder refuses at the interpreter's recursion limit
+        raise ProtocolError(f"message nested too deep (more than {MAX_DEPTH} levels)") from None
     if not isinstance(obj, dict):
         raise ProtocolError("message is not a JSON object")
+    if _depth(obj) > MAX_DEPTH:
+        raise ProtocolError(f"message nested too deep (more than {MAX_DEPTH} levels)")
     return obj
+
+
+def _depth(obj) -> int:
+    """How deep lists and objects nest in ``obj`` (without recursion: the walk is as deep as the data)."""
+    deepest, todo = 0, [(obj, 1)]
+    while todo:
+        o, d = todo.pop()
+        deepest = max(deepest, d)
+        if deepest > MAX_DEPTH:
+            break
+        inner = o.values() if isinstance(o, dict) else o
+        todo.extend((v, d + 1) for v in inner if isinstance(v, (dict, list)))
+    return deepest
 
 
 def peer_uid(sock: socket.socket) -> int:

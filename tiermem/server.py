@@ -38,6 +38,7 @@ import copy
 import getpass
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -312,7 +313,7 @@ class Service:
             raise RequestError("bad optim settings: need beta1, beta2, eps, weight_decay, has_master, decay, groups") \
                 from None
         groups = {s.group for s in specs}
-        if set(optim["groups"]) != groups:
+        if not all(_key(g) for g in optim["groups"]) or set(optim["groups"]) != groups:
             raise RequestError("optim.groups must list every group of the specs once")
         budgets = dict(default_budgets(self.cfg), gpu=0)
         plan = make_plan(specs, self.plan_cfg, ("param",), budgets)
@@ -352,12 +353,16 @@ class Service:
     # -- requests ---------------------------------------------------------------------------------------
     def dispatch(self, client: Client, msg: dict) -> dict:
         op, mid = msg.get("op"), msg.get("id")
-        handler = {"hello": self._hello, "init": self._init, "commit": self._commit, "layout": self._layout,
-                   "progress": self._progress, "finish": self._finish, "stats": self._stats,
-                   "alloc": self._alloc, "flip": self._flip, "stop": self._stop}.get(op)
+        if not (mid is None or _key(mid)):
+            return {"id": None, "ok": False, "error": "'id' must be a number or a string of at most 64 characters"}
         try:
+            if not isinstance(op, str):
+                raise RequestError("'op' must be a string naming the request")
+            handler = {"hello": self._hello, "init": self._init, "commit": self._commit, "layout": self._layout,
+                       "progress": self._progress, "finish": self._finish, "stats": self._stats,
+                       "alloc": self._alloc, "flip": self._flip, "stop": self._stop}.get(op)
             if handler is None:
-                raise RequestError(f"unknown op {str(op)[:40]!r}")
+                raise RequestError(f"unknown op {op[:40]!r}")
             return {"id": mid, "ok": True, **handler(client, msg)}
         except (RequestError, UserError) as e:
             return {"id": mid, "ok": False, "error": str(e)}
@@ -380,6 +385,10 @@ class Service:
         run_id = _field(msg, "run", str)
         if not 0 < len(run_id) <= 128:
             raise RequestError("bad run id")
+        label = msg.get("label")
+        if label is not None and not (isinstance(label, dict) and len(label) <= 16 and
+                                      all(isinstance(v, str) and len(v) <= 4096 for v in label.values())):
+            raise RequestError("'label' must be an object of strings (model, output_dir)")
         if msg.get("world", 1) != 1 or msg.get("rank", 0) != 0:
             raise RequestError("several trainers on one run (data parallel) are not supported yet: world must be 1")
         with self.lock:
@@ -439,10 +448,8 @@ class Service:
     def _commit(self, client: Client, msg: dict) -> dict:
         run = self._attached(client, msg)
         step = _field(msg, "step", int)
-        lr = float(_field(msg, "lr", (int, float)))
-        scale = msg.get("grad_scale")
-        if scale is not None:
-            scale = float(_field(msg, "grad_scale", (int, float)))
+        lr = _finite(msg, "lr")
+        scale = None if msg.get("grad_scale") is None else _finite(msg, "grad_scale")
         with self.lock:
             st = run.state
             if not st.initialized:
@@ -500,7 +507,7 @@ class Service:
     def _owed(self, client: Client, msg: dict) -> tuple[Run, object, int]:
         run = self._attached(client, msg)
         step, g = _field(msg, "step", int), msg.get("group")
-        if step != run.state.committed or g not in run.owed:
+        if not _key(g) or step != run.state.committed or g not in run.owed:
             raise RequestError(f"group {str(g)[:40]!r} is not owed by the trainer for update {step}")
         return run, g, step
 
@@ -597,8 +604,8 @@ class Service:
         names = msg.get("names")
         if names is None:
             return {"layout": layout}
-        if not isinstance(names, list):
-            raise RequestError("names must be a list")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise RequestError("'names' must be a list of tensor names")
         unknown = [str(n)[:80] for n in names if n not in layout]
         if unknown:
             raise RequestError(f"unknown tensor names: {', '.join(unknown[:5])}")
@@ -606,8 +613,9 @@ class Service:
 
     def _progress(self, client: Client, msg: dict) -> dict:
         run = self._attached(client, msg)
-        run.live = dict(msg.get("live") or {})
-        run.trainer_store = dict(msg.get("store") or {})
+        live = _object(msg, "live", {"optimizer": {"split": {}}})
+        store = _object(msg, "store", {"tiers": {"gpu": {}}, "links": {}, "waits_s": {}})
+        run.live, run.trainer_store = live, store
         return {}
 
     def _finish(self, client: Client, msg: dict) -> dict:
@@ -823,6 +831,37 @@ def _field(msg: dict, key: str, types):
     if not isinstance(value, types) or isinstance(value, bool):
         raise RequestError(f"'{key}' is missing or of the wrong type")
     return value
+
+
+def _key(value) -> bool:
+    """Whether ``value`` may name a group or a request: a number or a short string."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, str) and len(value) <= 64)
+
+
+def _finite(msg: dict, key: str) -> float:
+    value = _field(msg, key, (int, float))
+    try:
+        value = float(value)
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value):
+        raise RequestError(f"'{key}' must be a finite number")
+    return value
+
+
+def _object(msg: dict, key: str, inner: dict) -> dict:
+    """``msg[key]``, an object ({} when absent) whose keys named in ``inner`` are objects too (or absent), as
+    deep as ``inner`` says: what the service reads of a trainer's figures."""
+    def check(value, where: str, shape: dict) -> None:
+        if not isinstance(value, dict):
+            raise RequestError(f"'{where}' must be an object")
+        for k, sub in shape.items():
+            if value.get(k) is not None:
+                check(value[k], f"{where}.{k}", sub)
+
+    value = {} if msg.get(key) is None else msg[key]
+    check(value, key, inner)
+    return dict(value)
 
 
 def _newest_checkpoint(record: dict) -> tuple[Path | None, str]:
