@@ -111,8 +111,8 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
     if attached_mode:
         attached = _attach(cfg, mcfg, dtype, rows, decay, adamw, out, say)
         store, optimizer = attached.store, attached.optimizer
-        if not attached.initialized:
-            resume = _checked_resume(cfg, out, mcfg, model_dir)
+        if not attached.initialized:  # a new run in the service (from the checkpoint it names, if it lost one)
+            resume = _checked_resume(cfg, out, mcfg, model_dir, attached.resume, say)
     else:
         store = Store.open(store_config(cfg.tiermem), state_specs(mcfg, dtype), streamed_kinds=("param",))
     scfg = store.cfg
@@ -266,10 +266,11 @@ def model_config(model_dir: Path):
         raise ConfigError(str(e)) from None
 
 
-def _checked_resume(cfg: TrainConfig, out: Path, mcfg, model_dir: Path) -> Path | None:
+def _checked_resume(cfg: TrainConfig, out: Path, mcfg, model_dir: Path, named: dict | None = None,
+                    say=None) -> Path | None:
     """The checkpoint to resume from (checked whole and this model's) and, for a fresh start from
     pretrained weights, that the weight files are there: before anything is touched."""
-    resume = find_resume(cfg, out)
+    resume = find_resume(cfg, out, named, say)
     if resume is not None:
         ckpt.check(resume, mcfg, model_dir)
     if cfg.tiermem_init == "pretrained" and resume is None:
@@ -344,10 +345,12 @@ def activation_budget(cfg: TrainConfig, store: Store) -> int | None:
     return int(free * 0.5)
 
 
-def find_resume(cfg: TrainConfig, out: Path) -> Path | None:
-    """The checkpoint to resume from: ``resume_from_checkpoint``, else (as LLaMA-Factory) the newest
+def find_resume(cfg: TrainConfig, out: Path, named: dict | None = None, say=None) -> Path | None:
+    """The checkpoint to resume from: ``resume_from_checkpoint``, else the one the service ``named`` (it lost
+    the run's state, which lives on there: even with overwrite_output_dir), else (as LLaMA-Factory) the newest
     complete checkpoint in output_dir unless overwrite_output_dir is set. Refuses a non-empty output_dir
-    that holds no checkpoint unless overwrite_output_dir is set."""
+    that holds no checkpoint unless overwrite_output_dir is set. Says in one line why it does not take
+    the named one."""
     if out.is_file():
         raise ConfigError(f"output_dir {out} is a file")
     above = out
@@ -357,6 +360,25 @@ def find_resume(cfg: TrainConfig, out: Path) -> Path | None:
         raise ConfigError(f"output_dir {out} cannot be made: {above} is a file")
     if not os.access(above, os.W_OK | os.X_OK):
         raise ConfigError(f"output_dir {out} cannot be written: {above} is not writable by this user")
+    if named is None:
+        return _own_choice(cfg, out)
+    say = say or print
+    path = Path(str(named.get("checkpoint")))
+    lost = f"the service lost this run's state (step {named.get('step')}) and named {path} to resume from"
+    if cfg.resume_from_checkpoint and Path(cfg.resume_from_checkpoint).resolve() != path.resolve():
+        say(f"{lost}; resuming from {cfg.resume_from_checkpoint} instead, as resume_from_checkpoint says")
+        return Path(cfg.resume_from_checkpoint)
+    if (path / "checkpoint.json").is_file():
+        say(f"{lost}: resuming from it" + (" (overwrite_output_dir is set, but the run's state is there)"
+                                           if cfg.overwrite_output_dir else ""))
+        return path
+    fallback = _own_choice(cfg, out)
+    say(f"{lost}, but it is no longer there; " + (f"resuming from {fallback}" if fallback else "starting from step 0"))
+    return fallback
+
+
+def _own_choice(cfg: TrainConfig, out: Path) -> Path | None:
+    """find_resume without a checkpoint named by the service."""
     if cfg.resume_from_checkpoint:
         return Path(cfg.resume_from_checkpoint)
     if cfg.overwrite_output_dir or not out.is_dir():

@@ -34,18 +34,58 @@ def _probe(args) -> int:
     return 0
 
 
+def _recoverable(arena) -> str:
+    """For an arena a service left behind with its run recorded: how to recover it ('' for none)."""
+    from tiermem.service.journal import default_state_dir, recoverable_run
+    from tiermem.service.owner import lock_path, read_note
+
+    note = read_note(lock_path(arena.path.parent, arena.name))
+    for directory in (note.get("state_dir"), default_state_dir()):
+        run = recoverable_run(Path(str(directory)), arena.name, arena.path.parent) if directory else None
+        if run is not None:
+            config = run["config"] or note.get("config")
+            start = (f"`tiermem serve --config {config}`" if config
+                     else f"`tiermem serve` with store {arena.name}'s config")
+            return f"recoverable: start {start} to recover " + (f"step {run['step']}" if run["step"] is not None
+                                                                  else "its run")
+    return ""
+
+
+def _remove(arena) -> None:
+    """Remove an arena left behind, unless a service has taken its store meanwhile."""
+    from tiermem.service.owner import Owned, Ownership, lock_path
+
+    if not lock_path(arena.path.parent, arena.name).exists():  # no service's: an embedded run's
+        arena.path.unlink(missing_ok=True)
+        print(f"  removed {arena.path}")
+        return
+    try:
+        with Ownership.take(arena.name, [arena.path.parent]):
+            arena.path.unlink(missing_ok=True)
+    except Owned as e:
+        print(f"  kept: tiermem service pid {e.pid} has taken it")
+        return
+    print(f"  removed {arena.path}")
+
+
 def _arenas(args) -> int:
     from tiermem.tiers.dram import list_arenas
 
+    if args.force and not args.clean:
+        raise UserError("--force goes with --clean: `tiermem arenas --clean --force`")
     arenas = list_arenas(args.dir)
     if not arenas:
         print(f"no tiermem arenas in {args.dir}")
     for a in arenas:
-        state = "running" if a.alive else "left behind"
+        recoverable = "" if a.alive else _recoverable(a)
+        state = "running" if a.alive else "left behind" + (f"; {recoverable}" if recoverable else "")
         print(f"{a.path}  {format_size(a.size)}  pid {a.pid} ({state})")
         if args.clean and not a.alive:
-            a.path.unlink(missing_ok=True)
-            print(f"  removed {a.path}")
+            if recoverable and not args.force:
+                print("  kept: it holds a run's state; `tiermem arenas --clean --force` removes it (the run then "
+                      "resumes from its newest checkpoint)")
+                continue
+            _remove(a)
     return 0
 
 
@@ -98,7 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     pr.set_defaults(fn=_probe)
     ar = sub.add_parser("arenas", help="list shared-memory arenas, and which were left behind")
     ar.add_argument("--dir", default="/dev/shm")
-    ar.add_argument("--clean", action="store_true", help="remove arenas whose owner is gone")
+    ar.add_argument("--clean", action="store_true",
+                    help="remove arenas whose owner is gone, except those a service can recover a run from")
+    ar.add_argument("--force", action="store_true",
+                    help="with --clean, remove recoverable arenas too (their runs' state is lost: they resume from "
+                         "their newest checkpoints)")
     ar.set_defaults(fn=_arenas)
     sv = sub.add_parser("serve", help="run the store as a service that trainers attach to (tiermem_server=PATH)")
     sv.add_argument("--config", required=True, help="the tiermem config (tiers, placement, name)")

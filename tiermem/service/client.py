@@ -242,6 +242,7 @@ class Attached:
     run: str
     initialized: bool
     committed: int
+    resume: dict | None = None  # the service lost this run's state: {checkpoint, step} to resume from
 
     def request(self, op: str, **fields) -> dict:
         return self.client.request(op, run=self.run, **fields)
@@ -289,4 +290,4 @@ def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: dict)
                            cpu_takes_over=False)
     opt = RemoteOptimizer(client, store, optim["groups"], run_id, reply["committed"], local,
                           float(reply.get("gpu_share", 0.0)))
-    return Attached(client, store, opt, run_id, reply["initialized"], reply["committed"])
+    return Attached(client, store, opt, run_id, reply["initialized"], reply["committed"], reply.get("resume"))

@@ -1,7 +1,7 @@
 """The service's crash safety: the run record, the journal of steps, and the undo copy of the group
 being updated.
 
-- The **run record** (``<state dir>/<store name>.run.json``, replaced atomically) says which run the
+- The **run record** (``<state dir>/<store name>.run.json``, replaced atomically, 0600) says which run the
   store holds: its identity, tensor specs, where each tensor lives, the optimizer's settings, the undo
   extent. Written when a run starts and after a re-placement.
 - The **journal** (``<store name>.journal``, JSON lines appended with O_APPEND) says how far the run got:
@@ -44,17 +44,34 @@ def state_dir(cfg) -> Path:
     $XDG_STATE_HOME/tiermem (~/.local/state/tiermem)."""
     if cfg.tiers.nvme is not None:
         return Path(cfg.tiers.nvme.path)
+    return default_state_dir()
+
+
+def default_state_dir() -> Path:
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "tiermem"
 
 
-def write_atomic(path: Path, data: dict) -> None:
+def write_private(path: Path, text: str) -> None:
+    """Replace ``path`` atomically by ``text`` in a file only its owner may read (0600), synced to disk.
+    (The run record and the journal name the model, the output_dir and every tensor.)"""
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(data, f)
+    tmp.unlink(missing_ok=True)
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_atomic(path: Path, data: dict) -> None:
+    write_private(path, json.dumps(data))
+
+
+def make_private(path: Path) -> None:
+    """Make a file an older version wrote readable by others 0600."""
+    if path.is_file() and path.stat().st_mode & 0o077:
+        os.chmod(path, 0o600)
 
 
 @dataclass
@@ -110,19 +127,46 @@ class RunState:
         return out
 
 
+def read_state(path: Path) -> RunState:
+    """How far the run of the journal at ``path`` got (a RunState of nothing when there is none)."""
+    state = RunState()
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                break  # a line cut by a crash is the last one
+            state.apply(rec)
+    return state
+
+
+def recoverable_run(directory: Path, name: str, arena_dir: Path) -> dict | None:
+    """The run recorded in ``directory`` for store ``name`` with its arena in ``arena_dir``, when a service
+    would recover it (weights loaded, not finished): ``{"config", "step"}`` (either may be None: not
+    recorded, an unreadable journal); None when there is none."""
+    try:
+        record = json.loads((directory / f"{name}.run.json").read_text())
+        arena = record.get("arena_dir")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if arena is not None and Path(str(arena)).resolve() != Path(arena_dir).resolve():
+        return None
+    try:
+        state = read_state(directory / f"{name}.journal")
+    except (OSError, ValueError, KeyError, TypeError):  # kept: the service is the judge of that
+        return {"config": record.get("config"), "step": None}
+    if not state.initialized or state.finished:
+        return None
+    return {"config": record.get("config"), "step": state.committed}
+
+
 class Journal:
     def __init__(self, path: Path):
         self.path = path
-        self.state = RunState()
         self._lock = threading.Lock()
-        if path.is_file():
-            for line in path.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    break  # a line cut by a crash is the last one
-                self.state.apply(rec)
+        self.state = read_state(path)
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.fchmod(self._fd, 0o600)  # one an older version wrote readable by others
 
     def append(self, op: str, sync: bool = False, **fields) -> None:
         rec = {"op": op, **fields}
@@ -137,12 +181,7 @@ class Journal:
         with self._lock:
             if os.fstat(self._fd).st_size < COMPACT_BYTES:
                 return
-            tmp = self.path.with_name(self.path.name + ".compact")
-            with open(tmp, "w") as f:
-                f.write(json.dumps(self.state.to_json()) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            write_private(self.path, json.dumps(self.state.to_json()) + "\n")
             os.close(self._fd)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
 

@@ -1,6 +1,7 @@
 """The service's control protocol: length-prefixed JSON over a Unix-domain socket. Never pickle.
 
-A frame is a 4-byte big-endian length followed by that many bytes of UTF-8 JSON (one object). Requests
+A frame is a 4-byte big-endian length followed by that many bytes of UTF-8 JSON (one object, nested at
+most MAX_DEPTH deep: deeper is refused before anything walks it). Requests
 carry ``op`` and ``id``; replies echo ``id`` with ``ok`` true (and fields) or false with ``error`` (one
 line). The service also pushes events (``ev``) to an attached trainer: a group's new version, a failure.
 Bulk data never travels here: it moves through the shared DRAM arena and the NVMe files.
@@ -21,6 +22,7 @@ from pathlib import Path
 from tiermem.errors import UserError
 
 MAX_MESSAGE = 8 << 20  # a 70B model's layout is ~0.3 MiB of JSON; anything near this is not ours
+MAX_DEPTH = 64  # ours nest 5 deep at most
 HEADER = struct.Struct(">I")
 
 
@@ -62,9 +64,26 @@ def recv(sock: socket.socket) -> dict | None:
         obj = json.loads(body.decode())
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ProtocolError("message is not UTF-8 JSON") from None
+    except RecursionError:  # the decoder refuses at the interpreter's recursion limit
+        raise ProtocolError(f"message nested too deep (more than {MAX_DEPTH} levels)") from None
     if not isinstance(obj, dict):
         raise ProtocolError("message is not a JSON object")
+    if _depth(obj) > MAX_DEPTH:
+        raise ProtocolError(f"message nested too deep (more than {MAX_DEPTH} levels)")
     return obj
+
+
+def _depth(obj) -> int:
+    """How deep lists and objects nest in ``obj`` (without recursion: the walk is as deep as the data)."""
+    deepest, todo = 0, [(obj, 1)]
+    while todo:
+        o, d = todo.pop()
+        deepest = max(deepest, d)
+        if deepest > MAX_DEPTH:
+            break
+        inner = o.values() if isinstance(o, dict) else o
+        todo.extend((v, d + 1) for v in inner if isinstance(v, (dict, list)))
+    return deepest
 
 
 def peer_uid(sock: socket.socket) -> int:
@@ -98,6 +117,41 @@ def private_dir(path: Path) -> Path:
     if st.st_mode & 0o077:
         os.chmod(path, 0o700)
     return path
+
+
+def make_way(path: Path) -> None:
+    """Clear ``path`` for a service's socket: nothing there, or a socket no process answers on (left by a
+    service that is gone), which is removed. Anything else is refused with one line and left as it is."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise UserError(f"cannot listen on {path}: {os.strerror(e.errno)}") from None
+    if not stat.S_ISSOCK(st.st_mode):
+        raise UserError(f"cannot listen on {path}: {_kind(st.st_mode)} is there; remove it or choose another --socket")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(2)
+    try:
+        s.connect(str(path))
+    except ConnectionRefusedError:  # nobody listens: left by a service that is gone
+        path.unlink(missing_ok=True)
+        return
+    except OSError as e:
+        raise UserError(f"cannot listen on {path}: a socket is there that does not answer properly "
+                        f"({e.strerror or 'timed out'}); remove it if no service uses it") from None
+    finally:
+        s.close()
+    raise UserError(f"a tiermem service is already listening on {path}")
+
+
+def _kind(mode: int) -> str:
+    for test, what in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a device"),
+                       (stat.S_ISBLK, "a device")):
+        if test(mode):
+            return what
+    return "something other than a socket"
 
 
 def default_socket() -> Path:

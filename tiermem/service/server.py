@@ -13,7 +13,8 @@ place). The service pushes each group's new version to its trainer.
 
 Requests (JSON, ``op``):
   hello {run, label, specs, optim, rank, world}  attach; creates the run or rejoins it; layout and the
-                                                   trainer's groups in the reply
+                                                   trainer's groups in the reply (and ``resume``: the
+                                                   checkpoint to resume from, when the run's state was lost)
   init {run}                                       the trainer has loaded the weights
   commit {run, step, lr, grad_scale}               step's gradients are home: journal, then update
   alloc {run, step, group}                         places for an owed group's new master and moments
@@ -23,7 +24,9 @@ Requests (JSON, ``op``):
   finish {run}                                     the run is done and exported: free its state
   stats {}                                         the snapshot ``tiermem top --socket`` shows
 
-One run at a time; one trainer per run (the protocol carries rank/world for data parallel later).
+The service holds the store's lock (``tiermem.service.owner``) from before it touches any of the store's files
+until it exits: a second service on the same store is refused. One run at a time; one trainer per run
+(the protocol carries rank/world for data parallel later).
 SIGHUP re-reads the config and migrates optimizer state between tiers at the next commit; SIGTERM and
 SIGINT stop cleanly (the in-flight update finishes; the run's state stays for the next start).
 """
@@ -34,6 +37,7 @@ import concurrent.futures as cf
 import getpass
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -51,7 +55,8 @@ from tiermem.plan.placement import default_budgets, make_plan
 from tiermem.plan.resolve import resolve_auto
 from tiermem.schema import to_plain
 from tiermem.service import protocol
-from tiermem.service.journal import Journal, RunState, UndoGuard, state_dir, undo_bytes, write_atomic
+from tiermem.service.journal import Journal, RunState, UndoGuard, make_private, state_dir, undo_bytes, write_atomic
+from tiermem.service.owner import Ownership
 from tiermem.store.catalog import TensorSpec
 from tiermem.store.layout import create_store, layout_of, reopen_store, spec_from_json, spec_to_json
 from tiermem.store.stats import snapshot
@@ -175,17 +180,30 @@ class Service:
         except OSError as e:
             raise UserError(f"cannot create the service's state directory {self.dir}: {os.strerror(e.errno)}") from None
         name = self.cfg.store_name()
+        # the store's files are this service's before anything of them is read, written or deleted
+        self.owner = Ownership.take(name, (self.dir, self.cfg.tiers.dram.path),
+                                    {"name": name, "config": str(Path(config_path).resolve()),
+                                     "state_dir": str(self.dir.resolve())})
         self.record_path = self.dir / f"{name}.run.json"
         self.journal_path = self.dir / f"{name}.journal"
-        self.socket_path = Path(socket_path) if socket_path else protocol.default_socket()
         self.lock = threading.RLock()
         self.run: Run | None = None
+        self.lost: dict | None = None  # a run whose state is gone: {run, checkpoint, step} for its trainer
         self.pending_config: StoreConfig | None = None
         self._listener: socket.socket | None = None
         self._stopping = False
-        if fresh:
-            self._discard_recorded()
-        self._recover()
+        try:
+            self.socket_path = Path(socket_path) if socket_path else protocol.default_socket()
+            if fresh:
+                self._discard_recorded()
+            self._recover()
+        except BaseException:
+            self.owner.release()
+            raise
+
+    def release(self) -> None:
+        """Give up the store's files (the service is stopped, or never started)."""
+        self.owner.release()
 
     # -- runs ------------------------------------------------------------------------------------------
     def _discard_recorded(self) -> None:
@@ -199,6 +217,7 @@ class Service:
     def _recover(self) -> None:
         if not self.record_path.is_file():
             return
+        make_private(self.record_path)
         record = json.loads(self.record_path.read_text())
         recorded = record.get("arena_dir", self.cfg.tiers.dram.path)
         if Path(recorded).resolve() != Path(self.cfg.tiers.dram.path).resolve():
@@ -209,8 +228,11 @@ class Service:
         journal = Journal(self.journal_path)
         state = journal.state
         if not arena.is_file():
+            found, says = _newest_checkpoint(record)
             self.say(f"the state of run {record['label'].get('output_dir', record['run'])} (step {state.committed}) is "
-                     f"gone: its arena {arena} no longer exists (the machine restarted?). {_newest_checkpoint(record)}")
+                     f"gone: its arena {arena} no longer exists (the machine restarted?). {says}")
+            if found is not None:  # told to the run's trainer when it attaches
+                self.lost = {"run": record["run"], "checkpoint": str(found), "step": state.committed}
             journal.close()
             self._discard_recorded()
             return
@@ -268,7 +290,7 @@ class Service:
             raise RequestError("bad optim settings: need beta1, beta2, eps, weight_decay, has_master, decay, groups") \
                 from None
         groups = {s.group for s in specs}
-        if set(optim["groups"]) != groups:
+        if not all(_key(g) for g in optim["groups"]) or set(optim["groups"]) != groups:
             raise RequestError("optim.groups must list every group of the specs once")
         budgets = dict(default_budgets(self.cfg), gpu=0)
         plan = make_plan(specs, self.plan_cfg, ("param",), budgets)
@@ -283,7 +305,7 @@ class Service:
             ext = store.dram.allocate(undo) if undo else None
             record = {"format": 1, "run": msg["run"], "label": dict(msg.get("label") or {}), "created": time.time(),
                       "specs": [spec_to_json(s) for s in specs], "layout": layout_of(store), "epoch": 0,
-                      "arena_dir": self.cfg.tiers.dram.path,
+                      "arena_dir": self.cfg.tiers.dram.path, "config": str(Path(self.config_path).resolve()),
                       "undo": [ext.offset, ext.nbytes] if ext else None, "optim": optim, "gpu_share": share,
                       "nvme_capacity": store.nvme.capacity if store.nvme is not None else 0}
             write_atomic(self.record_path, record)
@@ -308,12 +330,16 @@ class Service:
     # -- requests ---------------------------------------------------------------------------------------
     def dispatch(self, client: Client, msg: dict) -> dict:
         op, mid = msg.get("op"), msg.get("id")
-        handler = {"hello": self._hello, "init": self._init, "commit": self._commit, "layout": self._layout,
-                   "progress": self._progress, "finish": self._finish, "stats": self._stats,
-                   "alloc": self._alloc, "flip": self._flip, "stop": self._stop}.get(op)
+        if not (mid is None or _key(mid)):
+            return {"id": None, "ok": False, "error": "'id' must be a number or a string of at most 64 characters"}
         try:
+            if not isinstance(op, str):
+                raise RequestError("'op' must be a string naming the request")
+            handler = {"hello": self._hello, "init": self._init, "commit": self._commit, "layout": self._layout,
+                       "progress": self._progress, "finish": self._finish, "stats": self._stats,
+                       "alloc": self._alloc, "flip": self._flip, "stop": self._stop}.get(op)
             if handler is None:
-                raise RequestError(f"unknown op {str(op)[:40]!r}")
+                raise RequestError(f"unknown op {op[:40]!r}")
             return {"id": mid, "ok": True, **handler(client, msg)}
         except (RequestError, UserError) as e:
             return {"id": mid, "ok": False, "error": str(e)}
@@ -336,6 +362,10 @@ class Service:
         run_id = _field(msg, "run", str)
         if not 0 < len(run_id) <= 128:
             raise RequestError("bad run id")
+        label = msg.get("label")
+        if label is not None and not (isinstance(label, dict) and len(label) <= 16 and
+                                      all(isinstance(v, str) and len(v) <= 4096 for v in label.values())):
+            raise RequestError("'label' must be an object of strings (model, output_dir)")
         if msg.get("world", 1) != 1 or msg.get("rank", 0) != 0:
             raise RequestError("several trainers on one run (data parallel) are not supported yet: world must be 1")
         with self.lock:
@@ -357,7 +387,8 @@ class Service:
                 "ev": "version", "group": g, "version": v, "layout": layout_of(r.store, g)})
             st, cfg, nvme = run.state, self.cfg, run.store.nvme
             self.say(f"trainer pid {client.pid} attached to run {label_of(run)} at step {st.committed}")
-            return {"initialized": st.initialized, "committed": st.committed, "updated": st.updated,
+            lost = self.lost if self.lost is not None and self.lost["run"] == run_id and not st.initialized else None
+            return {"initialized": st.initialized, "resume": lost, "committed": st.committed, "updated": st.updated,
                     "versions": [[g, run.store.catalog.version(g)] for g in run.optimizer.groups],
                     "layout": layout_of(run.store), "specs": run.record["specs"],
                     "arena": {"name": cfg.store_name(), "dir": cfg.tiers.dram.path},
@@ -387,15 +418,15 @@ class Service:
         for g in groups:
             run.store.catalog.bump(g, to=step)
         run.journal.append("init", sync=True, step=step, groups=groups)
+        if self.lost is not None and self.lost["run"] == run.record["run"]:
+            self.lost = None  # its trainer has loaded the checkpoint (or chose to start over)
         return {}
 
     def _commit(self, client: Client, msg: dict) -> dict:
         run = self._attached(client, msg)
         step = _field(msg, "step", int)
-        lr = float(_field(msg, "lr", (int, float)))
-        scale = msg.get("grad_scale")
-        if scale is not None:
-            scale = float(_field(msg, "grad_scale", (int, float)))
+        lr = _finite(msg, "lr")
+        scale = None if msg.get("grad_scale") is None else _finite(msg, "grad_scale")
         with self.lock:
             st = run.state
             if not st.initialized:
@@ -452,7 +483,7 @@ class Service:
     def _owed(self, client: Client, msg: dict) -> tuple[Run, object, int]:
         run = self._attached(client, msg)
         step, g = _field(msg, "step", int), msg.get("group")
-        if step != run.state.committed or g not in run.owed:
+        if not _key(g) or step != run.state.committed or g not in run.owed:
             raise RequestError(f"group {str(g)[:40]!r} is not owed by the trainer for update {step}")
         return run, g, step
 
@@ -549,8 +580,8 @@ class Service:
         names = msg.get("names")
         if names is None:
             return {"layout": layout}
-        if not isinstance(names, list):
-            raise RequestError("names must be a list")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise RequestError("'names' must be a list of tensor names")
         unknown = [str(n)[:80] for n in names if n not in layout]
         if unknown:
             raise RequestError(f"unknown tensor names: {', '.join(unknown[:5])}")
@@ -558,8 +589,9 @@ class Service:
 
     def _progress(self, client: Client, msg: dict) -> dict:
         run = self._attached(client, msg)
-        run.live = dict(msg.get("live") or {})
-        run.trainer_store = dict(msg.get("store") or {})
+        live = _object(msg, "live", {"optimizer": {"split": {}}})
+        store = _object(msg, "store", {"tiers": {"gpu": {}}, "links": {}, "waits_s": {}})
+        run.live, run.trainer_store = live, store
         return {}
 
     def _finish(self, client: Client, msg: dict) -> dict:
@@ -693,13 +725,7 @@ class Service:
     # -- serving ------------------------------------------------------------------------------------------
     def listen(self) -> None:
         path = self.socket_path
-        if path.exists():
-            try:
-                protocol.connect(path, timeout=2).close()
-            except UserError:
-                path.unlink()  # a socket left by a service that is gone
-            else:
-                raise UserError(f"a tiermem service is already listening on {path}")
+        protocol.make_way(path)
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
@@ -783,15 +809,47 @@ def _field(msg: dict, key: str, types):
     return value
 
 
-def _newest_checkpoint(record: dict) -> str:
+def _key(value) -> bool:
+    """Whether ``value`` may name a group or a request: a number or a short string."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, str) and len(value) <= 64)
+
+
+def _finite(msg: dict, key: str) -> float:
+    value = _field(msg, key, (int, float))
+    try:
+        value = float(value)
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value):
+        raise RequestError(f"'{key}' must be a finite number")
+    return value
+
+
+def _object(msg: dict, key: str, inner: dict) -> dict:
+    """``msg[key]``, an object ({} when absent) whose keys named in ``inner`` are objects too (or absent), as
+    deep as ``inner`` says: what the service reads of a trainer's figures."""
+    def check(value, where: str, shape: dict) -> None:
+        if not isinstance(value, dict):
+            raise RequestError(f"'{where}' must be an object")
+        for k, sub in shape.items():
+            if value.get(k) is not None:
+                check(value[k], f"{where}.{k}", sub)
+
+    value = {} if msg.get(key) is None else msg[key]
+    check(value, key, inner)
+    return dict(value)
+
+
+def _newest_checkpoint(record: dict) -> tuple[Path | None, str]:
+    """The newest complete checkpoint in the run's output_dir (None when there is none), and what to say."""
     out = record.get("label", {}).get("output_dir")
     if not out or not Path(out).is_dir():
-        return "No checkpoint of it is known."
+        return None, "No checkpoint of it is known."
     found = sorted((int(p.name.split("-")[1]), p) for p in Path(out).glob("checkpoint-*")
                    if p.name.split("-")[1].isdigit() and (p / "checkpoint.json").is_file())
     if not found:
-        return f"It has no checkpoint in {out}: start it again."
-    return f"Newest checkpoint: {found[-1][1]} (rerun the trainer: it resumes from there)."
+        return None, f"It has no checkpoint in {out}: start it again."
+    return found[-1][1], f"Newest checkpoint: {found[-1][1]} (rerun the trainer: it resumes from there)."
 
 
 def serve(config_path: str, socket_path: str | None, fresh: bool) -> int:
@@ -799,10 +857,13 @@ def serve(config_path: str, socket_path: str | None, fresh: bool) -> int:
     say = lambda text: print(f"tiermem serve: {text}", flush=True)
     # blocked before any thread starts, so that every thread inherits it and sigwait below takes them
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+    service = None
     try:
         service = Service(config_path, socket_path, fresh, say)
         service.listen()
     except BaseException:
+        if service is not None:
+            service.release()
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
         raise
     say(f"listening on {service.socket_path}")
@@ -813,6 +874,7 @@ def serve(config_path: str, socket_path: str | None, fresh: bool) -> int:
             continue
         say(f"{signal.Signals(sig).name}: stopping")
         service.shutdown()
+        service.release()
         sys.stdout.flush()
         return 0
 
