@@ -477,7 +477,7 @@ def ok(reply: dict) -> dict:
 
 def _unit_service(tmp_path, share):
     """An in-process service over a one-tensor model, a trainer connection and another one."""
-    from tiermem.service.server import Client
+    from tiermem.service.runs import Client
     from tiermem.service.server import Service as Svc
     from tiermem.store.catalog import TensorSpec
     from tiermem.store.layout import spec_to_json
@@ -667,7 +667,7 @@ def test_with_no_room_for_the_trainers_share_the_service_updates_it(tmp_path):
     assert ops.count("begin") == 2  # both in place behind the undo copy
     # the finish line counts them: the trainer's group taken, then in place on the service's CPU; the left
     # group, no room on the service's GPU worker, then in place on its CPU worker: two updates in place
-    from tiermem.service.server import _no_room
+    from tiermem.service.runs import no_room_note as _no_room
 
     assert (svc.run.taken_count, svc.run.optimizer.no_room) == (1, 2)
     assert _no_room(3, 1) == ("; 3 group updates went in place for want of room in the arena; 1 of the trainer's "
@@ -707,7 +707,7 @@ def test_journal_replay_keeps_the_begun_group_while_another_finishes(tmp_path):
 
 
 def test_the_bundled_service_configs_load():
-    from tiermem.service.server import service_config
+    from tiermem.service.config import service_config
 
     for path in sorted((ROOT / "configs" / "tiermem").glob("*.yaml")):
         cfg = service_config(str(path))
@@ -720,7 +720,7 @@ def test_a_service_with_a_gpu_gives_its_cpu_the_last_groups(monkeypatch):
     import torch
 
     from tiermem.config import load_store_config
-    from tiermem.service.server import _planning
+    from tiermem.service.config import planning_config as _planning
 
     def planned(**optimizer):
         return _planning(load_store_config({"tiers": {"dram": {"path": "/dev/shm"}},

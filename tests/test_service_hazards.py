@@ -247,7 +247,7 @@ def test_no_malformed_field_of_any_request_is_an_internal_error(tmp_path, caplog
     """In-process, every field of every request given values of the wrong shape: each answer is a refusal
     (or a success), never an internal error, and nothing is logged."""
     svc, client, _, theirs, hello, _ = _unit_service(tmp_path, 1)
-    from tiermem.service.server import Client
+    from tiermem.service.runs import Client
 
     for key in ("run", "label", "specs", "optim", "rank", "world", "pid"):
         for bad in BAD:

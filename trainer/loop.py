@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,12 +22,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from tiermem.config import MOMENTS, StoreConfig, load_store_config
-from tiermem.errors import BudgetError, ConfigError, UserError
-from tiermem.optim import AdamWConfig, StoreAdamW
+from tiermem.errors import BudgetError, ConfigError
+from tiermem.optim import AdamWConfig, OptimSettings
 from tiermem.plan.resolve import resolve_auto
 from tiermem.schema import read_yaml, to_plain
-from tiermem.service import protocol
-from tiermem.service.client import attach
+from tiermem.session import Session, open_session
 from tiermem.sizes import format_size
 from tiermem.store.catalog import TensorSpec, state_name
 from tiermem.store.stats import StatsFile
@@ -71,17 +71,56 @@ def state_specs(model_cfg, dtype: torch.dtype) -> list[TensorSpec]:
     return specs
 
 
+@dataclass
+class Job:
+    """A run's inputs, checked and prepared before any store is opened."""
+
+    cfg: TrainConfig
+    mcfg: object
+    model_dir: Path
+    out: Path
+    rows: Rows
+    eval_rows: Rows | None
+    plan: StepPlan
+    total: int
+    warmup: int
+    dtype: torch.dtype
+    resume: Path | None  # the checkpoint an embedded run resumes from
+
+    @property
+    def n_params(self) -> int:
+        return self.mcfg.num_params()
+
+
 def run(cfg: TrainConfig, console: Console | None = None) -> dict:
+    """The whole run: prepare (check, tokenize), open the store (embedded or the service's), load the
+    weights, train, export."""
     console = console or Console()
     say = lambda text: console.print(text, soft_wrap=True, highlight=False)
+    job = prepare(cfg, console, say)
+    session = open_training_session(job, say)
+    try:
+        _describe_store(session.store, say)
+        start = load_weights(job, session, console, say)
+        return train(job, session, start, console, say)
+    except BaseException as e:
+        session.stopping(e)
+        raise
+    finally:
+        session.close()
+
+
+def prepare(cfg: TrainConfig, console: Console, say) -> Job:
+    """Check the model and the config, pick the checkpoint to resume from, tokenize the data, plan the steps;
+    nothing is written to output_dir."""
     model_dir = Path(cfg.model_name_or_path)
     mcfg = model_config(model_dir)
     if mcfg.sliding_window is not None and cfg.cutoff_len > mcfg.sliding_window:
         raise ConfigError(f"cutoff_len {cfg.cutoff_len} exceeds the model's sliding_window {mcfg.sliding_window}; "
                           "sliding-window attention is not supported yet: lower cutoff_len")
     out = Path(cfg.output_dir)
-    attached_mode = bool(cfg.tiermem_server)
-    resume = None if attached_mode else _checked_resume(cfg, out, mcfg, model_dir)
+    # an attached run picks its checkpoint once the service has said whether it holds the run
+    resume = None if cfg.tiermem_server else _checked_resume(cfg, out, mcfg, model_dir)
     if cfg.plot_loss:
         try:
             import matplotlib  # noqa: F401
@@ -94,63 +133,81 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
     total = plan.total_steps(cfg.num_train_epochs, cfg.max_steps)
     warmup = warmup_steps(total, cfg.warmup_steps, cfg.warmup_ratio)
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
-    n_params = mcfg.num_params()
+    job = Job(cfg, mcfg, model_dir, out, rows, eval_rows, plan, total, warmup, dtype, resume)
     if (eval_rows is not None or cfg.eval_steps is not None) and cfg.eval_strategy == "no":
         say("note: evaluation data or eval_steps is set but eval_strategy is no: no evaluation will run")
     if cfg.template is not None and all(e.formatting == "tokenized" for e in resolve(cfg.dataset, cfg.dataset_dir)):
         say(f"note: template '{cfg.template}' is not used: tokenized datasets come rendered already")
-    say(f"[bold]tiermem-train[/]: {mcfg.family} {n_params / 1e6:,.1f}M params, {mcfg.num_layers} layers, "
+    say(f"[bold]tiermem-train[/]: {mcfg.family} {job.n_params / 1e6:,.1f}M params, {mcfg.num_layers} layers, "
         f"{'bf16' if cfg.bf16 else 'fp32'}; {len(rows)} training rows"
         + (f", {len(eval_rows)} evaluation rows" if eval_rows is not None else "")
         + f"; {total} steps of {cfg.per_device_train_batch_size}x{cfg.gradient_accumulation_steps} rows "
         f"(warmup {warmup})")
+    return job
 
-    decay = {w.name: w.decay for w in all_weights(mcfg)}
-    adamw = AdamWConfig(cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.weight_decay)
-    attached = optimizer = None
-    if attached_mode:
-        attached = _attach(cfg, mcfg, dtype, rows, decay, adamw, out, say)
-        store, optimizer = attached.store, attached.optimizer
-        if not attached.initialized:  # a new run in the service (from the checkpoint it names, if it lost one)
-            resume = _checked_resume(cfg, out, mcfg, model_dir, attached.resume, say)
-    else:
-        store = Store.open(store_config(cfg.tiermem), state_specs(mcfg, dtype), streamed_kinds=("param",))
+
+def open_training_session(job: Job, say) -> Session:
+    """The store and its optimizer: this process's (the ``tiermem`` config), or the service's that
+    ``tiermem_server`` names (which also decides, for a run it does not hold, the checkpoint to resume)."""
+    cfg, mcfg = job.cfg, job.mcfg
+    settings = OptimSettings(AdamWConfig(cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.weight_decay),
+                             cfg.bf16, {w.name: w.decay for w in all_weights(mcfg)}, group_order(mcfg))
+    specs = state_specs(mcfg, job.dtype)
+    if not cfg.tiermem_server:
+        return open_session(specs, settings, config=store_config(cfg.tiermem))
+    label = {"model": str(cfg.model_name_or_path), "output_dir": str(job.out.resolve())}
+    session = open_session(specs, settings, server=cfg.tiermem_server, label=label,
+                           run_id=run_identity(cfg, mcfg, job.dtype, job.rows))
+    try:
+        say(_attach_line(session))
+        if session.continues_at is None:  # a new run in the service (from the checkpoint it names, if it lost one)
+            job.resume = _checked_resume(cfg, job.out, mcfg, job.model_dir, session.named_checkpoint, say)
+    except BaseException:
+        session.close()
+        raise
+    return session
+
+
+def load_weights(job: Job, session: Session, console: Console, say) -> int:
+    """The run's weights into the store: the service's run as it stands, a checkpoint, the pretrained
+    weights or a random initialisation; returns the step training starts at."""
+    cfg, store, plan = job.cfg, session.store, job.plan
+    if session.continues_at is not None:
+        start = session.continues_at
+        say(f"continuing the service's run at step {start} (epoch {plan.epoch_of(start):.2f})")
+        return start
+    kinds = {"param": job.dtype, **({"master": torch.float32} if cfg.bf16 else {})}
+    start = 0
+    with _bar(console) as bar:
+        what = "resuming" if job.resume else "initialising" if cfg.tiermem_init == "random" else "loading"
+        task = bar.add_task(f"{what} weights", total=job.n_params)
+        adv = lambda n: bar.advance(task, n)
+        if job.resume is not None:
+            start = ckpt.load(store, job.resume, job.mcfg, job.dtype, cfg.bf16, adv)
+            state = json.loads((job.resume / "trainer_state.json").read_text())
+            ckpt.set_rng_state(state.get("rng", {}))
+        elif cfg.tiermem_init == "random":
+            init_weights(store, job.mcfg, kinds, cfg.seed, store.gpu.device, adv)
+        else:
+            import_weights(store, job.mcfg, job.model_dir, kinds, adv)
+    session.loaded(start)
+    if job.resume is not None:
+        say(f"resumed from {job.resume} at step {start} (epoch {plan.epoch_of(start):.2f})")
+    return start
+
+
+def train(job: Job, session: Session, start: int, console: Console, say) -> dict:
+    """Steps ``start``..total (logging, checkpoints, evaluation), then the export; returns the results."""
+    cfg, mcfg, out, plan, total = job.cfg, job.mcfg, job.out, job.plan, job.total
+    store, optimizer, n_params = session.store, session.optimizer, job.n_params
+    rows, dtype, model_dir = job.rows, job.dtype, job.model_dir
     scfg = store.cfg
     executor = saver = stats = None
     try:
-        _describe_store(store, say)
-        kinds = {"param": dtype, **({"master": torch.float32} if cfg.bf16 else {})}
-        start = 0
-        if attached is not None and attached.initialized:
-            start = attached.committed
-            say(f"continuing the service's run at step {start} (epoch {plan.epoch_of(start):.2f})")
-        else:
-            with _bar(console) as bar:
-                what = "resuming" if resume else "initialising" if cfg.tiermem_init == "random" else "loading"
-                task = bar.add_task(f"{what} weights", total=n_params)
-                adv = lambda n: bar.advance(task, n)
-                if resume is not None:
-                    start = ckpt.load(store, resume, mcfg, dtype, cfg.bf16, adv)
-                    state = json.loads((resume / "trainer_state.json").read_text())
-                    ckpt.set_rng_state(state.get("rng", {}))
-                elif cfg.tiermem_init == "random":
-                    init_weights(store, mcfg, kinds, cfg.seed, store.gpu.device, adv)
-                else:
-                    import_weights(store, mcfg, model_dir, kinds, adv)
-            if attached is not None:
-                store.flush("param")
-                store.flush("master")
-                attached.request("init", step=start)
-                attached.optimizer.committed = start
-            if resume is not None:
-                say(f"resumed from {resume} at step {start} (epoch {plan.epoch_of(start):.2f})")
-
         out.mkdir(parents=True, exist_ok=True)
         ckpt.remove_partial(out)
         budget = activation_budget(cfg, store)
         (out / "training_args.yaml").write_text(yaml.safe_dump(resolved(cfg, scfg, budget), sort_keys=False))
-        if optimizer is None:
-            optimizer = StoreAdamW(store, group_order(mcfg), decay, adamw, has_master=cfg.bf16)
         executor = Executor(store, mcfg, dtype, optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens, budget)
         report = Reporter(out, total, n_params, say, resume_step=start)
 
@@ -160,7 +217,7 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
             return dict(report.live, phase=executor.phase, layer=executor.layer, optimizer=opt,
                         tflops=6 * n_params * report.live.get("tokens_per_s", 0.0) / 1e12)
 
-        stats = StatsFile(out / "tiermem_stats.json", store, live, sink=attached.progress if attached else None)
+        stats = StatsFile(out / "tiermem_stats.json", store, live, sink=session.progress_sink)
         if cfg.save_steps:
             saver = ckpt.Saver(store, mcfg, out, model_dir, dtype, cfg.bf16, cfg.save_only_model,
                                cfg.save_total_limit, say)
@@ -179,7 +236,7 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
                     batches.append(collate([rows.input_ids[i] for i in idx], [rows.labels[i] for i in idx],
                                            _pad_id(mcfg)))
                     rows_seen += len(idx)
-                lr = cfg.learning_rate * lr_factor(cfg.lr_scheduler_type, step, total, warmup)
+                lr = cfg.learning_rate * lr_factor(cfg.lr_scheduler_type, step, total, job.warmup)
                 try:
                     result = executor.step(batches, step, lr)
                 except NonFiniteStep:  # not applied: the last good update and its checkpoint still finish
@@ -204,21 +261,19 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
                                                       if n > link_bytes.get(k, 0)}
                 link_bytes = now
                 if saver is not None and (step + 1) % cfg.save_steps == 0:
-                    if attached is not None:
-                        attached.refresh_layout()
+                    session.refresh_layout()
                     saver.begin(step + 1, {"global_step": step + 1, "epoch": plan.epoch_of(step + 1),
                                            "total_steps": total, "rng": ckpt.rng_state(),
                                            "config": resolved(cfg, scfg, budget)})
                 if cfg.eval_strategy == "steps" and (step + 1) % cfg.eval_steps == 0:
-                    loss = evaluate(executor, eval_rows, cfg, mcfg, step + 1)
+                    loss = evaluate(executor, job.eval_rows, cfg, mcfg, step + 1)
                     report.eval(step + 1, loss, plan.epoch_of(step + 1), time.perf_counter() - t0)
                 bar.advance(task)
             optimizer.wait()
             if saver is not None:
                 saver.wait()
         runtime = time.perf_counter() - t0
-        if attached is not None:
-            attached.refresh_layout()
+        session.refresh_layout()
         with _bar(console) as bar:
             task = bar.add_task("exporting", total=n_params)
             export_model(store, mcfg, out, "master" if cfg.bf16 else "param", dtype, model_dir,
@@ -229,33 +284,21 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
             if report.eval_losses:
                 plot_loss(out, report.eval_losses, "eval_loss")
         (out / "store_stats.json").write_text(json.dumps(store.stats(), indent=1, default=str) + "\n")
-        if attached is not None:
-            stats.close()
-            stats = None
-            attached.request("finish")
+        stats.close()
+        stats = None
+        session.finished()
         say(f"done: {total} steps in {runtime:.1f}s, train_loss {results['train_loss']:.4f}; "
                       f"model saved to {out}")
         return results
-    except BaseException as e:
+    except BaseException:
         if saver is not None:
             saver.settle()  # a checkpoint already read out of the store is still worth writing
-        if attached is not None and isinstance(e, UserError) and not attached.client.lost:
-            try:  # the service says why its run stops here (it keeps the last committed step)
-                attached.request("stop", reason=str(e))
-            except Exception:  # noqa: BLE001 - the error being raised is the one to report
-                pass
         raise
     finally:
         if stats is not None:
             stats.close()
         if executor is not None:
             executor.close()
-        if optimizer is not None:
-            optimizer.close()
-        if attached is not None:
-            attached.close()
-        else:
-            store.close()
 
 
 def model_config(model_dir: Path):
@@ -301,22 +344,14 @@ def _link_bytes(store) -> dict[str, int]:
     return {name: int(link.get("bytes", 0)) for name, link in store.mover.stats().items()}
 
 
-def _attach(cfg: TrainConfig, mcfg, dtype: torch.dtype, rows: Rows, decay: dict, adamw: AdamWConfig, out: Path,
-            say):
-    """Attach to the service named by tiermem_server (``default``: the per-user default socket)."""
-    path = protocol.default_socket() if cfg.tiermem_server == "default" else Path(cfg.tiermem_server)
-    optim = {"beta1": adamw.beta1, "beta2": adamw.beta2, "eps": adamw.eps, "weight_decay": adamw.weight_decay,
-             "has_master": cfg.bf16, "decay": decay, "groups": group_order(mcfg)}
-    label = {"model": str(cfg.model_name_or_path), "output_dir": str(out.resolve())}
-    attached = attach(path, run_identity(cfg, mcfg, dtype, rows), label, state_specs(mcfg, dtype), optim)
-    opt = attached.optimizer
+def _attach_line(session: Session) -> str:
+    """What an attached run says at start: the service, whether it holds the run, how the update is split."""
+    a, opt = session.attached, session.optimizer
     mine = [g for g in opt.groups if g in opt.mine]
     split = (f"this trainer's GPU updates {len(mine)} of {len(opt.groups)} groups ({_span(mine)}), the service "
              "the others" if mine else "the service updates every group")
-    say(f"attached to the tiermem service at {path}"
-        + (f" (its run is at step {attached.committed})" if attached.initialized else " (a new run)")
-        + f"; {split}")
-    return attached
+    return (f"attached to the tiermem service at {a.client.path}"
+            + (f" (its run is at step {a.committed})" if a.initialized else " (a new run)") + f"; {split}")
 
 
 def _span(groups: list) -> str:

@@ -2,6 +2,6 @@
 interface the trainer and the service call (``interface.Optimizer``)."""
 
 from tiermem.optim.interface import Gate, Optimizer
-from tiermem.optim.store_adamw import AdamWConfig, StoreAdamW, default_threads
+from tiermem.optim.store_adamw import AdamWConfig, OptimSettings, StoreAdamW, default_threads
 
-__all__ = ["AdamWConfig", "Gate", "Optimizer", "StoreAdamW", "default_threads"]
+__all__ = ["AdamWConfig", "Gate", "OptimSettings", "Optimizer", "StoreAdamW", "default_threads"]

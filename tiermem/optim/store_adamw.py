@@ -63,6 +63,38 @@ class AdamWConfig:
     weight_decay: float = 0.0
 
 
+@dataclass
+class OptimSettings:
+    """What an optimizer over a store is made of besides the store: AdamW's settings, whether there are fp32
+    master weights, which tensors decay (by name), and the groups in update order. It travels as JSON: in a
+    trainer's ``hello`` to a service, and in the service's run record."""
+
+    adamw: AdamWConfig
+    has_master: bool
+    decay: dict[str, bool]
+    groups: list[Group]
+
+    def to_json(self) -> dict:
+        a = self.adamw
+        return {"beta1": a.beta1, "beta2": a.beta2, "eps": a.eps, "weight_decay": a.weight_decay,
+                "has_master": self.has_master, "decay": dict(self.decay), "groups": list(self.groups)}
+
+    @classmethod
+    def from_json(cls, o) -> OptimSettings:
+        """Settings from untrusted JSON; ValueError with a one-line reason when they are malformed."""
+        try:
+            adamw = AdamWConfig(float(o["beta1"]), float(o["beta2"]), float(o["eps"]), float(o["weight_decay"]))
+            decay = {str(k): bool(v) for k, v in dict(o["decay"]).items()}
+            return cls(adamw, bool(o["has_master"]), decay, list(o["groups"]))
+        except (KeyError, TypeError, ValueError):
+            raise ValueError("bad optim settings: need beta1, beta2, eps, weight_decay, has_master, decay, "
+                             "groups") from None
+
+    def optimizer(self, store, **kw) -> StoreAdamW:
+        """A ``StoreAdamW`` over ``store`` with these settings (``kw``: its keyword arguments)."""
+        return StoreAdamW(store, self.groups, self.decay, self.adamw, self.has_master, **kw)
+
+
 class StoreAdamW:
     """AdamW over ``groups`` of ``store`` (the order the next forward needs them).
 

@@ -23,7 +23,7 @@ from tiermem.config import load_store_config
 from tiermem.errors import UserError
 from tiermem.faults import HOOKS
 from tiermem.futures import done_future
-from tiermem.optim import AdamWConfig, Gate, StoreAdamW
+from tiermem.optim import Gate, OptimSettings
 from tiermem.plan.resolve import compute_device
 from tiermem.service import protocol
 from tiermem.store.catalog import Group, TensorSpec
@@ -260,14 +260,14 @@ class Attached:
         self.store.close()
 
 
-def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: dict) -> Attached:
+def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: OptimSettings) -> Attached:
     """Attach to the service at ``path`` for run ``run_id`` (created there if the service holds no run).
 
     The trainer computes on the service config's ``tiers.gpu.device`` (the CPU when there is no CUDA)."""
     client = ServiceClient(path)
     try:
         reply = client.request("hello", run=run_id, label=label, specs=[spec_to_json(s) for s in specs],
-                               optim=optim, pid=os.getpid(), rank=0, world=1)
+                               optim=optim.to_json(), pid=os.getpid(), rank=0, world=1)
         cfg = load_store_config(reply["config"], "the service's config")
         device = compute_device(cfg)
         theirs = [spec_from_json(s) for s in reply["specs"]]
@@ -284,10 +284,7 @@ def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: dict)
     mine = reply.get("trainer_groups") or []
     if mine:
         # the service said which groups this trainer's GPU updates; one it finds no room for, it takes itself
-        local = StoreAdamW(store, optim["groups"], optim["decay"],
-                           AdamWConfig(optim["beta1"], optim["beta2"], optim["eps"], optim["weight_decay"]),
-                           has_master=optim["has_master"], on_gpu=mine, guard=RemoteGuard(client, store, run_id),
-                           cpu_takes_over=False)
-    opt = RemoteOptimizer(client, store, optim["groups"], run_id, reply["committed"], local,
+        local = optim.optimizer(store, on_gpu=mine, guard=RemoteGuard(client, store, run_id), cpu_takes_over=False)
+    opt = RemoteOptimizer(client, store, optim.groups, run_id, reply["committed"], local,
                           float(reply.get("gpu_share", 0.0)))
     return Attached(client, store, opt, run_id, reply["initialized"], reply["committed"], reply.get("resume"))

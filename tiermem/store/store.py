@@ -198,29 +198,47 @@ class Store:
         def run(_):
             if tier == entry.tier:
                 return done_future(entry)
-            try:
-                extent = self.tier(tier).allocate(entry.spec.nbytes)
-            except (OutOfSpace, BudgetError, AttributeError):
-                raise BudgetError(f"cannot move {name} to {tier}: no room there") from None
-            new = Location(tier, extent, entry.spec.nbytes)
-            try:
-                copied = self.mover.copy(self.location(entry), new) if entry.valid else done_future()
-            except BaseException:  # (no room to stage it, say): the tensor stays where it is
-                self.tier(tier).free(extent)
-                raise
+            def home(place: Location) -> cf.Future:
+                self.rehome(name, place)
+                return done_future(entry)
 
-            def switch(f: cf.Future) -> None:
-                if f.exception() is not None:
-                    self.tier(tier).free(extent)
-                    return
-                old_tier, old_extent = entry.tier, entry.extent
-                entry.tier, entry.extent = tier, extent
-                self.tier(old_tier).free(old_extent)
-
-            copied.add_done_callback(switch)
-            return then(copied, lambda _: done_future(entry))
+            return then(self.copy_to(name, tier), home)
 
         return self._ordered(entry, run)
+
+    def copy_to(self, name: str, tier: str) -> cf.Future:
+        """Copy the tensor's bytes to a new place on ``tier``, its home unchanged: a future for the new
+        ``Location`` (given back if the copy fails). ``rehome`` then makes it the home. Not ordered with the
+        tensor's other operations: for state nothing else touches meanwhile (``move`` orders it)."""
+        entry = self.catalog[name]
+        try:
+            extent = self.tier(tier).allocate(entry.spec.nbytes)
+        except (OutOfSpace, BudgetError, AttributeError):
+            raise BudgetError(f"cannot move {name} to {tier}: no room there") from None
+        new = Location(tier, extent, entry.spec.nbytes)
+        try:
+            copied = self.mover.copy(self.location(entry), new) if entry.valid else done_future()
+        except BaseException:  # (no room to stage it, say): the tensor stays where it is
+            self.tier(tier).free(extent)
+            raise
+
+        def failed(f: cf.Future) -> None:
+            if f.exception() is not None:
+                self.tier(tier).free(extent)
+
+        copied.add_done_callback(failed)
+        return then(copied, lambda _: done_future(new))
+
+    def rehome(self, name: str, place: Location, free: bool = True) -> Location:
+        """Make ``place`` (from ``copy_to``) the tensor's home; the old home is freed, or (``free`` False)
+        returned for the caller to free once nothing refers to it any more."""
+        e = self.catalog[name]
+        old = Location(e.tier, e.extent, e.spec.nbytes)
+        e.tier, e.extent = place.tier, place.extent
+        self._offered.pop((e.spec.group, e.spec.kind), None)
+        if free:
+            self.tier(old.tier).free(old.extent)
+        return old
 
     # -- groups ---------------------------------------------------------------------------------
     def fetch(self, group: Group, kind: str = "param") -> cf.Future:

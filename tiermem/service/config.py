@@ -1,0 +1,39 @@
+"""A service's tiermem config: read and checked for what a service needs, and planned (every ``auto``
+decided for a service by ``tiermem.plan.resolve``)."""
+
+from __future__ import annotations
+
+import getpass
+
+from tiermem.config import MOMENTS, StoreConfig, load_store_config
+from tiermem.errors import ConfigError
+from tiermem.plan.resolve import resolve_auto
+
+MOVABLE = ("master", *MOMENTS)  # kinds only the service touches between steps (SIGHUP may re-place them)
+
+
+def service_config(path: str) -> StoreConfig:
+    """The service's tiermem config, checked for what a service needs."""
+    cfg = load_store_config(path, path)
+    if cfg.tiers.dram.path == "anonymous":
+        raise ConfigError(f"{path}: the service's arena must be a shared file: set tiers.dram.path to a tmpfs "
+                          "directory such as /dev/shm")
+    if isinstance(cfg.placement, dict) and "gpu" in cfg.placement.values():
+        raise ConfigError(f"{path}: placement on gpu is not possible in service mode (the state must outlive the "
+                          "trainer's GPU memory); place every kind on dram or nvme")
+    if cfg.name is None:
+        cfg.name = f"tiermem-{getpass.getuser()}"
+    return cfg
+
+
+def planning_config(cfg: StoreConfig) -> StoreConfig:
+    """The config the service plans and builds its own store with (``tiermem.plan.resolve``): no GPU slots or
+    resident groups; the GPU (when the config names one and there is CUDA) only for the optimizer's GPU
+    worker; every ``auto`` decided."""
+    return resolve_auto(cfg, role="service")
+
+
+def gpu_share(plan_cfg: StoreConfig) -> float:
+    """The share of groups the trainer's GPU worker updates while the service's CPU AdamW updates the rest
+    (resolved in ``plan_cfg``)."""
+    return plan_cfg.optimizer.gpu_share

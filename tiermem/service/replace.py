@@ -1,0 +1,76 @@
+"""SIGHUP re-placement: the config read again, and optimizer state moved between tiers to follow it at
+the next commit, with the store's own copy-then-switch (``Store.copy_to``/``rehome``): every new place is
+recorded before an old one is reused. A part of ``Service`` (``tiermem.service.server``)."""
+
+from __future__ import annotations
+
+from tiermem.errors import UserError
+from tiermem.plan.placement import default_budgets, make_plan
+from tiermem.service.config import MOVABLE, planning_config, service_config
+from tiermem.service.journal import write_atomic
+from tiermem.service.runs import Run
+from tiermem.store.layout import layout_of
+
+
+class Replacement:
+    def reload(self) -> None:
+        """SIGHUP: read the config again; placement and budget changes apply at the next commit."""
+        try:
+            cfg = service_config(self.config_path)
+        except UserError as e:
+            self.say(f"SIGHUP: config not reloaded: {e}")
+            return
+        if cfg.store_name() != self.cfg.store_name() or cfg.tiers.dram.path != self.cfg.tiers.dram.path:
+            self.say("SIGHUP: the store's name and arena directory cannot change while it runs; not reloaded")
+            return
+        with self.lock:
+            self.pending_config = cfg
+        self.say("SIGHUP: config reloaded; re-placement happens before the next update")
+
+    def _move_state(self, run: Run) -> bool:
+        """Move optimizer state between tiers to follow the reloaded config (called by commit once the last
+        update is whole, before the next starts); True when something moved."""
+        cfg, self.pending_config = self.pending_config, None
+        self.cfg, self.plan_cfg = cfg, planning_config(cfg)
+        budgets = dict(default_budgets(cfg), gpu=0)
+        try:
+            plan = make_plan(run.specs, self.plan_cfg, ("param",), budgets)
+        except UserError as e:
+            self.say(f"re-placement skipped: {e}")
+            return False
+        store, moves, refused = run.store, [], set()
+        for e in store.catalog.entries():
+            want = plan.where[(e.spec.group, e.spec.kind)]
+            if want == e.tier:
+                continue
+            if e.spec.kind not in MOVABLE:
+                refused.add(e.spec.kind)
+                continue
+            if store.tier(want) is None:
+                refused.add(f"{e.spec.kind} (this run has no {want} tier: set tiers.{want}.budget to reserve one)")
+                continue
+            moves.append((e, want))
+        if refused:
+            self.say(f"re-placement of {', '.join(sorted(refused))} needs a new run; left in place")
+        placed = []  # every copy first: a failure leaves the old placement whole
+        try:
+            for e, want in moves:
+                placed.append((e, store.copy_to(e.spec.name, want).result()))
+        except Exception as err:  # noqa: BLE001 - no room, I/O: keep the old placement
+            for _, place in placed:
+                store.tier(place.tier).free(place.extent)
+            self.say(f"re-placement stopped: {err}; nothing moved")
+            return False
+        olds = [store.rehome(e.spec.name, place, free=False) for e, place in placed]
+        run.record["layout"] = layout_of(store)
+        run.record["epoch"] = run.guard.epoch = run.record.get("epoch", 0) + 1  # older journaled moves are void
+        write_atomic(self.record_path, run.record)  # the new places are recorded before the old are reused
+        for old in olds:
+            store.tier(old.tier).free(old.extent)
+        if moves:
+            moved = {}
+            for e, want in moves:
+                moved.setdefault((e.spec.kind, want), 0)
+                moved[(e.spec.kind, want)] += 1
+            self.say("re-placed: " + ", ".join(f"{k} of {n} tensors -> {t}" for (k, t), n in moved.items()))
+        return bool(moves)

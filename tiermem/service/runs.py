@@ -1,0 +1,93 @@
+"""A service's run: its record, journal, store and optimizer (``Run``), the trainer attached to it
+(``Client``), and what the service says of it."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import socket
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tiermem.optim import StoreAdamW
+from tiermem.service import protocol
+from tiermem.service.journal import Journal, RunState, UndoGuard
+from tiermem.store.catalog import TensorSpec
+
+
+@dataclass
+class Client:
+    sock: socket.socket
+    pid: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def send(self, obj: dict) -> None:
+        with self.lock:
+            protocol.send(self.sock, obj)
+
+
+@dataclass
+class Run:
+    record: dict
+    specs: list[TensorSpec]
+    store: object
+    journal: Journal
+    optimizer: StoreAdamW
+    guard: UndoGuard
+    trainer: Client | None = None
+    live: dict = field(default_factory=dict)
+    trainer_store: dict = field(default_factory=dict)
+    error: str | None = None
+    pending: cf.Future | None = None  # the last update, journaled as updated (or failed)
+    # the committed update's groups the trainer's GPU worker owes (the service redoes them if it leaves),
+    # whether the service's own part of it is done, and the places handed out for the trainer's writes
+    owed: set = field(default_factory=set)
+    taken: set = field(default_factory=set)  # owed groups the service found no room for and updates itself
+    taken_count: int = 0  # ... how many so far
+    own_done: bool = True
+    grants: dict = field(default_factory=dict)  # group -> (step, {name: (tier, Extent)})
+    update_lock: threading.Lock = field(default_factory=threading.Lock)  # owed, own_done, pending's completion
+    updates: int = 0  # updates run by this service process, and where their time went
+    update_seconds: dict = field(default_factory=dict)
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
+
+    @property
+    def state(self) -> RunState:
+        return self.journal.state
+
+
+def label_of(run: Run) -> str:
+    return str(run.record["label"].get("output_dir") or run.record["run"][:16])
+
+
+def no_room_note(in_place: int, taken: int) -> str:
+    """The finish line's note on group updates a fragmented arena had no room for out of place (slower)."""
+    out = f"; {in_place} group updates went in place for want of room in the arena" if in_place else ""
+    if taken:
+        out += f"; {taken} of the trainer's were handed to the service for want of room"
+    return out
+
+
+def room_for_new_state(specs: list[TensorSpec], plan, kinds: tuple[str, ...], tier: str) -> int:
+    """Room for the new state of the groups being written out of place on ``tier`` (twice the largest:
+    one per worker)."""
+    per: dict = {}
+    for (g, k), t in plan.where.items():
+        if k in kinds and t == tier:
+            per[g] = per.get(g, 0) + plan.group_bytes[(g, k)]
+    return 2 * max(per.values(), default=0)
+
+
+def newest_checkpoint(record: dict) -> tuple[Path | None, str]:
+    """The newest complete checkpoint in the run's output_dir (None when there is none), and what to say."""
+    out = record.get("label", {}).get("output_dir")
+    if not out or not Path(out).is_dir():
+        return None, "No checkpoint of it is known."
+    found = sorted((int(p.name.split("-")[1]), p) for p in Path(out).glob("checkpoint-*")
+                   if p.name.split("-")[1].isdigit() and (p / "checkpoint.json").is_file())
+    if not found:
+        return None, f"It has no checkpoint in {out}: start it again."
+    return found[-1][1], f"Newest checkpoint: {found[-1][1]} (rerun the trainer: it resumes from there)."

@@ -1,0 +1,100 @@
+"""One way to open a store for training, embedded or attached: a ``Session`` holds the store and its
+optimizer, and answers what a training loop asks of either, so the loop has no branch on where the store
+lives.
+
+    session = open_session(specs, settings, config=store_config)                 # the store in this process
+    session = open_session(specs, settings, server=path, run_id=..., label=...)  # a tiermem service's
+    session.continues_at      # the step a service's run is at (None: load the weights yourself)
+    ... load weights into session.store; session.loaded(step)
+    ... train with session.optimizer; session.refresh_layout() before a save or the export
+    session.finished() or session.stopping(error); session.close()
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tiermem.config import StoreConfig
+from tiermem.errors import UserError
+from tiermem.optim import Optimizer, OptimSettings
+from tiermem.service import protocol
+from tiermem.service.client import Attached, attach
+from tiermem.store.catalog import TensorSpec
+from tiermem.store.store import Store
+
+
+@dataclass
+class Session:
+    store: Store
+    optimizer: Optimizer
+    attached: Attached | None = None  # the service's link, when the store is a service's
+
+    @property
+    def continues_at(self) -> int | None:
+        """The step the service's run is at when it already holds this run's weights, else None."""
+        return self.attached.committed if self.attached is not None and self.attached.initialized else None
+
+    @property
+    def named_checkpoint(self) -> dict | None:
+        """The checkpoint a service that lost this run's state names to resume from ({checkpoint, step})."""
+        return self.attached.resume if self.attached is not None and not self.attached.initialized else None
+
+    @property
+    def progress_sink(self):
+        """Where the stats file's snapshots also go (the service's ``tiermem top``), or None."""
+        return self.attached.progress if self.attached is not None else None
+
+    def loaded(self, step: int) -> None:
+        """The weights (and optimizer state, on a resume) are in the store at ``step``."""
+        if self.attached is not None:
+            self.store.flush("param")
+            self.store.flush("master")
+            self.attached.request("init", step=step)
+            self.attached.optimizer.committed = step
+
+    def refresh_layout(self) -> None:
+        """Take the tensors' current places (a service moves optimizer state between steps) before the
+        store is read whole: a save, the export."""
+        if self.attached is not None:
+            self.attached.refresh_layout()
+
+    def finished(self) -> None:
+        """The run is done and exported: a service frees its state."""
+        if self.attached is not None:
+            self.attached.request("finish")
+
+    def stopping(self, error: BaseException) -> None:
+        """The run stops on ``error``: a service is told why a user error stopped it (it keeps the last
+        committed step for a rerun)."""
+        a = self.attached
+        if a is None or not isinstance(error, UserError) or a.client.lost:
+            return
+        try:
+            a.request("stop", reason=str(error))
+        except Exception:  # noqa: BLE001 - the error being raised is the one to report
+            pass
+
+    def close(self) -> None:
+        self.optimizer.close()
+        if self.attached is not None:
+            self.attached.close()
+        else:
+            self.store.close()
+
+
+def open_session(specs: list[TensorSpec], settings: OptimSettings, config: StoreConfig | None = None,
+                 server: str | Path | None = None, run_id: str = "", label: dict | None = None) -> Session:
+    """The store for ``specs`` with its optimizer: opened here from ``config`` (its autos resolved by the
+    caller), or attached to the service at ``server`` (``default``: this user's default socket) for run
+    ``run_id``."""
+    if server is not None:
+        path = protocol.default_socket() if str(server) == "default" else Path(server)
+        attached = attach(path, run_id, label or {}, specs, settings)
+        return Session(attached.store, attached.optimizer, attached)
+    store = Store.open(config, specs, streamed_kinds=("param",))
+    try:
+        return Session(store, settings.optimizer(store))
+    except BaseException:
+        store.close()
+        raise
