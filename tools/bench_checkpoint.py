@@ -70,9 +70,9 @@ def main() -> None:
     args = ap.parse_args()
     from tiermem.store.store import Store
     from trainer import checkpoint as ckpt
-    from trainer.loop import state_specs, store_config
     from trainer.model.config import model_config_from_dict
     from trainer.model.weights import all_weights, group_order
+    from trainer.state import state_specs, store_config
 
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)

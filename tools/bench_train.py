@@ -83,9 +83,9 @@ def run_tiermem(args, raw: dict, model_dir: Path) -> dict:
     from tiermem.optim import AdamWConfig, StoreAdamW
     from tiermem.store.store import Store
     from trainer.executor import Executor
-    from trainer.loop import state_specs, store_config
     from trainer.model.config import load_model_config
     from trainer.model.weights import all_weights, group_order
+    from trainer.state import state_specs, store_config
     from trainer.weights_io import init_weights
 
     mcfg = load_model_config(model_dir)

@@ -7,7 +7,6 @@ is written to ``output_dir``.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import os
@@ -21,14 +20,11 @@ import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from tiermem.config import MOMENTS, StoreConfig, load_store_config
 from tiermem.errors import BudgetError, ConfigError
 from tiermem.optim import AdamWConfig, OptimSettings
-from tiermem.plan.resolve import resolve_auto
-from tiermem.schema import read_yaml, to_plain
+from tiermem.schema import to_plain
 from tiermem.session import Session, open_session
 from tiermem.sizes import format_size
-from tiermem.store.catalog import TensorSpec, state_name
 from tiermem.store.stats import StatsFile
 from tiermem.store.store import Store
 from trainer import checkpoint as ckpt
@@ -41,34 +37,8 @@ from trainer.model.config import ModelConfigError, load_model_config
 from trainer.model.weights import all_weights, group_order
 from trainer.report import Reporter, plot_loss
 from trainer.schedule import lr_factor, warmup_steps
+from trainer.state import state_specs, store_config
 from trainer.weights_io import check_weight_files, export_model, import_weights, init_weights
-
-
-def store_config(value) -> StoreConfig:
-    """The tiermem config of a training run: a file path, an inline mapping, or the defaults.
-
-    Embedded runs default the DRAM arena to ``anonymous`` (private huge pages: nothing to share, nothing
-    left behind, fast to pin) and the GPU tier to the CPU when there is no CUDA; every other ``auto`` is
-    resolved by ``tiermem.plan.resolve``.
-    """
-    data = read_yaml(value, "tiermem config file") if isinstance(value, str) else copy.deepcopy(value or {})
-    tiers = data.setdefault("tiers", {}) or {}
-    data["tiers"] = tiers
-    for key in ("dram", "gpu"):
-        if tiers.get(key) is None:
-            tiers[key] = {}
-    tiers["dram"].setdefault("path", "anonymous")
-    return resolve_auto(load_store_config(data, str(value) if isinstance(value, str) else "tiermem"), "embedded")
-
-
-def state_specs(model_cfg, dtype: torch.dtype) -> list[TensorSpec]:
-    specs = []
-    for w in all_weights(model_cfg):
-        specs.append(TensorSpec(w.name, w.shape, dtype, "param", w.group))
-        kinds = (("master",) if dtype != torch.float32 else ()) + ("grad", *MOMENTS)
-        for kind in kinds:
-            specs.append(TensorSpec(state_name(w.name, kind), w.shape, torch.float32, kind, w.group))
-    return specs
 
 
 @dataclass

@@ -1,0 +1,44 @@
+"""The model's training state as the store sees it: the tensors' specs (each weight's compute copy, fp32
+master in bf16 mode, gradient and Adam's moments, grouped as the store streams them) and the config of a
+training run's own (embedded) store."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from tiermem.config import MOMENTS, StoreConfig, load_store_config
+from tiermem.plan.resolve import resolve_auto
+from tiermem.schema import read_yaml
+from tiermem.store.catalog import TensorSpec, state_name
+from trainer.model.weights import all_weights
+
+
+def store_config(value) -> StoreConfig:
+    """The tiermem config of a training run: a file path, an inline mapping, or the defaults.
+
+    Embedded runs default the DRAM arena to ``anonymous`` (private huge pages: nothing to share, nothing
+    left behind, fast to pin); every ``auto`` (the GPU tier's device among them) is resolved by
+    ``tiermem.plan.resolve``.
+    """
+    data = read_yaml(value, "tiermem config file") if isinstance(value, str) else copy.deepcopy(value or {})
+    tiers = data.setdefault("tiers", {}) or {}
+    data["tiers"] = tiers
+    for key in ("dram", "gpu"):
+        if tiers.get(key) is None:
+            tiers[key] = {}
+    tiers["dram"].setdefault("path", "anonymous")
+    return resolve_auto(load_store_config(data, str(value) if isinstance(value, str) else "tiermem"), "embedded")
+
+
+def state_specs(model_cfg, dtype: torch.dtype) -> list[TensorSpec]:
+    """Every tensor of the run's state: ``param`` in ``dtype``; ``master`` (when ``dtype`` is not fp32),
+    ``grad`` and both moments in fp32."""
+    specs = []
+    for w in all_weights(model_cfg):
+        specs.append(TensorSpec(w.name, w.shape, dtype, "param", w.group))
+        kinds = (("master",) if dtype != torch.float32 else ()) + ("grad", *MOMENTS)
+        for kind in kinds:
+            specs.append(TensorSpec(state_name(w.name, kind), w.shape, torch.float32, kind, w.group))
+    return specs
