@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # A change's speed against the code before it, on the GPU machine, in one command: tools/bench_train.py
-# (tiermem only) in OLD (a copy of the repo at the earlier commit) and in this tree, alternating, twice each.
+# (tiermem only) in OLD (a copy of the repo at the earlier commit) and in this tree, alternating, REPS times each
+# (default 2).
 #   bash tools/bench_before_after.sh OLD_DIR [bench_train args, e.g. --batch 4 --accum 4 --steps 4]
 # Prints each run's median s/step and the ratio of the medians (this tree / OLD).
 set -uo pipefail
 old=$1; shift
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 tag=$(echo "$*" | tr -c 'a-zA-Z0-9' '_')
-for i in 1 2; do
+for i in $(seq ${REPS:-2}); do
   for which in old new; do
     dir=$PWD; [ $which = old ] && dir=$old
     (cd "$dir" && PYTHONPATH=$dir${PYTHONPATH:+:$PYTHONPATH} python3 tools/bench_train.py --only tiermem "$@" \
