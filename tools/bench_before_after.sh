@@ -5,7 +5,7 @@
 #   bash tools/bench_before_after.sh OLD_DIR [bench_train args, e.g. --batch 4 --accum 4 --steps 4]
 # Prints each run's median s/step and the ratio of the medians (this tree / OLD).
 set -uo pipefail
-old=$1; shift
+old=$(cd "$1" && pwd) || exit 2; shift  # absolute: each run cds into its tree
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 tag=$(echo "$*" | tr -c 'a-zA-Z0-9' '_')
 for i in $(seq ${REPS:-2}); do
