@@ -26,7 +26,6 @@ import json
 import math
 import os
 import queue
-import re
 import shutil
 import threading
 import time
@@ -40,12 +39,12 @@ from tiermem.errors import ConfigError, StorageError
 from tiermem.faults import HOOKS
 from tiermem.store.catalog import state_name
 from tiermem.store.checkpoint import StateReader, StateWriter, file_crc32c, fsync_dir, fsync_tree
+from tiermem.store.checkpoint import complete_checkpoints as checkpoints
 from trainer.model.weights import all_weights, group_order
 from trainer.weights_io import TOKENIZER_FILES, ModelWriter
 
 FORMAT = 2  # 1: sizes only; 2: sizes and CRC32C checksums
 SMALL = 64 << 20  # files up to this size are verified before the store is filled; larger ones while it is
-_NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
 def tokenizer_digest(model_dir: str | Path) -> str:
@@ -59,18 +58,6 @@ def tokenizer_digest(model_dir: str | Path) -> str:
 
 def signature(mcfg) -> list:
     return [[w.name, list(w.shape)] for w in all_weights(mcfg)]
-
-
-def checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints in ``out_dir`` (a checkpoint.json present), oldest first."""
-    out = Path(out_dir)
-    found = []
-    if out.is_dir():
-        for p in out.iterdir():
-            m = _NAME.match(p.name)
-            if m and p.is_dir() and (p / "checkpoint.json").is_file():
-                found.append((int(m.group(1)), p))
-    return sorted(found)
 
 
 def _is_state_chunks(rel: str) -> bool:

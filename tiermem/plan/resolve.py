@@ -29,17 +29,10 @@ import torch
 from tiermem.config import StoreConfig
 from tiermem.errors import ConfigError
 
-# measured best on the H200 machine (16 cores, PCIe Gen5) for a 3B model with all state in DRAM:
-# 0.5 -> 2.17-2.50 s/step, 0.6 -> 1.88, 0.7 -> 1.78 (tools/bench_train.py, 4x4096 tokens)
+# measured best on the H200 machine (docs/measurements.md: streamed training; the service: attached vs embedded)
 EMBEDDED_GPU_SHARE = 0.7
-# a service's: more than an embedded run's, as the service's CPU AdamW is crash-safe (out of place: 0.37x
-# the in-place rate on the H200 machine's host); and cpu_groups last there, so the slow CPU share is the
-# groups the next forward needs last, not the embedding first. Measured there (tools/bench_service.py,
-# 3.6 B params, attached / embedded at 0.7), 16x4096 tokens a step: spread 0.7 -> 1.065, 0.85 ->
-# 1.034-1.057 over six runs (median 1.05), 0.92 -> 1.056, 1.0 -> 1.052; last 0.85 -> 1.003 (with the
-# best-fit allocator; first fit left the embedding no room: 1.256). 4x4096 (the update on the step's
-# critical path), spread: 0.7 -> 1.133, 0.85 -> 1.177 (1.127 with best fit), 1.0 -> 1.38; last: 0.85 ->
-# 1.129, 0.92 -> 1.126.
+# a service's CPU AdamW is crash-safe (out of place), so slower: more of the update goes to the GPU, and with a
+# GPU its CPU takes the groups the next forward needs last
 SERVICE_GPU_SHARE = 0.85
 
 Role = Literal["embedded", "service"]

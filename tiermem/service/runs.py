@@ -13,6 +13,7 @@ from tiermem.optim import StoreAdamW
 from tiermem.service import protocol
 from tiermem.service.journal import Journal, RunState, UndoGuard
 from tiermem.store.catalog import TensorSpec
+from tiermem.store.checkpoint import complete_checkpoints
 
 
 @dataclass
@@ -86,8 +87,7 @@ def newest_checkpoint(record: dict) -> tuple[Path | None, str]:
     out = record.get("label", {}).get("output_dir")
     if not out or not Path(out).is_dir():
         return None, "No checkpoint of it is known."
-    found = sorted((int(p.name.split("-")[1]), p) for p in Path(out).glob("checkpoint-*")
-                   if p.name.split("-")[1].isdigit() and (p / "checkpoint.json").is_file())
+    found = complete_checkpoints(out)
     if not found:
         return None, f"It has no checkpoint in {out}: start it again."
     return found[-1][1], f"Newest checkpoint: {found[-1][1]} (rerun the trainer: it resumes from there)."

@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import math
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,19 @@ from tiermem.errors import StorageError
 
 CHUNK_ELEMS = 1 << 22  # 16 MiB of fp32
 SHARD_CHUNKS = 64  # 1 GiB shards
+
+
+def complete_checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
+    """The complete checkpoints in a run's ``out_dir`` (``checkpoint-N`` holding its ``checkpoint.json``,
+    which a save writes last), oldest first: what a trainer resumes from, and what a service names."""
+    out = Path(out_dir)
+    found = []
+    if out.is_dir():
+        for p in out.iterdir():
+            m = re.match(r"^checkpoint-(\d+)$", p.name)
+            if m and p.is_dir() and (p / "checkpoint.json").is_file():
+                found.append((int(m.group(1)), p))
+    return sorted(found)
 
 
 def crc32c_of(data) -> str:
