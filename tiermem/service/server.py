@@ -423,7 +423,7 @@ class Service(UpdateRequests, Replacement):
         finally:
             os.umask(old)
         os.chmod(path, 0o600)
-        s.listen(16)
+        s.listen(socket.SOMAXCONN)  # many peers at once wait to be accepted, not refused
         self._listener = s
         threading.Thread(target=self._accept, name="tiermem-accept", daemon=True).start()
 
