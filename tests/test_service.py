@@ -787,3 +787,62 @@ def test_versions_pushed_while_attaching_are_applied_in_order(tmp_path):
     client.close()
     conn.close()
     srv.close()
+
+
+def test_a_journal_line_whose_bytes_changed_is_refused(tmp_path):
+    """Each journal line carries its CRC32C: a line cut by a crash still ends the journal quietly, a line an
+    older version wrote (no checksum) still reads, a line whose bytes changed is refused in one line."""
+    from tiermem.errors import UserError
+    from tiermem.service.journal import Journal, JournalDamaged
+
+    path = tmp_path / "j"
+    j = Journal(path)
+    j.append("init", step=0, groups=[0, 1])
+    j.append("commit", step=1, lr=0.5, grad_scale=None)
+    j.append("done", group=0, step=1)
+    j.close()
+    lines = path.read_text().splitlines()
+    assert all('"crc": ' in line for line in lines)
+    path.write_text("\n".join(lines) + "\n" + lines[-1][:10])  # a line cut by a crash
+    assert Journal(path).state.versions == {0: 1, 1: 0}
+    path.write_text(lines[0] + "\n" + json.dumps({"op": "commit", "step": 1, "lr": 0.5, "grad_scale": None}) + "\n")
+    assert Journal(path).state.committed == 1  # an older line, without a checksum
+    path.write_text("\n".join([lines[0], lines[1].replace('"step": 1', '"step": 7'), lines[2]]) + "\n")
+    with pytest.raises(JournalDamaged, match="damaged at line 2") as e:
+        Journal(path)
+    assert isinstance(e.value, UserError) and "\n" not in str(e.value)
+
+
+def test_the_undo_copy_is_checked_before_it_is_put_back(tmp_path):
+    """An update in place behind the undo copy journals the copy's CRC32C with its begin; recovery puts the
+    copy back only when it matches."""
+    import torch
+
+    from tiermem.errors import StorageError
+    from tiermem.tiers.extents import OutOfSpace
+
+    svc, client, _, theirs, hello, _ = _unit_service(tmp_path, 0)
+    ok(svc.dispatch(client, hello))
+    store = svc.run.store
+    w0 = torch.randn(4, 4)
+    store.write("w", w0).result()
+    ok(svc.dispatch(client, {"op": "init", "id": 2, "run": "r1", "step": 0}))
+    store.write("grad/w", torch.randn(4, 4)).result()
+    real = store.dram.allocate
+
+    def full(nbytes):
+        raise OutOfSpace("full")
+
+    store.dram.allocate = full  # no room out of place: in place, behind the undo copy
+    ok(svc.dispatch(client, {"op": "commit", "id": 3, "run": "r1", "step": 1, "lr": 0.1, "grad_scale": None}))
+    svc.run.wait()
+    store.dram.allocate = real
+    begin = next(json.loads(line) for line in svc.journal_path.read_text().splitlines() if '"begin"' in line)
+    guard, group, crc = svc.run.guard, begin["group"], begin["undo_crc"]
+    guard.restore(group, crc)  # intact: w is back at its value before the update
+    assert torch.equal(store.read("w").result(), w0)
+    store.dram.view(guard.extent)[5] ^= 0xFF
+    with pytest.raises(StorageError, match="does not match its checksum"):
+        guard.restore(group, crc)
+    svc._close_run(keep=False)
+    theirs.close()

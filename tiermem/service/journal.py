@@ -9,9 +9,11 @@ being updated.
   gradient scale), ``begin``/``done`` (group g's update N started / is home), ``updated`` (update N is
   complete), ``finished``. A ``state`` line summarises everything before it (written when compacting).
   Lines reach the page cache before the next action, so a ``kill -9`` of the service loses none; the
-  commit line is fsynced too.
+  commit line is fsynced too. Each line carries the CRC32C of its content (``crc``): a line cut by a
+  crash ends the journal, a line whose bytes changed is refused (the run's state cannot be trusted).
 - The **undo copy**: before group g's update N changes anything, its weights, moments and gradient (fused
-  AdamW unscales it in place) are copied to one spare arena extent; ``begin`` is journaled after the copy.
+  AdamW unscales it in place) are copied to one spare arena extent; ``begin`` is journaled after the copy,
+  with the copy's CRC32C, checked before the copy is ever put back.
   A service killed between ``begin`` and ``done`` is restarted by putting the undo copy back and running
   the update of that group again.
 
@@ -28,12 +30,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import google_crc32c
 import torch
 
 from tiermem.config import MOMENTS
+from tiermem.errors import StorageError
 from tiermem.faults import HOOKS
 from tiermem.sizes import align_up
 from tiermem.store.catalog import Group
+from tiermem.store.checkpoint import crc32c_of
 from tiermem.tiers.extents import Extent, OutOfSpace
 
 COMPACT_BYTES = 256 << 10
@@ -84,6 +89,7 @@ class RunState:
     commit_args: dict = field(default_factory=dict)  # lr, grad_scale of the last commit
     versions: dict = field(default_factory=dict)  # group -> the last update that is home
     inflight: tuple | None = None  # (group, step) begun and not done
+    undo_crc: str | None = None  # the undo copy's CRC32C, journaled with begin
     finished: bool = False
     moves: dict = field(default_factory=dict)  # name -> [tier, offset, nbytes, epoch]: out-of-place updates
 
@@ -92,7 +98,7 @@ class RunState:
         if op == "state":
             self.__init__(rec["initialized"], rec["committed"], rec["updated"], rec["commit_args"],
                           {g: v for g, v in rec["versions"]}, tuple(rec["inflight"]) if rec["inflight"] else None,
-                          rec["finished"], dict(rec.get("moves", {})))
+                          rec.get("undo_crc"), rec["finished"], dict(rec.get("moves", {})))
         elif op == "init":  # weights loaded; a run resumed from a checkpoint starts at its step
             self.initialized = True
             self.committed = self.updated = rec["step"]
@@ -101,6 +107,7 @@ class RunState:
             self.committed, self.commit_args = rec["step"], {"lr": rec["lr"], "grad_scale": rec["grad_scale"]}
         elif op == "begin":
             self.inflight = (rec["group"], rec["step"])
+            self.undo_crc = rec.get("undo_crc")
         elif op == "done":  # (the GPU worker's out-of-place groups finish while the CPU worker has one begun)
             self.versions[rec["group"]] = rec["step"]
             if self.inflight is not None and self.inflight[0] == rec["group"]:
@@ -116,7 +123,7 @@ class RunState:
                 "updated": self.updated, "commit_args": self.commit_args,
                 "versions": [[g, v] for g, v in self.versions.items()],
                 "inflight": list(self.inflight) if self.inflight else None, "finished": self.finished,
-                "moves": self.moves}
+                "moves": self.moves, "undo_crc": self.undo_crc}
 
     def layout(self, record: dict) -> dict:
         """The run record's layout with the out-of-place updates of its epoch applied."""
@@ -127,16 +134,36 @@ class RunState:
         return out
 
 
+class JournalDamaged(StorageError):
+    """A journal line whose bytes changed after it was written."""
+
+
+def _line(rec: dict) -> bytes:
+    """A journal line: the record with the CRC32C of its content."""
+    body = json.dumps(rec)
+    return (json.dumps({**rec, "crc": f"{google_crc32c.value(body.encode()):08x}"}) + "\n").encode()
+
+
+def _checked(rec: dict, path: Path, n: int) -> dict:
+    """``rec`` without its ``crc``, which must match (lines an older version wrote have none)."""
+    crc = rec.pop("crc", None)
+    if crc is not None and crc != f"{google_crc32c.value(json.dumps(rec).encode()):08x}":
+        raise JournalDamaged(f"the service's journal {path} is damaged at line {n} (it does not match its checksum): "
+                             "the run's state cannot be trusted; start the service with --fresh and resume the "
+                             "trainer from its newest checkpoint")
+    return rec
+
+
 def read_state(path: Path) -> RunState:
     """How far the run of the journal at ``path`` got (a RunState of nothing when there is none)."""
     state = RunState()
     if path.is_file():
-        for line in path.read_text().splitlines():
+        for n, line in enumerate(path.read_text().splitlines(), 1):
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 break  # a line cut by a crash is the last one
-            state.apply(rec)
+            state.apply(_checked(rec, path, n))
     return state
 
 
@@ -153,7 +180,7 @@ def recoverable_run(directory: Path, name: str, arena_dir: Path) -> dict | None:
         return None
     try:
         state = read_state(directory / f"{name}.journal")
-    except (OSError, ValueError, KeyError, TypeError):  # kept: the service is the judge of that
+    except (OSError, ValueError, KeyError, TypeError, StorageError):  # kept: the service is the judge of that
         return {"config": record.get("config"), "step": None}
     if not state.initialized or state.finished:
         return None
@@ -171,7 +198,7 @@ class Journal:
     def append(self, op: str, sync: bool = False, **fields) -> None:
         rec = {"op": op, **fields}
         with self._lock:
-            os.write(self._fd, (json.dumps(rec) + "\n").encode())
+            os.write(self._fd, _line(rec))
             if sync:
                 os.fsync(self._fd)
             self.state.apply(rec)
@@ -181,7 +208,7 @@ class Journal:
         with self._lock:
             if os.fstat(self._fd).st_size < COMPACT_BYTES:
                 return
-            write_private(self.path, json.dumps(self.state.to_json()) + "\n")
+            write_private(self.path, _line(self.state.to_json()).decode())
             os.close(self._fd)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
 
@@ -225,10 +252,12 @@ class UndoGuard:
 
     def begin(self, g: Group, step: int, views) -> None:
         undo = self.store.dram.view(self.extent)
+        end = 0
         for k, e, off in self._pieces(g):
             src = views[k].tensors[e.spec.name].detach().reshape(-1).view(torch.uint8)
             undo[off: off + e.spec.nbytes].copy_(src.cpu())
-        self.journal.append("begin", group=g, step=step)
+            end = off + e.spec.nbytes
+        self.journal.append("begin", group=g, step=step, undo_crc=crc32c_of(undo[:end].numpy()))
         if self.slow:
             time.sleep(self.slow)
 
@@ -254,9 +283,15 @@ class UndoGuard:
         for name, ext in new.items():
             self.store.switch(name, ext)
 
-    def restore(self, g: Group) -> None:
-        """Put the undo copy of group g back (recovery of an update cut short)."""
+    def restore(self, g: Group, crc: str | None = None) -> None:
+        """Put the undo copy of group g back (recovery of an update cut short), after checking it against
+        ``crc`` (the CRC32C journaled with its begin)."""
         undo = self.store.dram.view(self.extent)
+        end = max((off + e.spec.nbytes for _, e, off in self._pieces(g)), default=0)
+        if crc is not None and crc32c_of(undo[:end].numpy()) != crc:
+            raise StorageError(f"the undo copy of group {g} in the arena does not match its checksum: the run's "
+                               "state cannot be trusted; start the service with --fresh and resume the trainer "
+                               "from its newest checkpoint")
         for _, e, off in self._pieces(g):
             raw = undo[off: off + e.spec.nbytes].clone()
             self.store.write(e.spec.name, raw.view(e.spec.dtype).reshape(e.spec.shape)).result()

@@ -154,7 +154,7 @@ class Service(UpdateRequests, Replacement):
         for g, v in st.versions.items():
             store.catalog.bump(g, to=v)
         if st.inflight is not None and st.inflight[1] > st.versions.get(st.inflight[0], 0):
-            run.guard.restore(st.inflight[0])
+            run.guard.restore(st.inflight[0], st.undo_crc)
             self.say(f"put back group {st.inflight[0]} as it was before update {st.inflight[1]} (cut short)")
         if st.committed > st.updated:
             todo = {g for g in run.optimizer.groups if st.versions.get(g, 0) < st.committed}
