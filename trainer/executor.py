@@ -254,7 +254,7 @@ class Executor:
 
         # 3. backward, layer-major, with recompute
         self.phase = "backward"
-        embed_partials = None
+        embed_partials = self._partials("embed", first) if L == 0 else None  # (else with layer 0, below)
         for n, i in enumerate(reversed(range(L))):
             self.layer = i
             partials = self._partials(i, first)
@@ -284,8 +284,6 @@ class Executor:
         # Face's padding_idx, the lookups of the pad token add nothing to its row; a tied head's gradient
         # of that row stays
         hidden = cfg.hidden_size
-        if embed_partials is None:  # (no layers)
-            embed_partials = self._partials("embed", first)
         g_embed = g_head if tied else torch.zeros((cfg.vocab_size, hidden), dtype=torch.float32, device=dev)
         pad = cfg.pad_token_id if cfg.pad_token_id is not None and 0 <= cfg.pad_token_id < cfg.vocab_size else None
         pad_row = g_embed[pad].clone() if pad is not None else None

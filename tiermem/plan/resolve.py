@@ -59,16 +59,23 @@ def on_cuda(cfg: StoreConfig) -> bool:
     return compute_device(cfg).type == "cuda"
 
 
+def arena_pinned(cfg: StoreConfig) -> bool:
+    """Whether the arena is registered with CUDA: ``tiers.dram.pin``, or (auto) when the store computes on
+    a CUDA device."""
+    pin = cfg.tiers.dram.pin
+    return on_cuda(cfg) if pin == "auto" else pin == "true"
+
+
 def resolve_auto(cfg: StoreConfig, role: Role = "embedded") -> StoreConfig:
     """A copy of ``cfg`` with every ``auto`` above decided for ``role`` on this machine."""
     c = copy.deepcopy(cfg)
     c.tiers.gpu.device = str(compute_device(c))
     cuda = c.tiers.gpu.device.startswith("cuda")
-    if role == "service":
+    if role == "service":  # (a service always pins with a GPU: its trainer's copies read the arena)
         c.tiers.gpu.slots = 0
         c.tiers.gpu.budget = 0
-        c.tiers.dram.pin = "true" if cuda else "false"
-    elif c.tiers.dram.pin == "auto":
+        c.tiers.dram.pin = "auto"
+    if c.tiers.dram.pin == "auto":  # (as arena_pinned, on the device just decided)
         c.tiers.dram.pin = "true" if cuda else "false"
     if c.optimizer.gpu_share is None:
         c.optimizer.gpu_share = (SERVICE_GPU_SHARE if role == "service" else EMBEDDED_GPU_SHARE) if cuda else 0.0

@@ -25,7 +25,7 @@ from tiermem.config import KINDS, TIERS, StoreConfig
 from tiermem.errors import BudgetError
 from tiermem.futures import all_of, done_future, then
 from tiermem.plan.placement import Plan, make_plan
-from tiermem.plan.resolve import compute_device
+from tiermem.plan.resolve import arena_pinned, compute_device
 from tiermem.sizes import align_up, format_size
 from tiermem.store.catalog import Catalog, Entry, Group, TensorSpec
 from tiermem.tiers.dram import DramArena
@@ -66,10 +66,9 @@ class Store:
         self.cfg, self.plan = cfg, plan
         self.name = cfg.store_name()
         self.catalog = Catalog()
-        t = cfg.tiers
         device = compute_device(cfg)
         if pin is None:
-            pin = device.type == "cuda" if t.dram.pin == "auto" else t.dram.pin == "true"
+            pin = arena_pinned(cfg)
         self.gpu = self.dram = self.nvme = None
         if tiers is not None:
             self.gpu, self.dram, self.nvme = tiers
@@ -394,10 +393,8 @@ class Store:
         """Make ``extent`` (written by ``write_elsewhere``) the tensor's home and free the old one (``free``
         False: the old place is the tiers' owner's to free)."""
         e = self.catalog[name]
-        old, e.extent, e.valid = e.extent, extent, True
-        self._offered.pop((e.spec.group, e.spec.kind), None)
-        if free:
-            self.tier(e.tier).free(old)
+        self.rehome(name, Location(e.tier, extent, e.spec.nbytes), free)
+        e.valid = True
 
     def mark_valid(self, group: Group, kind: str) -> None:
         """Declare the bytes of a group's resident tensors valid after writing them through views in place."""
