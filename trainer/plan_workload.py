@@ -1,0 +1,123 @@
+"""A run's step as the planner sees it (``tiermem.plan.workload.Workload``): the compute of each group and
+the activations a pass keeps, for this model at this batch shape.
+
+On a CUDA device one decoder layer and the loss are timed at the run's micro-batch shape (random weights,
+a few seconds; the working set measured beside); elsewhere the compute is estimated from the FLOPs and the
+machine's figure, and the memory from the shapes. The trainer corrects the compute from the first steps.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tiermem.plan.machine import Machine
+from tiermem.plan.workload import Workload
+from trainer.model.config import ModelConfig
+from trainer.model.layers import decoder_layer, head_loss_backward, rope_tables
+from trainer.model.weights import init_weight, layer_weights
+
+
+def layer_flops(cfg: ModelConfig, seq: int) -> float:
+    """FLOPs of one layer's forward per token at sequence length ``seq`` (matmuls + causal attention)."""
+    return 2.0 * cfg.layer_params() + 2.0 * seq * cfg.q_size
+
+
+def head_flops(cfg: ModelConfig) -> float:
+    """FLOPs of the loss per token: the LM head's forward and backward."""
+    return 6.0 * cfg.hidden_size * cfg.vocab_size
+
+
+def build(cfg: ModelConfig, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, machine: Machine,
+          device: torch.device, loss_chunk: int, time_it: bool = True) -> Workload:
+    """The workload of steps of ``micro_batches`` micro-batches of ``rows`` x ``seq`` tokens."""
+    tokens = rows * seq * micro_batches
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    boundary = (cfg.num_layers + 1) * cfg.hidden_size * itemsize
+    layer_p = cfg.layer_params()
+    head_p = cfg.vocab_size * cfg.hidden_size
+    # the fp32 accumulator of a layer's gradient and its partial sum read back; the loss's and the
+    # embedding's fp32 gradients (vocab x hidden each) at the end of the backward
+    grads = 8 * layer_p + 2 * 4 * head_p
+    timed = None
+    small = layer_p < 50_000_000 and head_p < 50_000_000  # cheap to time on a CPU
+    if time_it and (device.type == "cuda" or small) and head_p * itemsize < (8 << 30):
+        try:
+            timed = _time(cfg, dtype, rows, seq, device, loss_chunk)
+        except torch.OutOfMemoryError:
+            timed = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if timed is not None:
+        f_mb, b_mb, h_mb, work = timed
+        fwd_l, bwd_l, head = f_mb * micro_batches, b_mb * micro_batches, h_mb * micro_batches
+        how = f"timed on {device.type}: one layer and the loss at {rows}x{seq} tokens"
+    else:
+        rate = machine.gpu_tflops
+        f = layer_flops(cfg, seq) * tokens / rate
+        fwd_l, bwd_l, head = f, 3 * f, head_flops(cfg) * tokens / rate
+        # a layer's backward keeps about 14 hidden-sized and 4 intermediate-sized tensors per token
+        work = rows * seq * (14 * cfg.hidden_size + 4 * cfg.intermediate_size) * itemsize \
+            + rows * min(seq, loss_chunk) * cfg.vocab_size * 4 * 2
+        how = f"estimated from FLOPs at {rate / 1e12:.0f} TFLOP/s ({machine.source})"
+    fwd = {i: fwd_l for i in range(cfg.num_layers)}
+    bwd = {i: bwd_l for i in range(cfg.num_layers)}
+    fwd["head"], bwd["head"] = head / 3, 2 * head / 3
+    fwd["embed"], bwd["embed"] = 0.0, 0.0
+    return Workload(list(range(cfg.num_layers)), "embed", "head", fwd, bwd, tokens, micro_batches, boundary,
+                    int(work + grads), 6.0 * cfg.num_params(), cfg.tie_word_embeddings, how)
+
+
+def _time(cfg: ModelConfig, dtype: torch.dtype, rows: int, seq: int, device: torch.device, loss_chunk: int):
+    """Seconds of one micro-batch's layer forward, layer backward with recompute, and loss with its
+    backward, and the bytes of GPU memory they need beyond their inputs."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    w = {lw.local: init_weight(lw, cfg, gen, device).to(dtype) for lw in layer_weights(cfg, 0)}
+    rope = rope_tables(cfg, seq, device, dtype)
+    x = torch.randn(rows, seq, cfg.hidden_size, device=device, dtype=dtype)
+    cuda = device.type == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def fwd():
+        with torch.no_grad():
+            decoder_layer(w, x, rope, cfg)
+
+    def bwd():
+        xl = x.detach().requires_grad_()
+        leaves = {k: t.detach().requires_grad_() for k, t in w.items()}
+        with torch.enable_grad():
+            y = decoder_layer(leaves, xl, rope, cfg)
+            outs = torch.autograd.grad(y, [xl, *leaves.values()], torch.ones_like(y))
+        return [g.float() for g in outs[1:]]
+
+    def timed(fn, reps: int = 3) -> float:
+        fn()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        return (time.perf_counter() - t0) / reps
+
+    if cuda:
+        sync()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    t_f = timed(fwd)
+    t_b = timed(bwd)
+    work = torch.cuda.max_memory_allocated(device) - base if cuda else 0
+    head_w = (torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype, generator=gen) * 0.02)
+    norm_w = torch.ones(cfg.hidden_size, device=device, dtype=dtype)
+    targets = torch.randint(0, cfg.vocab_size, (rows, seq), device=device, generator=gen)
+    h = x[:, :, :]
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    t_h = timed(lambda: head_loss_backward(h, targets, norm_w, head_w, cfg.rms_norm_eps, 1.0, loss_chunk), 2)
+    if cuda:
+        work = max(work, torch.cuda.max_memory_allocated(device) - base)
+    return t_f, t_b, t_h, work
