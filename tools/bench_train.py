@@ -1,16 +1,17 @@
-"""Benchmark: streamed training (tiermem, every piece of state in DRAM) against plain PyTorch on the GPU.
+"""Benchmark: streamed training (tiermem, placed by the planner) against plain PyTorch on the GPU.
 
-    python tools/bench_train.py [--batch 4] [--accum 1] [--seq 4096] [--steps 5] [--layers 28] [--passes 1]
-                                [--json FILE]
+    python tools/bench_train.py [--shape 3b] [--batch 4] [--accum 1] [--seq 4096] [--steps 5] [--layers N]
+                                [--placement auto|dram] [--probe FILE] [--passes N] [--json FILE]
 
-Both train a random-init Llama-3B shape (hidden 3072, 28 layers, intermediate 8192, 24 heads, 8 KV heads,
-vocab 128256, untied: 3.6 B params) in bf16 on random tokens, in the same process:
+Both train a random-init Llama shape (3b: hidden 3072, 28 layers, intermediate 8192, 24 heads, 8 KV heads,
+vocab 128256, untied: 3.6 B params; 8b: Llama-3.1-8B's) in bf16 on random tokens, in the same process:
 
 - plain PyTorch: the model in HBM with fp32 weights, bf16 autocast, activation checkpointing
   (transformers' gradient checkpointing), fused AdamW on the GPU; ``accum`` micro-batches of ``batch``
   rows a step;
-- tiermem: the trainer's executor over a store whose placement puts param, grad, master and both
-  moments in the DRAM arena; the same micro-batches a step; CPU AdamW in the store.
+- tiermem: the trainer's executor over a store placed by the planner (``--placement auto``, as
+  ``tiermem-train`` places it: its predicted step is printed beside the measured one), or with every kind
+  in the DRAM arena (``--placement dram``); the same micro-batches a step.
 
 Prints step time, tokens/s, TFLOP/s (6 N tokens), peak HBM and tiermem's step split (compute / GPU
 waiting on transfers / GPU waiting on the optimizer), and the ratio tiermem / plain. The first
@@ -35,6 +36,8 @@ SHAPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
          "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                           "original_max_position_embeddings": 8192},
          "tie_word_embeddings": False, "hidden_act": "silu", "initializer_range": 0.02}
+SHAPES = {"3b": SHAPE,
+          "8b": dict(SHAPE, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32)}
 
 
 def batches(args, vocab: int, step: int):
@@ -82,6 +85,7 @@ def run_plain(args, raw: dict) -> dict:
 def run_tiermem(args, raw: dict, model_dir: Path) -> dict:
     from tiermem.optim import AdamWConfig, StoreAdamW
     from tiermem.store.store import Store
+    from trainer import run_plan
     from trainer.executor import Executor
     from trainer.model.config import load_model_config
     from trainer.model.weights import all_weights, group_order
@@ -89,18 +93,29 @@ def run_tiermem(args, raw: dict, model_dir: Path) -> dict:
     from trainer.weights_io import init_weights
 
     mcfg = load_model_config(model_dir)
-    scfg = store_config({"placement": {k: "dram" for k in ("param", "grad", "master", "exp_avg", "exp_avg_sq")},
-                         "tiers": {"gpu": {"slots": args.slots}},
-                         "optimizer": {"gpu_share": args.gpu_share}})
+    data = {"tiers": {"gpu": {"slots": args.slots}}, "optimizer": {"gpu_share": args.gpu_share}}
+    if args.placement == "dram":
+        data["placement"] = {k: "dram" for k in ("param", "grad", "master", "exp_avg", "exp_avg_sq")}
+    scfg = store_config(data)
+    plan, t_plan = None, 0.0
+    if args.placement == "auto":
+        t0 = time.perf_counter()
+        machine = run_plan.machine_for(scfg, torch.device("cuda"), args.probe)
+        plan = run_plan.make(mcfg, torch.bfloat16, scfg, run_plan.Shape(args.batch, args.seq, args.accum), machine,
+                             torch.device("cuda"), args.loss_chunk)
+        t_plan = time.perf_counter() - t0
+        for line in run_plan.lines(plan):
+            print(line, flush=True)
     t0 = time.perf_counter()
-    store = Store.open(scfg, state_specs(mcfg, torch.bfloat16), streamed_kinds=("param",))
+    store = Store.open(scfg, state_specs(mcfg, torch.bfloat16), streamed_kinds=("param",), plan=plan)
     t_open = time.perf_counter() - t0
     init_weights(store, mcfg, {"param": torch.bfloat16, "master": torch.float32}, 0, torch.device("cuda"))
     t_init = time.perf_counter() - t0 - t_open
+    on_gpu = plan.gpu_updates if plan is not None and args.gpu_share == "auto" else None
     opt = StoreAdamW(store, group_order(mcfg), {w.name: w.decay for w in all_weights(mcfg)}, AdamWConfig(),
-                     has_master=True)
-    budget = None  # --passes N: an activation budget that holds ceil(accum / N) micro-batches' boundaries
-    if args.passes > 1:
+                     has_master=True, on_gpu=on_gpu)
+    budget = plan.activation_budget if plan is not None else None
+    if args.passes > 1:  # --passes N: an activation budget that holds ceil(accum / N) micro-batches' boundaries
         per_mb = (mcfg.num_layers + 1) * mcfg.hidden_size * 2 * args.batch * args.seq
         budget = per_mb * -(-args.accum // args.passes)
     ex = Executor(store, mcfg, torch.bfloat16, opt, 1.0, args.loss_chunk, budget)
@@ -132,7 +147,9 @@ def run_tiermem(args, raw: dict, model_dir: Path) -> dict:
             "optimizer_split": opt.last_split, "optimizer_threads": opt.threads, "gpu_share": opt.gpu_share,
             "store_open_s": t_open, "init_s": t_init, "links": stats.get("links"), "passes": ex.last_passes,
             "losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
-            "gradient_partials_wait_s": stats.get("waits_s", {}).get("gradient_partials", 0.0) / total}
+            "gradient_partials_wait_s": stats.get("waits_s", {}).get("gradient_partials", 0.0) / total,
+            "plan_s": t_plan, "predicted_s": plan.prediction.step if plan is not None else None,
+            "predicted": plan.prediction.to_json() if plan is not None else None}
 
 
 def main() -> None:
@@ -142,18 +159,24 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="3b")
+    ap.add_argument("--layers", type=int, help="decoder layers (default: the shape's)")
+    ap.add_argument("--placement", choices=["auto", "dram"], default="auto",
+                    help="tiermem: the planner's placement (auto, as tiermem-train) or every kind in DRAM")
+    ap.add_argument("--probe", help="a `tiermem probe --save` file for the planner (default: a quick probe)")
     ap.add_argument("--slots", type=int, default=3)
     ap.add_argument("--loss-chunk", type=int, default=4096)
     ap.add_argument("--gpu-share", default="auto", help="tiermem optimizer.gpu_share (auto, or 0..1)")
-    ap.add_argument("--passes", type=int, default=1,
+    ap.add_argument("--passes", type=int, default=0,
                     help="tiermem: run each step as this many layer-major passes (partial gradients in DRAM between)")
     ap.add_argument("--only", choices=["plain", "tiermem"])
     ap.add_argument("--json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_train needs a CUDA GPU")
-    raw = dict(SHAPE, num_hidden_layers=args.layers)
+    raw = dict(SHAPES[args.shape])
+    if args.layers:
+        raw["num_hidden_layers"] = args.layers
     d = Path(tempfile.mkdtemp(prefix="tiermem-bench-"))
     (d / "config.json").write_text(json.dumps(raw))
     from trainer.model.config import model_config_from_dict
@@ -172,7 +195,7 @@ def main() -> None:
             r["tflops"] = 6 * n_params * tokens / r["step_s"] / 1e12
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1, default=str))
-    print(f"Llama-3B shape ({n_params / 1e9:.2f} B params, {args.layers} layers), bf16, "
+    print(f"Llama-{args.shape.upper()} shape ({n_params / 1e9:.2f} B params, {raw['num_hidden_layers']} layers), bf16, "
           f"{args.accum}x{args.batch}x{args.seq} = {tokens} tokens/step")
     print(f"{'':10} {'s/step':>8} {'tok/s':>9} {'TFLOP/s':>8} {'peak HBM':>9}  split")
     for k in ("plain", "tiermem"):
@@ -196,6 +219,9 @@ def main() -> None:
         print("tiermem waits by phase (s/step): " + "; ".join(
             f"{ph} transfer {w['transfer']:.3f} optimizer {w['optimizer']:.3f}"
             for ph, w in res["tiermem"]["waits_by_phase"].items()))
+        if t["predicted_s"]:
+            print(f"tiermem predicted step {t['predicted_s']:.3f} s (planned in {t['plan_s']:.1f} s): measured / "
+                  f"predicted {t['step_s'] / t['predicted_s']:.3f}")
     if "plain" in res and "tiermem" in res:
         t = res["tiermem"]
         print(f"ratio tiermem/plain tokens/s: {t['tokens_per_s'] / res['plain']['tokens_per_s']:.3f}; "

@@ -268,7 +268,7 @@ NAMES = {"gpu": "GPU compute", "gpu_adamw": "GPU AdamW", "h2d": "PCIe to the GPU
 
 def _bound(step: float, busy: dict, wait_opt: float, wait_xfer: float) -> str:
     top = max(busy, key=lambda r: busy[r])
-    if busy["gpu"] >= 0.9 * step:
+    if busy["gpu"] + busy["gpu_adamw"] >= 0.9 * step:  # the GPU: its compute (and its share of the update)
         return "gpu"
     if busy[top] >= 0.9 * step:
         return top
