@@ -49,10 +49,13 @@ def build(cfg: ModelConfig, dtype: torch.dtype, rows: int, seq: int, micro_batch
             timed = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    embed_bwd = 0.0
     if timed is not None:
-        f_mb, b_mb, h_mb, work = timed
-        fwd_l, bwd_l, head = f_mb * micro_batches, b_mb * micro_batches, h_mb * micro_batches
-        how = f"timed on {device.type}: one layer and the loss at {rows}x{seq} tokens"
+        f_mb, b_mb, h_mb, g_step, e_step, work = timed
+        fwd_l, bwd_l, head = f_mb * micro_batches, b_mb * micro_batches + g_step, h_mb * micro_batches
+        embed_bwd = e_step
+        how = (f"timed on {device.type}: one layer, its gradient's handling, the loss and the embedding's "
+               f"gradient at {rows}x{seq} tokens")
     else:
         rate = machine.gpu_tflops
         f = layer_flops(cfg, seq) * tokens / rate
@@ -64,14 +67,16 @@ def build(cfg: ModelConfig, dtype: torch.dtype, rows: int, seq: int, micro_batch
     fwd = {i: fwd_l for i in range(cfg.num_layers)}
     bwd = {i: bwd_l for i in range(cfg.num_layers)}
     fwd["head"], bwd["head"] = head / 3, 2 * head / 3
-    fwd["embed"], bwd["embed"] = 0.0, 0.0
+    fwd["embed"], bwd["embed"] = 0.0, embed_bwd
     return Workload(list(range(cfg.num_layers)), "embed", "head", fwd, bwd, tokens, micro_batches, boundary,
                     int(work + grads), 6.0 * cfg.num_params(), cfg.tie_word_embeddings, how)
 
 
 def _time(cfg: ModelConfig, dtype: torch.dtype, rows: int, seq: int, device: torch.device, loss_chunk: int):
-    """Seconds of one micro-batch's layer forward, layer backward with recompute, and loss with its
-    backward, and the bytes of GPU memory they need beyond their inputs."""
+    """Seconds of one micro-batch's layer forward, layer backward with recompute (its gradient cast to fp32
+    and added up), and loss with its backward; of a layer's gradient handled once a step (its squared norm,
+    its copy home) and of the embedding's gradient; and the bytes of GPU memory they need beyond their
+    inputs. As the executor runs them (trainer.executor)."""
     gen = torch.Generator(device=device).manual_seed(0)
     w = {lw.local: init_weight(lw, cfg, gen, device).to(dtype) for lw in layer_weights(cfg, 0)}
     rope = rope_tables(cfg, seq, device, dtype)
@@ -86,13 +91,22 @@ def _time(cfg: ModelConfig, dtype: torch.dtype, rows: int, seq: int, device: tor
         with torch.no_grad():
             decoder_layer(w, x, rope, cfg)
 
+    acc = {k: torch.zeros(t.shape, dtype=torch.float32, device=device) for k, t in w.items()}
+    home = {k: torch.empty_like(a) for k, a in acc.items()}
+
     def bwd():
         xl = x.detach().requires_grad_()
         leaves = {k: t.detach().requires_grad_() for k, t in w.items()}
         with torch.enable_grad():
             y = decoder_layer(leaves, xl, rope, cfg)
             outs = torch.autograd.grad(y, [xl, *leaves.values()], torch.ones_like(y))
-        return [g.float() for g in outs[1:]]
+        for a, g in zip(acc.values(), outs[1:]):
+            a.add_(g)
+
+    def grad_step():
+        sum(a.pow(2).sum() for a in acc.values())
+        for k, a in acc.items():
+            home[k].copy_(a)
 
     def timed(fn, reps: int = 3) -> float:
         fn()
@@ -109,7 +123,17 @@ def _time(cfg: ModelConfig, dtype: torch.dtype, rows: int, seq: int, device: tor
         base = torch.cuda.memory_allocated(device)
     t_f = timed(fwd)
     t_b = timed(bwd)
+    t_g = timed(grad_step)
     work = torch.cuda.max_memory_allocated(device) - base if cuda else 0
+    ids = torch.randint(0, cfg.vocab_size, (rows * seq,), device=device, generator=gen)
+    gy = torch.randn(rows * seq, cfg.hidden_size, device=device, dtype=dtype, generator=gen)
+
+    def embed_grad():
+        g = torch.zeros((cfg.vocab_size, cfg.hidden_size), dtype=torch.float32, device=device)
+        g.index_add_(0, ids, gy.float())
+        g.pow(2).sum()
+
+    t_e = timed(embed_grad, 2)
     head_w = (torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype, generator=gen) * 0.02)
     norm_w = torch.ones(cfg.hidden_size, device=device, dtype=dtype)
     targets = torch.randint(0, cfg.vocab_size, (rows, seq), device=device, generator=gen)
@@ -120,4 +144,4 @@ def _time(cfg: ModelConfig, dtype: torch.dtype, rows: int, seq: int, device: tor
     t_h = timed(lambda: head_loss_backward(h, targets, norm_w, head_w, cfg.rms_norm_eps, 1.0, loss_chunk), 2)
     if cuda:
         work = max(work, torch.cuda.max_memory_allocated(device) - base)
-    return t_f, t_b, t_h, work
+    return t_f, t_b, t_h, t_g, t_e, work
