@@ -73,7 +73,7 @@ def preview(tmp_path, model_dir, capsys, n=10, **cfg) -> list[dict]:
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(conf))
     capsys.readouterr()
-    assert main([str(path), "--preview", str(n)]) == 0
+    assert main([str(path), "--preview", str(n), "--ids"]) == 0
     return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
 
 

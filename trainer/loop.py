@@ -418,15 +418,6 @@ def prepare_data(cfg: TrainConfig, mcfg, model_dir: Path, console: Console):
     return rows, eval_rows
 
 
-def preview(cfg: TrainConfig, n: int) -> None:
-    """``--preview N``: the first N processed training rows (file order) as JSON lines on stdout."""
-    model_dir = Path(cfg.model_name_or_path)
-    mcfg = model_config(model_dir)
-    rows = load_rows(cfg.dataset, cfg, mcfg, model_dir)
-    for ids, labels in list(zip(rows.input_ids, rows.labels))[:n]:
-        print(json.dumps({"input_ids": ids, "labels": ids if labels is None else labels}))
-
-
 def show_example(rows: Rows, model_dir: Path, say) -> None:
     """Print the first training example decoded, and the part of it that is trained (as LLaMA-Factory does)."""
     if not (Path(model_dir) / "tokenizer.json").is_file():
