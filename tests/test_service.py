@@ -451,7 +451,7 @@ def test_top_and_stats_over_the_socket(env):
         assert snap["run"]["optimizer"]["gpu_share"] == 0.5 and snap["run"]["optimizer"]["committed"] == 3
         assert snap["run"]["step"] == 3 and snap["run"]["loss"] > 0
         prom = cli("stats", "--prometheus").stdout
-        assert 'tiermem_tier_used_bytes{tier="nvme",kind="exp_avg"}' in prom, prom
+        assert 'tiermem_tier_used_bytes{kind="exp_avg",tier="nvme"}' in prom, prom
         assert "tiermem_train_step 3" in prom, prom
         # the trainer's own stats file leaves the shared tiers' free space to the service
         own = json.loads((env.tmp / "run" / "tiermem_stats.json").read_text())["store"]["tiers"]

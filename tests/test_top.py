@@ -11,7 +11,8 @@ import yaml
 from rich.console import Console
 
 from tiermem.cli.main import main as tiermem_main
-from tiermem.cli.top import ceilings, predict, prometheus, render
+from tiermem.cli.metrics import prometheus
+from tiermem.cli.top import ceilings, predict, render
 
 GOLDEN = Path(__file__).parent / "golden" / "top_frame.txt"
 MiB = 1 << 20
@@ -74,9 +75,23 @@ def test_prometheus_text_is_well_formed():
     sample = re.compile(r'^tiermem_[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? -?[0-9.e+-]+$')
     for line in text.splitlines():
         assert line.startswith("# HELP tiermem_") or line.startswith("# TYPE tiermem_") or sample.match(line), line
-    assert 'tiermem_tier_used_bytes{tier="nvme",kind="exp_avg"} 134217728' in text
-    assert "tiermem_train_step 30" in text
-    assert 'tiermem_train_predicted_step_s{bound="compute"} 1.1' in text
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if not line.startswith("#")}
+    assert values['tiermem_tier_used_bytes{kind="exp_avg",tier="nvme"}'] == 134217728
+    assert values["tiermem_train_step"] == 30
+    assert values['tiermem_train_predicted_step_seconds{bound="compute"}'] == 1.1
+    assert values['tiermem_link_bytes_per_second{link="dram->gpu"}'] == 51.2e9  # base units: bytes, not GB
+    assert values['tiermem_link_bytes_total{link="dram->gpu"}'] == 10 * 1024 * MiB
+    assert values["tiermem_train_eta_seconds"] == 95.0 and values["tiermem_train_finished"] == 0
+    assert "# TYPE tiermem_link_bytes_total counter" in text
+    assert "# HELP tiermem_tier_capacity_bytes bytes the tier holds" in text
+    names = {k.split("{")[0] for k in values}
+    assert not any(n.endswith(("_s", "_gbps_now")) for n in names), names
+
+
+def test_prometheus_label_values_are_escaped():
+    snap = {"store": {"waits_s": {'a "quoted"\\name': 1.0}}}
+    assert 'tiermem_wait_seconds_total{what="a \\"quoted\\"\\\\name"} 1.0' in prometheus(snap)
 
 
 def test_top_and_stats_follow_a_real_run(tmp_path, capsys):
