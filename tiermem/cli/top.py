@@ -82,6 +82,12 @@ def _hms(seconds) -> str:
     return str(timedelta(seconds=int(seconds))) if seconds is not None else "-"
 
 
+def _alive(pid) -> bool:
+    import psutil
+
+    return isinstance(pid, int) and psutil.pid_exists(pid)
+
+
 def predict(snap: dict, ceiling: dict[str, float] | None = None) -> dict | None:
     """The step time if transfers and the optimizer overlapped the GPU's compute perfectly: the largest
     of the last step's compute, each link's bytes of a step at its probed ceiling (else at its own
@@ -110,10 +116,15 @@ def render(snap: dict, ceiling: dict[str, float] | None = None):
     parts = []
     step, total = run.get("step"), run.get("total_steps")
     head = Text(f"tiermem top — {store.get('store', '?')} (pid {snap.get('pid', '?')})", style="bold")
-    if total:
+    if total and run.get("finished"):
+        head.append(f"   finished: step {step or 0}/{total}, train_loss {run.get('train_loss', float('nan')):.4f}, "
+                    f"trained in {_hms(run.get('train_runtime'))}")
+    elif total:
         layer = run.get("layer")
         head.append(f"   step {step or 0}/{total} ({(step or 0) / total:.0%})   phase {run.get('phase', '-')}"
                     + (f", layer {layer}" if layer is not None else "") + f"   ETA {_hms(run.get('eta_s'))}")
+        if "service" not in snap and not _alive(snap.get("pid")):
+            head.append(f"   stopped: pid {snap.get('pid')} is gone before the run finished", style="red")
     parts.append(head)
     svc = snap.get("service")
     if svc is not None:
