@@ -28,6 +28,7 @@ from tiermem.sizes import format_size
 from tiermem.store.stats import StatsFile
 from tiermem.store.store import Store
 from trainer import checkpoint as ckpt
+from trainer import hf_outputs as hf
 from trainer.config import TrainConfig, resolved
 from trainer.data.batches import StepPlan, collate
 from trainer.data.prepare import Rows, load_rows, split_eval
@@ -37,8 +38,10 @@ from trainer.model.config import ModelConfigError, load_model_config
 from trainer.model.weights import all_weights, group_order
 from trainer.report import Reporter, plot_loss
 from trainer.schedule import lr_factor, warmup_steps
-from trainer.state import state_specs, store_config
+from trainer.state import check_placement, state_specs, store_config
+from trainer.tensorboard import open_writer
 from trainer.weights_io import check_weight_files, export_model, import_weights, init_weights
+from trainer.when import eval_due, save_due, saves
 
 
 @dataclass
@@ -96,15 +99,19 @@ def prepare(cfg: TrainConfig, console: Console, say) -> Job:
             import matplotlib  # noqa: F401
         except ImportError:
             raise ConfigError("plot_loss: true needs matplotlib (pip install matplotlib)") from None
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    if not cfg.tiermem_server:  # the placement under the budgets, before any data is read
+        check_placement(store_config(cfg.tiermem), state_specs(mcfg, dtype))
+    for note in cfg.notes:
+        say(note)
     torch.manual_seed(cfg.seed)
     rows, eval_rows = prepare_data(cfg, mcfg, model_dir, console)
     show_example(rows, model_dir, say)
     plan = StepPlan(len(rows), cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps, cfg.seed)
     total = plan.total_steps(cfg.num_train_epochs, cfg.max_steps)
     warmup = warmup_steps(total, cfg.warmup_steps, cfg.warmup_ratio)
-    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     job = Job(cfg, mcfg, model_dir, out, rows, eval_rows, plan, total, warmup, dtype, resume)
-    if (eval_rows is not None or cfg.eval_steps is not None) and cfg.eval_strategy == "no":
+    if (eval_rows is not None or cfg.eval_steps is not None) and cfg.eval_strategy == "no" and not cfg.do_eval:
         say("note: evaluation data or eval_steps is set but eval_strategy is no: no evaluation will run")
     if cfg.template is not None and all(e.formatting == "tokenized" for e in resolve(cfg.dataset, cfg.dataset_dir)):
         say(f"note: template '{cfg.template}' is not used: tokenized datasets come rendered already")
@@ -154,8 +161,7 @@ def load_weights(job: Job, session: Session, console: Console, say) -> int:
         adv = lambda n: bar.advance(task, n)
         if job.resume is not None:
             start = ckpt.load(store, job.resume, job.mcfg, job.dtype, cfg.bf16, adv)
-            state = json.loads((job.resume / "trainer_state.json").read_text())
-            ckpt.set_rng_state(state.get("rng", {}))
+            ckpt.set_rng_state(ckpt.tiermem_state(job.resume).get("rng", {}))
         elif cfg.tiermem_init == "random":
             init_weights(store, job.mcfg, kinds, cfg.seed, store.gpu.device, adv)
         else:
@@ -172,14 +178,18 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
     store, optimizer, n_params = session.store, session.optimizer, job.n_params
     rows, dtype, model_dir = job.rows, job.dtype, job.model_dir
     scfg = store.cfg
-    executor = saver = stats = None
+    executor = saver = stats = tb = None
     try:
         out.mkdir(parents=True, exist_ok=True)
         ckpt.remove_partial(out)
         budget = activation_budget(cfg, store)
-        (out / "training_args.yaml").write_text(yaml.safe_dump(resolved(cfg, scfg, budget), sort_keys=False))
+        tb = open_writer(cfg, out)  # report_to: tensorboard (sets cfg.logging_dir to where it writes)
+        (out / "training_args.yaml").write_text(yaml.safe_dump(resolved(cfg, scfg, budget, store), sort_keys=False))
         executor = Executor(store, mcfg, dtype, optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens, budget)
-        report = Reporter(out, total, n_params, say, resume_step=start)
+        report = Reporter(out, total, n_params, say, resume_step=start, sink=tb.record if tb else None,
+                          first_step=cfg.logging_first_step)
+        saved: dict[int, str] = {}  # checkpoints written, for trainer_state.json's best_model_checkpoint
+        last_eval = None  # (step, loss, seconds) of the latest evaluation
 
         def live() -> dict:
             opt = {"last_update_s": optimizer.last_step_seconds, "split": optimizer.last_split,
@@ -188,7 +198,7 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                         tflops=6 * n_params * report.live.get("tokens_per_s", 0.0) / 1e12)
 
         stats = StatsFile(out / "tiermem_stats.json", store, live, sink=session.progress_sink)
-        if cfg.save_steps:
+        if saves(cfg):
             saver = ckpt.Saver(store, mcfg, out, model_dir, dtype, cfg.bf16, cfg.save_only_model,
                                cfg.save_total_limit, say)
             optimizer.set_gate(saver.gate)
@@ -230,30 +240,53 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                 report.live["link_bytes_per_step"] = {k: n - link_bytes.get(k, 0) for k, n in now.items()
                                                       if n > link_bytes.get(k, 0)}
                 link_bytes = now
-                if saver is not None and (step + 1) % cfg.save_steps == 0:
+                done, per_epoch = step + 1, plan.steps_per_epoch
+                if eval_due(cfg, done, per_epoch, total):  # (before the save: its trainer_state holds it)
+                    t_eval = time.perf_counter()
+                    loss = evaluate(executor, job.eval_rows, cfg, mcfg, done)
+                    last_eval = (done, loss, time.perf_counter() - t_eval)
+                    report.eval(done, loss, plan.epoch_of(done), time.perf_counter() - t0)
+                if saver is not None and save_due(cfg, done, per_epoch, total):
                     session.refresh_layout()
-                    saver.begin(step + 1, {"global_step": step + 1, "epoch": plan.epoch_of(step + 1),
-                                           "total_steps": total, "rng": ckpt.rng_state(),
-                                           "config": resolved(cfg, scfg, budget)})
-                if cfg.eval_strategy == "steps" and (step + 1) % cfg.eval_steps == 0:
-                    loss = evaluate(executor, job.eval_rows, cfg, mcfg, step + 1)
-                    report.eval(step + 1, loss, plan.epoch_of(step + 1), time.perf_counter() - t0)
+                    saved[done] = str(out / f"checkpoint-{done}")
+                    own = {"global_step": done, "epoch": plan.epoch_of(done), "total_steps": total,
+                           "rng": ckpt.rng_state(), "config": resolved(cfg, scfg, budget, store)}
+                    hf_state = hf.trainer_state(cfg, hf.log_rows(out, done), done, total, plan.epoch_of(done),
+                                                per_epoch, n_params, checkpoints=saved)
+                    saver.begin(done, {"trainer_state.json": hf_state, "tiermem_state.json": own})
                 bar.advance(task)
             optimizer.wait()
             if saver is not None:
                 saver.wait()
         runtime = time.perf_counter() - t0
+        final_eval = None
+        if cfg.do_eval:  # (HF: trainer.evaluate() after training; the last step's when it was just evaluated)
+            if last_eval is None or last_eval[0] != total:
+                t_eval = time.perf_counter()
+                loss = evaluate(executor, job.eval_rows, cfg, mcfg, total)
+                last_eval = (total, loss, time.perf_counter() - t_eval)
+                report.eval(total, loss, plan.epoch_of(total), time.perf_counter() - t0)
+            final_eval = hf.eval_metrics(last_eval[1], last_eval[2], len(job.eval_rows),
+                                         -(-len(job.eval_rows) // cfg.per_device_eval_batch_size),
+                                         plan.epoch_of(total), cfg.stage)
         session.refresh_layout()
         with _bar(console) as bar:
             task = bar.add_task("exporting", total=n_params)
             export_model(store, mcfg, out, "master" if cfg.bf16 else "param", dtype, model_dir,
                          lambda n: bar.advance(task, n))
         results = report.results(plan.epoch_of(total), runtime, max(total - start, 1), rows_seen)
+        hf.save_metrics(out, "train", results)
+        if final_eval is not None:
+            hf.save_metrics(out, "eval", final_eval)
+        hf.write_state(out / "trainer_state.json",
+                       hf.trainer_state(cfg, hf.log_rows(out), total, total, plan.epoch_of(total),
+                                        plan.steps_per_epoch, n_params, final=results, checkpoints=saved))
         if cfg.plot_loss:
             plot_loss(out, report.losses)
             if report.eval_losses:
                 plot_loss(out, report.eval_losses, "eval_loss")
         (out / "store_stats.json").write_text(json.dumps(store.stats(), indent=1, default=str) + "\n")
+        report.live.update(finished=True, train_loss=results["train_loss"], train_runtime=runtime, eta_s=0.0)
         stats.close()
         stats = None
         session.finished()
@@ -269,6 +302,8 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
             stats.close()
         if executor is not None:
             executor.close()
+        if tb is not None:
+            tb.close()
 
 
 def model_config(model_dir: Path):

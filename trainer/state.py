@@ -9,6 +9,7 @@ import copy
 import torch
 
 from tiermem.config import MOMENTS, StoreConfig, load_store_config
+from tiermem.plan.placement import make_plan
 from tiermem.plan.resolve import resolve_auto
 from tiermem.schema import read_yaml
 from tiermem.store.catalog import TensorSpec, state_name
@@ -30,6 +31,12 @@ def store_config(value) -> StoreConfig:
             tiers[key] = {}
     tiers["dram"].setdefault("path", "anonymous")
     return resolve_auto(load_store_config(data, str(value) if isinstance(value, str) else "tiermem"), "embedded")
+
+
+def check_placement(cfg: StoreConfig, specs: list[TensorSpec]) -> None:
+    """Plan ``specs`` under ``cfg``'s budgets as an embedded run's store will (nothing is allocated): a
+    placement that does not fit is refused (BudgetError) before any data is read."""
+    make_plan(specs, cfg, streamed_kinds=("param",))
 
 
 def state_specs(model_cfg, dtype: torch.dtype) -> list[TensorSpec]:
