@@ -67,6 +67,11 @@ def test_every_problem_is_reported_in_one_run(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_dram_budget_beyond_the_machine_is_refused(tmp_path):
+    with pytest.raises(Exception, match=r"tiers.dram.budget 1024.0 TiB is larger than this machine's memory"):
+        load_train_config(_write(tmp_path, tiermem={"tiers": {"dram": {"budget": "1024TiB"}}}))
+
+
 def test_train_from_scratch_and_do_eval_are_taken(tmp_path):
     cfg = load_train_config(_write(tmp_path, train_from_scratch=True, val_size=2, eval_strategy="epoch"))
     assert cfg.tiermem_init == "random" and cfg.do_eval is True

@@ -122,7 +122,11 @@ def test_placement_over_budget(good, capsys):
     cfg, run, tmp = good
     cfg = dict(cfg, tiermem={"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "100KiB"}},
                              "placement": {k: "dram" for k in ("param", "grad", "exp_avg", "exp_avg_sq")}})
-    _expect_error(capsys, tmp, run(cfg), "placement does not fit", "raise tiers.dram.budget")
+    rc = run(cfg)
+    out, err = capsys.readouterr()
+    assert rc == 2 and err.count("\n") == 1 and "placement does not fit" in err and "raise tiers.dram.budget" in err
+    assert out == "", "the placement is checked before any data is read or anything printed"
+    assert not (tmp / "out").exists()
 
 
 def test_not_yet_supported_keys_say_so(good, capsys):

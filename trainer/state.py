@@ -13,6 +13,7 @@ from tiermem.plan.placement import make_plan
 from tiermem.plan.resolve import resolve_auto
 from tiermem.schema import read_yaml
 from tiermem.store.catalog import TensorSpec, state_name
+from tiermem.tiers.dram import check_budget
 from trainer.model.weights import all_weights
 
 
@@ -30,7 +31,9 @@ def store_config(value) -> StoreConfig:
         if tiers.get(key) is None:
             tiers[key] = {}
     tiers["dram"].setdefault("path", "anonymous")
-    return resolve_auto(load_store_config(data, str(value) if isinstance(value, str) else "tiermem"), "embedded")
+    cfg = load_store_config(data, str(value) if isinstance(value, str) else "tiermem")
+    check_budget(cfg.tiers.dram.budget, cfg.tiers.dram.path)
+    return resolve_auto(cfg, "embedded")
 
 
 def check_placement(cfg: StoreConfig, specs: list[TensorSpec]) -> None:
