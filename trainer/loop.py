@@ -439,7 +439,8 @@ def prepare_data(cfg: TrainConfig, mcfg, model_dir: Path, console: Console):
     def load(names: str, what: str) -> Rows:
         with _bar(console) as bar:
             task = bar.add_task(f"tokenizing {what}", total=None)
-            rows = load_rows(names, cfg, mcfg, model_dir, lambda n: bar.advance(task, n))
+            rows = load_rows(names, cfg, mcfg, model_dir, lambda n: bar.advance(task, n),
+                             lambda text: bar.update(task, description=f"tokenizing {what} ({text})"))
         say(f"{what}: {len(rows)} rows from {', '.join(rows.sources)}"
             + (" (from the cache)" if rows.from_cache else "")
             + (f"; {rows.dropped} dropped with nothing to predict" if rows.dropped else "")
