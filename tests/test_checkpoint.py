@@ -40,6 +40,7 @@ def weights(out: Path) -> dict:
     return load_file(out / "model.safetensors")
 
 
+@pytest.mark.slow
 def test_stop_and_resume_is_bit_identical_even_when_killed_inside_a_save(setup):
     write, tmp = setup
     assert main([str(write("straight"))]) == 0

@@ -27,6 +27,8 @@ from tests.tiny_models import tiny_run
 from tiermem.service import protocol
 from trainer.cli import main
 
+pytestmark = pytest.mark.slow  # services in subprocesses: `pytest -m "not slow"` skips them
+
 ROOT = Path(__file__).resolve().parent.parent
 PLACEMENT = {"param": "dram", "grad": "dram", "master": "dram", "exp_avg": "nvme", "exp_avg_sq": "dram"}
 DRAM = dict.fromkeys(PLACEMENT, "dram")

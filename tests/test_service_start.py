@@ -14,6 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.procs import ROOT, child_env
@@ -42,6 +43,7 @@ def test_config_is_checked_against_the_machine(tmp_path, capsys):
         assert not list((tmp_path / "shm").iterdir()) and not sock.exists(), "nothing was made"
 
 
+@pytest.mark.slow
 def test_metrics_port_serves_prometheus_text(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -39,6 +39,7 @@ def test_quickstart_trains_and_saves(tmp_path, capsys, monkeypatch):
     assert "step 40/40 | loss" in printed and "tok/s" in printed and "wait transfer" in printed
 
 
+@pytest.mark.slow
 def test_console_script_reports_a_user_error_in_one_line(tmp_path):
     exe = shutil.which("tiermem-train", path=os.path.dirname(sys.executable)) or shutil.which("tiermem-train")
     cmd = [exe] if exe else [sys.executable, "-m", "trainer.cli"]
