@@ -709,9 +709,18 @@ def test_journal_replay_keeps_the_begun_group_while_another_finishes(tmp_path):
 
 
 def test_the_bundled_service_configs_load():
+    """They load; on a machine without CUDA, one that names a CUDA device is refused at start, in one line."""
+    import torch
+
+    from tiermem.errors import ConfigError
     from tiermem.service.config import service_config
 
     for path in sorted((ROOT / "configs" / "tiermem").glob("*.yaml")):
+        if "cuda" in str(yaml.safe_load(path.read_text())["tiers"]["gpu"]["device"]) and \
+                not torch.cuda.is_available():
+            with pytest.raises(ConfigError, match=f"^{path}: tiers.gpu.device: cuda, but this machine has no CUDA"):
+                service_config(str(path))
+            continue
         cfg = service_config(str(path))
         assert cfg.tiers.dram.path != "anonymous" and cfg.name, path
 

@@ -7,6 +7,7 @@ and exits with code 2; nothing is written to output_dir.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from tiermem.errors import UserError
@@ -62,7 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.keys:
-        print_keys()
+        try:
+            print_keys()
+        except BrokenPipeError:  # (piped into head): the rest is not wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     if args.config is None:
         parser.error("the training YAML is required (tiermem-train CONFIG [key=value ...]; --keys lists the keys)")

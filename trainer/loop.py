@@ -330,7 +330,8 @@ def _checked_resume(cfg: TrainConfig, out: Path, mcfg, model_dir: Path, named: d
 NOT_IDENTITY = {"logging_steps", "save_steps", "save_only_model", "save_total_limit", "plot_loss", "report_to",
                 "overwrite_output_dir", "overwrite_cache", "preprocessing_num_workers", "tiermem_server",
                 "tiermem_cache_dir", "resume_from_checkpoint", "eval_strategy", "eval_steps",
-                "per_device_eval_batch_size", "eval_dataset"}
+                "per_device_eval_batch_size", "eval_dataset", "save_strategy", "logging_first_step", "logging_dir",
+                "do_eval", "metric_for_best_model"}
 
 
 def run_identity(cfg: TrainConfig, mcfg, dtype: torch.dtype, rows: Rows) -> str:
