@@ -191,7 +191,7 @@ KEYS: dict[str, Answer] = {
             "eval_accumulation_steps", "eval_do_concat_batches", "include_for_metrics", "include_inputs_for_metrics",
             "batch_eval_metrics", "use_legacy_prediction_loop", "past_index", "jit_mode_eval"),
     **_noop("evaluation runs at eval_strategy's steps and at the end", "eval_on_start", "eval_delay",
-            ok=(0, 0.0)),
+            ok=(False, 0, 0.0)),
     **_refuse("prediction is not supported: tiermem-train trains (and evaluates)", "do_predict"),
     **_refuse(HUB, "push_to_hub"),
     **_noop(HUB, "hub_token", "hub_private_repo", "hub_model_id", "hub_strategy", "hub_always_push",
