@@ -184,9 +184,9 @@ def test_damaged_checkpoint_files_are_refused_before_resuming(setup, capsys, dam
     if damage == "trainer_state":
         (ck / "trainer_state.json").write_text("{garbled")
     elif damage == "rng":
-        st = json.loads((ck / "trainer_state.json").read_text())
+        st = json.loads((ck / "tiermem_state.json").read_text())
         st["rng"] = {"torch": "not a state"}
-        (ck / "trainer_state.json").write_text(json.dumps(st))
+        (ck / "tiermem_state.json").write_text(json.dumps(st))
     else:
         (ck / "state.zarr" / "master" / "zarr.json").write_text("{garbled")
     before = {p: p.read_bytes() for p in ck.rglob("*") if p.is_file()}

@@ -40,6 +40,7 @@ def weights(out: Path) -> dict:
     return load_file(out / "model.safetensors")
 
 
+@pytest.mark.slow
 def test_stop_and_resume_is_bit_identical_even_when_killed_inside_a_save(setup):
     write, tmp = setup
     assert main([str(write("straight"))]) == 0
@@ -72,6 +73,13 @@ def test_stop_and_resume_is_bit_identical_even_when_killed_inside_a_save(setup):
     assert [r["current_steps"] for r in log] == [1, 2, 3, 4, 5, 6]
     straight_log = [json.loads(line) for line in (tmp / "straight" / "trainer_log.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in log] == [r["loss"] for r in straight_log]
+    # train_loss is the mean over the whole run, the steps before the resume included
+    results = [json.loads((d / "train_results.json").read_text()) for d in (out, tmp / "straight")]
+    assert results[0]["train_loss"] == pytest.approx(results[1]["train_loss"], rel=1e-12)
+    assert results[0]["train_loss"] == pytest.approx(sum(r["loss"] for r in straight_log) / 6, rel=1e-12)
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert [h["step"] for h in state["log_history"] if "loss" in h] == [1, 2, 3, 4, 5, 6]
+    assert state["global_step"] == 6 and state["log_history"][-1]["train_loss"] == results[0]["train_loss"]
 
 
 def test_checkpoint_contents_limit_and_model_only(setup):
@@ -80,15 +88,17 @@ def test_checkpoint_contents_limit_and_model_only(setup):
     out = tmp / "run"
     assert [p.name for p in sorted(out.glob("checkpoint-*"))] == ["checkpoint-4", "checkpoint-6"]
     ck = out / "checkpoint-6"
-    for f in ("model.safetensors", "config.json", "trainer_state.json", "checkpoint.json", "state.zarr/zarr.json"):
+    for f in ("model.safetensors", "config.json", "trainer_state.json", "tiermem_state.json", "checkpoint.json",
+              "state.zarr/zarr.json"):
         assert (ck / f).is_file(), f
     assert weights(ck).keys() == weights(out).keys()
     for n, t in weights(ck).items():  # the last checkpoint holds the final weights
         assert (t == weights(out)[n]).all()
     shards = [p for p in (ck / "state.zarr").rglob("*") if p.is_file() and p.name != "zarr.json"]
     assert len(shards) == 3  # one shard file per kind (master, exp_avg, exp_avg_sq), not one per tensor
-    state = json.loads((ck / "trainer_state.json").read_text())
+    state = json.loads((ck / "tiermem_state.json").read_text())
     assert state["global_step"] == 6 and state["config"]["save_steps"] == 2
+    assert json.loads((ck / "trainer_state.json").read_text())["global_step"] == 6  # Hugging Face's
 
     assert main([str(write("light", save_steps=3, save_only_model=True))]) == 0
     light = tmp / "light" / "checkpoint-3"

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 
@@ -13,6 +14,7 @@ def run(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "tiermem.cli", *args], capture_output=True, text=True, cwd=cwd)
 
 
+@pytest.mark.slow
 def test_probe_json(tmp_path):
     disk = tmp_path / "new"  # created, as tiers.nvme.path is when its parent exists
     r = run("probe", "--size", "4MiB", "--reps", "1", "--json", "--save", str(tmp_path / "p.json"),
@@ -29,6 +31,7 @@ def test_probe_json(tmp_path):
     assert disk.is_dir() and not list(disk.glob("*.nvme"))  # the probe cleans up
 
 
+@pytest.mark.slow
 def test_bad_input_exits_2(tmp_path):
     (tmp_path / "c.yaml").write_text("not a directory")
     for args in (["probe", "--size", "lots"], ["probe", "--nvme-path", str(tmp_path / "no" / "parent")],

@@ -76,5 +76,5 @@ def test_yaml_bools_read_as_the_words_they_were():
     assert load_dataclass(TrainConfig, dict(base, eval_strategy=False)).eval_strategy == "no"
     assert load_store_config({"tiers": {"dram": {"pin": True}}}).tiers.dram.pin == "true"
     assert load_store_config({"tiers": {"dram": {"pin": False}}}).tiers.dram.pin == "false"
-    with pytest.raises(ConfigError, match="eval_strategy: True is not one of no, steps"):
+    with pytest.raises(ConfigError, match="eval_strategy: True is not one of no, steps, epoch"):
         load_dataclass(TrainConfig, dict(base, eval_strategy=True))

@@ -73,7 +73,7 @@ def preview(tmp_path, model_dir, capsys, n=10, **cfg) -> list[dict]:
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(conf))
     capsys.readouterr()
-    assert main([str(path), "--preview", str(n)]) == 0
+    assert main([str(path), "--preview", str(n), "--ids"]) == 0
     return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
 
 
@@ -237,12 +237,31 @@ def test_cache_reuses_and_invalidates(tmp_path, model_dir, capsys, monkeypatch):
     assert len(builds) == 4
 
 
-def test_workers_give_the_same_rows(tmp_path, model_dir, capsys):
+def test_workers_give_the_same_rows(tmp_path, model_dir, capsys, monkeypatch):
+    import trainer.data.prepare as prep
+
     write_data(tmp_path / "data", "chat", [{"conversations": CHAT}] * 300, {"formatting": "sharegpt"})
     one = preview(tmp_path, model_dir, capsys, n=300, dataset="chat", template="llama3")
+    chosen = []
+    monkeypatch.setattr(prep, "WORKER_START_SECONDS", 0.0)  # a pool for so little work: the pool's path
+    monkeypatch.setattr(prep.os, "sched_getaffinity", lambda pid: {0, 1})
+    real = prep.useful_workers
+    monkeypatch.setattr(prep, "useful_workers", lambda n, s: chosen.append(real(n, s)) or chosen[-1])
     two = preview(tmp_path, model_dir, capsys, n=300, dataset="chat", template="llama3", preprocessing_num_workers=2,
                   overwrite_cache=True)
-    assert one == two and len(one) == 300
+    assert one == two and len(one) == 300 and chosen == [2]
+
+
+def test_workers_only_where_they_help(monkeypatch):
+    import trainer.data.prepare as prep
+
+    monkeypatch.setattr(prep.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    start = prep.WORKER_START_SECONDS
+    assert prep.useful_workers(16, 0.5) == 1, "a pool's start would cost more than the work"
+    assert prep.useful_workers(16, 1.2 * start) == 1, "4 workers: start + 0.3 start > 1.2 start"
+    assert prep.useful_workers(16, 1.5 * start) == 4, "4 workers: start + 0.375 start < 1.5 start; no more: cores"
+    assert prep.useful_workers(2, 1.5 * start) == 1, "2 workers: start + 0.75 start > 1.5 start"
+    assert prep.useful_workers(3, 100 * start) == 3, "no more than asked for"
 
 
 def _error(tmp_path, model_dir, capsys, **cfg) -> str:

@@ -27,6 +27,8 @@ from tests.tiny_models import tiny_run
 from tiermem.service import protocol
 from trainer.cli import main
 
+pytestmark = pytest.mark.slow  # services in subprocesses: `pytest -m "not slow"` skips them
+
 ROOT = Path(__file__).resolve().parent.parent
 PLACEMENT = {"param": "dram", "grad": "dram", "master": "dram", "exp_avg": "nvme", "exp_avg_sq": "dram"}
 DRAM = dict.fromkeys(PLACEMENT, "dram")
@@ -451,7 +453,7 @@ def test_top_and_stats_over_the_socket(env):
         assert snap["run"]["optimizer"]["gpu_share"] == 0.5 and snap["run"]["optimizer"]["committed"] == 3
         assert snap["run"]["step"] == 3 and snap["run"]["loss"] > 0
         prom = cli("stats", "--prometheus").stdout
-        assert 'tiermem_tier_used_bytes{tier="nvme",kind="exp_avg"}' in prom, prom
+        assert 'tiermem_tier_used_bytes{kind="exp_avg",tier="nvme"}' in prom, prom
         assert "tiermem_train_step 3" in prom, prom
         # the trainer's own stats file leaves the shared tiers' free space to the service
         own = json.loads((env.tmp / "run" / "tiermem_stats.json").read_text())["store"]["tiers"]
@@ -707,9 +709,18 @@ def test_journal_replay_keeps_the_begun_group_while_another_finishes(tmp_path):
 
 
 def test_the_bundled_service_configs_load():
+    """They load; on a machine without CUDA, one that names a CUDA device is refused at start, in one line."""
+    import torch
+
+    from tiermem.errors import ConfigError
     from tiermem.service.config import service_config
 
     for path in sorted((ROOT / "configs" / "tiermem").glob("*.yaml")):
+        if "cuda" in str(yaml.safe_load(path.read_text())["tiers"]["gpu"]["device"]) and \
+                not torch.cuda.is_available():
+            with pytest.raises(ConfigError, match=f"^{path}: tiers.gpu.device: cuda, but this machine has no CUDA"):
+                service_config(str(path))
+            continue
         cfg = service_config(str(path))
         assert cfg.tiers.dram.path != "anonymous" and cfg.name, path
 

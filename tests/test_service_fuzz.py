@@ -10,11 +10,14 @@ import random
 import socket
 import struct
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.test_service import _frame, env, same  # noqa: F401 - the fixture
 from tiermem.service import protocol
+
+pytestmark = pytest.mark.slow  # services in subprocesses: `pytest -m "not slow"` skips them
 
 OPS = ["hello", "init", "commit", "alloc", "flip", "layout", "progress", "finish", "stats", "stop"]
 FIELDS = ["run", "step", "group", "label", "specs", "optim", "live", "store", "places", "lr", "grad_scale",

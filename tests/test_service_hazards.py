@@ -18,6 +18,8 @@ from tests.procs import child_env
 from tests.test_service import ROOT, _exchange, _frame, _unit_service, _wait_for_steps, env, ok, same  # noqa: F401
 from tiermem.service import protocol
 
+pytestmark = pytest.mark.slow  # services in subprocesses: `pytest -m "not slow"` skips them
+
 
 def _tiermem(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """`tiermem ARGS` in a subprocess; one that is still running after ``timeout`` is killed (a second

@@ -11,7 +11,8 @@ import yaml
 from rich.console import Console
 
 from tiermem.cli.main import main as tiermem_main
-from tiermem.cli.top import ceilings, predict, prometheus, render
+from tiermem.cli.metrics import prometheus
+from tiermem.cli.top import ceilings, predict, render
 
 GOLDEN = Path(__file__).parent / "golden" / "top_frame.txt"
 MiB = 1 << 20
@@ -52,11 +53,21 @@ def frame(snapshot, probe=None) -> str:
     return console.export_text()
 
 
-def test_frame_matches_the_golden_text(tmp_path):
+def test_frame_matches_the_golden_text(tmp_path, monkeypatch):
+    monkeypatch.setattr("tiermem.cli.top._alive", lambda pid: pid == 4242)  # the run is alive
     (tmp_path / "probe.json").write_text(json.dumps(PROBE))
     ceiling = ceilings(tmp_path / "probe.json")
     assert ceiling == {"dram->gpu": 55.13, "gpu->dram": 55.05, "nvme->dram": 1.82}
     assert frame(SNAPSHOT, ceiling) == GOLDEN.read_text()
+
+
+def test_a_finished_run_says_so_and_a_dead_one_says_it_stopped():
+    done = {**SNAPSHOT, "run": {**SNAPSHOT["run"], "step": 120, "finished": True, "train_loss": 1.23456,
+                                "train_runtime": 3725.0, "phase": "evaluation"}}
+    head = frame(done).splitlines()[0]
+    assert "finished: step 120/120, train_loss 1.2346, trained in 1:02:05" in head and "phase" not in head, head
+    dead = {**SNAPSHOT, "pid": 2**22 + 12345}  # no such process (above the kernel's pid_max default)
+    assert "stopped: pid 4206649 is gone before the run finished" in " ".join(frame(dead).split())
 
 
 def test_predicted_step_time_is_the_largest_part():
@@ -74,9 +85,23 @@ def test_prometheus_text_is_well_formed():
     sample = re.compile(r'^tiermem_[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? -?[0-9.e+-]+$')
     for line in text.splitlines():
         assert line.startswith("# HELP tiermem_") or line.startswith("# TYPE tiermem_") or sample.match(line), line
-    assert 'tiermem_tier_used_bytes{tier="nvme",kind="exp_avg"} 134217728' in text
-    assert "tiermem_train_step 30" in text
-    assert 'tiermem_train_predicted_step_s{bound="compute"} 1.1' in text
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if not line.startswith("#")}
+    assert values['tiermem_tier_used_bytes{kind="exp_avg",tier="nvme"}'] == 134217728
+    assert values["tiermem_train_step"] == 30
+    assert values['tiermem_train_predicted_step_seconds{bound="compute"}'] == 1.1
+    assert values['tiermem_link_bytes_per_second{link="dram->gpu"}'] == 51.2e9  # base units: bytes, not GB
+    assert values['tiermem_link_bytes_total{link="dram->gpu"}'] == 10 * 1024 * MiB
+    assert values["tiermem_train_eta_seconds"] == 95.0 and values["tiermem_train_finished"] == 0
+    assert "# TYPE tiermem_link_bytes_total counter" in text
+    assert "# HELP tiermem_tier_capacity_bytes bytes the tier holds" in text
+    names = {k.split("{")[0] for k in values}
+    assert not any(n.endswith(("_s", "_gbps_now")) for n in names), names
+
+
+def test_prometheus_label_values_are_escaped():
+    snap = {"store": {"waits_s": {'a "quoted"\\name': 1.0}}}
+    assert 'tiermem_wait_seconds_total{what="a \\"quoted\\"\\\\name"} 1.0' in prometheus(snap)
 
 
 def test_top_and_stats_follow_a_real_run(tmp_path, capsys):
@@ -93,11 +118,13 @@ def test_top_and_stats_follow_a_real_run(tmp_path, capsys):
     capsys.readouterr()
     assert tiermem_main(["top", "--run", str(tmp_path / "out"), "--once"]) == 0
     shown = capsys.readouterr().out
-    assert "step 3/3 (100%)" in shown and "dram->gpu" in shown and "loss" in shown
+    assert "finished: step 3/3, train_loss " in shown and "phase" not in shown, shown
+    assert "dram->gpu" in shown and "loss" in shown
     assert "predicted" in shown and "at full overlap" in shown
     assert tiermem_main(["stats", "--run", str(tmp_path / "out"), "--json"]) == 0
     snap = json.loads(capsys.readouterr().out)
     assert snap["run"]["step"] == 3 and set(snap["store"]["tiers"]) >= {"gpu", "dram"}
+    assert snap["run"]["finished"] is True and snap["run"]["eta_s"] == 0.0
 
 
 def test_bad_input(tmp_path, capsys):

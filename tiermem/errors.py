@@ -20,6 +20,14 @@ class ConfigError(UserError):
     """The configuration is malformed or inconsistent."""
 
 
+class ConfigProblems(ConfigError):
+    """Several problems of one config, found in one pass: each is one line (the message joins them)."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("\n".join(problems))
+        self.problems = list(problems)
+
+
 class BudgetError(UserError):
     """A placement does not fit under the tier budgets."""
 

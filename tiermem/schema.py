@@ -93,8 +93,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     raise TypeError(f"unsupported config field type {_describe(tp)} at {where}")
 
 
-def load_dataclass(cls: type, data: dict[str, Any], where: str = "") -> Any:
-    """Build ``cls`` from ``data``, checking keys and types; ``where`` prefixes error messages."""
+def load_dataclass(cls: type, data: dict[str, Any], where: str = "", problems: list[str] | None = None) -> Any:
+    """Build ``cls`` from ``data``, checking keys and types; ``where`` prefixes error messages.
+
+    With a ``problems`` list, every bad key is appended to it (and left at its default) instead of raising
+    at the first; the result is None when a required key is missing."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where or cls.__name__}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
@@ -102,18 +105,27 @@ def load_dataclass(cls: type, data: dict[str, Any], where: str = "") -> Any:
     kwargs = {}
     for key, value in data.items():
         path = f"{where}.{key}" if where else str(key)
-        if key not in fields:
-            raise ConfigError(f"unknown config key '{path}'{nearest(str(key), list(fields))}")
-        convert = fields[key].metadata.get("convert")
-        kwargs[key] = convert(value, path) if convert and value is not None else _coerce(value, hints[key], path)
-    try:
-        return cls(**kwargs)
-    except TypeError as e:  # a required field is missing
-        missing = [n for n, f in fields.items() if n not in kwargs
-                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-        if missing:
-            raise ConfigError(f"{where or cls.__name__}: missing required key '{missing[0]}'") from e
-        raise
+        try:
+            if key not in fields:
+                raise ConfigError(f"unknown config key '{path}'{nearest(str(key), list(fields))}")
+            convert = fields[key].metadata.get("convert")
+            kwargs[key] = convert(value, path) if convert and value is not None else _coerce(value, hints[key], path)
+        except ConfigError as e:
+            if problems is None:
+                raise
+            problems.append(str(e))
+    missing = [n for n, f in fields.items() if n not in kwargs and n not in data
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        message = f"{where or cls.__name__}: missing required key '{missing[0]}'"
+        if problems is None:
+            raise ConfigError(message)
+        problems.extend(f"{where or cls.__name__}: missing required key '{m}'" for m in missing)
+        return None
+    if problems is not None and any(n not in kwargs for n in data if n in fields and fields[n].default is
+                                    dataclasses.MISSING and fields[n].default_factory is dataclasses.MISSING):
+        return None  # a required key of a bad type
+    return cls(**kwargs)
 
 
 def read_yaml(path, what: str = "config file") -> dict:

@@ -112,7 +112,7 @@ def main() -> None:
         saver = ckpt.Saver(store, mcfg, d, model_dir, torch.bfloat16, True, False, None,
                            lambda s: print(s, flush=True), checksums=checksums)
         t0 = time.perf_counter()
-        saver.begin(1, {"global_step": 1})
+        saver.begin(1, {"trainer_state.json": {"global_step": 1}})
         last = saver.wait()
         t_save = time.perf_counter() - t0
         path = d / "checkpoint-1"

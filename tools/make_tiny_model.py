@@ -40,7 +40,7 @@ def main() -> None:
         "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 4, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
         "hidden_act": "silu", "initializer_range": 0.02, "tie_word_embeddings": False,
-        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+        "bos_token_id": 1, "eos_token_id": 2, "dtype": "float32",
     }
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     print(f"wrote {out} (vocab {tok.get_vocab_size()})")

@@ -4,7 +4,8 @@ the model in Hugging Face format; written while training goes on, visible only w
     checkpoint-N/
       model*.safetensors (+ index), config.json, tokenizer files   # loads for inference
       state.zarr/          master weights and both Adam moments, fp32 (tiermem.store.checkpoint)
-      trainer_state.json   step, epoch, RNG state, the resolved config
+      trainer_state.json   Hugging Face's TrainerState as of step N (trainer.hf_outputs)
+      tiermem_state.json   step, epoch, RNG state, the resolved config
       checkpoint.json      written last: format, step, the model's tensor shapes, the tokenizer's digest,
                            every file with its size and (but the state's shard files, whose data carries
                            its own CRC32C per shard) its CRC32C: resume checks them all before training on
@@ -108,10 +109,12 @@ def check(path: str | Path, mcfg, model_dir) -> dict:
             raise ConfigError(f"{path} is damaged: {rel} has {f.stat().st_size} bytes, {rec['size']} were "
                               f"written{hint}")
     verify(path, manifest, large=False)
-    try:
-        json.loads((path / "trainer_state.json").read_text())
-    except (OSError, ValueError):
-        raise ConfigError(f"{path} is damaged: trainer_state.json is not readable JSON{hint}") from None
+    for name in ("trainer_state.json", "tiermem_state.json"):
+        try:
+            if name == "trainer_state.json" or (path / name).exists():
+                json.loads((path / name).read_text())
+        except (OSError, ValueError):
+            raise ConfigError(f"{path} is damaged: {name} is not readable JSON{hint}") from None
     return manifest
 
 
@@ -203,6 +206,7 @@ class Saver:
         self.groups = group_order(mcfg)
         self.weights = {g: [w for w in all_weights(mcfg) if w.group == g] for g in self.groups}
         self._step: int | None = None
+        self._stopping = False
         self._released: dict = {}
         self._threads: list[threading.Thread] = []
         self._error: BaseException | None = None
@@ -225,8 +229,10 @@ class Saver:
         return dt
 
     # -- a save ----------------------------------------------------------------------------------------
-    def begin(self, step: int, trainer_state: dict) -> None:
-        """Save the state after update ``step`` (which may still be running)."""
+    def begin(self, step: int, states: dict[str, dict]) -> None:
+        """Save the state after update ``step`` (which may still be running), with the JSON files ``states``
+        (file name -> content: trainer_state.json, tiermem_state.json). "saved checkpoint-N" is said when the
+        checkpoint is complete."""
         self.wait()
         self._error = None
         self._abort.clear()
@@ -239,7 +245,7 @@ class Saver:
         room = threading.Semaphore(self._budget_mib)  # MiB of copies waiting for the writer
         tmp = self.out / f".checkpoint-{step}.tmp-{os.getpid()}"
         reader = threading.Thread(target=self._read, args=(step, q, room), name="tiermem-save-read", daemon=True)
-        writer = threading.Thread(target=self._write, args=(step, tmp, q, room, trainer_state),
+        writer = threading.Thread(target=self._write, args=(step, tmp, q, room, states),
                                   name="tiermem-save-write", daemon=True)
         self._threads = [reader, writer]
         reader.start()
@@ -277,7 +283,7 @@ class Saver:
             except TimeoutError:
                 continue
 
-    def _write(self, step: int, tmp: Path, q: queue.Queue, room: threading.Semaphore, trainer_state: dict) -> None:
+    def _write(self, step: int, tmp: Path, q: queue.Queue, room: threading.Semaphore, states: dict) -> None:
         slow = HOOKS.slow_save  # tests: make a kill land inside a save
         try:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -305,7 +311,8 @@ class Saver:
             model.close()
             if state is not None:
                 state.close()
-            (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1) + "\n")
+            for name, content in states.items():
+                (tmp / name).write_text(json.dumps(content, indent=1) + "\n")
             files = {}
             for p in sorted(tmp.rglob("*")):
                 if p.is_file():  # (the state's shard files carry a CRC32C per shard in their metadata)
@@ -328,6 +335,7 @@ class Saver:
             seconds = time.perf_counter() - self._t0
             self.last = {"step": step, "seconds": seconds, "paused": self.paused - self._paused0,
                          "bytes": sum(f["size"] for f in files.values())}
+            self._announce(step)
         except BaseException as e:  # noqa: BLE001 - reported by wait()
             self._error = self._error or e
             shutil.rmtree(tmp, ignore_errors=True)
@@ -345,16 +353,15 @@ class Saver:
         store can close under neither."""
         if not self._threads:
             return
+        self._stopping = True  # a save completing now says so
         reader, writer = self._threads
         if reader.is_alive():
             self._abort.set()
         reader.join()
         writer.join()
         self._threads = []
-        step, self._step = self._step, None
-        if self._error is None and self.last.get("step") == step:
-            self.say(f"saved checkpoint-{step} before stopping")
-        self._error = None
+        self._step, self._error = None, None
+        self._stopping = False
 
     def wait(self) -> dict:
         """Finish the save in progress; raise its failure as a one-line error."""
@@ -367,15 +374,24 @@ class Saver:
             if isinstance(e, OSError):
                 raise StorageError(f"saving checkpoint-{step} failed ({e}); the previous checkpoints are intact")
             raise e
-        if step is not None and self.last.get("step") == step:
-            gb = self.last["bytes"] / 1e9
-            self.say(f"saved checkpoint-{step}: {gb:.2f} GB in {self.last['seconds']:.1f} s "
-                     f"({gb / max(self.last['seconds'], 1e-9):.2f} GB/s); training paused {self.last['paused']:.2f} s")
         return self.last
+
+    def _announce(self, step: int) -> None:
+        """The line that says checkpoint-``step`` is complete (from the writer, as it completes)."""
+        gb, when = self.last["bytes"] / 1e9, " before stopping" if self._stopping else ""
+        self.say(f"saved checkpoint-{step}{when}: {gb:.2f} GB in {self.last['seconds']:.1f} s "
+                 f"({gb / max(self.last['seconds'], 1e-9):.2f} GB/s); training paused {self.last['paused']:.2f} s")
 
 
 class _Abandoned(Exception):
     """A save given up because training stopped while it still read the store."""
+
+
+def tiermem_state(path: Path) -> dict:
+    """A checkpoint's own state (step, epoch, RNG state, config): tiermem_state.json, or trainer_state.json
+    in checkpoints written before that file."""
+    own = Path(path) / "tiermem_state.json"
+    return json.loads((own if own.is_file() else Path(path) / "trainer_state.json").read_text())
 
 
 def rng_state() -> dict:

@@ -1,7 +1,7 @@
-"""``tiermem-train CONFIG [key=value ...]``: train a model as a LLaMA-Factory-style YAML describes.
+"""`tiermem-train CONFIG [key=value ...]`: train a model as a LLaMA-Factory-style YAML describes.
 
-A user mistake (bad config, missing file, bad data row, placement over budget) prints one line and
-exits with code 2; nothing is written to output_dir.
+A user mistake (bad config, missing file, bad data row, placement over budget) prints one line per problem
+and exits with code 2; nothing is written to output_dir.
 """
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ import os
 import sys
 
 from tiermem.errors import UserError
+
+EPILOG = ("The YAML takes LLaMA-Factory's keys (and Hugging Face TrainingArguments') with their meanings; "
+          "`tiermem-train --keys` lists every key and what tiermem does with it. README.md has the details.")
 
 
 def _user_error(e: BaseException) -> UserError | None:
@@ -26,23 +29,65 @@ def _user_error(e: BaseException) -> UserError | None:
 ALLOC_CONF = "expandable_segments:True"
 
 
+def build_parser() -> argparse.ArgumentParser:
+    from tiermem import __version__
+
+    parser = argparse.ArgumentParser(prog="tiermem-train", description=__doc__.split("\n\n")[0].replace("`", ""),
+                                     epilog=EPILOG)
+    parser.add_argument("config", nargs="?", help="training YAML (LLaMA-Factory keys)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="optional overrides of the YAML's keys (values read as YAML), e.g. learning_rate=2e-5 "
+                             "or tiermem.tiers.dram.budget=64GiB")
+    parser.add_argument("--preview", type=int, metavar="N",
+                        help="print the first N processed training examples (ids and decoded text) and exit")
+    parser.add_argument("--ids", action="store_true",
+                        help="with --preview: print only the ids, one JSON line per example")
+    parser.add_argument("--keys", action="store_true",
+                        help="list every key the YAML may hold: taken, accepted without effect, or refused, and why")
+    parser.add_argument("--version", action="version", version=f"tiermem-train {__version__}")
+    return parser
+
+
+def print_keys() -> None:
+    """``--keys``: tiermem's own keys with their defaults, then every other known key and its answer."""
+    import dataclasses
+
+    from trainer.config import TrainConfig
+    from trainer.config_keys import KEYS, describe
+
+    print("taken (the meaning LLaMA-Factory and Hugging Face give them; README.md has the table):")
+    for f in dataclasses.fields(TrainConfig):
+        default = "required" if f.default is dataclasses.MISSING else f"default {f.default!r}"
+        print(f"  {f.name}: {default}")
+    print("known, with the answer tiermem gives them:")
+    for key in sorted(KEYS):
+        print(f"  {key}: {describe(key)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)  # (read at the first CUDA allocation)
-    parser = argparse.ArgumentParser(prog="tiermem-train", description=__doc__.split("\n\n")[0])
-    parser.add_argument("config", help="training YAML (LLaMA-Factory keys)")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. learning_rate=2e-5")
-    parser.add_argument("--preview", type=int, metavar="N",
-                        help="print the first N processed training examples as JSON lines and exit")
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.keys:
+        try:
+            print_keys()
+        except BrokenPipeError:  # (piped into head): the rest is not wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    if args.config is None:
+        parser.error("the training YAML is required (tiermem-train CONFIG [key=value ...]; --keys lists the keys)")
+    if args.ids and args.preview is None:
+        parser.error("--ids goes with --preview N")
     try:
         from tiermem.faults import install_from_env
         from trainer.config import load_train_config
-        from trainer.loop import preview, run
+        from trainer.loop import run
+        from trainer.preview import preview
 
         install_from_env()
         cfg = load_train_config(args.config, args.overrides)
         if args.preview is not None:
-            preview(cfg, args.preview)
+            preview(cfg, args.preview, ids_only=args.ids)
         else:
             run(cfg)
         return 0
@@ -53,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         err = _user_error(e)
         if err is None:
             raise
-        print(f"tiermem-train: error: {err}", file=sys.stderr)
+        for line in getattr(err, "problems", None) or [str(err)]:
+            print(f"tiermem-train: error: {line}", file=sys.stderr)
         return err.exit_code
 
 

@@ -3,13 +3,16 @@
     tiermem-train my.yaml learning_rate=2e-5 tiermem.tiers.dram.budget=64GiB
 
 ``load_train_config`` reads the YAML, applies ``key=value`` overrides (values parsed as YAML; dotted
-keys reach into the inline ``tiermem`` mapping), checks every key and type, and resolves defaults.
-Unknown keys are an error naming the nearest valid key; LLaMA-Factory keys this trainer does not use are
-an error saying why.
+keys reach into the inline ``tiermem`` mapping), checks every key and type, and resolves defaults. Every
+LLaMA-Factory and Hugging Face key gets one of three answers (``trainer.config_keys``): taken, accepted
+without effect (a ``note:`` line), or refused with the reason. An unknown key is an error naming the
+nearest known one. Every problem of a config is reported at once (``ConfigProblems``), before anything
+else happens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,26 +20,12 @@ from typing import Any, Literal
 
 import yaml
 
-from tiermem.errors import ConfigError
+from tiermem.errors import ConfigError, ConfigProblems, nearest
 from tiermem.schema import load_dataclass, read_yaml, to_plain
+from trainer.config_keys import KEYS, REFUSED_VALUES
 
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
-
-# LLaMA-Factory / Hugging Face keys that tiermem recognises but does not take, and why.
-NOT_TAKEN = {
-    "deepspeed": "tiermem replaces DeepSpeed offload; remove the key",
-    "fsdp": "tiermem trains on one GPU without FSDP; remove the key",
-    "fp16": "fp16 training is not supported; use bf16: true or bf16: false (fp32)",
-    "lora_rank": "only finetuning_type: full is supported",
-    "lora_target": "only finetuning_type: full is supported",
-    "quantization_bit": "quantized training is not supported",
-    "do_eval": "evaluation during training is set by eval_strategy: steps with eval_steps; remove do_eval",
-    "streaming": "streaming datasets are not supported yet",
-    "tool_format": "tool use is not supported yet",
-    "packing": "packing is not configurable yet: stage pt always packs, tokenized rows are never packed",
-}
-
-
+REPORTERS = ("tensorboard",)  # what report_to may name, besides none
 @dataclass
 class TrainConfig:
     # model
@@ -46,6 +35,7 @@ class TrainConfig:
     stage: Literal["pt", "sft"] = "sft"
     do_train: bool = True
     finetuning_type: str = "full"
+    train_from_scratch: bool = False  # as tiermem_init: random
     tiermem_init: Literal["pretrained", "random"] = "pretrained"
     # data
     dataset_dir: str = "data"
@@ -59,17 +49,22 @@ class TrainConfig:
     # evaluation
     val_size: float = 0.0
     eval_dataset: str | None = None
-    eval_strategy: Literal["no", "steps"] = "no"
+    do_eval: bool | None = None  # evaluate at the end (eval_results.json); default: eval_strategy is not no
+    eval_strategy: Literal["no", "steps", "epoch"] = "no"
     eval_steps: int | None = None
     per_device_eval_batch_size: int = 8
+    metric_for_best_model: str | None = None  # loss or eval_loss: trainer_state.json's best_metric
     # output
     overwrite_output_dir: bool = False
     logging_steps: int = 10
-    save_steps: int | None = None  # write output_dir/checkpoint-N every N steps
+    logging_first_step: bool = False
+    logging_dir: str | None = None  # report_to: tensorboard writes its event files here (default output_dir/runs)
+    save_strategy: Literal["no", "steps", "epoch"] = "steps"
+    save_steps: int | None = None  # with save_strategy steps: write output_dir/checkpoint-N every N steps
     save_only_model: bool = False
     save_total_limit: int | None = None
     plot_loss: bool = False
-    report_to: str = "none"
+    report_to: Any = "none"  # none or tensorboard (a list or a comma-separated string, as Hugging Face's)
     # optimisation
     per_device_train_batch_size: int = 8
     gradient_accumulation_steps: int = 1
@@ -96,6 +91,8 @@ class TrainConfig:
     # GPU memory a pass may fill with boundary activations; a step whose micro-batches need more runs as
     # several layer-major passes. auto: half the GPU memory free after the store's; no limit on the CPU.
     tiermem_activation_budget: Any = "auto"
+
+    notes = ()  # (not a field) the note: lines of keys accepted without effect, set by load_train_config
 
 
 def _parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
@@ -132,93 +129,200 @@ def _apply(data: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
+def load_train_config(path: str | Path, overrides: list[str] | None = None, here: bool = True) -> TrainConfig:
+    """The training config of ``path`` with ``overrides``, checked whole: every problem in one ConfigProblems
+    (each one line). ``cfg.notes`` holds the ``note:`` lines of keys accepted without effect. ``here``: the
+    run is on this machine (its memory bounds the DRAM budget; ``tiermem plan`` for another says False)."""
     data = read_yaml(path)
     for key, value in _parse_overrides(overrides or []):
         _apply(data, key, value)
-    for key in data:
-        if key in NOT_TAKEN:
-            raise ConfigError(f"{path}: '{key}' is not supported: {NOT_TAKEN[key]}")
-    cfg = load_dataclass(TrainConfig, data, "")
-    validate(cfg)
+    problems: list[str] = []
+    notes: list[str] = []
+    data = _answer_keys(data, problems, notes)
+    cfg = load_dataclass(TrainConfig, data, "", problems)
+    if cfg is not None:
+        validate(cfg, problems, here)
+    if problems:
+        raise ConfigError(problems[0]) if len(problems) == 1 else ConfigProblems(problems)
+    cfg.notes = notes
     return cfg
 
 
-def validate(c: TrainConfig) -> None:
+def known_keys() -> list[str]:
+    """Every key tiermem-train knows: its own fields and every key it answers (no effect, refused)."""
+    return sorted({f.name for f in dataclasses.fields(TrainConfig)} | set(KEYS))
+
+
+def _answer_keys(data: dict, problems: list[str], notes: list[str]) -> dict:
+    """The keys TrainConfig takes (values refused by name reported); the others answered from config_keys:
+    a note, a refusal, or an unknown key with the nearest known one."""
+    taken = {f.name for f in dataclasses.fields(TrainConfig)}
+    out = {}
+    for key, value in data.items():
+        if key in taken:
+            allowed, why = REFUSED_VALUES.get(key, (None, ""))
+            if allowed is not None and isinstance(value, str) and value not in allowed:
+                problems.append(f"{key}: {value} is not supported: {why}")
+                continue
+            out[key] = value
+            continue
+        answer = KEYS.get(key)
+        if answer is None:
+            problems.append(f"unknown config key '{key}'{nearest(str(key), known_keys())}")
+        elif answer.silent(value):
+            continue
+        elif answer.kind == "refuse":
+            problems.append(f"{key}: {_show(value)} is refused: {answer.reason}")
+        else:
+            notes.append(f"note: {key} has no effect here: {answer.reason}")
+    return out
+
+
+def _show(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True, width=1 << 16).strip().removesuffix("...").strip()
+
+
+def report_targets(value: Any) -> list[str]:
+    """report_to as a list of names ([] for none), as Hugging Face reads it (a name, a list, commas)."""
+    if value is None:
+        return []
+    names = value if isinstance(value, list) else str(value).split(",")
+    names = [str(n).strip() for n in names if str(n).strip()]
+    return [] if names in (["none"], ["None"]) else names
+
+
+def validate(c: TrainConfig, problems: list[str] | None = None, here: bool = True) -> None:
+    """Check the values of ``c`` and resolve its defaults; every problem appended to ``problems`` (or the
+    first raised when there is no list)."""
+    found: list[str] = [] if problems is None else problems
+    start = len(found)
+    bad = found.append
     if not c.do_train:
-        raise ConfigError("do_train: false — tiermem-train only trains (evaluation and prediction are not "
-                          "supported yet)")
+        bad("do_train: false: tiermem-train only trains (evaluation and prediction alone are not supported yet)")
     if c.finetuning_type != "full":
-        raise ConfigError(f"finetuning_type: {c.finetuning_type} is not supported; tiermem does full-parameter "
-                          "training only (finetuning_type: full)")
-    if c.report_to not in ("none", "None"):
-        raise ConfigError(f"report_to: {c.report_to} is not supported; use report_to: none (tiermem writes "
-                          "trainer_log.jsonl in output_dir)")
+        bad(f"finetuning_type: {c.finetuning_type} is not supported: {REFUSED_VALUES['finetuning_type'][1]}")
+    for name in report_targets(c.report_to):
+        if name == "wandb":
+            bad("report_to: wandb is not supported: tiermem runs offline and sends nothing to Weights & Biases; use "
+                "report_to: tensorboard (event files in output_dir) or none")
+        elif name not in REPORTERS:
+            bad(f"report_to: {name} is not supported: tiermem runs offline and reports to tensorboard only (event "
+                "files in output_dir), besides its own trainer_log.jsonl: use report_to: tensorboard or none")
+    c.report_to = ",".join(report_targets(c.report_to)) or "none"
+    if c.train_from_scratch:
+        c.tiermem_init = "random"
+    if c.metric_for_best_model not in (None, "loss", "eval_loss"):
+        bad(f"metric_for_best_model: {c.metric_for_best_model} is not supported: the only metric is the evaluation "
+            "loss (loss or eval_loss)")
     if c.tiermem_server and c.tiermem is not None:
-        raise ConfigError("tiermem and tiermem_server are both set: an attached run uses the service's store config "
-                          "(`tiermem serve --config`); remove the tiermem key (or add tiermem=null)")
+        bad("tiermem and tiermem_server are both set: an attached run uses the service's store config "
+            "(`tiermem serve --config`); remove the tiermem key (or add tiermem=null)")
     if c.save_steps is not None and c.save_steps <= 0:
-        raise ConfigError(f"save_steps must be positive, got {c.save_steps}")
+        bad(f"save_steps must be positive, got {c.save_steps}")
     if c.save_total_limit is not None and c.save_total_limit <= 0:
-        raise ConfigError(f"save_total_limit must be positive, got {c.save_total_limit}")
+        bad(f"save_total_limit must be positive, got {c.save_total_limit}")
     positive = {"cutoff_len": c.cutoff_len, "per_device_train_batch_size": c.per_device_train_batch_size,
                 "gradient_accumulation_steps": c.gradient_accumulation_steps, "logging_steps": c.logging_steps,
-                "loss_chunk_tokens": c.loss_chunk_tokens}
+                "loss_chunk_tokens": c.loss_chunk_tokens, "per_device_eval_batch_size": c.per_device_eval_batch_size}
     for k, v in positive.items():
         if v <= 0:
-            raise ConfigError(f"{k} must be positive, got {v}")
+            bad(f"{k} must be positive, got {v}")
     if c.preprocessing_num_workers is not None and c.preprocessing_num_workers <= 0:
-        raise ConfigError(f"preprocessing_num_workers must be positive, got {c.preprocessing_num_workers}")
-    if c.val_size < 0:
-        raise ConfigError(f"val_size must not be negative, got {c.val_size}")
-    has_eval = c.val_size > 0 or c.eval_dataset is not None
-    if c.val_size > 0 and c.eval_dataset is not None:
-        raise ConfigError("set either val_size (hold out part of dataset) or eval_dataset, not both")
-    if c.eval_strategy == "steps":
-        if not has_eval:
-            raise ConfigError("eval_strategy: steps needs evaluation data: set val_size or eval_dataset")
-        if c.eval_steps is None:
-            c.eval_steps = c.logging_steps  # as the Hugging Face Trainer does
-        if c.eval_steps <= 0:
-            raise ConfigError("eval_steps must be positive")
+        bad(f"preprocessing_num_workers must be positive, got {c.preprocessing_num_workers}")
+    if c.max_samples is not None and c.max_samples <= 0:
+        bad(f"max_samples must be positive, got {c.max_samples}")
+    _check_eval(c, bad)
     if c.template is not None:
         from trainer.data.templates import get_template
 
-        get_template(c.template)
-    if c.per_device_eval_batch_size <= 0:
-        raise ConfigError("per_device_eval_batch_size must be positive")
-    if c.max_samples is not None and c.max_samples <= 0:
-        raise ConfigError(f"max_samples must be positive, got {c.max_samples}")
+        _collect(bad, get_template, c.template)
     numbers = {"learning_rate": c.learning_rate, "weight_decay": c.weight_decay, "max_grad_norm": c.max_grad_norm,
                "num_train_epochs": c.num_train_epochs, "warmup_ratio": c.warmup_ratio, "adam_beta1": c.adam_beta1,
                "adam_beta2": c.adam_beta2, "adam_epsilon": c.adam_epsilon, "val_size": c.val_size}
+    finite = True
     for k, v in numbers.items():
         if not math.isfinite(v):
-            raise ConfigError(f"{k} must be a finite number, got {v}")
-    for k in ("learning_rate", "weight_decay", "max_grad_norm", "adam_epsilon", "warmup_steps"):
-        if getattr(c, k) < 0:
-            raise ConfigError(f"{k} must not be negative, got {getattr(c, k)}")
-    for k in ("adam_beta1", "adam_beta2"):
-        if not 0 <= getattr(c, k) < 1:
-            raise ConfigError(f"{k} must be in [0, 1), got {getattr(c, k)}")
+            bad(f"{k} must be a finite number, got {v}")
+            finite = False
+    if finite:
+        for k in ("learning_rate", "weight_decay", "max_grad_norm", "adam_epsilon", "warmup_steps"):
+            if getattr(c, k) < 0:
+                bad(f"{k} must not be negative, got {getattr(c, k)}")
+        for k in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(c, k) < 1:
+                bad(f"{k} must be in [0, 1), got {getattr(c, k)}")
+        if not 0 <= c.warmup_ratio <= 1:
+            bad(f"warmup_ratio must be in [0, 1], got {c.warmup_ratio}")
+        if c.max_steps <= 0 and c.num_train_epochs <= 0:
+            bad("set max_steps or a positive num_train_epochs")
     if not 0 <= c.seed < 2**32:
-        raise ConfigError(f"seed must be from 0 to 2**32 - 1 (as the Hugging Face Trainer's), got {c.seed}")
-    if not 0 <= c.warmup_ratio <= 1:
-        raise ConfigError(f"warmup_ratio must be in [0, 1], got {c.warmup_ratio}")
-    if c.max_steps <= 0 and c.num_train_epochs <= 0:
-        raise ConfigError("set max_steps or a positive num_train_epochs")
+        bad(f"seed must be from 0 to 2**32 - 1 (as the Hugging Face Trainer's), got {c.seed}")
     if c.tiermem_activation_budget not in ("auto", None):
         from tiermem.sizes import parse_size
 
-        c.tiermem_activation_budget = parse_size(c.tiermem_activation_budget, "tiermem_activation_budget")
+        budget = _collect(bad, parse_size, c.tiermem_activation_budget, "tiermem_activation_budget")
+        c.tiermem_activation_budget = budget if budget is not None else "auto"
     if c.tiermem is not None and not isinstance(c.tiermem, (str, dict)):
-        raise ConfigError("tiermem: expected a path to a tiermem config file or an inline mapping")
+        bad("tiermem: expected a path to a tiermem config file or an inline mapping")
+    elif not c.tiermem_server:
+        from trainer.state import store_config
+
+        _collect(bad, store_config, c.tiermem, here)  # the store's config: keys, sizes, devices (budgets: at start)
+    if problems is None and len(found) > start:
+        raise ConfigError(found[start])
 
 
-def resolved(c: TrainConfig, store_cfg, activation_budget: int | None = None) -> dict:
+def _check_eval(c: TrainConfig, bad) -> None:
+    if c.val_size < 0:
+        bad(f"val_size must not be negative, got {c.val_size}")
+    has_eval = c.val_size > 0 or c.eval_dataset is not None
+    if c.val_size > 0 and c.eval_dataset is not None:
+        bad("set either val_size (hold out part of dataset) or eval_dataset, not both")
+    if c.eval_strategy != "no" and not has_eval:
+        bad(f"eval_strategy: {c.eval_strategy} needs evaluation data: set val_size or eval_dataset")
+    if c.eval_strategy == "steps" and c.eval_steps is None:
+        c.eval_steps = c.logging_steps  # as the Hugging Face Trainer does
+    if c.eval_steps is not None and c.eval_steps <= 0:
+        bad("eval_steps must be positive")
+    if c.do_eval is None:
+        c.do_eval = c.eval_strategy != "no"  # as the Hugging Face Trainer does
+    elif c.do_eval and not has_eval:
+        bad("do_eval: true needs evaluation data: set val_size or eval_dataset")
+
+
+def _collect(bad, fn, *args):
+    """``fn(*args)``; a ConfigError it raises becomes a problem (and None the result)."""
+    try:
+        return fn(*args)
+    except ConfigError as e:
+        bad(str(e))
+        return None
+
+
+def resolved(c: TrainConfig, store_cfg, activation_budget: int | None = None, store=None) -> dict:
     """The config as it will run, for ``output_dir/training_args.yaml``: the store's config with every
-    ``auto`` decided, and the activation budget in bytes (null: no limit)."""
+    ``auto`` decided (with ``store``, the one opened: its placement per kind, the tiers' budgets and the NVMe
+    backend as they are), and the activation budget in bytes (null: no limit)."""
     out = to_plain(c)
     out["tiermem"] = to_plain(store_cfg)
     out["tiermem_activation_budget"] = activation_budget
+    plan = getattr(store, "plan", None)
+    if plan is not None:
+        tiers = out["tiermem"]["tiers"]
+        for name, budget in plan.budgets.items():
+            if tiers.get(name) is not None and budget is not None:
+                tiers[name]["budget"] = budget
+        if tiers.get("nvme") is not None and store.nvme is not None:
+            tiers["nvme"]["backend"] = store.nvme.backend_name
+        out["tiermem"]["placement"] = placement_of(plan.where)
     return out
+
+
+def placement_of(where: dict) -> dict:
+    """A plan's placement: kind -> tier where every group of the kind is on one tier, else kind -> {tier:
+    [groups]} (a record of the decision: ``auto`` spills the last layers' coldest kinds to NVMe)."""
+    by_kind: dict[str, dict[str, list]] = {}
+    for (group, kind), tier in where.items():
+        by_kind.setdefault(kind, {}).setdefault(tier, []).append(group)
+    return {kind: next(iter(tiers)) if len(tiers) == 1 else {t: [str(g) for g in gs] for t, gs in tiers.items()}
+            for kind, tiers in by_kind.items()}

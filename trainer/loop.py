@@ -22,6 +22,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from tiermem.errors import BudgetError, ConfigError
 from tiermem.optim import AdamWConfig, OptimSettings
+from tiermem.plan.machine import Machine
+from tiermem.plan.placement import make_plan
 from tiermem.plan.resolve import compute_device
 from tiermem.schema import to_plain
 from tiermem.session import Session, open_session
@@ -29,6 +31,7 @@ from tiermem.sizes import format_size
 from tiermem.store.stats import StatsFile
 from tiermem.store.store import Store
 from trainer import checkpoint as ckpt
+from trainer import hf_outputs as hf
 from trainer import run_plan
 from trainer.config import TrainConfig, resolved
 from trainer.data.batches import StepPlan, collate
@@ -41,7 +44,9 @@ from trainer.plan_watch import PlanWatch
 from trainer.report import Reporter, plot_loss
 from trainer.schedule import lr_factor, warmup_steps
 from trainer.state import explicit_gpu_share, state_specs, store_config
+from trainer.tensorboard import open_writer
 from trainer.weights_io import check_weight_files, export_model, import_weights, init_weights
+from trainer.when import eval_due, save_due, saves
 
 
 @dataclass
@@ -100,15 +105,19 @@ def prepare(cfg: TrainConfig, console: Console, say) -> Job:
             import matplotlib  # noqa: F401
         except ImportError:
             raise ConfigError("plot_loss: true needs matplotlib (pip install matplotlib)") from None
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    if not cfg.tiermem_server:  # the placement under the budgets, before any data is read
+        check_placement(cfg, mcfg, dtype)
+    for note in cfg.notes:
+        say(note)
     torch.manual_seed(cfg.seed)
     rows, eval_rows = prepare_data(cfg, mcfg, model_dir, console)
     show_example(rows, model_dir, say)
     plan = StepPlan(len(rows), cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps, cfg.seed)
     total = plan.total_steps(cfg.num_train_epochs, cfg.max_steps)
     warmup = warmup_steps(total, cfg.warmup_steps, cfg.warmup_ratio)
-    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     job = Job(cfg, mcfg, model_dir, out, rows, eval_rows, plan, total, warmup, dtype, resume)
-    if (eval_rows is not None or cfg.eval_steps is not None) and cfg.eval_strategy == "no":
+    if (eval_rows is not None or cfg.eval_steps is not None) and cfg.eval_strategy == "no" and not cfg.do_eval:
         say("note: evaluation data or eval_steps is set but eval_strategy is no: no evaluation will run")
     if cfg.template is not None and all(e.formatting == "tokenized" for e in resolve(cfg.dataset, cfg.dataset_dir)):
         say(f"note: template '{cfg.template}' is not used: tokenized datasets come rendered already")
@@ -142,6 +151,20 @@ def open_training_session(job: Job, say) -> Session:
         session.close()
         raise
     return session
+
+
+def check_placement(cfg: TrainConfig, mcfg, dtype: torch.dtype) -> None:
+    """The state placed under the budgets as the run will place it (nothing allocated, no data read): a run
+    that cannot fit is refused (BudgetError) first. The planner's fit does not depend on the compute's speed,
+    so nothing is timed or measured here."""
+    scfg = store_config(cfg.tiermem)
+    device = compute_device(scfg)
+    machine = Machine.h200("the fit check")
+    if device.type == "cuda":
+        machine.gpu_memory = torch.cuda.get_device_properties(device).total_memory
+    shape = run_plan.Shape(cfg.per_device_train_batch_size, cfg.cutoff_len, cfg.gradient_accumulation_steps)
+    if run_plan.make(mcfg, dtype, scfg, shape, machine, device, cfg.loss_chunk_tokens, time_it=False) is None:
+        make_plan(state_specs(mcfg, dtype), scfg, streamed_kinds=("param",))  # every kind pinned
 
 
 def step_shape(job: Job) -> run_plan.Shape:
@@ -183,8 +206,7 @@ def load_weights(job: Job, session: Session, console: Console, say) -> int:
         adv = lambda n: bar.advance(task, n)
         if job.resume is not None:
             start = ckpt.load(store, job.resume, job.mcfg, job.dtype, cfg.bf16, adv)
-            state = json.loads((job.resume / "trainer_state.json").read_text())
-            ckpt.set_rng_state(state.get("rng", {}))
+            ckpt.set_rng_state(ckpt.tiermem_state(job.resume).get("rng", {}))
         elif cfg.tiermem_init == "random":
             init_weights(store, job.mcfg, kinds, cfg.seed, store.gpu.device, adv)
         else:
@@ -201,17 +223,21 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
     store, optimizer, n_params = session.store, session.optimizer, job.n_params
     rows, dtype, model_dir = job.rows, job.dtype, job.model_dir
     scfg = store.cfg
-    executor = saver = stats = None
+    executor = saver = stats = tb = None
     try:
         out.mkdir(parents=True, exist_ok=True)
         ckpt.remove_partial(out)
         budget = activation_budget(cfg, store, job.store_plan)
-        (out / "training_args.yaml").write_text(yaml.safe_dump(resolved(cfg, scfg, budget), sort_keys=False))
+        tb = open_writer(cfg, out)  # report_to: tensorboard (sets cfg.logging_dir to where it writes)
+        (out / "training_args.yaml").write_text(yaml.safe_dump(resolved(cfg, scfg, budget, store), sort_keys=False))
         executor = Executor(store, mcfg, dtype, optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens, budget)
-        report = Reporter(out, total, n_params, say, resume_step=start)
+        report = Reporter(out, total, n_params, say, resume_step=start, sink=tb.record if tb else None,
+                          first_step=cfg.logging_first_step)
         watch = PlanWatch(job.store_plan) if job.store_plan is not None else None
         if watch is not None:
             report.predicted = watch.predicted
+        saved: dict[int, str] = {}  # checkpoints written, for trainer_state.json's best_model_checkpoint
+        last_eval = None  # (step, loss, seconds) of the latest evaluation
 
         def live() -> dict:
             opt = {"last_update_s": optimizer.last_step_seconds, "split": optimizer.last_split,
@@ -222,7 +248,7 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                         plan=watch.live() if watch is not None else None)
 
         stats = StatsFile(out / "tiermem_stats.json", store, live, sink=session.progress_sink)
-        if cfg.save_steps:
+        if saves(cfg):
             saver = ckpt.Saver(store, mcfg, out, model_dir, dtype, cfg.bf16, cfg.save_only_model,
                                cfg.save_total_limit, say)
             optimizer.set_gate(saver.gate)
@@ -268,25 +294,47 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                 report.live["link_bytes_per_step"] = {k: n - link_bytes.get(k, 0) for k, n in now.items()
                                                       if n > link_bytes.get(k, 0)}
                 link_bytes = now
-                if saver is not None and (step + 1) % cfg.save_steps == 0:
+                done, per_epoch = step + 1, plan.steps_per_epoch
+                if eval_due(cfg, done, per_epoch, total):  # (before the save: its trainer_state holds it)
+                    t_eval = time.perf_counter()
+                    loss = evaluate(executor, job.eval_rows, cfg, mcfg, done)
+                    last_eval = (done, loss, time.perf_counter() - t_eval)
+                    report.eval(done, loss, plan.epoch_of(done), time.perf_counter() - t0)
+                if saver is not None and save_due(cfg, done, per_epoch, total):
                     session.refresh_layout()
-                    saver.begin(step + 1, {"global_step": step + 1, "epoch": plan.epoch_of(step + 1),
-                                           "total_steps": total, "rng": ckpt.rng_state(),
-                                           "config": resolved(cfg, scfg, budget)})
-                if cfg.eval_strategy == "steps" and (step + 1) % cfg.eval_steps == 0:
-                    loss = evaluate(executor, job.eval_rows, cfg, mcfg, step + 1)
-                    report.eval(step + 1, loss, plan.epoch_of(step + 1), time.perf_counter() - t0)
+                    saved[done] = str(out / f"checkpoint-{done}")
+                    own = {"global_step": done, "epoch": plan.epoch_of(done), "total_steps": total,
+                           "rng": ckpt.rng_state(), "config": resolved(cfg, scfg, budget, store)}
+                    hf_state = hf.trainer_state(cfg, hf.log_rows(out, done), done, total, plan.epoch_of(done),
+                                                per_epoch, n_params, checkpoints=saved)
+                    saver.begin(done, {"trainer_state.json": hf_state, "tiermem_state.json": own})
                 bar.advance(task)
             optimizer.wait()
             if saver is not None:
                 saver.wait()
         runtime = time.perf_counter() - t0
+        final_eval = None
+        if cfg.do_eval:  # (HF: trainer.evaluate() after training; the last step's when it was just evaluated)
+            if last_eval is None or last_eval[0] != total:
+                t_eval = time.perf_counter()
+                loss = evaluate(executor, job.eval_rows, cfg, mcfg, total)
+                last_eval = (total, loss, time.perf_counter() - t_eval)
+                report.eval(total, loss, plan.epoch_of(total), time.perf_counter() - t0)
+            final_eval = hf.eval_metrics(last_eval[1], last_eval[2], len(job.eval_rows),
+                                         -(-len(job.eval_rows) // cfg.per_device_eval_batch_size),
+                                         plan.epoch_of(total), cfg.stage)
         session.refresh_layout()
         with _bar(console) as bar:
             task = bar.add_task("exporting", total=n_params)
             export_model(store, mcfg, out, "master" if cfg.bf16 else "param", dtype, model_dir,
                          lambda n: bar.advance(task, n))
         results = report.results(plan.epoch_of(total), runtime, max(total - start, 1), rows_seen)
+        hf.save_metrics(out, "train", results)
+        if final_eval is not None:
+            hf.save_metrics(out, "eval", final_eval)
+        hf.write_state(out / "trainer_state.json",
+                       hf.trainer_state(cfg, hf.log_rows(out), total, total, plan.epoch_of(total),
+                                        plan.steps_per_epoch, n_params, final=results, checkpoints=saved))
         if cfg.plot_loss:
             plot_loss(out, report.losses)
             if report.eval_losses:
@@ -294,6 +342,7 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
         final = dict(store.stats(), alloc_retries=torch.cuda.memory_stats(store.gpu.device).get("num_alloc_retries", 0)
                      if store.gpu.is_cuda else 0)
         (out / "store_stats.json").write_text(json.dumps(final, indent=1, default=str) + "\n")
+        report.live.update(finished=True, train_loss=results["train_loss"], train_runtime=runtime, eta_s=0.0)
         stats.close()
         stats = None
         session.finished()
@@ -309,6 +358,8 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
             stats.close()
         if executor is not None:
             executor.close()
+        if tb is not None:
+            tb.close()
 
 
 def model_config(model_dir: Path):
@@ -335,7 +386,8 @@ def _checked_resume(cfg: TrainConfig, out: Path, mcfg, model_dir: Path, named: d
 NOT_IDENTITY = {"logging_steps", "save_steps", "save_only_model", "save_total_limit", "plot_loss", "report_to",
                 "overwrite_output_dir", "overwrite_cache", "preprocessing_num_workers", "tiermem_server",
                 "tiermem_cache_dir", "resume_from_checkpoint", "eval_strategy", "eval_steps",
-                "per_device_eval_batch_size", "eval_dataset"}
+                "per_device_eval_batch_size", "eval_dataset", "save_strategy", "logging_first_step", "logging_dir",
+                "do_eval", "metric_for_best_model"}
 
 
 def run_identity(cfg: TrainConfig, mcfg, dtype: torch.dtype, rows: Rows) -> str:
@@ -447,7 +499,8 @@ def prepare_data(cfg: TrainConfig, mcfg, model_dir: Path, console: Console):
     def load(names: str, what: str) -> Rows:
         with _bar(console) as bar:
             task = bar.add_task(f"tokenizing {what}", total=None)
-            rows = load_rows(names, cfg, mcfg, model_dir, lambda n: bar.advance(task, n))
+            rows = load_rows(names, cfg, mcfg, model_dir, lambda n: bar.advance(task, n),
+                             lambda text: bar.update(task, description=f"tokenizing {what} ({text})"))
         say(f"{what}: {len(rows)} rows from {', '.join(rows.sources)}"
             + (" (from the cache)" if rows.from_cache else "")
             + (f"; {rows.dropped} dropped with nothing to predict" if rows.dropped else "")
@@ -459,15 +512,6 @@ def prepare_data(cfg: TrainConfig, mcfg, model_dir: Path, console: Console):
     if cfg.val_size > 0:
         rows, eval_rows = split_eval(rows, cfg.val_size, cfg.seed)
     return rows, eval_rows
-
-
-def preview(cfg: TrainConfig, n: int) -> None:
-    """``--preview N``: the first N processed training rows (file order) as JSON lines on stdout."""
-    model_dir = Path(cfg.model_name_or_path)
-    mcfg = model_config(model_dir)
-    rows = load_rows(cfg.dataset, cfg, mcfg, model_dir)
-    for ids, labels in list(zip(rows.input_ids, rows.labels))[:n]:
-        print(json.dumps({"input_ids": ids, "labels": ids if labels is None else labels}))
 
 
 def show_example(rows: Rows, model_dir: Path, say) -> None:

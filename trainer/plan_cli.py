@@ -46,7 +46,7 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
     from trainer.state import store_config, wants_cuda
 
     t0 = time.perf_counter()
-    cfg = load_train_config(args.config, args.overrides)
+    cfg = load_train_config(args.config, args.overrides, here=False)
     if cfg.tiermem_server:
         raise ConfigError("tiermem plan plans a run's own store; a run attached to a service (tiermem_server) is "
                           "placed by the service")
@@ -54,16 +54,21 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
         raise ConfigError(f"probe file {args.probe} not found; make one with `tiermem probe --save {args.probe}`")
     mcfg = model_config(Path(cfg.model_name_or_path))
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
-    scfg = store_config(cfg.tiermem)
+    scfg = store_config(cfg.tiermem, here=False)
     device = compute_device(scfg)
     machine = run_plan.machine_for(scfg, device, args.probe)
     shape = run_plan.Shape(cfg.per_device_train_batch_size, cfg.cutoff_len, cfg.gradient_accumulation_steps)
-    if device.type != "cuda" and wants_cuda(cfg.tiermem):
+    elsewhere = device.type != "cuda" and wants_cuda(cfg.tiermem)
+    if elsewhere:
         # no GPU here: plan for the GPU machine the figures describe (what the run would do there)
         budgets = run_plan.budgets_for(scfg, machine)
+        if budgets["dram"] > machine.ram:
+            raise ConfigError(f"tiers.dram.budget {format_size(budgets['dram'])} is larger than the planned "
+                              f"machine's memory ({format_size(machine.ram)})")
         p = run_plan.make(mcfg, dtype, scfg, shape, machine, device, cfg.loss_chunk_tokens, time_it=False,
                           budgets=budgets, cuda=True)
     else:
+        store_config(cfg.tiermem)  # (the DRAM budget against this machine's memory)
         p = run_plan.make(mcfg, dtype, scfg, shape, machine, device, cfg.loss_chunk_tokens)
     if p is None:
         raise ConfigError("the placement pins every kind to a tier: nothing to plan (leave some kind to auto)")

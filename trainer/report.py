@@ -1,5 +1,6 @@
 """What a run shows and leaves behind: the dense per-step line, ``trainer_log.jsonl`` (LLaMA-Factory's
-fields), ``train_results.json`` and the loss plot ``training_loss.png``."""
+fields), the train results and the loss plot ``training_loss.png``. After a resume the ETA counts the steps
+left at the rate since the resume, and ``train_loss`` is the mean over every step of the run."""
 
 from __future__ import annotations
 
@@ -27,8 +28,12 @@ class Reporter:
     committed but not logged (the service's last committed step, or a checkpoint between two lines) still
     logs those steps, and its lines equal an uninterrupted run's."""
 
-    def __init__(self, out_dir: Path, total_steps: int, n_params: int, print_fn, resume_step: int = 0):
+    def __init__(self, out_dir: Path, total_steps: int, n_params: int, print_fn, resume_step: int = 0,
+                 sink=None, first_step: bool = False):
+        """``sink(record)`` also receives every trainer_log.jsonl record (TensorBoard); ``first_step``: log
+        step 1 too (logging_first_step)."""
         self.out_dir, self.total, self.n_params, self.print = out_dir, total_steps, n_params, print_fn
+        self.start, self.sink, self.first_step = resume_step, sink, first_step
         self.log_path = out_dir / "trainer_log.jsonl"
         self.pending_path = out_dir / PENDING
         kept, rows = [], []
@@ -52,7 +57,13 @@ class Reporter:
         self.eval_losses: list[tuple[int, float]] = [(r["current_steps"], r["eval_loss"]) for r in rows
                                                      if "eval_loss" in r]
         self.all_losses: list[float] = []
-        self.total_tokens = 0
+        # the steps logged before the resume: each line's loss is the mean of the steps since the line before
+        self.prior_loss_sum, self.prior_steps, last = 0.0, 0, 0
+        for r in rows:
+            if "loss" in r:
+                self.prior_loss_sum += r["loss"] * (r["current_steps"] - last)
+                self.prior_steps, last = r["current_steps"], r["current_steps"]
+        self.total_tokens = max((r.get("total_tokens", 0) for r in rows if "loss" in r), default=0)
         self.train_seconds = 0.0
         self.live: dict = {"total_steps": total_steps}  # the latest figures, for the stats file
         self.predicted: float | None = None  # the planner's predicted step seconds, logged beside the measured
@@ -90,11 +101,11 @@ class Reporter:
                          step_s=result.seconds, tokens_per_s=result.tokens / max(result.seconds, 1e-9),
                          split={"compute": result.compute, "wait_transfer": result.wait_transfer,
                                 "wait_optimizer": result.wait_optimizer},
-                         eta_s=elapsed / max(step, 1) * (self.total - step), elapsed_s=elapsed)
+                         eta_s=self.remaining(step, elapsed), elapsed_s=elapsed)
         self.total_tokens += result.tokens
         self.train_seconds += result.seconds
         self.all_losses.append(result.loss)
-        if not force and step % every:
+        if not force and step % every and not (self.first_step and step == 1):
             return
         w, self.window = self.window, []
         secs = sum(r.seconds for r in w)
@@ -102,7 +113,7 @@ class Reporter:
         loss = sum(r.loss for r in w) / len(w)
         tps = toks / secs if secs else 0.0
         tflops = 6 * self.n_params * tps / 1e12
-        remaining = elapsed / step * (self.total - step)
+        remaining = self.remaining(step, elapsed)
         compute, xfer, opt = (sum(getattr(r, k) for r in w) / len(w)
                               for k in ("compute", "wait_transfer", "wait_optimizer"))
         self.losses.append((step, loss))
@@ -110,7 +121,7 @@ class Reporter:
         self.print(f"step {step}/{self.total} | loss {loss:.4f} | grad_norm {w[-1].grad_norm:.3f} | lr {lr:.3e} | "
                    f"{tps:,.0f} tok/s | {tflops:.3g} TFLOP/s | step {secs / len(w):.3f}s{predicted} = compute "
                    f"{compute:.3f} + wait transfer {xfer:.3f} + wait optimizer {opt:.3f} | ETA {_hms(remaining)}")
-        record = {"current_steps": step, "total_steps": self.total, "loss": round(loss, 6),
+        record = {"current_steps": step, "total_steps": self.total, "loss": loss,
                   "grad_norm": round(w[-1].grad_norm, 6), "lr": lr, "epoch": round(epoch, 4),
                   "percentage": round(step / self.total * 100, 2), "elapsed_time": _hms(elapsed),
                   "remaining_time": _hms(remaining), "throughput": round(tps, 2), "total_tokens": self.total_tokens,
@@ -119,27 +130,45 @@ class Reporter:
                   "wait_optimizer_seconds": round(opt, 4)}
         if self.predicted is not None:
             record["predicted_step_seconds"] = round(self.predicted, 4)
-        with self.log_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._append(record)
         self._kept = [r for r in self._kept if r["step"] > step]  # the line covers the others
         self.pending_path.write_text("".join(json.dumps(r) + "\n" for r in self._kept))
 
-    def eval(self, step: int, loss: float, epoch: float, elapsed: float) -> None:
+    def remaining(self, step: int, elapsed: float) -> float:
+        """Seconds left: the steps still to go at the rate of the steps taken since this process started
+        (or resumed)."""
+        return elapsed / max(step - self.start, 1) * (self.total - step)
+
+    def _append(self, record: dict) -> None:
+        with self.log_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.sink is not None:
+            self.sink(record)
+
+    def eval(self, step: int, loss: float, epoch: float, elapsed: float, extra: dict | None = None) -> None:
+        """Log an evaluation loss (``extra``: more fields of the record, such as eval_runtime)."""
         self.eval_losses.append((step, loss))
         self.live["eval_loss"] = loss
         self.print(f"step {step}/{self.total} | eval_loss {loss:.4f}")
-        record = {"current_steps": step, "total_steps": self.total, "eval_loss": round(loss, 6),
+        record = {"current_steps": step, "total_steps": self.total, "eval_loss": loss,
                   "epoch": round(epoch, 4), "percentage": round(step / self.total * 100, 2),
-                  "elapsed_time": _hms(elapsed), "remaining_time": _hms(elapsed / step * (self.total - step))}
-        with self.log_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+                  "elapsed_time": _hms(elapsed), "remaining_time": _hms(self.remaining(step, elapsed)),
+                  **(extra or {})}
+        self._append(record)
+
+    @property
+    def train_loss(self) -> float:
+        """The mean loss of every step of the run, those before a resume included."""
+        steps = self.prior_steps + len(self.all_losses)
+        return (self.prior_loss_sum + sum(self.all_losses)) / max(steps, 1)
 
     def results(self, epoch: float, runtime: float, steps: int, rows_seen: int) -> dict:
-        res = {"epoch": round(epoch, 4), "train_loss": sum(self.all_losses) / max(len(self.all_losses), 1),
-               "train_runtime": round(runtime, 4), "train_samples_per_second": round(rows_seen / runtime, 3),
+        """The train results (Hugging Face's train metrics, plus tokens per second); the run is whole."""
+        res = {"epoch": round(epoch, 4), "total_flos": float(6 * self.n_params * self.total_tokens),
+               "train_loss": self.train_loss, "train_runtime": round(runtime, 4),
+               "train_samples_per_second": round(rows_seen / runtime, 3),
                "train_steps_per_second": round(steps / runtime, 3),
                "train_tokens_per_second": round(self.total_tokens / max(self.train_seconds, 1e-9), 2)}
-        (self.out_dir / "train_results.json").write_text(json.dumps(res, indent=2) + "\n")
         self.pending_path.unlink(missing_ok=True)  # the run is whole: every step has its line
         return res
 

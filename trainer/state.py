@@ -12,15 +12,17 @@ from tiermem.config import MOMENTS, StoreConfig, load_store_config
 from tiermem.plan.resolve import resolve_auto
 from tiermem.schema import read_yaml
 from tiermem.store.catalog import TensorSpec, state_name
+from tiermem.tiers.dram import check_budget
 from trainer.model.weights import all_weights
 
 
-def store_config(value) -> StoreConfig:
+def store_config(value, here: bool = True) -> StoreConfig:
     """The tiermem config of a training run: a file path, an inline mapping, or the defaults.
 
     Embedded runs default the DRAM arena to ``anonymous`` (private huge pages: nothing to share, nothing
     left behind, fast to pin); every ``auto`` (the GPU tier's device among them) is resolved by
-    ``tiermem.plan.resolve``.
+    ``tiermem.plan.resolve``. ``here``: the run is on this machine, whose memory bounds the DRAM budget
+    (``tiermem plan`` for another machine checks against that one's).
     """
     data = read_yaml(value, "tiermem config file") if isinstance(value, str) else copy.deepcopy(value or {})
     tiers = data.setdefault("tiers", {}) or {}
@@ -29,7 +31,10 @@ def store_config(value) -> StoreConfig:
         if tiers.get(key) is None:
             tiers[key] = {}
     tiers["dram"].setdefault("path", "anonymous")
-    return resolve_auto(load_store_config(data, str(value) if isinstance(value, str) else "tiermem"), "embedded")
+    cfg = load_store_config(data, str(value) if isinstance(value, str) else "tiermem")
+    if here:
+        check_budget(cfg.tiers.dram.budget, cfg.tiers.dram.path)
+    return resolve_auto(cfg, "embedded")
 
 
 def _raw(value) -> dict:

@@ -228,9 +228,8 @@ class ModelWriter:
                         {"metadata": {"total_size": self.total}, "weight_map": self.weight_map})
         config = dict(self.cfg.raw)
         dname = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[self.dtype]
-        config["torch_dtype"] = dname
-        if "dtype" in config:
-            config["dtype"] = dname
+        config.pop("torch_dtype", None)  # transformers 5 reads dtype and warns that torch_dtype is deprecated
+        config["dtype"] = dname
         _write_json(self.out / "config.json", config)
         for fname in TOKENIZER_FILES:
             if (self.model_dir / fname).is_file() and self.model_dir.resolve() != self.out.resolve():

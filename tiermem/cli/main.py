@@ -107,6 +107,11 @@ def _serve(args) -> int:
     from tiermem.service.server import serve
 
     install_from_env()
+    if args.metrics_port is not None:
+        from tiermem.cli.metrics import serve_metrics
+
+        serve_metrics(args.metrics_port, _reader(argparse.Namespace(run=None, socket=args.socket)),
+                      args.metrics_addr)
     return serve(args.config, args.socket, args.fresh)
 
 
@@ -117,7 +122,7 @@ def _top(args) -> int:
 
 
 def _stats(args) -> int:
-    from tiermem.cli.top import prometheus
+    from tiermem.cli.metrics import prometheus
 
     snap = _reader(args)()
     print(prometheus(snap) if args.prometheus else json.dumps(snap, indent=1), end="" if args.prometheus else "\n")
@@ -144,8 +149,11 @@ def _plugin(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tiermem", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+    from tiermem import __version__
+
+    p = argparse.ArgumentParser(prog="tiermem", description=__doc__.replace("``", ""))
+    p.add_argument("--version", action="version", version=f"tiermem {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, help="the command (each takes --help)")
     pr = sub.add_parser("probe", help="measure every link on this machine, through tiermem and raw")
     pr.add_argument("--size", default="2GiB", help="bytes per transfer (default 2GiB)")
     pr.add_argument("--nvme-path", help="directory on the disk to measure (default: a temporary one in .)")
@@ -156,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--save", help="also write the JSON to this file (the planner reads it)")
     pr.set_defaults(fn=_probe)
     ar = sub.add_parser("arenas", help="list shared-memory arenas, and which were left behind")
-    ar.add_argument("--dir", default="/dev/shm")
+    ar.add_argument("--dir", default="/dev/shm", help="the directory of the arenas (default /dev/shm)")
     ar.add_argument("--clean", action="store_true",
                     help="remove arenas whose owner is gone, except those a service can recover a run from")
     ar.add_argument("--force", action="store_true",
@@ -168,6 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--socket", help="the control socket's path (default: $XDG_RUNTIME_DIR/tiermem/tiermem.sock "
                                      "or /tmp/tiermem-UID/tiermem.sock)")
     sv.add_argument("--fresh", action="store_true", help="discard the run a previous service left behind")
+    sv.add_argument("--metrics-port", type=int, metavar="N",
+                    help="also serve Prometheus metrics over HTTP on port N (GET /metrics)")
+    sv.add_argument("--metrics-addr", default="127.0.0.1",
+                    help="the address the metrics endpoint listens on (default 127.0.0.1; 0.0.0.0 for every one)")
     sv.set_defaults(fn=_serve)
     tp = sub.add_parser("top", help="a live view of a run's store: tiers, links, step, waits")
     tp.add_argument("--run", metavar="OUTPUT_DIR", help="follow the embedded run writing to OUTPUT_DIR")
@@ -185,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", add_help=False,
                         help="what a training run would do on this machine: placement, predicted step, advice "
                              "(tiermem plan TRAIN.yaml [key=value ...] [--json] [--probe FILE]; --help for more)")
-    pl.add_argument("rest", nargs=argparse.REMAINDER)
+    pl.add_argument("rest", nargs=argparse.REMAINDER, help="TRAIN.yaml [key=value ...] [--json] [--probe FILE]")
     pl.set_defaults(fn=_plugin)
     return p
 

@@ -1,5 +1,6 @@
 """``tiermem top`` and ``tiermem stats``: the store's state for people (a live terminal view) and for
-scripts (JSON, Prometheus text), read from a stats snapshot only, so watching never slows training.
+scripts (JSON; the Prometheus text is ``tiermem.cli.metrics``'), read from a stats snapshot only, so
+watching never slows training.
 
     tiermem top --run OUTPUT_DIR [--once] [--probe probe.json]   # an embedded run: its tiermem_stats.json
     tiermem top [--socket PATH] [--once]                          # a service (default: the user's socket)
@@ -81,6 +82,12 @@ def _hms(seconds) -> str:
     return str(timedelta(seconds=int(seconds))) if seconds is not None else "-"
 
 
+def _alive(pid) -> bool:
+    import psutil
+
+    return isinstance(pid, int) and psutil.pid_exists(pid)
+
+
 def predict(snap: dict, ceiling: dict[str, float] | None = None) -> dict | None:
     """The step time if transfers and the optimizer overlapped the GPU's compute perfectly: the largest
     of the last step's compute, each link's bytes of a step at its probed ceiling (else at its own
@@ -109,10 +116,15 @@ def render(snap: dict, ceiling: dict[str, float] | None = None):
     parts = []
     step, total = run.get("step"), run.get("total_steps")
     head = Text(f"tiermem top — {store.get('store', '?')} (pid {snap.get('pid', '?')})", style="bold")
-    if total:
+    if total and run.get("finished"):
+        head.append(f"   finished: step {step or 0}/{total}, train_loss {run.get('train_loss', float('nan')):.4f}, "
+                    f"trained in {_hms(run.get('train_runtime'))}")
+    elif total:
         layer = run.get("layer")
         head.append(f"   step {step or 0}/{total} ({(step or 0) / total:.0%})   phase {run.get('phase', '-')}"
                     + (f", layer {layer}" if layer is not None else "") + f"   ETA {_hms(run.get('eta_s'))}")
+        if "service" not in snap and not _alive(snap.get("pid")):
+            head.append(f"   stopped: pid {snap.get('pid')} is gone before the run finished", style="red")
     parts.append(head)
     svc = snap.get("service")
     if svc is not None:
@@ -186,43 +198,6 @@ def render(snap: dict, ceiling: dict[str, float] | None = None):
         parts.append(Text("training", style="bold"))
         parts.extend(Text(line) for line in lines)
     return Group(*parts)
-
-
-def prometheus(snap: dict) -> str:
-    """The snapshot in the Prometheus text exposition format."""
-    store, run = snap.get("store", {}), snap.get("run", {}) or {}
-    out: list[str] = []
-
-    def metric(name: str, kind: str, help_: str, samples: list[tuple[dict, float]]) -> None:
-        out.append(f"# HELP tiermem_{name} {help_}")
-        out.append(f"# TYPE tiermem_{name} {kind}")
-        for labels, value in samples:
-            lab = ",".join(f'{k}="{v}"' for k, v in labels.items())
-            out.append(f"tiermem_{name}{{{lab}}} {value}" if lab else f"tiermem_{name} {value}")
-
-    tiers = store.get("tiers", {})
-    metric("tier_capacity_bytes", "gauge", "bytes the tier holds", [({"tier": n}, t.get("capacity", 0))
-                                                                     for n, t in tiers.items()])
-    metric("tier_used_bytes", "gauge", "bytes allocated, by kind of state",
-           [({"tier": n, "kind": k}, v) for n, t in tiers.items() for k, v in t.get("by_kind", {}).items()])
-    links = store.get("links", {})
-    metric("link_bytes_total", "counter", "bytes moved", [({"link": n}, lk.get("bytes", 0)) for n, lk in links.items()])
-    metric("link_busy_seconds_total", "counter", "seconds the link was busy",
-           [({"link": n}, lk.get("busy_s", 0.0)) for n, lk in links.items()])
-    metric("link_gbps_now", "gauge", "GB/s over the last second", [({"link": n}, lk.get("gbps_now", 0.0))
-                                                                   for n, lk in links.items()])
-    metric("wait_seconds_total", "counter", "seconds spent waiting, by cause",
-           [({"what": k}, v) for k, v in store.get("waits_s", {}).items()])
-    best = predict(snap)
-    if best is not None:
-        metric("train_predicted_step_s", "gauge", "step seconds at full overlap (the bound: compute, a link at "
-               "its average rate, or the optimizer)", [({"bound": best["bound"]}, best["seconds"])])
-    for key, help_ in (("step", "optimizer steps done"), ("total_steps", "optimizer steps planned"),
-                       ("loss", "training loss of the last step"), ("tokens_per_s", "tokens per second"),
-                       ("step_s", "seconds of the last step"), ("eta_s", "seconds left")):
-        if run.get(key) is not None:
-            metric(f"train_{key}", "gauge", help_, [({}, run[key])])
-    return "\n".join(out) + "\n"
 
 
 def read_service(socket_path) -> dict:

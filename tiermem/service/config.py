@@ -7,7 +7,8 @@ import getpass
 
 from tiermem.config import MOMENTS, StoreConfig, load_store_config
 from tiermem.errors import ConfigError
-from tiermem.plan.resolve import resolve_auto
+from tiermem.plan.resolve import compute_device, resolve_auto
+from tiermem.tiers.dram import check_budget
 
 MOVABLE = ("master", *MOMENTS)  # kinds only the service touches between steps (SIGHUP may re-place them)
 
@@ -23,7 +24,18 @@ def service_config(path: str) -> StoreConfig:
                           "trainer's GPU memory); place every kind on dram or nvme")
     if cfg.name is None:
         cfg.name = f"tiermem-{getpass.getuser()}"
+    check_machine(cfg, path)
     return cfg
+
+
+def check_machine(cfg: StoreConfig, path: str) -> None:
+    """The config against this machine, at start: a CUDA device it lacks (write device: cpu for the CPU
+    stand-in) and a DRAM budget larger than the arena's filesystem are refused in one line."""
+    try:
+        compute_device(cfg)
+        check_budget(cfg.tiers.dram.budget, cfg.tiers.dram.path)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
 
 
 def planning_config(cfg: StoreConfig) -> StoreConfig:

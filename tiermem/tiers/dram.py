@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from tiermem.errors import StorageError
+from tiermem.errors import ConfigError, StorageError
 from tiermem.sizes import align_up, format_size
 from tiermem.tiers.extents import Extent, ExtentAllocator
 
@@ -49,6 +49,24 @@ class ArenaInfo:
     size: int
     created: float
     alive: bool
+
+
+def check_budget(budget: int | None, directory: str | Path) -> None:
+    """Refuse (one line) a DRAM budget the arena can never have: more than the size of the filesystem of
+    ``directory`` (a tmpfs such as /dev/shm), or, for an anonymous arena, more than the machine's memory."""
+    if budget is None:
+        return
+    if str(directory) == ANONYMOUS:
+        total, where = psutil.virtual_memory().total, "this machine's memory"
+    elif os.path.isdir(directory):
+        st = os.statvfs(directory)
+        total, where = st.f_blocks * st.f_frsize, f"the filesystem of {directory}"
+    else:
+        return  # (creating the arena says the directory is missing)
+    if budget > total:
+        raise ConfigError(f"tiers.dram.budget {format_size(budget)} is larger than {where} ({format_size(total)}); "
+                          "lower tiers.dram.budget" + ("" if str(directory) == ANONYMOUS else
+                                                       " or point tiers.dram.path at a larger tmpfs"))
 
 
 def _read_header(path: Path) -> dict:

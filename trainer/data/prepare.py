@@ -21,6 +21,7 @@ import json
 import math
 import multiprocessing
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -132,28 +133,59 @@ def _encode_text_chunk(texts: list[str]) -> list[list[int]]:
     return _WORKER["tok"].encode_batch(texts)
 
 
-def _map(fn, items: list, init_args: tuple, workers: int, progress) -> list:
-    chunk = 256
-    chunks = [items[i: i + chunk] for i in range(0, len(items), chunk)]
-    out: list = []
-    if workers <= 1:
-        _init_worker(*init_args)
-        for c in chunks:
+# A tokenizer worker's start: a fresh interpreter importing torch and the tokenizer (4-5 s for 2 workers on
+# a 2-core machine, where one process tokenizes ~16k short rows a second: a pool pays off only for much work)
+WORKER_START_SECONDS = 5.0
+CHUNK = 256  # rows a worker takes at a time
+
+
+def useful_workers(requested: int, seconds_left: float) -> int:
+    """How many processes to tokenize with: at most ``requested`` and the cores this process may use, and
+    only as many as make the estimated time (a pool's start plus the work shared out) shorter than one
+    process's ``seconds_left``: never slower than 1 worker."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    best, best_s = 1, seconds_left
+    for w in range(2, max(1, min(requested, cores)) + 1):
+        if WORKER_START_SECONDS + seconds_left / w < best_s:
+            best, best_s = w, WORKER_START_SECONDS + seconds_left / w
+    return best
+
+
+def _map(fn, items: list, init_args: tuple, workers: int, progress, status=None) -> list:
+    """``fn`` over ``items`` in chunks: the first chunk here (timing it), the rest here or in a pool of
+    worker processes when ``workers`` > 1 and a pool would be faster (``useful_workers``); ``status(text)``
+    says when a pool starts."""
+    chunks = [items[i: i + CHUNK] for i in range(0, len(items), CHUNK)]
+    if not chunks:
+        return []
+    _init_worker(*init_args)
+    t0 = time.perf_counter()
+    out: list = fn(chunks[0])
+    progress(len(chunks[0]))
+    left = sum(len(c) for c in chunks[1:]) * (time.perf_counter() - t0) / len(chunks[0])
+    n = useful_workers(workers, left) if workers > 1 else 1
+    if n <= 1:
+        for c in chunks[1:]:
             out += fn(c)
             progress(len(c))
         return out
+    if status is not None:
+        status(f"starting {n} worker processes")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=init_args) as pool:
-        for c, res in zip(chunks, pool.imap(fn, chunks)):
+    with ctx.Pool(n, initializer=_init_worker, initargs=init_args) as pool:
+        for i, (c, res) in enumerate(zip(chunks[1:], pool.imap(fn, chunks[1:]))):
+            if i == 0 and status is not None:
+                status(f"{n} worker processes")
             out += res
             progress(len(c))
     return out
 
 
 # -- the whole dataset ---------------------------------------------------------------------------------
-def build_rows(names: str, cfg, model_cfg, model_dir, progress=None) -> Rows:
-    """Read, convert and tokenize the datasets ``names`` (comma-separated) of ``cfg`` (a TrainConfig)."""
+def build_rows(names: str, cfg, model_cfg, model_dir, progress=None, status=None) -> Rows:
+    """Read, convert and tokenize the datasets ``names`` (comma-separated) of ``cfg`` (a TrainConfig);
+    ``progress(rows)`` as rows are done, ``status(text)`` when a pool of workers starts."""
     progress = progress or (lambda n: None)
     entries = resolve(names, cfg.dataset_dir)
     out = Rows([], [], sources=[e.name for e in entries])
@@ -173,10 +205,10 @@ def build_rows(names: str, cfg, model_cfg, model_dir, progress=None) -> Rows:
         if cfg.template is None:
             raise DataError("stage sft over alpaca/sharegpt data needs a chat template: set template: (one of "
                             "default, empty, alpaca, llama2, llama3, mistral, qwen, gemma)")
-        for ids, labels in _map(_encode_sft_chunk, convs, init, workers, progress):
+        for ids, labels in _map(_encode_sft_chunk, convs, init, workers, progress, status):
             _keep(out, ids, labels)
     if texts:
-        _pack(_map(_encode_text_chunk, texts, init, workers, progress), cfg, model_dir, out)
+        _pack(_map(_encode_text_chunk, texts, init, workers, progress, status), cfg, model_dir, out)
     if not out.input_ids:
         raise DataError(f"dataset {names}: no usable rows ({out.dropped} dropped with nothing to predict, "
                         f"{out.skipped} bad rows skipped)")
@@ -266,14 +298,14 @@ def _load(path: Path) -> Rows | None:
     return rows
 
 
-def load_rows(names: str, cfg, model_cfg, model_dir, progress=None) -> Rows:
+def load_rows(names: str, cfg, model_cfg, model_dir, progress=None, status=None) -> Rows:
     """``build_rows`` through the cache."""
     path = cache_dir(cfg) / f"{cache_key(names, cfg, model_dir)}.npz"
     if not cfg.overwrite_cache:
         rows = _load(path)
         if rows is not None:
             return rows
-    rows = build_rows(names, cfg, model_cfg, model_dir, progress)
+    rows = build_rows(names, cfg, model_cfg, model_dir, progress, status)
     try:
         _save(path, rows)
     except OSError:
