@@ -12,7 +12,7 @@ from rich.console import Console
 
 from tiermem.cli.main import main as tiermem_main
 from tiermem.cli.metrics import prometheus
-from tiermem.cli.top import ceilings, predict, render
+from tiermem.cli.top import ceilings, plan_rows, predict, render
 
 GOLDEN = Path(__file__).parent / "golden" / "top_frame.txt"
 MiB = 1 << 20
@@ -121,6 +121,7 @@ def test_top_and_stats_follow_a_real_run(tmp_path, capsys):
     assert "finished: step 3/3, train_loss " in shown and "phase" not in shown, shown
     assert "dram->gpu" in shown and "loss" in shown
     assert "predicted" in shown and "at full overlap" in shown
+    assert "plan against the last step" in shown and "GPU compute" in shown  # (the planner placed it)
     assert tiermem_main(["stats", "--run", str(tmp_path / "out"), "--json"]) == 0
     snap = json.loads(capsys.readouterr().out)
     assert snap["run"]["step"] == 3 and set(snap["store"]["tiers"]) >= {"gpu", "dram"}
@@ -133,3 +134,20 @@ def test_bad_input(tmp_path, capsys):
         assert tiermem_main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("tiermem: error: ") and err.count("\n") == 1, err
+
+
+def test_the_plan_is_shown_against_the_measured_step():
+    plan = {"predicted_step_s": 1.2, "busy": {"gpu": 1.0, "gpu_adamw": 0.05, "h2d": 0.2, "d2h": 0.1, "nvme": 0.0,
+                                              "cpu": 0.4}, "bound": "gpu", "compute": 1.0, "wait_optimizer": 0.15,
+            "wait_transfer": 0.0, "bytes": {"h2d": 8 * 1024 * MiB, "d2h": 2 * 1024 * MiB, "nvme_read": 0,
+                                            "nvme_write": 0}}
+    snap = json.loads(json.dumps(SNAPSHOT))
+    snap["run"]["plan"] = plan
+    rows = {r[0]: r[1:] for r in plan_rows(snap)}
+    assert rows["step"] == ("1.200 s", "1.250 s") and rows["GPU compute"] == ("1.000 s", "1.100 s")
+    assert rows["waiting for the update"] == ("0.150 s", "0.100 s")
+    assert rows["PCIe to the GPU"] == ("8.0 GiB", "8.0 GiB") and rows["PCIe from the GPU"] == ("2.0 GiB", "4.0 GiB")
+    assert rows["CPU AdamW"] == ("0.400 s", "0.500 s") and rows["GPU AdamW"] == ("0.050 s", "0.800 s")
+    shown = frame(snap)
+    assert "plan against the last step (bound: gpu)" in shown and "PCIe from the GPU" in shown
+    assert plan_rows(SNAPSHOT) == [] and "plan against" not in frame(SNAPSHOT)

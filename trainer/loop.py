@@ -163,7 +163,9 @@ def check_placement(cfg: TrainConfig, mcfg, dtype: torch.dtype) -> None:
     if device.type == "cuda":
         machine.gpu_memory = torch.cuda.get_device_properties(device).total_memory
     shape = run_plan.Shape(cfg.per_device_train_batch_size, cfg.cutoff_len, cfg.gradient_accumulation_steps)
-    if run_plan.make(mcfg, dtype, scfg, shape, machine, device, cfg.loss_chunk_tokens, time_it=False) is None:
+    budgets = run_plan.local_budgets(scfg, mcfg, dtype, cfg.output_dir, saves(cfg))
+    if run_plan.make(mcfg, dtype, scfg, shape, machine, device, cfg.loss_chunk_tokens, time_it=False,
+                     budgets=budgets) is None:
         make_plan(state_specs(mcfg, dtype), scfg, streamed_kinds=("param",))  # every kind pinned
 
 
@@ -179,7 +181,9 @@ def plan_run(job: Job, scfg, say):
     """The planner's plan for an embedded run (None when the placement pins every kind), told in a few lines."""
     device = compute_device(scfg)
     machine = run_plan.machine_for(scfg, device)
-    plan = run_plan.make(job.mcfg, job.dtype, scfg, step_shape(job), machine, device, job.cfg.loss_chunk_tokens)
+    budgets = run_plan.local_budgets(scfg, job.mcfg, job.dtype, job.out, saves(job.cfg))
+    plan = run_plan.make(job.mcfg, job.dtype, scfg, step_shape(job), machine, device, job.cfg.loss_chunk_tokens,
+                         budgets=budgets)
     if plan is not None:
         lines = run_plan.lines(plan)
         if explicit_gpu_share(job.cfg.tiermem):  # the user's optimizer.gpu_share wins

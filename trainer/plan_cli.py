@@ -44,6 +44,7 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
     from trainer.config import load_train_config
     from trainer.loop import model_config
     from trainer.state import store_config, wants_cuda
+    from trainer.when import saves
 
     t0 = time.perf_counter()
     cfg = load_train_config(args.config, args.overrides, here=False)
@@ -69,7 +70,8 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
                           budgets=budgets, cuda=True)
     else:
         store_config(cfg.tiermem)  # (the DRAM budget against this machine's memory)
-        p = run_plan.make(mcfg, dtype, scfg, shape, machine, device, cfg.loss_chunk_tokens)
+        budgets = run_plan.local_budgets(scfg, mcfg, dtype, cfg.output_dir, saves(cfg))
+        p = run_plan.make(mcfg, dtype, scfg, shape, machine, device, cfg.loss_chunk_tokens, budgets=budgets)
     if p is None:
         raise ConfigError("the placement pins every kind to a tier: nothing to plan (leave some kind to auto)")
     data = run_plan.report(p, cfg.gradient_accumulation_steps)

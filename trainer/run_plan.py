@@ -61,6 +61,25 @@ def make(mcfg, dtype: torch.dtype, scfg: StoreConfig, shape: Shape, machine: Mac
     return plan_step(specs, scfg, w, machine, budgets, cuda=device.type == "cuda" if cuda is None else cuda)
 
 
+def local_budgets(scfg: StoreConfig, mcfg, dtype: torch.dtype, out_dir, saves: bool) -> dict:
+    """This machine's tier budgets for a run writing to ``out_dir``: the GPU's is tiers.gpu.budget (unset: all
+    of HBM, activations included); an unset NVMe budget leaves room on its disk, when ``out_dir`` is on the
+    same one, for the exported model and (``saves``) one checkpoint: a full disk at the end loses nothing
+    but the time of the run."""
+    import os
+
+    from tiermem.plan.placement import default_budgets, existing_parent
+
+    b = {**default_budgets(scfg), "gpu": scfg.tiers.gpu.budget}
+    nv = scfg.tiers.nvme
+    if nv is not None and nv.budget is None and b.get("nvme") is not None and out_dir is not None:
+        if os.stat(existing_parent(str(nv.path))).st_dev == os.stat(existing_parent(str(out_dir))).st_dev:
+            n = mcfg.num_params()
+            keep = n * torch.empty((), dtype=dtype).element_size() + (n * (2 + 12) if saves else 0)
+            b["nvme"] = max(0, b["nvme"] - keep)
+    return b
+
+
 def budgets_for(scfg: StoreConfig, machine: Machine) -> dict:
     """Tier budgets on the machine ``machine`` describes (not this one): the config's, else 90% of its RAM
     for DRAM and, for NVMe, the disk's free space where the probe recorded it (else this disk's)."""

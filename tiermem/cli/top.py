@@ -9,7 +9,8 @@ watching never slows training.
 The view: per tier a bar of used/capacity split by kind; per link GB/s now and on average against the
 probed ceiling (a ``tiermem probe --save`` file); the step, phase and the layer on the GPU; the step-time
 split (compute / waiting on transfers / waiting on the optimizer) and the step time predicted at full
-overlap against the measured one; the optimizer's last update; loss, tokens/s, TFLOP/s, ETA.
+overlap against the measured one; the optimizer's last update; loss, tokens/s, TFLOP/s, ETA; and the
+planner's prediction of a step against the last measured one, per resource (``plan_rows``).
 """
 
 from __future__ import annotations
@@ -109,6 +110,33 @@ def predict(snap: dict, ceiling: dict[str, float] | None = None) -> dict | None:
     return {"seconds": parts[bound], "bound": bound, "parts": parts}
 
 
+def plan_rows(snap: dict) -> list[tuple[str, str, str]]:
+    """The planner's prediction of a step against the last measured one, per resource: (what, predicted,
+    measured). Empty when the run was not planned (every kind pinned) or before its first step."""
+    run = snap.get("run") or {}
+    plan, split = run.get("plan"), run.get("split") or {}
+    if not plan or "compute" not in split:
+        return []
+    busy, moved = plan.get("busy") or {}, plan.get("bytes") or {}
+    measured_bytes = run.get("link_bytes_per_step") or {}
+    opt = (run.get("optimizer") or {}).get("split") or {}
+    s = lambda v: f"{v:.3f} s"
+    b = lambda v: format_size(int(v))
+    rows = [("step", s(plan["predicted_step_s"]), s(run.get("step_s") or 0.0)),
+            ("GPU compute", s(plan["compute"]), s(split["compute"])),
+            ("waiting for the update", s(plan["wait_optimizer"]), s(split.get("wait_optimizer", 0.0))),
+            ("waiting for transfers", s(plan["wait_transfer"]), s(split.get("wait_transfer", 0.0))),
+            ("PCIe to the GPU", b(moved.get("h2d", 0)), b(measured_bytes.get("dram->gpu", 0))),
+            ("PCIe from the GPU", b(moved.get("d2h", 0)), b(measured_bytes.get("gpu->dram", 0))),
+            ("NVMe read", b(moved.get("nvme_read", 0)),
+             b(measured_bytes.get("nvme->dram", 0) + measured_bytes.get("nvme->gpu", 0))),
+            ("NVMe write", b(moved.get("nvme_write", 0)),
+             b(measured_bytes.get("dram->nvme", 0) + measured_bytes.get("gpu->nvme", 0))),
+            ("CPU AdamW", s(busy.get("cpu", 0.0)), s(opt.get("cpu_adamw", 0.0) + opt.get("cpu_compute_copy", 0.0))),
+            ("GPU AdamW", s(busy.get("gpu_adamw", 0.0)), s(opt.get("gpu_in_place", 0.0) + opt.get("gpu_path", 0.0)))]
+    return rows
+
+
 def render(snap: dict, ceiling: dict[str, float] | None = None):
     """One frame of ``tiermem top`` for a snapshot (a rich renderable)."""
     store, run = snap.get("store", {}), snap.get("run", {}) or {}
@@ -197,6 +225,16 @@ def render(snap: dict, ceiling: dict[str, float] | None = None):
             lines.append("store waits (not GPU idle): " + ", ".join(f"{k} {v:.2f} s" for k, v in waits.items()))
         parts.append(Text("training", style="bold"))
         parts.extend(Text(line) for line in lines)
+        rows = plan_rows(snap)
+        if rows:
+            parts.append(Text(f"plan against the last step (bound: {(run.get('plan') or {}).get('bound')})",
+                              style="bold"))
+            table = Table(box=None, padding=(0, 1))
+            for col in ("", "predicted", "measured"):
+                table.add_column(col, justify="left" if not col else "right")
+            for row in rows:
+                table.add_row(*row)
+            parts.append(table)
     return Group(*parts)
 
 

@@ -82,11 +82,11 @@ def default_budgets(cfg: StoreConfig) -> dict[str, int | None]:
     if t.nvme is not None:
         nvme = t.nvme.budget
         if nvme is None:
-            nvme = int(shutil.disk_usage(_existing_parent(t.nvme.path)).free * 0.9)
+            nvme = int(shutil.disk_usage(existing_parent(t.nvme.path)).free * 0.9)
     return {"gpu": gpu, "dram": dram, "nvme": nvme}
 
 
-def _existing_parent(path: str) -> str:
+def existing_parent(path: str) -> str:
     while path and not os.path.isdir(path):
         path = os.path.dirname(path.rstrip("/")) or "/"
     return path or "/"

@@ -84,7 +84,7 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
         try:
             where = _place(group_bytes, w, pins, state_room, budgets, cfg)
         except BudgetError as e:
-            short = short or e
+            short = e  # (the last: the most passes, the most HBM left to state)
             continue
         for gpu_updates in _update_splits(where, w):
             layout = Layout(where, gpu_updates, p, cfg.tiers.gpu.slots)
@@ -163,16 +163,16 @@ def _place(group_bytes: dict, w: Workload, pins: dict, state_room: int, budgets:
     if dram_need() <= dram_budget:
         return where
     if cfg.tiers.nvme is None:
-        raise BudgetError(_short_line(where, group_bytes, budgets, "dram"))
+        raise BudgetError(_short_line(group_bytes, budgets, state_room, "dram"))
     for key in order:
         where[key] = "nvme"
         if dram_need() <= dram_budget:
             break
     if dram_need() > dram_budget:
-        raise BudgetError(_short_line(where, group_bytes, budgets, "dram"))
+        raise BudgetError(_short_line(group_bytes, budgets, state_room, "dram"))
     nvme = sum(b for key, b in group_bytes.items() if where[key] == "nvme")
     if budgets.get("nvme") is not None and nvme > budgets["nvme"]:
-        raise BudgetError(_short_line(where, group_bytes, budgets, "nvme"))
+        raise BudgetError(_short_line(group_bytes, budgets, state_room, "nvme"))
     return where
 
 
@@ -199,9 +199,9 @@ def _update_splits(where: dict, w: Workload):
             yield set(gpu)
 
 
-def _short_line(where: dict, group_bytes: dict, budgets: dict, tier: str) -> str:
+def _short_line(group_bytes: dict, budgets: dict, state_room: int, tier: str) -> str:
     total = sum(group_bytes.values())
-    fits = {t: budgets.get(t) for t in ("gpu", "dram", "nvme")}
+    fits = {"gpu": max(state_room, 0), "dram": budgets.get("dram"), "nvme": budgets.get("nvme")}
     have = sum(v for v in fits.values() if v)
     more = max(total - have, 0)
     what = ("an NVMe tier (tiers.nvme: {path: DIR}) or a larger tiers.dram.budget" if tier == "dram"
