@@ -300,3 +300,19 @@ def test_plan_refuses_an_unreadable_probe_file(plan_yaml, capsys, tmp_path, cont
         probe.write_text(content)
     rc, out, err = run_plan([plan_yaml, "--probe", probe], capsys)
     assert rc == 2 and err.count("\n") == 1 and "probe file" in err, err
+
+
+def test_the_run_corrects_its_prediction_and_names_what_was_off():
+    from trainer.executor import StepResult
+    from trainer.plan_watch import PlanWatch
+
+    p = plan(layers=6, gpu=80 * GiB)
+    watch = PlanWatch(p)
+    predicted = watch.predicted
+    slow = lambda compute, wait=0.0: StepResult(1.0, 1.0, 100, compute + wait, 0.0, wait, {})
+    said = [line for n in range(3) for line in watch.observe(n, slow(p.prediction.compute * 1.3))]
+    assert said and "corrected" in said[0] and watch.predicted == pytest.approx(predicted * 1.3, rel=0.05)
+    # steady steps now 40% slower than the corrected prediction, all of it waiting for the optimizer
+    extra = watch.predicted * 0.4
+    lines = [line for n in range(3, 8) for line in watch.observe(n, slow(watch.prediction.compute, extra))]
+    assert len(lines) == 1 and "waiting for the optimizer" in lines[0] and "+" in lines[0]
