@@ -75,6 +75,11 @@ def remove_partial(out_dir: str | Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+# the checks of checkpoints' large files started by ``check`` (path -> future), for ``load`` to wait on
+_checker = cf.ThreadPoolExecutor(1, thread_name_prefix="tiermem-ckpt-verify")
+_checks: dict[Path, cf.Future] = {}
+
+
 def check(path: str | Path, mcfg, model_dir) -> dict:
     """The checkpoint's manifest, after checking it is whole and belongs to this model and tokenizer."""
     path = Path(path)
@@ -163,8 +168,7 @@ def load(store, path: str | Path, mcfg, dtype: torch.dtype, has_master: bool, pr
     except StorageError as e:
         raise ConfigError(f"{path} is damaged: {e}{_other_checkpoint(path)}") from None
     pending: list = []
-    big = cf.ThreadPoolExecutor(1, thread_name_prefix="tiermem-ckpt-verify")
-    checked = big.submit(verify, path, manifest, True)  # the model's shards, read while the state loads
+    checked = _checks.pop(path.resolve(), None) or _checker.submit(verify, path, manifest, True)
     try:
         for kind in ("master", *MOMENTS):  # kind by kind: each array streams from disk in order
             for w in all_weights(mcfg):
@@ -187,7 +191,6 @@ def load(store, path: str | Path, mcfg, dtype: torch.dtype, has_master: bool, pr
         checked.result()
     finally:
         reader.close()
-        big.shutdown(wait=True, cancel_futures=True)
     for g in group_order(mcfg):
         store.catalog.bump(g, to=step)
     return step
