@@ -27,6 +27,14 @@ def hf_config(family: str, **extra):
         return T.Qwen2Config(**{**COMMON, **extra})
     if family == "qwen3":
         return T.Qwen3Config(**{**COMMON, "head_dim": 12, "tie_word_embeddings": True, **extra})
+    if family == "qwen3_moe":  # layer 1 dense (mlp_only_layers), renormalised top-2 of 4 experts
+        return T.Qwen3MoeConfig(**{**COMMON, "head_dim": 12, "num_experts": 4, "num_experts_per_tok": 2,
+                                   "moe_intermediate_size": 24, "norm_topk_prob": True, "mlp_only_layers": [1],
+                                   "output_router_logits": True, "router_aux_loss_coef": 0.05, **extra})
+    if family == "mixtral":
+        return T.MixtralConfig(**{**COMMON, "intermediate_size": 24, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                  "sliding_window": None, "output_router_logits": True, "router_aux_loss_coef": 0.05,
+                                  **extra})
     raise ValueError(family)
 
 

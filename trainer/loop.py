@@ -33,7 +33,8 @@ from trainer.data.batches import StepPlan, collate
 from trainer.data.prepare import Rows, load_rows, split_eval
 from trainer.data.registry import resolve
 from trainer.executor import Executor, NonFiniteStep
-from trainer.model.config import ModelConfigError, load_model_config
+from trainer.model.config import ModelConfigError, load_balancing_coef
+from trainer.model.select import load_model
 from trainer.model.weights import all_weights, group_order
 from trainer.report import Reporter, plot_loss
 from trainer.schedule import lr_factor, warmup_steps
@@ -84,7 +85,7 @@ def prepare(cfg: TrainConfig, console: Console, say) -> Job:
     """Check the model and the config, pick the checkpoint to resume from, tokenize the data, plan the steps;
     nothing is written to output_dir."""
     model_dir = Path(cfg.model_name_or_path)
-    mcfg = model_config(model_dir)
+    mcfg = model_config(model_dir, cfg)
     if mcfg.sliding_window is not None and cfg.cutoff_len > mcfg.sliding_window:
         raise ConfigError(f"cutoff_len {cfg.cutoff_len} exceeds the model's sliding_window {mcfg.sliding_window}; "
                           "sliding-window attention is not supported yet: lower cutoff_len")
@@ -271,12 +272,15 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
             executor.close()
 
 
-def model_config(model_dir: Path):
-    """The model's config.json read, its problems reported as the user's (one line, exit code 2)."""
+def model_config(model_dir: Path, cfg: TrainConfig | None = None):
+    """The model's config.json read (for the path that computes it: ``tiermem_model_path``), with the run's
+    load-balancing loss weight (``moe_aux_loss_coef``); its problems reported as the user's (one line, exit
+    code 2)."""
     try:
-        return load_model_config(model_dir)
+        mcfg = load_model(model_dir, cfg.tiermem_model_path if cfg is not None else "auto")
     except ModelConfigError as e:
         raise ConfigError(str(e)) from None
+    return load_balancing_coef(mcfg, cfg.moe_aux_loss_coef) if cfg is not None else mcfg
 
 
 def _checked_resume(cfg: TrainConfig, out: Path, mcfg, model_dir: Path, named: dict | None = None,
@@ -421,7 +425,7 @@ def prepare_data(cfg: TrainConfig, mcfg, model_dir: Path, console: Console):
 def preview(cfg: TrainConfig, n: int) -> None:
     """``--preview N``: the first N processed training rows (file order) as JSON lines on stdout."""
     model_dir = Path(cfg.model_name_or_path)
-    mcfg = model_config(model_dir)
+    mcfg = model_config(model_dir, cfg)
     rows = load_rows(cfg.dataset, cfg, mcfg, model_dir)
     for ids, labels in list(zip(rows.input_ids, rows.labels))[:n]:
         print(json.dumps({"input_ids": ids, "labels": ids if labels is None else labels}))

@@ -1,0 +1,107 @@
+"""Mixture-of-experts models train exactly: tiny Qwen3-MoE (a dense layer among sparse ones, renormalised
+top-k) and Mixtral, with the router's load-balancing loss on, end fp32 streamed training with the same
+weights, losses and gradient norms as transformers + torch AdamW; the export loads with from_pretrained. The
+grouped expert computation and the load-balancing loss match a plain per-token reading of them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.test_train_parity import HP, assert_same_weights, nvme_moments, reference_training, run_cli
+from tests.tiny_models import save_tiny_model, write_tokenized_dataset
+from trainer.model.config import MoeSpec
+from trainer.model.moe import RouterStats, experts, moe_ffn, route
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("family,passes", [("qwen3_moe", 2), ("mixtral", 1)])
+def test_moe_training_matches_transformers(tmp_path, family, passes):
+    model_dir = save_tiny_model(family, tmp_path / "model")
+    data_dir = tmp_path / "data"
+    name = write_tokenized_dataset(data_dir)
+    norms: list[float] = []
+    losses: list[float] = []
+    ref = reference_training(model_dir, data_dir, name, norms, losses)
+    assert max(norms) > HP["max_grad_norm"], "the test must make clipping trigger"
+    budget = {"tiermem_activation_budget": "1KiB"} if passes > 1 else {}  # one layer-major pass per micro-batch
+    assert run_cli(tmp_path, model_dir, data_dir, name, nvme_moments(tmp_path), **budget) == 0
+    out = tmp_path / "out"
+    assert_same_weights(out, ref, tied=False)
+    log = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
+    assert [r["grad_norm"] for r in log] == pytest.approx(norms, rel=1e-5)
+    assert [r["loss"] for r in log] == pytest.approx(losses, rel=1e-5)
+
+    # the load-balancing loss is in what was matched: training without it ends elsewhere
+    cfg = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(dict(cfg, output_router_logits=False)))
+    without = reference_training(model_dir, data_dir, name, [])
+    got = load_file(out / "model.safetensors")
+    assert max(float((got[n] - without[n]).norm() / without[n].norm()) for n in got) > 1e-3
+
+    if family == "mixtral":  # the export loads in transformers and computes the reference weights' logits
+        ref_dir = tmp_path / "ref"
+        ref_dir.mkdir()
+        (ref_dir / "config.json").write_text(json.dumps(cfg))
+        save_file({n: t.contiguous() for n, t in ref.items()}, ref_dir / "model.safetensors")
+        ids = torch.randint(1, 96, (2, 11), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            got_logits = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(ids).logits
+            want_logits = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32)(ids).logits
+        torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
+
+
+def _spec(norm: bool) -> MoeSpec:
+    return MoeSpec(5, 2, 6, norm, (0,), "mlp", ("gate_proj", "up_proj", "down_proj"), 0.1)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_grouped_experts_match_a_per_token_loop(norm):
+    g = torch.Generator().manual_seed(0)
+    spec, n, hidden = _spec(norm), 23, 8
+    h = torch.randn(n, hidden, generator=g, dtype=torch.float64)
+    w = {"mlp.gate.weight": torch.randn(spec.num_experts, hidden, generator=g, dtype=torch.float64)}
+    for e in range(spec.num_experts):
+        w[f"mlp.experts.{e}.gate_proj.weight"] = torch.randn(6, hidden, generator=g, dtype=torch.float64)
+        w[f"mlp.experts.{e}.up_proj.weight"] = torch.randn(6, hidden, generator=g, dtype=torch.float64)
+        w[f"mlp.experts.{e}.down_proj.weight"] = torch.randn(hidden, 6, generator=g, dtype=torch.float64)
+    got = moe_ffn(w, h.view(1, n, hidden), spec, None).view(n, hidden)
+    want = torch.zeros_like(h)
+    for t in range(n):
+        p = torch.softmax((w["mlp.gate.weight"] @ h[t]).float(), dim=0)  # (routing runs in fp32)
+        top = torch.topk(p, spec.top_k)
+        weights = (top.values / top.values.sum() if norm else top.values).double()
+        for wt, e in zip(weights, top.indices.tolist()):
+            x, pre = h[t], f"mlp.experts.{e}."
+            y = w[pre + "down_proj.weight"] @ (torch.nn.functional.silu(w[pre + "gate_proj.weight"] @ x)
+                                               * (w[pre + "up_proj.weight"] @ x))
+            want[t] += wt * y
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert route(h, w["mlp.gate.weight"], 2, norm)[2].unique().numel() > 2  # tokens spread over the experts
+    assert experts(h, torch.ones(n, 1, dtype=h.dtype), torch.zeros(n, 1, dtype=torch.long),
+                   [(w["mlp.experts.0.gate_proj.weight"], w["mlp.experts.0.up_proj.weight"],
+                     w["mlp.experts.0.down_proj.weight"])] * 5).shape == (n, hidden)
+
+
+def test_load_balancing_loss_and_its_gradient_match_transformers():
+    """Counted layer by layer (forward), the loss equals transformers' over all layers' logits with the
+    padding masked; the frozen per-layer terms differentiate to the gradient of transformers' loss."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    g = torch.Generator().manual_seed(1)
+    spec = MoeSpec(6, 2, 4, True, (0, 1, 2), "mlp", ("gate_proj", "up_proj", "down_proj"), 0.1)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    logits = [torch.randn(10, 6, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    want = load_balancing_loss_func(tuple(logits), 6, 2, mask)
+    want_grads = torch.autograd.grad(want, logits)
+    stats = RouterStats(mask, 10, spec, 1.0, torch.device("cpu"))
+    for lg in logits:
+        stats.observe(lg.detach(), torch.topk(torch.softmax(lg.detach(), -1), 2).indices)
+    assert float(stats.freeze()) == pytest.approx(float(want), rel=1e-6)  # (both count in fp32)
+    for lg, wg in zip(logits, want_grads):
+        stats.observe(lg, None)
+        torch.testing.assert_close(torch.autograd.grad(stats.take_term(), lg)[0], wg)
