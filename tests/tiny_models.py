@@ -31,6 +31,13 @@ def hf_config(family: str, **extra):
         return T.Qwen3MoeConfig(**{**COMMON, "head_dim": 12, "num_experts": 4, "num_experts_per_tok": 2,
                                    "moe_intermediate_size": 24, "norm_topk_prob": True, "mlp_only_layers": [1],
                                    "output_router_logits": True, "router_aux_loss_coef": 0.05, **extra})
+    if family == "gemma2":  # (generic path) alternating sliding-window layers shorter than the rows, soft-capping
+        return T.Gemma2Config(**{**COMMON, "head_dim": 8, "sliding_window": 6, "query_pre_attn_scalar": 8,
+                                 "final_logit_softcapping": 5.0, "attn_logit_softcapping": 20.0, **extra})
+    if family == "phi3":  # (generic path) fused qkv and gate-up projections
+        return T.Phi3Config(**{**COMMON, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **extra})
+    if family == "gemma3":  # (generic path)
+        return T.Gemma3TextConfig(**{**COMMON, "head_dim": 8, "sliding_window": 6, "query_pre_attn_scalar": 8, **extra})
     if family == "mixtral":
         return T.MixtralConfig(**{**COMMON, "intermediate_size": 24, "num_local_experts": 4, "num_experts_per_tok": 2,
                                   "sliding_window": None, "output_router_logits": True, "router_aux_loss_coef": 0.05,

@@ -221,7 +221,7 @@ class Executor:
                 self.layer = i
                 view = self._take(r_fwd[i], "forward")
                 w = self._weights(view)
-                acts.append([model.layer(w, x, c) for x, c in zip(acts[i], ctx)])
+                acts.append([model.layer(i, w, x, c) for x, c in zip(acts[i], ctx)])
                 view.release()
                 HOOKS.point("forward", step + 1)
             aux = model.forward_done(ctx)  # a sparse model's load-balancing loss (weighted), or None
@@ -264,7 +264,7 @@ class Executor:
             w = self._weights(view)
             acc: list[torch.Tensor] | None = None
             for mb in range(len(ids)):
-                grads_y[mb], g_w = model.layer_backward(w, acts[i][mb], grads_y[mb], ctx[mb])
+                grads_y[mb], g_w = model.layer_backward(i, w, acts[i][mb], grads_y[mb], ctx[mb])
                 acts[i][mb] = None
                 if acc is None:
                     acc = [g.float() for g in g_w]
@@ -307,7 +307,7 @@ class Executor:
             for i in range(cfg.num_layers):
                 view = self._take(r_fwd[i], "eval")
                 w = self._weights(view)
-                hs = [model.layer(w, h, c) for h, c in zip(hs, ctx)]
+                hs = [model.layer(i, w, h, c) for h, c in zip(hs, ctx)]
                 view.release()
             view = self._take(r_head, "eval")
             tied_view = self._take(r_tied, "eval") if r_tied is not None else None

@@ -64,7 +64,8 @@ class TemplateStages:
     def embed(self, w: dict[str, torch.Tensor], ids: torch.Tensor, ctx: MicroBatch) -> torch.Tensor:
         return F.embedding(ids, w[EMBED])
 
-    def layer(self, w: dict[str, torch.Tensor], x: torch.Tensor, ctx: MicroBatch) -> torch.Tensor:
+    def layer(self, i: int, w: dict[str, torch.Tensor], x: torch.Tensor, ctx: MicroBatch) -> torch.Tensor:
+        """Decoder layer ``i`` over ``x`` with its weights ``w`` (no gradient)."""
         return decoder_layer(w, x, ctx.rope, self.cfg, ctx.router)
 
     def forward_done(self, ctxs: list[MicroBatch]) -> torch.Tensor | None:
@@ -73,7 +74,7 @@ class TemplateStages:
         terms = [c.router.weight * c.router.freeze() for c in ctxs if c.router is not None]
         return sum(terms) if terms else None
 
-    def layer_backward(self, w: dict[str, torch.Tensor], x: torch.Tensor, gy: torch.Tensor, ctx: MicroBatch):
+    def layer_backward(self, i: int, w: dict[str, torch.Tensor], x: torch.Tensor, gy: torch.Tensor, ctx: MicroBatch):
         """Recompute the layer from its input ``x`` and backpropagate ``gy`` (plus the layer's share of the
         load-balancing loss): (input gradient, the weights' gradients in ``w``'s order)."""
         x = x.detach().requires_grad_()

@@ -100,6 +100,8 @@ def group_order(cfg: ModelConfig) -> list[int | str]:
 def init_weight(w: Weight, cfg: ModelConfig, gen: torch.Generator, device: torch.device) -> torch.Tensor:
     """A freshly initialised fp32 tensor, as Hugging Face initialises these models (normal(0, std) for
     matrices and embeddings, ones for norms, zeros for biases)."""
+    if hasattr(cfg, "init_weight"):  # a model of the generic path: as its transformers class initialises it
+        return cfg.init_weight(w, gen, device)
     if w.name.endswith("norm.weight"):
         return torch.ones(w.shape, device=device)
     if w.name.endswith(".bias"):
