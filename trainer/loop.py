@@ -171,6 +171,7 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
     """Steps ``start``..total (logging, checkpoints, evaluation), then the export; returns the results."""
     cfg, mcfg, out, plan, total = job.cfg, job.mcfg, job.out, job.plan, job.total
     store, optimizer, n_params = session.store, session.optimizer, job.n_params
+    active = job.mcfg.num_params(active=True)  # what a token computes with (a sparse model's top-k experts)
     rows, dtype, model_dir = job.rows, job.dtype, job.model_dir
     scfg = store.cfg
     executor = saver = stats = None
@@ -180,13 +181,13 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
         budget = activation_budget(cfg, store)
         (out / "training_args.yaml").write_text(yaml.safe_dump(resolved(cfg, scfg, budget), sort_keys=False))
         executor = Executor(store, mcfg, dtype, optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens, budget)
-        report = Reporter(out, total, n_params, say, resume_step=start)
+        report = Reporter(out, total, active, say, resume_step=start)
 
         def live() -> dict:
             opt = {"last_update_s": optimizer.last_step_seconds, "split": optimizer.last_split,
                    "gpu_share": optimizer.gpu_share, "cpu_groups": store.cfg.optimizer.cpu_groups}
             return dict(report.live, phase=executor.phase, layer=executor.layer, optimizer=opt,
-                        tflops=6 * n_params * report.live.get("tokens_per_s", 0.0) / 1e12)
+                        tflops=6 * active * report.live.get("tokens_per_s", 0.0) / 1e12)
 
         stats = StatsFile(out / "tiermem_stats.json", store, live, sink=session.progress_sink)
         if cfg.save_steps:

@@ -99,12 +99,14 @@ class GenericConfig:
         """A fresh fp32 tensor as transformers initialises it (the model's ``_init_weights`` on a real copy of
         the module that owns it), seeded from ``gen``."""
         owner, _, leaf = w.name.rpartition(".")
-        module = copy.deepcopy(self.model.get_submodule(owner)).to_empty(device="cpu").float()
+        module = copy.deepcopy(self.model.get_submodule(owner)).to_empty(device=device).float()
         seed = int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device))
-        with torch.random.fork_rng(devices=[]):
+        on_gpu = device.type == "cuda"
+        cuda = [device.index if device.index is not None else torch.cuda.current_device()] if on_gpu else []
+        with torch.random.fork_rng(devices=cuda):
             torch.manual_seed(seed)
             self.model._init_weights(module)
-        return getattr(module, leaf).detach().to(device)
+        return getattr(module, leaf).detach()
 
 
 def generic_config(raw: dict, where: str = "config.json") -> GenericConfig:
@@ -139,7 +141,7 @@ def generic_config(raw: dict, where: str = "config.json") -> GenericConfig:
                                    f"exactly); set it to 0")
     with _parameters_on_meta():
         try:
-            model = cls._from_config(config)
+            model = cls._from_config(config, dtype=torch.float32)  # (buffers in fp32 whatever config.json says)
         except Exception as e:  # noqa: BLE001 - whatever the model class refuses
             raise ModelConfigError(f"{where}: transformers cannot build {arch}: {_one_line(e)}") from None
     model.eval()  # (no dropout; the step's semantics are the trainer's)
