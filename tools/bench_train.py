@@ -1,7 +1,8 @@
 """Benchmark: streamed training (tiermem, every piece of state in DRAM) against plain PyTorch on the GPU.
 
     python tools/bench_train.py [--batch 4] [--accum 1] [--seq 4096] [--steps 5] [--layers 28] [--passes 1]
-                                [--json FILE]
+                                [--shape llama-3b|qwen3-moe] [--path template|generic|both]
+                                [--placement dram|auto] [--nvme DIR] [--json FILE]
 
 Both train a random-init Llama-3B shape (hidden 3072, 28 layers, intermediate 8192, 24 heads, 8 KV heads,
 vocab 128256, untied: 3.6 B params) in bf16 on random tokens, in the same process:
@@ -15,6 +16,20 @@ vocab 128256, untied: 3.6 B params) in bf16 on random tokens, in the same proces
 Prints step time, tokens/s, TFLOP/s (6 N tokens), peak HBM and tiermem's step split (compute / GPU
 waiting on transfers / GPU waiting on the optimizer), and the ratio tiermem / plain. The first
 ``--warmup`` steps of each are not timed.
+
+``--path generic`` runs tiermem's generic model path (transformers' own modules over the streamed weights)
+instead of the hand-written template; ``--path both`` runs the template and then the generic path (no plain
+run) and prints the ratio of their step times:
+
+    python tools/bench_train.py --batch 4 --accum 4 --path both
+
+``--shape qwen3-moe`` trains Qwen3-30B-A3B's dimensions (hidden 2048, 32 heads, 4 KV heads, head_dim 128,
+128 experts of intermediate 768, top-8 renormalised, vocab 151936) with ``--layers`` layers (24 unless
+given) through tiermem alone (plain PyTorch cannot hold its fp32 training state in HBM), TFLOP/s counted on
+the active parameters (6 N_active tokens). Its state (18 B/param) outgrows the DRAM arena: use
+``--placement auto --nvme DIR`` (auto placement over HBM, DRAM and NVMe files under DIR):
+
+    python tools/bench_train.py --shape qwen3-moe --layers 24 --batch 4 --accum 4 --placement auto --nvme /tmp/nv
 """
 
 from __future__ import annotations
@@ -35,6 +50,14 @@ SHAPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
          "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                           "original_max_position_embeddings": 8192},
          "tie_word_embeddings": False, "hidden_act": "silu", "initializer_range": 0.02}
+QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+             "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+             "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 48,
+             "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+             "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+             "tie_word_embeddings": False, "hidden_act": "silu", "initializer_range": 0.02,
+             "output_router_logits": True, "router_aux_loss_coef": 0.001}
+SHAPES = {"llama-3b": (SHAPE, 28), "qwen3-moe": (QWEN3_MOE, 24)}
 
 
 def batches(args, vocab: int, step: int):
@@ -42,7 +65,8 @@ def batches(args, vocab: int, step: int):
     out = []
     for _ in range(args.accum):
         ids = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
-        out.append((ids.pin_memory(), ids.clone().pin_memory(), ids.numel()))
+        pin = (lambda t: t.pin_memory()) if torch.cuda.is_available() else (lambda t: t)  # (CPU: a smoke run)
+        out.append((pin(ids), pin(ids.clone()), ids.numel()))
     return out
 
 
@@ -79,23 +103,26 @@ def run_plain(args, raw: dict) -> dict:
     return {"step_s": statistics.median(times), "times": times, "peak_hbm_gib": peak / 2**30}
 
 
-def run_tiermem(args, raw: dict, model_dir: Path) -> dict:
+def run_tiermem(args, raw: dict, model_dir: Path, path: str = "template") -> dict:
     from tiermem.optim import AdamWConfig, StoreAdamW
     from tiermem.store.store import Store
     from trainer.executor import Executor
-    from trainer.model.config import load_model_config
+    from trainer.model.select import load_model
     from trainer.model.weights import all_weights, group_order
     from trainer.state import state_specs, store_config
     from trainer.weights_io import init_weights
 
-    mcfg = load_model_config(model_dir)
-    scfg = store_config({"placement": {k: "dram" for k in ("param", "grad", "master", "exp_avg", "exp_avg_sq")},
-                         "tiers": {"gpu": {"slots": args.slots}},
-                         "optimizer": {"gpu_share": args.gpu_share}})
+    mcfg = load_model(model_dir, path)
+    tiers = {"gpu": {"slots": args.slots}}
+    if args.nvme:
+        tiers["nvme"] = {"path": args.nvme}
+    placement = ("auto" if args.placement == "auto" else
+                 {k: "dram" for k in ("param", "grad", "master", "exp_avg", "exp_avg_sq")})
+    scfg = store_config({"placement": placement, "tiers": tiers, "optimizer": {"gpu_share": args.gpu_share}})
     t0 = time.perf_counter()
     store = Store.open(scfg, state_specs(mcfg, torch.bfloat16), streamed_kinds=("param",))
     t_open = time.perf_counter() - t0
-    init_weights(store, mcfg, {"param": torch.bfloat16, "master": torch.float32}, 0, torch.device("cuda"))
+    init_weights(store, mcfg, {"param": torch.bfloat16, "master": torch.float32}, 0, store.gpu.device)
     t_init = time.perf_counter() - t0 - t_open
     opt = StoreAdamW(store, group_order(mcfg), {w.name: w.decay for w in all_weights(mcfg)}, AdamWConfig(),
                      has_master=True)
@@ -104,7 +131,9 @@ def run_tiermem(args, raw: dict, model_dir: Path) -> dict:
         per_mb = (mcfg.num_layers + 1) * mcfg.hidden_size * 2 * args.batch * args.seq
         budget = per_mb * -(-args.accum // args.passes)
     ex = Executor(store, mcfg, torch.bfloat16, opt, 1.0, args.loss_chunk, budget)
-    torch.cuda.reset_peak_memory_stats()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     starts, results, opt_s = [], [], []
     total = args.warmup + args.steps
     for step in range(total):
@@ -116,7 +145,7 @@ def run_tiermem(args, raw: dict, model_dir: Path) -> dict:
     starts.append(time.perf_counter())
     times = [starts[i + 1] - starts[i] for i in range(args.warmup, total)]
     splits = results[args.warmup:]
-    peak = torch.cuda.max_memory_allocated()
+    peak = torch.cuda.max_memory_allocated() if cuda else 0
     stats = store.stats()
     ex.close()
     opt.close()
@@ -142,7 +171,13 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--layers", type=int, help="decoder layers (default: 28 for llama-3b, 24 for qwen3-moe)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-3b")
+    ap.add_argument("--path", choices=["template", "generic", "both"], default="template",
+                    help="tiermem's model path: the hand-written template, the generic one, or both (no plain run)")
+    ap.add_argument("--placement", choices=["dram", "auto"], default="dram",
+                    help="dram: every kind in the DRAM arena; auto: tiermem's auto placement over the tiers")
+    ap.add_argument("--nvme", help="a directory for the NVMe tier's file (with --placement auto)")
     ap.add_argument("--slots", type=int, default=3)
     ap.add_argument("--loss-chunk", type=int, default=4096)
     ap.add_argument("--gpu-share", default="auto", help="tiermem optimizer.gpu_share (auto, or 0..1)")
@@ -153,40 +188,54 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_train needs a CUDA GPU")
-    raw = dict(SHAPE, num_hidden_layers=args.layers)
+    shape, default_layers = SHAPES[args.shape]
+    args.layers = args.layers or default_layers
+    moe = args.shape != "llama-3b"
+    if moe and (args.only == "plain" or args.path != "template"):
+        raise SystemExit("--shape qwen3-moe runs tiermem's template alone (--only tiermem, --path template): plain "
+                         "PyTorch cannot hold its fp32 training state in HBM")
+    raw = dict(shape, num_hidden_layers=args.layers)
     d = Path(tempfile.mkdtemp(prefix="tiermem-bench-"))
     (d / "config.json").write_text(json.dumps(raw))
     from trainer.model.config import model_config_from_dict
 
-    n_params = model_config_from_dict(raw).num_params()
+    mcfg = model_config_from_dict(raw)
+    n_params, n_active = mcfg.num_params(), mcfg.num_params(active=True)
     tokens = args.batch * args.accum * args.seq
-    res = {"tokens_per_step": tokens, "params": n_params}
-    if args.only != "tiermem":
-        res["plain"] = run_plain(args, raw)
-    if args.only != "plain":
-        res["tiermem"] = run_tiermem(args, raw, d)
-    for k in ("plain", "tiermem"):
-        if k in res:
-            r = res[k]
-            r["tokens_per_s"] = tokens / r["step_s"]
-            r["tflops"] = 6 * n_params * tokens / r["step_s"] / 1e12
+    res = {"tokens_per_step": tokens, "params": n_params, "active_params": n_active}
+    runs = (["tiermem", "generic"] if args.path == "both" else
+            [*(["plain"] if args.only != "tiermem" and not moe else []),
+             *(["tiermem"] if args.only != "plain" else [])])
+    for k in runs:
+        if k == "plain":
+            res[k] = run_plain(args, raw)
+        else:
+            path = "generic" if k == "generic" or args.path == "generic" else "template"
+            res[k] = run_tiermem(args, raw, d, path)
+            res[k]["path"] = path
+    for k in runs:
+        r = res[k]
+        r["tokens_per_s"] = tokens / r["step_s"]
+        r["tflops"] = 6 * n_active * tokens / r["step_s"] / 1e12
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1, default=str))
-    print(f"Llama-3B shape ({n_params / 1e9:.2f} B params, {args.layers} layers), bf16, "
-          f"{args.accum}x{args.batch}x{args.seq} = {tokens} tokens/step")
+    name = "Qwen3-30B-A3B dims" if moe else "Llama-3B shape"
+    print(f"{name} ({n_params / 1e9:.2f} B params, {n_active / 1e9:.2f} B active, {args.layers} layers), bf16, "
+          f"{args.accum}x{args.batch}x{args.seq} = {tokens} tokens/step; TFLOP/s = 6 x active params x tokens")
     print(f"{'':10} {'s/step':>8} {'tok/s':>9} {'TFLOP/s':>8} {'peak HBM':>9}  split")
-    for k in ("plain", "tiermem"):
-        if k not in res:
-            continue
+    for k in runs:
         r = res[k]
         split = ""
-        if k == "tiermem":
+        if k != "plain":
             split = (f"compute {r['compute_s']:.3f} + wait transfer {r['wait_transfer_s']:.3f} + wait optimizer "
                      f"{r['wait_optimizer_s']:.3f} (optimizer busy {r['optimizer_busy_s']:.3f} s: "
                      + ", ".join(f"{a} {b:.3f}" for a, b in r["optimizer_split"].items())
                      + f"; {r['optimizer_threads']} threads, gpu_share {r['gpu_share']})")
         print(f"{k:10} {r['step_s']:8.3f} {r['tokens_per_s']:9.0f} {r['tflops']:8.1f} "
               f"{r['peak_hbm_gib']:8.1f}G  {split}")
+    if args.path == "both":
+        print(f"ratio generic/template step time: {res['generic']['step_s'] / res['tiermem']['step_s']:.3f} "
+              f"(template {res['tiermem']['step_s']:.3f} s, generic {res['generic']['step_s']:.3f} s)")
     if "tiermem" in res:
         t = res["tiermem"]
         print(f"tiermem: {t['passes']} pass(es) a step; trainer thread blocked on partial gradients "
