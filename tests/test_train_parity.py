@@ -34,8 +34,9 @@ def reference_training(model_dir, data_dir, name, steps_seen: list, losses: list
     aux = bool(getattr(model.config, "output_router_logits", False))
     rows = [json.loads(line) for line in (data_dir / f"{name}.jsonl").read_text().splitlines()]
     decay, no_decay = [], []
+    decayed = set(transformers.Trainer.get_decay_parameter_names(None, model))  # (the Trainer's own rule)
     for n, p in model.named_parameters():
-        (no_decay if ("bias" in n or "norm" in n) else decay).append(p)
+        (decay if n in decayed else no_decay).append(p)
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": HP["weight_decay"]},
                              {"params": no_decay, "weight_decay": 0.0}], lr=HP["learning_rate"],
                             betas=(HP["adam_beta1"], HP["adam_beta2"]), eps=HP["adam_epsilon"])

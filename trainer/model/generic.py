@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -55,9 +56,16 @@ def _parameters_on_meta():
         nn.Module.register_parameter = register
 
 
-def _no_decay(module: nn.Module, name: str) -> bool:
-    """As the Hugging Face Trainer: no weight decay on biases and normalisation weights."""
-    return name.endswith("bias") or "norm" in type(module).__name__.lower() or "norm" in name.lower()
+_NO_DECAY = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")]
+
+
+def _no_decay(model: nn.Module, name: str) -> bool:
+    """As the Hugging Face Trainer decides: no weight decay on a parameter inside an ``nn.LayerNorm`` or whose
+    name reads as a bias or a normalisation weight."""
+    parts = name.split(".")
+    if any(isinstance(model.get_submodule(".".join(parts[:i])), nn.LayerNorm) for i in range(1, len(parts))):
+        return True
+    return any(p.search(name.lower()) for p in _NO_DECAY)
 
 
 @dataclass
@@ -136,7 +144,8 @@ def generic_config(raw: dict, where: str = "config.json") -> GenericConfig:
     if getattr(config, "is_encoder_decoder", False):
         raise ModelConfigError(f"{where}: architecture {arch} is not supported: an encoder-decoder model")
     for key, value in config.to_dict().items():
-        if ("dropout" in key or "pdrop" in key) and isinstance(value, (int, float)) and value > 0:
+        used = not key.startswith("summary")  # (a sequence-summary head's, not the causal LM's)
+        if used and ("dropout" in key or "pdrop" in key) and isinstance(value, (int, float)) and value > 0:
             raise ModelConfigError(f"{where}: {key} {value} is not supported (dropout cannot be recomputed "
                                    f"exactly); set it to 0")
     with _parameters_on_meta():
@@ -165,14 +174,10 @@ def generic_config(raw: dict, where: str = "config.json") -> GenericConfig:
     tied = emb_out.weight is emb_in.weight
     by_param = {id(p): n for n, p in model.named_parameters()}
     embed_name, head_weight = by_param[id(emb_in.weight)], by_param[id(emb_out.weight)]
-    owners = {}
-    for mname, module in model.named_modules():
-        for pname, _ in module.named_parameters(recurse=False):
-            owners[f"{mname}.{pname}" if mname else pname] = module
     weights = []
     before = {f"{backbone_name}.{n}" for n, _ in children[:at]}
     for name, p in model.named_parameters():
-        decay = not _no_decay(owners[name], name)
+        decay = not _no_decay(model, name)
         if name.startswith(layers_name + "."):
             idx, local = name[len(layers_name) + 1:].split(".", 1)
             weights.append(Weight(name, tuple(p.shape), int(idx), decay, local))
@@ -309,9 +314,7 @@ class GenericStages:
     def _logits(self, normed: torch.Tensor, head_w: torch.Tensor) -> torch.Tensor:
         """The causal-LM class's own forward from final hidden states ``normed`` [1, n, H]: its LM head and
         whatever it applies to the logits (soft-capping, scaling)."""
-        from transformers.modeling_outputs import BaseModelOutputWithPast
-
-        out = BaseModelOutputWithPast(last_hidden_state=normed)
+        out = _backbone_output()(last_hidden_state=normed)
         self.backbone.forward = lambda *a, **k: out
         try:
             res = functional_call(self.cfg.model, {self.head_name: head_w}, (),
@@ -362,6 +365,25 @@ class GenericStages:
             logits = self._logits(flat[s: s + chunk].unsqueeze(0), hw)[0].float()
             loss += F.cross_entropy(logits, tgt[s: s + chunk], ignore_index=-100, reduction="sum")
         return loss
+
+
+_OUTPUT = []
+
+
+def _backbone_output():
+    """A backbone's output holding only the last hidden states (any other field a causal-LM class reads from
+    it, such as cross-attentions, is None)."""
+    if not _OUTPUT:
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+
+        class Hidden(BaseModelOutputWithPast):
+            def __getattr__(self, name):
+                if name.startswith("__"):
+                    raise AttributeError(name)
+                return None
+
+        _OUTPUT.append(Hidden)
+    return _OUTPUT[0]
 
 
 def _one_line(e: Exception) -> str:
