@@ -1,8 +1,8 @@
 """The generic path trains exactly: architectures the template does not cover (Gemma 2: scaled embedding,
 alternating sliding-window layers shorter than the rows, logit soft-capping, tied head, zero-centred norms;
-Phi-3: fused qkv and gate-up projections) end fp32 streamed training with the same weights, losses and
-gradient norms as transformers + torch AdamW; a template family forced through the generic path ends where
-the template does."""
+Phi-3: fused qkv and gate-up projections; GPT-2: learned positions, LayerNorms with biases, Conv1D) end fp32
+streamed training with the same weights, losses and gradient norms as transformers + torch AdamW; a template
+family forced through the generic path ends where the template does."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tests.tiny_models import save_tiny_model, write_tokenized_dataset
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("family,passes", [("gemma2", 1), ("phi3", 2)])
+@pytest.mark.parametrize("family,passes", [("gemma2", 1), ("phi3", 2), ("gpt2", 1)])
 def test_generic_training_matches_transformers(tmp_path, family, passes):
     model_dir = save_tiny_model(family, tmp_path / "model")
     data_dir = tmp_path / "data"
@@ -31,7 +31,7 @@ def test_generic_training_matches_transformers(tmp_path, family, passes):
     assert run_cli(tmp_path, model_dir, data_dir, name, nvme_moments(tmp_path), **budget) == 0
     out = tmp_path / "out"
     tied = json.loads((model_dir / "config.json").read_text()).get("tie_word_embeddings", False)
-    assert tied == (family == "gemma2")
+    assert tied == (family in ("gemma2", "gpt2"))
     assert_same_weights(out, ref, tied=tied)
     log = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
     assert [r["grad_norm"] for r in log] == pytest.approx(norms, rel=1e-5)

@@ -123,8 +123,9 @@ def assert_same_weights(out_dir, ref: dict[str, torch.Tensor], tied: bool) -> No
     for n in expected:
         err = (got[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-12)
         # A k_proj bias adds the same q.b to every score of a query, which softmax ignores: its gradient is
-        # zero in exact arithmetic, so its Adam update is rounding noise scaled up by Adam's normalisation.
-        tol = 1e-4 if n.endswith("k_proj.bias") else 1e-5
+        # zero in exact arithmetic, so its Adam update is rounding noise scaled up by Adam's normalisation (so
+        # is the key third of a fused q/k/v bias: GPT-2's c_attn).
+        tol = 1e-4 if n.endswith(("k_proj.bias", "c_attn.bias")) else 1e-5
         assert err <= tol, f"{n}: relative error {err:.2e}"
 
 
