@@ -101,7 +101,24 @@ def test_load_balancing_loss_and_its_gradient_match_transformers():
     stats = RouterStats(mask, 10, spec, 1.0, torch.device("cpu"))
     for lg in logits:
         stats.observe(lg.detach(), torch.topk(torch.softmax(lg.detach(), -1), 2).indices)
-    assert float(stats.freeze()) == pytest.approx(float(want), rel=1e-6)  # (both count in fp32)
+    assert float(stats.freeze()) == pytest.approx(float(want.detach()), rel=1e-6)  # (both count in fp32)
     for lg, wg in zip(logits, want_grads):
         stats.observe(lg, None)
         torch.testing.assert_close(torch.autograd.grad(stats.take_term(), lg)[0], wg)
+
+
+def test_the_load_balancing_loss_is_on_as_config_json_or_moe_aux_loss_coef_says():
+    from trainer.model.config import load_balancing_coef, model_config_from_dict
+
+    base = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 8, "hidden_size": 16, "intermediate_size": 8,
+            "num_hidden_layers": 4, "num_attention_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 8, "mlp_only_layers": [0], "decoder_sparse_step": 1, "router_aux_loss_coef": 0.01}
+    off = model_config_from_dict(base)  # (published configs: output_router_logits false)
+    assert off.moe.aux_loss_coef == 0.0 and off.moe.sparse_layers == (1, 2, 3)
+    assert model_config_from_dict(dict(base, output_router_logits=True)).moe.aux_loss_coef == 0.01
+    assert load_balancing_coef(off, 0.02).moe.aux_loss_coef == 0.02
+    assert load_balancing_coef(model_config_from_dict(dict(base, output_router_logits=True)), 0).moe.aux_loss_coef == 0
+    assert load_balancing_coef(off, None) is off
+    every_other = model_config_from_dict(dict(base, mlp_only_layers=[], decoder_sparse_step=2))
+    assert every_other.moe.sparse_layers == (1, 3)
+    assert every_other.num_params() - every_other.num_params(active=True) == 2 * 2 * every_other.moe.expert_params(16)

@@ -109,7 +109,10 @@ def prepare(cfg: TrainConfig, console: Console, say) -> Job:
         say("note: evaluation data or eval_steps is set but eval_strategy is no: no evaluation will run")
     if cfg.template is not None and all(e.formatting == "tokenized" for e in resolve(cfg.dataset, cfg.dataset_dir)):
         say(f"note: template '{cfg.template}' is not used: tokenized datasets come rendered already")
-    say(f"[bold]tiermem-train[/]: {mcfg.family} {job.n_params / 1e6:,.1f}M params, {mcfg.num_layers} layers, "
+    active = mcfg.num_params(active=True)
+    say(f"[bold]tiermem-train[/]: {mcfg.family} {job.n_params / 1e6:,.1f}M params"
+        + (f" ({active / 1e6:,.1f}M active)" if active != job.n_params else "")
+        + (" (generic path)" if getattr(mcfg, "generic", False) else "") + f", {mcfg.num_layers} layers, "
         f"{'bf16' if cfg.bf16 else 'fp32'}; {len(rows)} training rows"
         + (f", {len(eval_rows)} evaluation rows" if eval_rows is not None else "")
         + f"; {total} steps of {cfg.per_device_train_batch_size}x{cfg.gradient_accumulation_steps} rows "

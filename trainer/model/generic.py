@@ -95,6 +95,7 @@ class GenericConfig:
         return list(self._weights)
 
     def num_params(self, active: bool = False) -> int:
+        """Every parameter (a sparse model taken by this path counts all its experts as active)."""
         n = 0
         for w in self._weights:
             k = 1
@@ -117,8 +118,9 @@ class GenericConfig:
         return getattr(module, leaf).detach()
 
 
-def generic_config(raw: dict, where: str = "config.json") -> GenericConfig:
-    """The generic path's view of config.json, or one line naming what it lacks."""
+def _class_and_config(raw: dict, where: str):
+    """The transformers causal-LM class config.json names and its config, checked for what the generic path
+    cannot take."""
     archs = raw.get("architectures") or []
     arch = archs[0] if isinstance(archs, list) and archs else None
     if arch is None:
@@ -148,6 +150,12 @@ def generic_config(raw: dict, where: str = "config.json") -> GenericConfig:
         if used and ("dropout" in key or "pdrop" in key) and isinstance(value, (int, float)) and value > 0:
             raise ModelConfigError(f"{where}: {key} {value} is not supported (dropout cannot be recomputed "
                                    f"exactly); set it to 0")
+    return arch, cls, config
+
+
+def generic_config(raw: dict, where: str = "config.json") -> GenericConfig:
+    """The generic path's view of config.json, or one line naming what it lacks."""
+    arch, cls, config = _class_and_config(raw, where)
     with _parameters_on_meta():
         try:
             model = cls._from_config(config, dtype=torch.float32)  # (buffers in fp32 whatever config.json says)
@@ -171,31 +179,35 @@ def generic_config(raw: dict, where: str = "config.json") -> GenericConfig:
     emb_in, emb_out = model.get_input_embeddings(), model.get_output_embeddings()
     if emb_in is None or emb_out is None:
         raise ModelConfigError(f"{where}: architecture {arch} is not supported: no input embedding or LM head")
-    tied = emb_out.weight is emb_in.weight
     by_param = {id(p): n for n, p in model.named_parameters()}
     embed_name, head_weight = by_param[id(emb_in.weight)], by_param[id(emb_out.weight)]
-    weights = []
-    before = {f"{backbone_name}.{n}" for n, _ in children[:at]}
-    for name, p in model.named_parameters():
-        decay = not _no_decay(model, name)
-        if name.startswith(layers_name + "."):
-            idx, local = name[len(layers_name) + 1:].split(".", 1)
-            weights.append(Weight(name, tuple(p.shape), int(idx), decay, local))
-        elif any(name.startswith(b + ".") for b in before):
-            weights.append(Weight(name, tuple(p.shape), "embed", decay))
-        else:
-            weights.append(Weight(name, tuple(p.shape), "head", decay))
+    weights = _grouped(model, layers_name, [f"{backbone_name}.{n}" for n, _ in children[:at]])
     if embed_name not in {w.name for w in weights if w.group == "embed"}:
         raise ModelConfigError(f"{where}: architecture {arch} is not supported: its input embedding does not sit "
                                "before the layer list")
-    order = {"embed": -1, "head": n_layers}
-    weights.sort(key=lambda w: order.get(w.group, w.group) if not isinstance(w.group, int) else w.group)
     pad = getattr(config, "pad_token_id", None)
     return GenericConfig(family=str(getattr(config, "model_type", arch)), arch=arch, raw=raw, model=model,
                          backbone_name=backbone_name, layers_name=layers_name, head_modules=head_modules,
                          num_layers=n_layers, hidden_size=int(config.hidden_size), vocab_size=int(config.vocab_size),
-                         tie_word_embeddings=tied, embed_name=embed_name, head_weight=head_weight,
-                         pad_token_id=pad if isinstance(pad, int) else None, _weights=weights)
+                         tie_word_embeddings=emb_out.weight is emb_in.weight, embed_name=embed_name,
+                         head_weight=head_weight, pad_token_id=pad if isinstance(pad, int) else None, _weights=weights)
+
+
+def _grouped(model: nn.Module, layers_name: str, before: list[str]) -> list[Weight]:
+    """The model's parameters as the store's weights, in forward order: those of the backbone's modules
+    ``before`` the layer list in "embed", each layer's in its own group (named inside the layer), the rest (the
+    final norm, the LM head) in "head"."""
+    embed, layers, head = [], [], []
+    for name, p in model.named_parameters():
+        decay = not _no_decay(model, name)
+        if name.startswith(layers_name + "."):
+            idx, local = name[len(layers_name) + 1:].split(".", 1)
+            layers.append(Weight(name, tuple(p.shape), int(idx), decay, local))
+        elif any(name.startswith(b + ".") for b in before):
+            embed.append(Weight(name, tuple(p.shape), "embed", decay))
+        else:
+            head.append(Weight(name, tuple(p.shape), "head", decay))
+    return embed + sorted(layers, key=lambda w: w.group) + head  # (a stable sort: registration order inside)
 
 
 @dataclass

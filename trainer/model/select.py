@@ -30,7 +30,7 @@ def model_from_dict(raw: dict, where: str = "config.json", path: str = "auto"):
     architecture, else the generic path), "template" or "generic"."""
     archs = raw.get("architectures") if isinstance(raw, dict) else None
     arch = archs[0] if isinstance(archs, list) and archs else None
-    if path == "template" or (path == "auto" and arch in SUPPORTED):
+    if not isinstance(raw, dict) or path == "template" or (path == "auto" and arch in SUPPORTED):
         return model_config_from_dict(raw, where)
     from trainer.model.generic import generic_config
 
