@@ -4,7 +4,9 @@
       gpu:  {budget: 40GiB}
       dram: {budget: 96GiB}                       # arena file under /dev/shm unless path says otherwise
       nvme: {path: /mnt/nvme/tiermem, budget: 1TiB, backend: auto}
-    placement: auto                               # or {param: dram, grad: dram, master: dram, exp_avg: nvme, ...}
+    placement: auto                               # or pin some kinds: {exp_avg_sq: nvme} (the rest planned)
+    probe: probe.json                             # a `tiermem probe --save` file the planner reads (default: a
+                                                  # quick probe at start)
 
 The same schema is read by ``tiermem serve --config`` and inline under a training YAML's ``tiermem:`` key.
 """
@@ -87,6 +89,8 @@ class TiersConfig:
 
 
 def _placement(value: Any, where: str) -> str | dict[str, str]:
+    """``auto`` (the planner places every kind), or a mapping kind -> tier that pins the kinds it names
+    (``auto`` as a tier leaves that kind to the planner, as not naming it does)."""
     if value == "auto":
         return "auto"
     if not isinstance(value, dict):
@@ -96,9 +100,9 @@ def _placement(value: Any, where: str) -> str | dict[str, str]:
         if kind not in KINDS:
             raise ConfigError(f"{where}: unknown kind '{kind}'{nearest(str(kind), KINDS)}; kinds are "
                               + ", ".join(KINDS))
-        if tier not in TIERS:
+        if tier not in (*TIERS, "auto"):
             raise ConfigError(f"{where}.{kind}: unknown tier '{tier}'{nearest(str(tier), TIERS)}; tiers are "
-                              + ", ".join(TIERS))
+                              + ", ".join(TIERS) + " (or auto: planned)")
         out[kind] = tier
     return out
 
@@ -137,6 +141,11 @@ class StoreConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     placement: str | dict[str, str] = field(default="auto", metadata={"convert": _placement})
     name: str | None = None  # names the arena and NVMe files; default tiermem-<pid>
+    probe: str | None = None  # a `tiermem probe --save` file the planner reads (None: a quick probe at start)
+
+    def pins(self) -> dict[str, str]:
+        """The kinds the placement pins to a tier (``auto`` and kinds not named are the planner's)."""
+        return {k: t for k, t in self.placement.items() if t != "auto"} if isinstance(self.placement, dict) else {}
 
     def store_name(self) -> str:
         return self.name or f"tiermem-{os.getpid()}"

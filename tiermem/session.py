@@ -18,6 +18,7 @@ from pathlib import Path
 from tiermem.config import StoreConfig
 from tiermem.errors import UserError
 from tiermem.optim import Optimizer, OptimSettings
+from tiermem.plan.placement import Plan
 from tiermem.service import protocol
 from tiermem.service.client import Attached, attach
 from tiermem.store.catalog import TensorSpec
@@ -84,17 +85,20 @@ class Session:
 
 
 def open_session(specs: list[TensorSpec], settings: OptimSettings, config: StoreConfig | None = None,
-                 server: str | Path | None = None, run_id: str = "", label: dict | None = None) -> Session:
+                 server: str | Path | None = None, run_id: str = "", label: dict | None = None,
+                 plan: Plan | None = None) -> Session:
     """The store for ``specs`` with its optimizer: opened here from ``config`` (its autos resolved by the
-    caller), or attached to the service at ``server`` (``default``: this user's default socket) for run
+    caller; placed by ``plan``, the planner's, when given: its GPU-updated groups go to the optimizer's GPU
+    worker), or attached to the service at ``server`` (``default``: this user's default socket) for run
     ``run_id``."""
     if server is not None:
         path = protocol.default_socket() if str(server) == "default" else Path(server)
         attached = attach(path, run_id, label or {}, specs, settings)
         return Session(attached.store, attached.optimizer, attached)
-    store = Store.open(config, specs, streamed_kinds=("param",))
+    store = Store.open(config, specs, streamed_kinds=("param",), plan=plan)
     try:
-        return Session(store, settings.optimizer(store))
+        on_gpu = plan.gpu_updates if plan is not None and plan.gpu_updates is not None else None
+        return Session(store, settings.optimizer(store, on_gpu=on_gpu))
     except BaseException:
         store.close()
         raise

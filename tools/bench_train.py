@@ -1,17 +1,18 @@
-"""Benchmark: streamed training (tiermem, every piece of state in DRAM) against plain PyTorch on the GPU.
+"""Benchmark: streamed training (tiermem, placed by the planner) against plain PyTorch on the GPU.
 
-    python tools/bench_train.py [--batch 4] [--accum 1] [--seq 4096] [--steps 5] [--layers 28] [--passes 1]
-                                [--shape llama-3b|qwen3-moe] [--path template|generic|both]
-                                [--placement dram|auto] [--nvme DIR] [--json FILE]
+    python tools/bench_train.py [--shape 3b|8b|qwen3-moe] [--batch 4] [--accum 1] [--seq 4096] [--steps 5]
+                                [--layers N] [--placement auto|dram] [--probe FILE] [--nvme DIR] [--passes N]
+                                [--path template|generic|both] [--json FILE]
 
-Both train a random-init Llama-3B shape (hidden 3072, 28 layers, intermediate 8192, 24 heads, 8 KV heads,
-vocab 128256, untied: 3.6 B params) in bf16 on random tokens, in the same process:
+Both train a random-init Llama shape (3b: hidden 3072, 28 layers, intermediate 8192, 24 heads, 8 KV heads,
+vocab 128256, untied: 3.6 B params; 8b: Llama-3.1-8B's) in bf16 on random tokens, in the same process:
 
 - plain PyTorch: the model in HBM with fp32 weights, bf16 autocast, activation checkpointing
   (transformers' gradient checkpointing), fused AdamW on the GPU; ``accum`` micro-batches of ``batch``
   rows a step;
-- tiermem: the trainer's executor over a store whose placement puts param, grad, master and both
-  moments in the DRAM arena; the same micro-batches a step; CPU AdamW in the store.
+- tiermem: the trainer's executor over a store placed by the planner (``--placement auto``, as
+  ``tiermem-train`` places it: its predicted step is printed beside the measured one), or with every kind
+  in the DRAM arena (``--placement dram``); the same micro-batches a step.
 
 Prints step time, tokens/s, TFLOP/s (6 N tokens), peak HBM and tiermem's step split (compute / GPU
 waiting on transfers / GPU waiting on the optimizer), and the ratio tiermem / plain. The first
@@ -21,15 +22,15 @@ waiting on transfers / GPU waiting on the optimizer), and the ratio tiermem / pl
 instead of the hand-written template; ``--path both`` runs the template and then the generic path (no plain
 run) and prints the ratio of their step times:
 
-    python tools/bench_train.py --batch 4 --accum 4 --path both
+    python tools/bench_train.py --shape 3b --batch 4 --accum 4 --path both
 
 ``--shape qwen3-moe`` trains Qwen3-30B-A3B's dimensions (hidden 2048, 32 heads, 4 KV heads, head_dim 128,
-128 experts of intermediate 768, top-8 renormalised, vocab 151936) with ``--layers`` layers (24 unless
-given) through tiermem alone (plain PyTorch cannot hold its fp32 training state in HBM), TFLOP/s counted on
-the active parameters (6 N_active tokens). Its state (18 B/param) outgrows the DRAM arena: use
-``--placement auto --nvme DIR`` (auto placement over HBM, DRAM and NVMe files under DIR):
+128 experts of intermediate 768, top-8 renormalised, vocab 151936, the load-balancing loss on) with 24
+layers unless ``--layers`` says otherwise, through tiermem alone (plain PyTorch cannot hold its fp32
+training state in HBM); TFLOP/s counts the active parameters (6 N_active tokens). Its state (18 B/param,
+261 GiB at 24 layers) outgrows the DRAM arena: give the NVMe tier a directory (``--nvme DIR``):
 
-    python tools/bench_train.py --shape qwen3-moe --layers 24 --batch 4 --accum 4 --placement auto --nvme /tmp/nv
+    python tools/bench_train.py --shape qwen3-moe --batch 4 --accum 4 --nvme /path/on/nvme
 """
 
 from __future__ import annotations
@@ -52,12 +53,14 @@ SHAPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
          "tie_word_embeddings": False, "hidden_act": "silu", "initializer_range": 0.02}
 QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
              "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
-             "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 48,
+             "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 24,
              "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
              "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
              "tie_word_embeddings": False, "hidden_act": "silu", "initializer_range": 0.02,
-             "output_router_logits": True, "router_aux_loss_coef": 0.001}
-SHAPES = {"llama-3b": (SHAPE, 28), "qwen3-moe": (QWEN3_MOE, 24)}
+             "output_router_logits": True, "router_aux_loss_coef": 0.001}  # (the published model has 48 layers)
+SHAPES = {"3b": SHAPE,
+          "8b": dict(SHAPE, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32),
+          "qwen3-moe": QWEN3_MOE}
 
 
 def batches(args, vocab: int, step: int):
@@ -106,6 +109,7 @@ def run_plain(args, raw: dict) -> dict:
 def run_tiermem(args, raw: dict, model_dir: Path, path: str = "template") -> dict:
     from tiermem.optim import AdamWConfig, StoreAdamW
     from tiermem.store.store import Store
+    from trainer import run_plan
     from trainer.executor import Executor
     from trainer.model.select import load_model
     from trainer.model.weights import all_weights, group_order
@@ -113,25 +117,36 @@ def run_tiermem(args, raw: dict, model_dir: Path, path: str = "template") -> dic
     from trainer.weights_io import init_weights
 
     mcfg = load_model(model_dir, path)
-    tiers = {"gpu": {"slots": args.slots}}
+    data = {"tiers": {"gpu": {"slots": args.slots}}, "optimizer": {"gpu_share": args.gpu_share}}
     if args.nvme:
-        tiers["nvme"] = {"path": args.nvme}
-    placement = ("auto" if args.placement == "auto" else
-                 {k: "dram" for k in ("param", "grad", "master", "exp_avg", "exp_avg_sq")})
-    scfg = store_config({"placement": placement, "tiers": tiers, "optimizer": {"gpu_share": args.gpu_share}})
+        data["tiers"]["nvme"] = {"path": args.nvme}
+    if args.placement == "dram":
+        data["placement"] = {k: "dram" for k in ("param", "grad", "master", "exp_avg", "exp_avg_sq")}
+    scfg = store_config(data)
+    plan, t_plan = None, 0.0
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")  # (a CPU: a smoke run of the code path)
+    if args.placement == "auto":
+        t0 = time.perf_counter()
+        machine = run_plan.machine_for(scfg, dev, args.probe)
+        plan = run_plan.make(mcfg, torch.bfloat16, scfg, run_plan.Shape(args.batch, args.seq, args.accum), machine,
+                             dev, args.loss_chunk)
+        t_plan = time.perf_counter() - t0
+        for line in run_plan.lines(plan):
+            print(line, flush=True)
     t0 = time.perf_counter()
-    store = Store.open(scfg, state_specs(mcfg, torch.bfloat16), streamed_kinds=("param",))
+    store = Store.open(scfg, state_specs(mcfg, torch.bfloat16), streamed_kinds=("param",), plan=plan)
     t_open = time.perf_counter() - t0
     init_weights(store, mcfg, {"param": torch.bfloat16, "master": torch.float32}, 0, store.gpu.device)
     t_init = time.perf_counter() - t0 - t_open
+    on_gpu = plan.gpu_updates if plan is not None and args.gpu_share == "auto" else None
     opt = StoreAdamW(store, group_order(mcfg), {w.name: w.decay for w in all_weights(mcfg)}, AdamWConfig(),
-                     has_master=True)
-    budget = None  # --passes N: an activation budget that holds ceil(accum / N) micro-batches' boundaries
-    if args.passes > 1:
+                     has_master=True, on_gpu=on_gpu)
+    budget = plan.activation_budget if plan is not None else None
+    if args.passes > 1:  # --passes N: an activation budget that holds ceil(accum / N) micro-batches' boundaries
         per_mb = (mcfg.num_layers + 1) * mcfg.hidden_size * 2 * args.batch * args.seq
         budget = per_mb * -(-args.accum // args.passes)
     ex = Executor(store, mcfg, torch.bfloat16, opt, 1.0, args.loss_chunk, budget)
-    cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     starts, results, opt_s = [], [], []
@@ -161,7 +176,9 @@ def run_tiermem(args, raw: dict, model_dir: Path, path: str = "template") -> dic
             "optimizer_split": opt.last_split, "optimizer_threads": opt.threads, "gpu_share": opt.gpu_share,
             "store_open_s": t_open, "init_s": t_init, "links": stats.get("links"), "passes": ex.last_passes,
             "losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
-            "gradient_partials_wait_s": stats.get("waits_s", {}).get("gradient_partials", 0.0) / total}
+            "gradient_partials_wait_s": stats.get("waits_s", {}).get("gradient_partials", 0.0) / total,
+            "plan_s": t_plan, "predicted_s": plan.prediction.step if plan is not None else None,
+            "predicted": plan.prediction.to_json() if plan is not None else None}
 
 
 def main() -> None:
@@ -171,30 +188,31 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--layers", type=int, help="decoder layers (default: 28 for llama-3b, 24 for qwen3-moe)")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-3b")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="3b")
+    ap.add_argument("--layers", type=int, help="decoder layers (default: the shape's)")
+    ap.add_argument("--placement", choices=["auto", "dram"], default="auto",
+                    help="tiermem: the planner's placement (auto, as tiermem-train) or every kind in DRAM")
+    ap.add_argument("--probe", help="a `tiermem probe --save` file for the planner (default: a quick probe)")
+    ap.add_argument("--nvme", help="a directory for the NVMe tier's file (the planner may then spill state there)")
     ap.add_argument("--path", choices=["template", "generic", "both"], default="template",
                     help="tiermem's model path: the hand-written template, the generic one, or both (no plain run)")
-    ap.add_argument("--placement", choices=["dram", "auto"], default="dram",
-                    help="dram: every kind in the DRAM arena; auto: tiermem's auto placement over the tiers")
-    ap.add_argument("--nvme", help="a directory for the NVMe tier's file (with --placement auto)")
     ap.add_argument("--slots", type=int, default=3)
     ap.add_argument("--loss-chunk", type=int, default=4096)
     ap.add_argument("--gpu-share", default="auto", help="tiermem optimizer.gpu_share (auto, or 0..1)")
-    ap.add_argument("--passes", type=int, default=1,
+    ap.add_argument("--passes", type=int, default=0,
                     help="tiermem: run each step as this many layer-major passes (partial gradients in DRAM between)")
     ap.add_argument("--only", choices=["plain", "tiermem"])
     ap.add_argument("--json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_train needs a CUDA GPU")
-    shape, default_layers = SHAPES[args.shape]
-    args.layers = args.layers or default_layers
-    moe = args.shape != "llama-3b"
+    moe = args.shape == "qwen3-moe"
     if moe and (args.only == "plain" or args.path != "template"):
         raise SystemExit("--shape qwen3-moe runs tiermem's template alone (--only tiermem, --path template): plain "
                          "PyTorch cannot hold its fp32 training state in HBM")
-    raw = dict(shape, num_hidden_layers=args.layers)
+    raw = dict(SHAPES[args.shape])
+    if args.layers:
+        raw["num_hidden_layers"] = args.layers
     d = Path(tempfile.mkdtemp(prefix="tiermem-bench-"))
     (d / "config.json").write_text(json.dumps(raw))
     from trainer.model.config import model_config_from_dict
@@ -219,9 +237,10 @@ def main() -> None:
         r["tflops"] = 6 * n_active * tokens / r["step_s"] / 1e12
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1, default=str))
-    name = "Qwen3-30B-A3B dims" if moe else "Llama-3B shape"
-    print(f"{name} ({n_params / 1e9:.2f} B params, {n_active / 1e9:.2f} B active, {args.layers} layers), bf16, "
-          f"{args.accum}x{args.batch}x{args.seq} = {tokens} tokens/step; TFLOP/s = 6 x active params x tokens")
+    name = "Qwen3-30B-A3B dims" if moe else f"Llama-{args.shape.upper()} shape"
+    print(f"{name} ({n_params / 1e9:.2f} B params, {n_active / 1e9:.2f} B active, {raw['num_hidden_layers']} "
+          f"layers), bf16, {args.accum}x{args.batch}x{args.seq} = {tokens} tokens/step; TFLOP/s = 6 x active params "
+          "x tokens")
     print(f"{'':10} {'s/step':>8} {'tok/s':>9} {'TFLOP/s':>8} {'peak HBM':>9}  split")
     for k in runs:
         r = res[k]
@@ -245,6 +264,9 @@ def main() -> None:
         print("tiermem waits by phase (s/step): " + "; ".join(
             f"{ph} transfer {w['transfer']:.3f} optimizer {w['optimizer']:.3f}"
             for ph, w in res["tiermem"]["waits_by_phase"].items()))
+        if t["predicted_s"]:
+            print(f"tiermem predicted step {t['predicted_s']:.3f} s (planned in {t['plan_s']:.1f} s): measured / "
+                  f"predicted {t['step_s'] / t['predicted_s']:.3f}")
     if "plain" in res and "tiermem" in res:
         t = res["tiermem"]
         print(f"ratio tiermem/plain tokens/s: {t['tokens_per_s'] / res['plain']['tokens_per_s']:.3f}; "

@@ -22,12 +22,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from tiermem.errors import BudgetError, ConfigError
 from tiermem.optim import AdamWConfig, OptimSettings
+from tiermem.plan.resolve import compute_device
 from tiermem.schema import to_plain
 from tiermem.session import Session, open_session
 from tiermem.sizes import format_size
 from tiermem.store.stats import StatsFile
 from tiermem.store.store import Store
 from trainer import checkpoint as ckpt
+from trainer import run_plan
 from trainer.config import TrainConfig, resolved
 from trainer.data.batches import StepPlan, collate
 from trainer.data.prepare import Rows, load_rows, split_eval
@@ -36,9 +38,10 @@ from trainer.executor import Executor, NonFiniteStep
 from trainer.model.config import ModelConfigError, load_balancing_coef
 from trainer.model.select import load_model
 from trainer.model.weights import all_weights, group_order
+from trainer.plan_watch import PlanWatch
 from trainer.report import Reporter, plot_loss
 from trainer.schedule import lr_factor, warmup_steps
-from trainer.state import state_specs, store_config
+from trainer.state import explicit_gpu_share, state_specs, store_config
 from trainer.weights_io import check_weight_files, export_model, import_weights, init_weights
 
 
@@ -57,6 +60,7 @@ class Job:
     warmup: int
     dtype: torch.dtype
     resume: Path | None  # the checkpoint an embedded run resumes from
+    store_plan: object = None  # the planner's plan of an embedded run (tiermem.plan.placement.Plan)
 
     @property
     def n_params(self) -> int:
@@ -128,7 +132,9 @@ def open_training_session(job: Job, say) -> Session:
                              cfg.bf16, {w.name: w.decay for w in all_weights(mcfg)}, group_order(mcfg))
     specs = state_specs(mcfg, job.dtype)
     if not cfg.tiermem_server:
-        return open_session(specs, settings, config=store_config(cfg.tiermem))
+        scfg = store_config(cfg.tiermem)
+        job.store_plan = plan_run(job, scfg, say)
+        return open_session(specs, settings, config=scfg, plan=job.store_plan)
     label = {"model": str(cfg.model_name_or_path), "output_dir": str(job.out.resolve())}
     session = open_session(specs, settings, server=cfg.tiermem_server, label=label,
                            run_id=run_identity(cfg, mcfg, job.dtype, job.rows))
@@ -140,6 +146,29 @@ def open_training_session(job: Job, say) -> Session:
         session.close()
         raise
     return session
+
+
+def step_shape(job: Job) -> run_plan.Shape:
+    """The first step's micro-batches as the planner sees them: rows x padded tokens, and how many."""
+    cfg = job.cfg
+    mbs = job.plan.rows_of_step(0) if job.total else [[0]]
+    seq = max(max(len(job.rows.input_ids[i]) for i in idx) for idx in mbs)
+    return run_plan.Shape(cfg.per_device_train_batch_size, seq, len(mbs))
+
+
+def plan_run(job: Job, scfg, say):
+    """The planner's plan for an embedded run (None when the placement pins every kind), told in a few lines."""
+    device = compute_device(scfg)
+    machine = run_plan.machine_for(scfg, device)
+    plan = run_plan.make(job.mcfg, job.dtype, scfg, step_shape(job), machine, device, job.cfg.loss_chunk_tokens)
+    if plan is not None:
+        lines = run_plan.lines(plan)
+        if explicit_gpu_share(job.cfg.tiermem):  # the user's optimizer.gpu_share wins
+            plan.gpu_updates = None
+            lines = run_plan.lines(plan)
+        for line in lines:
+            say(line)
+    return plan
 
 
 def load_weights(job: Job, session: Session, console: Console, say) -> int:
@@ -181,16 +210,20 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
     try:
         out.mkdir(parents=True, exist_ok=True)
         ckpt.remove_partial(out)
-        budget = activation_budget(cfg, store)
+        budget = activation_budget(cfg, store, job.store_plan)
         (out / "training_args.yaml").write_text(yaml.safe_dump(resolved(cfg, scfg, budget), sort_keys=False))
         executor = Executor(store, mcfg, dtype, optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens, budget)
         report = Reporter(out, total, active, say, resume_step=start)
+        watch = PlanWatch(job.store_plan) if job.store_plan is not None else None
+        if watch is not None:
+            report.predicted = watch.predicted
 
         def live() -> dict:
             opt = {"last_update_s": optimizer.last_step_seconds, "split": optimizer.last_split,
                    "gpu_share": optimizer.gpu_share, "cpu_groups": store.cfg.optimizer.cpu_groups}
             return dict(report.live, phase=executor.phase, layer=executor.layer, optimizer=opt,
-                        tflops=6 * active * report.live.get("tokens_per_s", 0.0) / 1e12)
+                        tflops=6 * active * report.live.get("tokens_per_s", 0.0) / 1e12,
+                        plan=watch.live() if watch is not None else None)
 
         stats = StatsFile(out / "tiermem_stats.json", store, live, sink=session.progress_sink)
         if cfg.save_steps:
@@ -229,6 +262,10 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                     say(f"note: a step's boundary activations exceed the activation budget "
                         f"({format_size(executor.activation_budget)}): each step runs as {executor.last_passes} "
                         "layer-major passes, gradients adding up in the store between them")
+                if watch is not None:
+                    for line in watch.observe(step - start, result):
+                        say(line)
+                    report.predicted = watch.predicted
                 report.step(step + 1, result, lr, plan.epoch_of(step + 1), time.perf_counter() - t0,
                             step + 1 == total, cfg.logging_steps)
                 now = _link_bytes(store)  # what each link carried this step: top's predicted step time
@@ -347,10 +384,13 @@ def _span(groups: list) -> str:
     return ", ".join(parts)
 
 
-def activation_budget(cfg: TrainConfig, store: Store) -> int | None:
-    """Bytes of boundary activations one layer-major pass may keep on the GPU."""
+def activation_budget(cfg: TrainConfig, store: Store, store_plan=None) -> int | None:
+    """Bytes of boundary activations one layer-major pass may keep on the GPU: tiermem_activation_budget, the
+    planner's (which chose the passes), or half the free HBM."""
     if cfg.tiermem_activation_budget != "auto":
         return cfg.tiermem_activation_budget
+    if store_plan is not None:
+        return store_plan.activation_budget
     dev = store.gpu.device
     if dev.type != "cuda":
         return None

@@ -55,6 +55,7 @@ class Reporter:
         self.total_tokens = 0
         self.train_seconds = 0.0
         self.live: dict = {"total_steps": total_steps}  # the latest figures, for the stats file
+        self.predicted: float | None = None  # the planner's predicted step seconds, logged beside the measured
 
     def _read_pending(self) -> list[dict]:
         out = []
@@ -105,9 +106,10 @@ class Reporter:
         compute, xfer, opt = (sum(getattr(r, k) for r in w) / len(w)
                               for k in ("compute", "wait_transfer", "wait_optimizer"))
         self.losses.append((step, loss))
+        predicted = f" (predicted {self.predicted:.3f})" if self.predicted is not None else ""
         self.print(f"step {step}/{self.total} | loss {loss:.4f} | grad_norm {w[-1].grad_norm:.3f} | lr {lr:.3e} | "
-                   f"{tps:,.0f} tok/s | {tflops:.3g} TFLOP/s | step {secs / len(w):.3f}s = compute {compute:.3f} + "
-                   f"wait transfer {xfer:.3f} + wait optimizer {opt:.3f} | ETA {_hms(remaining)}")
+                   f"{tps:,.0f} tok/s | {tflops:.3g} TFLOP/s | step {secs / len(w):.3f}s{predicted} = compute "
+                   f"{compute:.3f} + wait transfer {xfer:.3f} + wait optimizer {opt:.3f} | ETA {_hms(remaining)}")
         record = {"current_steps": step, "total_steps": self.total, "loss": round(loss, 6),
                   "grad_norm": round(w[-1].grad_norm, 6), "lr": lr, "epoch": round(epoch, 4),
                   "percentage": round(step / self.total * 100, 2), "elapsed_time": _hms(elapsed),
@@ -115,6 +117,8 @@ class Reporter:
                   "tflops": round(tflops, 3), "step_seconds": round(secs / len(w), 4),
                   "compute_seconds": round(compute, 4), "wait_transfer_seconds": round(xfer, 4),
                   "wait_optimizer_seconds": round(opt, 4)}
+        if self.predicted is not None:
+            record["predicted_step_seconds"] = round(self.predicted, 4)
         with self.log_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         self._kept = [r for r in self._kept if r["step"] > step]  # the line covers the others

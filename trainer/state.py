@@ -32,6 +32,24 @@ def store_config(value) -> StoreConfig:
     return resolve_auto(load_store_config(data, str(value) if isinstance(value, str) else "tiermem"), "embedded")
 
 
+def _raw(value) -> dict:
+    data = read_yaml(value, "tiermem config file") if isinstance(value, str) else (value or {})
+    return data if isinstance(data, dict) else {}
+
+
+def explicit_gpu_share(value) -> bool:
+    """Whether the run's tiermem config sets optimizer.gpu_share itself (then it wins over the planner's split)."""
+    opt = _raw(value).get("optimizer")
+    return isinstance(opt, dict) and opt.get("gpu_share") not in (None, "auto")
+
+
+def wants_cuda(value) -> bool:
+    """Whether the run's tiermem config computes on CUDA where there is one (device auto or cuda)."""
+    gpu = (_raw(value).get("tiers") or {}).get("gpu")
+    device = gpu.get("device", "auto") if isinstance(gpu, dict) else "auto"
+    return str(device) == "auto" or str(device).startswith("cuda")
+
+
 def state_specs(model_cfg, dtype: torch.dtype) -> list[TensorSpec]:
     """Every tensor of the run's state: ``param`` in ``dtype``; ``master`` (when ``dtype`` is not fp32),
     ``grad`` and both moments in fp32."""

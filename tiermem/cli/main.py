@@ -124,6 +124,25 @@ def _stats(args) -> int:
     return 0
 
 
+def plugin(name: str):
+    """The ``tiermem.commands`` entry point ``name`` (a command another package adds: ``plan`` is the
+    trainer's, since planning a training run needs its model and data code), or None."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="tiermem.commands"):
+        if ep.name == name:
+            return ep.load()
+    return None
+
+
+def _plugin(args) -> int:
+    fn = plugin(args.command)
+    if fn is None:
+        raise UserError(f"`tiermem {args.command}` comes with the trainer: install the project (pip install -e .), "
+                        f"or run python -m trainer.plan_cli")
+    return fn(args.rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tiermem", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -163,6 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
     fmt.add_argument("--json", action="store_true", help="JSON (the default)")
     fmt.add_argument("--prometheus", action="store_true", help="Prometheus text format")
     st.set_defaults(fn=_stats)
+    pl = sub.add_parser("plan", add_help=False,
+                        help="what a training run would do on this machine: placement, predicted step, advice "
+                             "(tiermem plan TRAIN.yaml [key=value ...] [--json] [--probe FILE]; --help for more)")
+    pl.add_argument("rest", nargs=argparse.REMAINDER)
+    pl.set_defaults(fn=_plugin)
     return p
 
 

@@ -9,11 +9,13 @@ allocation, and the CPU AdamW rate (torch fused AdamW, all cores). The planner r
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 from tiermem.sizes import format_size
@@ -214,6 +216,26 @@ def probe_adamw(n_params: int = 1 << 26, steps: int = 5) -> list[dict]:
                  note=f"torch {what}, {torch.get_num_threads()} threads, {n_params / 1e6:.0f}M params")]
 
 
+def probe_gpu_adamw(n_params: int = 1 << 28, steps: int = 5) -> list[dict]:
+    """Parameters a second torch's fused AdamW updates on the GPU (the optimizer's in-place update of state
+    that lives in HBM)."""
+    if not torch.cuda.is_available():
+        return [_row("GPU AdamW", None, None, unit="G params/s", note="no CUDA on this machine")]
+    p = torch.nn.Parameter(torch.randn(n_params, device="cuda"))
+    p.grad = torch.randn(n_params, device="cuda")
+    opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
+    opt.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        opt.step()
+    torch.cuda.synchronize()
+    rate = n_params * steps / (time.perf_counter() - t0) / 1e9
+    del opt, p
+    torch.cuda.empty_cache()
+    return [_row("GPU AdamW", rate, None, unit="G params/s", note=f"torch fused, {n_params / 1e6:.0f}M params")]
+
+
 def run_probe(size: int, nvme_path: str | None, arena_dir: str = "/dev/shm", reps: int = 3,
               arena_size: int | None = None) -> dict:
     name = f"tiermem-probe-{os.getpid()}"
@@ -235,13 +257,19 @@ def run_probe(size: int, nvme_path: str | None, arena_dir: str = "/dev/shm", rep
     if arena_dir != "anonymous":
         rows += probe_arena_setup("anonymous", arena_size or size, name, raw)
     rows += probe_adamw()
-    return {"machine": _machine(), "size": size, "rows": rows}
+    rows += probe_gpu_adamw()
+    machine = _machine()
+    if nvme_path:
+        machine["disk_free"] = shutil.disk_usage(nvme_path).free
+    return {"machine": machine, "size": size, "rows": rows}
 
 
 def _machine() -> dict:
-    info = {"cpus": os.cpu_count(), "torch": torch.__version__}
+    """What the planner reads besides the rows: the memory sizes (and what the machine is)."""
+    info = {"cpus": os.cpu_count(), "torch": torch.__version__, "ram": psutil.virtual_memory().total}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
+        info["gpu_memory"] = torch.cuda.get_device_properties(0).total_memory
     return info
 
 

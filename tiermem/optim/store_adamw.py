@@ -121,6 +121,10 @@ class StoreAdamW:
         self.gpu_share = auto.gpu_share if gpu_share is None else gpu_share
         self.cpu_groups = auto.cpu_groups if cpu_groups is None else cpu_groups
         self.on_gpu = set(on_gpu) if on_gpu is not None else self._assign(self.gpu_share)
+        if on_gpu is not None and self.groups:
+            self.gpu_share = len(self.on_gpu & set(self.groups)) / len(self.groups)
+        # groups whose whole state lives in HBM: the GPU worker updates them there, in place
+        self.resident = {g for g in self.groups if self._all_on_gpu(g)}
         self.guard, self.offer_params, self.cpu_takes_over = guard, offer_params, cpu_takes_over
         self._cpu = cf.ThreadPoolExecutor(1, "tiermem-optim-cpu", initializer=torch.set_num_threads,
                                           initargs=(self.threads,))
@@ -158,14 +162,20 @@ class StoreAdamW:
             return set(streamed[:int(len(streamed) * share)])
         return {g for n, g in enumerate(streamed) if int((n + 1) * share) > int(n * share)}
 
+    def _all_on_gpu(self, g: Group) -> bool:
+        kinds = (self.p_kind, "grad", *MOMENTS, "param")
+        entries = [e for k in kinds for e in self.store.catalog.group_entries(g, k)]
+        return bool(entries) and all(e.tier == "gpu" for e in entries)
+
     def grads_on_gpu(self, g: Group) -> bool:
-        """True when ``g`` is updated by the GPU worker: its gradient, made on the GPU, should be offered
-        there (``store.offer(g, "grad", ...)``) instead of fetched back from DRAM."""
-        return g in self.on_gpu
+        """True when ``g`` is updated by the GPU worker from a gradient that lives elsewhere: the gradient,
+        made on the GPU, should be offered there (``store.offer(g, "grad", ...)``) instead of fetched back."""
+        return g in self.on_gpu and not (g in self.resident and self.guard is None)
 
     def grads_home(self, g: Group) -> bool:
-        """True when ``g``'s gradient must go home to the store (the CPU worker reads it there)."""
-        return g not in self.on_gpu
+        """True when ``g``'s gradient must go home to the store (the CPU worker reads it there; a group that
+        lives in HBM is updated from its home there)."""
+        return g not in self.on_gpu or (g in self.resident and self.guard is None)
 
     # -- public --------------------------------------------------------------------------------
     def step(self, step: int, lr: float, grad_scale: float | None = None, only: set | None = None) -> cf.Future:
@@ -392,13 +402,23 @@ class StoreAdamW:
         """Three groups in flight: the next one's state arriving, this one updating, the last one's going home."""
         ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
         with ctx:
-            incoming = self._fetch_state(groups[0]) if groups else None
+            incoming = self._fetch_state(groups[0]) if groups and not self._in_place(groups[0]) else None
             leaving, handed = done_future(), []
             for n, g in enumerate(groups):
                 t0 = time.perf_counter()
+                if self._in_place(g):
+                    if n + 1 < len(groups) and incoming is None and not self._in_place(groups[n + 1]):
+                        incoming = self._fetch_state(groups[n + 1])
+                    self._wait_gate(g, step)
+                    self._update_resident(g, step, lr, grad_scale)
+                    self._split["gpu_in_place"] = self._split.get("gpu_in_place", 0.0) + time.perf_counter() - t0
+                    continue
+                if incoming is None:
+                    incoming = self._fetch_state(g)
                 work, reads = incoming
                 self.store.wait(reads, "optimizer_fetch")
-                if n + 1 < len(groups):
+                incoming = None
+                if n + 1 < len(groups) and not self._in_place(groups[n + 1]):
                     leaving.result()  # bounds the GPU memory in use to three groups
                     incoming = self._fetch_state(groups[n + 1])
                 self._wait_gate(g, step)
@@ -412,6 +432,37 @@ class StoreAdamW:
             leaving.result()
             for f in handed:
                 f.result()
+
+    def _in_place(self, g: Group) -> bool:
+        return g in self.resident and self.guard is None
+
+    def _update_resident(self, g: Group, step: int, lr: float, grad_scale: float | None) -> None:
+        """AdamW of a group whose whole state lives in HBM, in place on the optimizer's stream; its version
+        moves on once the kernels have run."""
+        store, cat, pk = self.store, self.store.catalog, self.p_kind
+        views = {k: store.gpu_views(g, k) for k in (pk, "grad", *MOMENTS, "param")
+                 if cat.group_entries(g, k)}
+        lists = {True: ([], [], [], []), False: ([], [], [], [])}
+        for e in cat.group_entries(g, pk):
+            base = self._base(e.spec.name)
+            row = [views[pk][e.spec.name], views["grad"][state_name(base, "grad")]]
+            for k in MOMENTS:
+                name = state_name(base, k)
+                if not cat[name].valid:
+                    views[k][name].zero_()
+                row.append(views[k][name])
+            for lst, t in zip(lists[self.decay.get(base, True)], row):
+                lst.append(t)
+        self._adamw(lists, step, lr, grad_scale, store.gpu.device)
+        if self.has_master:
+            for e in cat.group_entries(g, "param"):
+                views["param"][e.spec.name].copy_(views["master"][state_name(e.spec.name, "master")])
+        if self._stream is not None:
+            host_sync(self._stream)
+        for k in (pk, *MOMENTS, "param"):
+            if k in views:
+                store.mark_valid(g, k)
+        cat.bump(g, to=step)
 
     def _fetch_state(self, g: Group):
         store, dev = self.store, self.store.gpu.device

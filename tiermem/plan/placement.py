@@ -1,9 +1,11 @@
 """Placement: which tier holds each (group, kind), checked against the tier budgets before anything is
 allocated.
 
-Static placement maps kind -> tier for every group (kinds not named stay in DRAM). ``auto`` is a first,
-simple policy (the cost model refines it later): small shared groups (embeddings, final norm, LM head:
-groups named by a string) live wholly on the GPU when they fit; everything else goes to DRAM, hottest
+A training run's placement comes from the cost model's planner (``tiermem.plan.planner``), which fills
+this module's ``Plan`` with its decisions. Without a workload to plan for (a service's store, a store
+opened by hand) the rule here places: a mapping pins kinds to tiers for every group (kinds not named stay
+in DRAM); ``auto`` puts small shared groups (embeddings, final norm, LM head: groups named by a string)
+wholly on the GPU when they fit; everything else goes to DRAM, hottest
 kind first (param, grad, master, exp_avg, exp_avg_sq); what does not fit spills to NVMe, coldest kinds
 of the last layers first. The GPU also holds ``slots`` streaming slots sized from the largest group.
 """
@@ -36,6 +38,16 @@ class Plan:
     n_slots: int
     staging_bytes: int
     budgets: dict[str, int | None] = field(default_factory=dict)
+    # what the cost model's planner (tiermem.plan.planner) decided besides the tiers; None/1 for a fixed rule
+    gpu_updates: set | None = None  # the groups the GPU updates (the rest: CPU AdamW)
+    passes: int = 1  # layer-major passes a step runs as
+    activation_budget: int | None = None  # boundary-activation bytes a pass may keep (None: any)
+    activation_bytes: int = 0  # HBM the planner keeps for activations
+    hbm_room: int = 0  # HBM for state, slots and activations together
+    prediction: object = None  # costmodel.Prediction of a step
+    machine: object = None  # machine.Machine it planned on
+    workload: object = None  # workload.Workload it planned for
+    params: dict = field(default_factory=dict)  # group -> parameters
 
     def need(self) -> dict[str, int]:
         out = {"gpu": self.slot_bytes * self.n_slots, "dram": self.staging_bytes, "nvme": 0}
@@ -87,9 +99,10 @@ def make_plan(specs: list[TensorSpec], cfg: StoreConfig, streamed_kinds: tuple[s
     for s in specs:
         group_bytes[(s.group, s.kind)] += align_up(s.nbytes, ALIGN)
     where: dict[tuple[Group, str], str] = {}
-    if isinstance(cfg.placement, dict):
+    if isinstance(cfg.placement, dict):  # (without a workload to plan for, kinds not pinned live in DRAM)
+        pins = cfg.pins()
         for key in group_bytes:
-            where[key] = cfg.placement.get(key[1], "dram")
+            where[key] = pins.get(key[1], "dram")
     else:
         _auto(group_bytes, where, budgets, cfg, streamed_kinds)
     plan = _finish(group_bytes, where, cfg, streamed_kinds, budgets)

@@ -97,9 +97,10 @@ class Store:
 
     @classmethod
     def open(cls, cfg: StoreConfig, specs: list[TensorSpec], streamed_kinds: tuple[str, ...] = ("param",),
-             budgets: dict[str, int | None] | None = None, pin: bool | None = None) -> Store:
-        """Plan ``specs`` under the budgets (refusing before anything is allocated), then allocate them."""
-        plan = make_plan(specs, cfg, streamed_kinds, budgets)
+             budgets: dict[str, int | None] | None = None, pin: bool | None = None, plan: Plan | None = None) -> Store:
+        """Plan ``specs`` under the budgets (refusing before anything is allocated), or take the ``plan``
+        the cost model's planner made, then allocate them."""
+        plan = plan or make_plan(specs, cfg, streamed_kinds, budgets)
         need = plan.need()
         resident = need["gpu"] - plan.slot_bytes * plan.n_slots
         cap = {"gpu": resident + GPU_ALIGN * len(specs), "dram": need["dram"], "nvme": need["nvme"]}
@@ -274,6 +275,18 @@ class Store:
 
         view = GroupView(group, kind, views, release)
         return then(self._ordered((group, kind), run), lambda _: done_future(view))
+
+    def gpu_views(self, group: Group, kind: str) -> dict[str, torch.Tensor]:
+        """The group's ``kind`` tensors that live in HBM, as views to compute on in place, once every earlier
+        operation on them (a gradient being copied home) is done."""
+        with self._tail_lock:
+            tail = self._tails.get((group, kind))
+        if tail is not None:
+            tail.result()
+        entries = self.catalog.group_entries(group, kind)
+        if any(e.tier != "gpu" for e in entries):
+            raise ValueError(f"group {group!r} {kind} does not live in HBM")
+        return {e.spec.name: _typed(self.gpu.view(e.extent), e.spec) for e in entries}
 
     def offer(self, group: Group, kind: str, tensors: dict[str, torch.Tensor]) -> None:
         """Say that ``tensors`` (GPU memory) hold the current bytes of the group's ``kind`` tensors, so the

@@ -1,0 +1,280 @@
+"""The cost model: one steady training step, simulated on the machine's figures, per resource.
+
+    p = predict(layout, workload, machine, group_bytes, group_params)
+    p.step, p.busy["nvme_read"], p.bound, p.waits
+
+The step is the schedule of DESIGN.md, as the trainer and the store run it: the previous step's update
+starts when its backward ends (t = 0) and runs group by group in forward order, on the GPU worker (state
+streamed to the GPU and back, or updated in place when it lives in HBM) or the CPU worker (NVMe-resident
+state staged into DRAM one group ahead); the forward of a group waits for its update and for its weights
+(streamed through a few GPU slots unless they live in HBM); the loss; the backward with recompute in
+reverse order, each group's gradient copied home when the CPU updates it; with several passes the partial
+gradients go home and come back between passes. Every operation takes one resource for bytes / rate
+seconds: ``gpu`` (the compute stream), ``gpu_adamw`` (the optimizer's stream), the PCIe link each way
+(``h2d``, ``d2h``), the disk (``nvme``: reads and writes share it) and the CPU's AdamW (``cpu``). A resource
+serves the ready operation that became ready first (a list schedule).
+
+The step's time is the later of the last backward's end and the busiest resource's total (a resource busier
+than the step delays the next one: steady state). The bound is that resource, or the wait that stretched
+the step (the next forward waiting for the update, or for weights).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from tiermem.plan.machine import Machine
+from tiermem.plan.workload import Workload
+from tiermem.store.catalog import Group
+
+RESOURCES = ("gpu", "gpu_adamw", "h2d", "d2h", "nvme", "cpu")
+CPU_COPY_RATE = 12e9  # params/s: the fp32 -> bf16 compute copy after a CPU update (measured ~10-25 G/s)
+SLOTS = 3
+
+
+@dataclass
+class Layout:
+    """What the cost model evaluates: each (group, kind)'s tier, which streamed groups the GPU worker
+    updates (groups whose state lives in HBM always are), and the passes a step runs as."""
+
+    where: dict  # (group, kind) -> tier
+    gpu_updates: set
+    passes: int = 1
+    slots: int = SLOTS
+
+
+@dataclass
+class Prediction:
+    step: float  # seconds
+    busy: dict[str, float]  # resource -> seconds busy in a step
+    bytes: dict[str, float]  # link -> bytes moved in a step (h2d, d2h, nvme_read, nvme_write)
+    compute: float  # the GPU compute of the step
+    wait_optimizer: float  # the compute stream idle, waiting for an update
+    wait_transfer: float  # ... waiting for weights or partial gradients
+    bound: str
+    nvme_read: float = 0.0  # seconds the disk spends reading, writing (of busy["nvme"])
+    nvme_write: float = 0.0
+    details: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"step_seconds": self.step, "busy_seconds": dict(self.busy), "bytes": dict(self.bytes),
+                "compute_seconds": self.compute, "wait_optimizer_seconds": self.wait_optimizer,
+                "wait_transfer_seconds": self.wait_transfer, "bound": self.bound,
+                "nvme_read_seconds": self.nvme_read, "nvme_write_seconds": self.nvme_write}
+
+
+class _Sim:
+    """Operations on resources with dependencies; ``run`` list-schedules them."""
+
+    def __init__(self):
+        self.ops: list[tuple[str, float, list[int], str]] = []  # (resource, seconds, deps, tag)
+
+    def op(self, resource: str, seconds: float, deps=(), tag: str = "") -> int:
+        self.ops.append((resource, max(seconds, 0.0), [d for d in deps if d is not None], tag))
+        return len(self.ops) - 1
+
+    def run(self) -> tuple[list[float], list[float], dict[str, float]]:
+        n = len(self.ops)
+        start, end = [0.0] * n, [0.0] * n
+        waiting = [len(d) for _, _, d, _ in self.ops]
+        users: list[list[int]] = [[] for _ in range(n)]
+        for i, (_, _, deps, _) in enumerate(self.ops):
+            for d in deps:
+                users[d].append(i)
+        ready_at = [0.0] * n
+        free = dict.fromkeys(RESOURCES, 0.0)
+        busy = dict.fromkeys(RESOURCES, 0.0)
+        queues: dict[str, list] = {r: [] for r in RESOURCES}
+        for i in range(n):
+            if not waiting[i]:
+                heapq.heappush(queues[self.ops[i][0]], (0.0, i))
+        done = 0
+        while done < n:
+            # the resource whose next operation starts first runs it
+            best = None
+            for r, q in queues.items():
+                if q:
+                    t = max(free[r], q[0][0])
+                    if best is None or t < best[0]:
+                        best = (t, r)
+            if best is None:
+                raise RuntimeError("cost model: a dependency cycle")
+            t, r = best
+            _, i = heapq.heappop(queues[r])
+            start[i] = t
+            end[i] = t + self.ops[i][1]
+            free[r] = end[i]
+            busy[r] += self.ops[i][1]
+            done += 1
+            for u in users[i]:
+                ready_at[u] = max(ready_at[u], end[i])
+                waiting[u] -= 1
+                if not waiting[u]:
+                    heapq.heappush(queues[self.ops[u][0]], (ready_at[u], u))
+        return start, end, busy
+
+
+def predict(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_params: dict) -> Prediction:
+    """The steady step of ``layout`` (see the module's docstring)."""
+    where = layout.where
+    sim = _Sim()
+    moved = {"h2d": 0.0, "d2h": 0.0, "nvme_read": 0.0, "nvme_write": 0.0}
+    disk = {"read": 0.0, "write": 0.0}
+
+    def tier(g, k):
+        return where.get((g, k))
+
+    def nbytes(g, k):
+        return group_bytes.get((g, k), 0)
+
+    def h2d(n, deps=(), tag=""):
+        moved["h2d"] += n
+        return sim.op("h2d", n / m.h2d, deps, tag)
+
+    def d2h(n, deps=(), tag=""):
+        moved["d2h"] += n
+        return sim.op("d2h", n / m.d2h, deps, tag)
+
+    def nvme(n, write: bool, deps=(), tag=""):
+        moved["nvme_write" if write else "nvme_read"] += n
+        s = n / (m.nvme_write if write else m.nvme_read)
+        disk["write" if write else "read"] += s
+        return sim.op("nvme", s, deps, tag)
+
+    groups = w.groups
+    has_master = any(k == "master" for (_, k) in group_bytes)
+    state_kinds = ["master" if has_master else "param", "exp_avg", "exp_avg_sq"]
+    resident = {g for g in groups if all(tier(g, k) == "gpu" for k in (*state_kinds, "grad") if (g, k) in group_bytes)}
+    on_gpu = resident | (set(layout.gpu_updates or ()) & set(groups))
+
+    # -- the update of the step before (starts at t = 0, when that step's backward ended) ----------------
+    done: dict[Group, int] = {}
+    offered: set = set()
+    gpu_prev = gpu_prev2 = None  # the GPU worker's last two updates (three groups in flight)
+    cpu_prev = None
+    cpu_stage_prev = None
+    for g in groups:
+        params = group_params.get(g, 0)
+        if g in on_gpu:
+            reads = []
+            for k in state_kinds:
+                if tier(g, k) == "nvme":
+                    reads.append(h2d(nbytes(g, k), [nvme(nbytes(g, k), False, [gpu_prev2])]))
+                elif tier(g, k) == "dram":
+                    reads.append(h2d(nbytes(g, k), [gpu_prev2]))
+            if tier(g, "grad") not in ("gpu", None) and g not in on_gpu:
+                reads.append(h2d(nbytes(g, "grad")))
+            adam = sim.op("gpu_adamw", params / m.gpu_adamw, [*reads, gpu_prev], f"adam {g}")
+            for k in state_kinds:
+                if tier(g, k) in ("dram", "nvme") and not (k == "param" and has_master):
+                    back = d2h(nbytes(g, k), [adam])
+                    if tier(g, k) == "nvme":
+                        nvme(nbytes(g, k), True, [back])
+            if has_master and tier(g, "param") != "gpu":
+                done[g] = d2h(nbytes(g, "param"), [adam], f"param home {g}")
+                offered.add(g)
+                if tier(g, "param") == "nvme":
+                    nvme(nbytes(g, "param"), True, [done[g]])
+            else:
+                done[g] = adam
+            gpu_prev2, gpu_prev = gpu_prev, adam
+        else:
+            stage = [nvme(nbytes(g, k), False, [cpu_stage_prev]) for k in (*state_kinds, "grad", "param")
+                     if tier(g, k) == "nvme"]
+            seconds = params / m.cpu_adamw + (params / CPU_COPY_RATE if has_master else 0.0)
+            upd = sim.op("cpu", seconds, [*stage, cpu_prev], f"cpu adam {g}")
+            cpu_stage_prev = cpu_prev
+            for k in state_kinds:
+                if tier(g, k) == "nvme":
+                    nvme(nbytes(g, k), True, [upd])
+            if tier(g, "param") == "gpu":
+                done[g] = h2d(nbytes(g, "param"), [upd])
+            elif tier(g, "param") == "nvme" and has_master:
+                done[g] = nvme(nbytes(g, "param"), True, [upd])
+            else:
+                done[g] = upd
+            cpu_prev = upd
+
+    # -- the step: forward, loss, backward, per pass -------------------------------------------------------
+    p = max(1, layout.passes)
+    compute_ops: list[tuple[int, Group, int | None, int | None]] = []  # (op, group, waits-on update, fetch)
+    last_compute = None
+    slot_free: list = []  # compute ops whose end frees a slot, in order
+    partial_home: dict[Group, int] = {}
+
+    def fetch(g, deps):
+        """The group's weights on the GPU: a slot filled over PCIe (or on the GPU from an offer)."""
+        if tier(g, "param") == "gpu":
+            return None
+        slot = slot_free[-layout.slots] if len(slot_free) >= layout.slots else None
+        return h2d(nbytes(g, "param"), [*deps, slot], f"fetch {g}")
+
+    last_grad = []
+    for n in range(p):
+        first, last_pass = n == 0, n == p - 1
+        seq = [*((g, "fwd") for g in [w.first, *w.layers]), (w.last, "loss"),
+               *((g, "bwd") for g in reversed(w.layers)), (w.first, "embed_bwd")]
+        for g, phase in seq:
+            upd = done.get(g) if first and phase in ("fwd", "loss") else None
+            tied_upd = done.get(w.first) if first and phase == "loss" and w.tied else None
+            if phase == "embed_bwd":
+                f = None
+            elif first and phase == "fwd" and g in offered:
+                f = None  # the GPU worker offered the new compute copy: copied on the GPU
+            else:
+                f = fetch(g, [upd])
+            partial = None
+            if not first and phase in ("bwd", "loss", "embed_bwd") and tier(g, "grad") != "gpu":
+                partial = h2d(nbytes(g, "grad"), [partial_home.get(g)], f"partial {g}")
+            seconds = (w.fwd.get(g, 0.0) if phase in ("fwd",) else w.bwd.get(g, 0.0)
+                       if phase != "loss" else w.fwd.get(g, 0.0) + w.bwd.get(g, 0.0)) / p
+            c = sim.op("gpu", seconds, [last_compute, upd, tied_upd, f, partial], f"{phase} {g}")
+            compute_ops.append((c, g, upd if upd is not None else tied_upd, f if f is not None else partial))
+            last_compute = c
+            if f is not None:
+                slot_free.append(c)
+            if phase in ("bwd", "loss", "embed_bwd") and tier(g, "grad") != "gpu":
+                if last_pass and g not in on_gpu:
+                    last_grad.append(d2h(nbytes(g, "grad"), [c], f"grad {g}"))
+                elif not last_pass:
+                    partial_home[g] = d2h(nbytes(g, "grad"), [c], f"partial home {g}")
+
+    start, end, busy = sim.run()
+    finish = max([end[last_compute], *(end[i] for i in last_grad)])
+    compute = busy["gpu"]
+    wait_opt = wait_xfer = 0.0
+    prev_end = 0.0
+    for c, _g, upd, f in compute_ops:
+        idle = start[c] - prev_end
+        if idle > 1e-12:
+            if upd is not None and end[upd] >= start[c] - 1e-9 and (f is None or end[upd] >= end[f]):
+                wait_opt += idle
+            else:
+                wait_xfer += idle
+        prev_end = end[c]
+    totals = dict(busy)
+    # the GPU's two streams share it: the compute and the optimizer's kernels add up
+    step = max(finish, *(totals[r] for r in RESOURCES if r not in ("gpu", "gpu_adamw")),
+               totals["gpu"] + totals["gpu_adamw"])
+    bound = _bound(step, totals, wait_opt, wait_xfer)
+    return Prediction(step, totals, moved, compute, wait_opt, wait_xfer, bound, disk["read"], disk["write"],
+                      {"finish": finish})
+
+
+NAMES = {"gpu": "GPU compute", "gpu_adamw": "GPU AdamW", "h2d": "PCIe to the GPU", "d2h": "PCIe from the GPU",
+         "nvme": "NVMe", "cpu": "CPU AdamW"}
+
+
+def _bound(step: float, busy: dict, wait_opt: float, wait_xfer: float) -> str:
+    top = max(busy, key=lambda r: busy[r])
+    if busy["gpu"] + busy["gpu_adamw"] >= 0.9 * step:  # the GPU: its compute (and its share of the update)
+        return "gpu"
+    if busy[top] >= 0.9 * step:
+        return top
+    return "wait_optimizer" if wait_opt >= wait_xfer else "wait_transfer"
+
+
+def describe_bound(bound: str) -> str:
+    return {**NAMES, "wait_optimizer": "the next forward waiting for the update",
+            "wait_transfer": "the compute waiting for weights"}.get(bound, bound)

@@ -1,0 +1,182 @@
+"""The machine's figures the planner works from: each link's rate, the CPU's AdamW rate, the memory sizes.
+
+    m = Machine.from_probe("probe.json")        # a `tiermem probe --save` file (its rows and machine)
+    m = Machine.measure(nvme_path)              # a quick probe of this machine (a few seconds)
+    m = Machine.h200()                          # the H200 machine's figures (docs/measurements.md), said so
+
+Every figure a source lacks is taken from the H200 machine's and named in ``assumed``, so a plan always
+says what it did not measure. Rates are bytes (or parameters) per second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+
+from tiermem.errors import ConfigError
+
+GB = 1e9
+
+# the H200 machine (DESIGN.md, docs/measurements.md): what a plan assumes for a figure it did not measure
+H200 = {
+    "h2d": 54.6 * GB, "d2h": 54.6 * GB,  # arena <-> GPU, pinned
+    "nvme_read": 1.74 * GB, "nvme_write": 2.48 * GB,  # O_DIRECT, posix backend, 64 MiB blocks
+    "cpu_adamw": 4.0e9,  # params/s, torch fused AdamW on 14 threads
+    "gpu_adamw": 1.0e11,  # params/s of torch's fused AdamW on the GPU (memory-bound: ~28 B a param at ~3 TB/s)
+    "gpu_tflops": 520e12,  # FLOP/s of a streamed step counting its recompute (389 TFLOP/s by the 6·N count)
+    "gpu_memory": 143_771 << 20, "ram": 125 << 30,
+}
+
+
+@dataclass
+class Machine:
+    h2d: float
+    d2h: float
+    nvme_read: float
+    nvme_write: float
+    cpu_adamw: float
+    gpu_adamw: float
+    gpu_tflops: float  # dense compute a streamed layer reaches (FLOP/s), when it is not timed
+    gpu_memory: int  # bytes of HBM
+    ram: int  # bytes of host memory
+    disk_free: int | None = None  # bytes free on the NVMe tier's disk, where the probe saw it
+    source: str = "assumed"
+    assumed: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def h200(cls, note: str = "assumed: the H200 machine's figures") -> Machine:
+        return cls(**H200, source=note, assumed=sorted(k for k in H200 if k not in ("ram",)))
+
+    @classmethod
+    def from_probe(cls, path: str | Path) -> Machine:
+        """Figures from a ``tiermem probe --save`` file; refused in one line when it is not one."""
+        try:
+            data = json.loads(Path(path).read_text())
+            rows = {r["link"]: r for r in data["rows"]}
+            machine = dict(data.get("machine") or {})
+        except FileNotFoundError:
+            raise ConfigError(f"probe file {path} not found; make one with `tiermem probe --save {path}`") from None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"probe file {path} is not a `tiermem probe --save` file ({type(e).__name__}); "
+                              f"make one with `tiermem probe --save {path}`") from None
+        got: dict[str, float] = {}
+
+        def rate(name: str, scale: float) -> float | None:
+            r = rows.get(name)
+            v = r.get("tiermem") if isinstance(r, dict) else None
+            return float(v) * scale if isinstance(v, (int, float)) and v > 0 else None
+
+        pairs = {"h2d": rate("arena -> GPU", GB), "d2h": rate("GPU -> arena", GB),
+                 "nvme_read": rate("NVMe -> arena (kvikio)", GB) or rate("NVMe -> arena (posix)", GB),
+                 "nvme_write": rate("arena -> NVMe (kvikio)", GB) or rate("arena -> NVMe (posix)", GB),
+                 "cpu_adamw": rate("CPU AdamW", 1e9), "gpu_adamw": rate("GPU AdamW", 1e9)}
+        for k, v in pairs.items():
+            if v is not None:
+                got[k] = v
+        for k in ("gpu_memory", "ram"):
+            if isinstance(machine.get(k), int) and machine[k] > 0:
+                got[k] = machine[k]
+        figures = {**H200, **got}
+        disk = machine.get("disk_free")
+        return cls(**figures, disk_free=disk if isinstance(disk, int) and disk > 0 else None,
+                   source=f"probe {path}", assumed=sorted(k for k in H200 if k not in got))
+
+    @classmethod
+    def measure(cls, nvme_dir: str | None = None, device: torch.device | None = None) -> Machine:
+        """A quick probe of this machine (a few seconds): the PCIe link each way, the disk under
+        ``nvme_dir`` (when given) each way, CPU AdamW, the memory sizes. Without CUDA the GPU's figures
+        are assumed."""
+        figures: dict = {"ram": psutil.virtual_memory().total}
+        if device is not None and device.type == "cuda":
+            figures["gpu_memory"] = torch.cuda.get_device_properties(device).total_memory
+            figures.update(_pcie(device))
+        if nvme_dir:
+            figures.update(_disk(nvme_dir))
+        figures["cpu_adamw"] = _adamw_rate()
+        merged = {**H200, **figures}
+        return cls(**merged, source="measured at start (a quick probe; `tiermem probe --save` for a full one)",
+                   assumed=sorted(k for k in H200 if k not in figures))
+
+
+def _pcie(device: torch.device, size: int = 256 << 20) -> dict:
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(size, dtype=torch.uint8, device=device)
+    out = {}
+    for key, (dst, src) in {"h2d": (dev, host), "d2h": (host, dev)}.items():
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(4):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        out[key] = 4 * size / (time.perf_counter() - t0)
+    return out
+
+
+def _disk(directory: str, size: int = 256 << 20, block: int = 16 << 20) -> dict:
+    """O_DIRECT write then read of ``size`` bytes in a temporary file under ``directory``."""
+    import mmap
+
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f".tiermem-plan-probe-{os.getpid()}")
+    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
+    buf.write(os.urandom(block))
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0)
+    try:
+        try:
+            fd = os.open(path, flags, 0o600)
+        except OSError:  # no O_DIRECT on this filesystem
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            t0 = time.perf_counter()
+            for off in range(0, size, block):
+                os.pwritev(fd, [buf], off)
+            os.fsync(fd)
+            w = size / (time.perf_counter() - t0)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            t0 = time.perf_counter()
+            for off in range(0, size, block):
+                os.preadv(fd, [buf], off)
+            r = size / (time.perf_counter() - t0)
+        finally:
+            os.close(fd)
+    except OSError:
+        return {}
+    finally:
+        buf.close()
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return {"nvme_read": r, "nvme_write": w}
+
+
+def _adamw_rate(n: int = 1 << 24) -> float:
+    """Parameters a second torch's fused AdamW updates on this CPU (the optimizer's own threads: all cores
+    but two, as ``tiermem.optim`` takes them)."""
+    cores = os.cpu_count() or 1
+    threads, keep = (cores - 2 if cores > 4 else cores), torch.get_num_threads()
+    p = torch.nn.Parameter(torch.randn(n))
+    p.grad = torch.randn(n)
+    torch.set_num_threads(threads)
+    try:
+        try:
+            opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+            opt.step()
+        except (RuntimeError, TypeError):
+            opt = torch.optim.AdamW([p], lr=1e-4, foreach=True)
+            opt.step()
+        t0 = time.perf_counter()
+        opt.step()
+        return n / (time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(keep)

@@ -1,0 +1,252 @@
+"""``placement: auto`` from the cost model: where each group's state lives across HBM, DRAM and NVMe, where
+its update runs, and how many layer-major passes a step takes, chosen by predicting the step.
+
+    plan = plan_step(specs, cfg, workload, machine)     # -> placement.Plan with .prediction, .passes, ...
+
+For each number of passes (fewer passes keep more boundary activations in HBM, more passes leave HBM to
+state), HBM takes whole groups in the order the next forward needs their update (the embedding, layer 0,
+1, ...: their update must be done first, and a group that lives in HBM is updated there in place, moving
+nothing over PCIe), while they fit beside the activations, the working set of a layer and the streaming
+slots; the other groups live in DRAM, their coldest kinds (exp_avg_sq, exp_avg, master) spilling to NVMe
+from the last groups first while DRAM is short. The streamed groups' updates are split between the CPU
+(the last groups: the forward needs them last) and the GPU in the proportion the cost model predicts
+fastest. Kinds the placement pins (``{exp_avg_sq: nvme}``) stay where they are pinned.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from tiermem.config import StoreConfig
+from tiermem.errors import BudgetError
+from tiermem.plan.costmodel import Layout, Prediction, predict
+from tiermem.plan.machine import Machine
+from tiermem.plan.placement import ALIGN, Plan, check_budgets, default_budgets
+from tiermem.plan.workload import Workload
+from tiermem.sizes import align_up, format_size
+from tiermem.store.catalog import TensorSpec
+
+SPILL_ORDER = ("exp_avg_sq", "exp_avg", "master", "grad", "param")  # coldest first
+CPU_SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
+HBM_RESERVE = 0.06  # of HBM kept free for the allocator's fragmentation and the CUDA context
+
+
+def sizes(specs: list[TensorSpec]) -> tuple[dict, dict]:
+    """Bytes of each (group, kind) as the tiers allocate them, and parameters of each group."""
+    group_bytes: dict = defaultdict(int)
+    params: dict = defaultdict(int)
+    for s in specs:
+        group_bytes[(s.group, s.kind)] += align_up(s.nbytes, ALIGN)
+        if s.kind == "grad":
+            params[s.group] += math.prod(s.shape)
+    return dict(group_bytes), dict(params)
+
+
+def hbm_room(machine: Machine, budgets: dict, cuda: bool) -> int:
+    """HBM the state, the slots and the activations may take together."""
+    if not cuda:  # the CPU stand-in: its "GPU" budget is a share of host memory
+        return int(budgets.get("gpu") or 0)
+    total = int(machine.gpu_memory * (1 - HBM_RESERVE)) - (1 << 30)
+    return total if budgets.get("gpu") is None else min(total, int(budgets["gpu"]))
+
+
+def pass_counts(micro_batches: int) -> list[int]:
+    """Numbers of passes that differ in the micro-batches a pass holds."""
+    out, seen = [], set()
+    for p in range(1, micro_batches + 1):
+        per = -(-micro_batches // p)
+        if per not in seen:
+            seen.add(per)
+            out.append(-(-micro_batches // per))
+    return out
+
+
+def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine,
+              budgets: dict | None = None, cuda: bool = True, fixed_passes: int | None = None) -> Plan:
+    """The fastest predicted placement of ``specs`` for steps of ``w`` on machine ``m`` (see the module)."""
+    budgets = default_budgets(cfg) if budgets is None else dict(budgets)
+    group_bytes, params = sizes(specs)
+    pins = cfg.pins()
+    room = hbm_room(m, budgets, cuda)
+    need_total = sum(group_bytes.values())
+    best: tuple | None = None
+    short = None
+    for p in ([fixed_passes] if fixed_passes else pass_counts(w.micro_batches)):
+        act = w.activation_bytes(p)
+        state_room = room - act
+        if state_room < 0:
+            continue
+        try:
+            where = _place(group_bytes, w, pins, state_room, budgets, cfg)
+        except BudgetError as e:
+            short = short or e
+            continue
+        for gpu_updates in _update_splits(where, w):
+            layout = Layout(where, gpu_updates, p, cfg.tiers.gpu.slots)
+            pred = predict(layout, w, m, group_bytes, params)
+            key = (round(pred.step, 6), p)
+            if best is None or key < best[0]:
+                best = (key, layout, pred, state_room, act)
+    if best is None:
+        raise short or BudgetError(_does_not_fit(need_total, room, w, budgets))
+    _, layout, pred, state_room, act = best
+    plan = _finish_plan(layout, group_bytes, cfg, {**budgets, "gpu": state_room})
+    plan.prediction, plan.passes, plan.gpu_updates = pred, layout.passes, set(layout.gpu_updates)
+    plan.activation_bytes = act
+    plan.activation_budget = (act - w.working_bytes) if layout.passes > 1 else None
+    plan.machine, plan.workload, plan.params = m, w, params
+    plan.hbm_room = room
+    check_budgets(plan)
+    return plan
+
+
+def _finish_plan(layout: Layout, group_bytes: dict, cfg: StoreConfig, budgets: dict) -> Plan:
+    streamed = [b for (g, k), b in group_bytes.items() if k == "param" and layout.where[(g, k)] != "gpu"]
+    slot = max(streamed, default=0)
+    n_slots = cfg.tiers.gpu.slots if slot else 0
+    on_nvme: dict = defaultdict(int)
+    for (g, k), tier in layout.where.items():
+        if tier == "nvme":
+            on_nvme[g] += group_bytes[(g, k)]
+    staging = 2 * max(on_nvme.values(), default=0)
+    return Plan(dict(layout.where), dict(group_bytes), slot, n_slots, staging, budgets)
+
+
+def _place(group_bytes: dict, w: Workload, pins: dict, state_room: int, budgets: dict,
+           cfg: StoreConfig) -> dict:
+    """HBM takes whole groups in update order while they fit; DRAM the rest; NVMe what DRAM cannot hold."""
+    groups = w.groups
+    kinds_of: dict = defaultdict(list)
+    for g, k in group_bytes:
+        kinds_of[g].append(k)
+    where = {key: pins.get(key[1], "dram") for key in group_bytes}
+    pinned_gpu = sum(b for key, b in group_bytes.items() if where[key] == "gpu")
+    slots = cfg.tiers.gpu.slots * max((b for (g, k), b in group_bytes.items() if k == "param"), default=0)
+    used = pinned_gpu
+    left_out = any(where.get((g, "param")) not in (None, "gpu") for g in groups if "param" in pins)
+    for g in groups:  # (left_out: some group's weights stream: the slots are needed)
+        free_kinds = [k for k in kinds_of[g] if k not in pins]
+        if not free_kinds:
+            continue
+        size = sum(group_bytes[(g, k)] for k in free_kinds)
+        all_up = not left_out and _rest_fits(groups, g, group_bytes, kinds_of, used + size, state_room)
+        if used + size + (0 if all_up else slots) <= state_room:
+            for k in free_kinds:
+                where[(g, k)] = "gpu"
+            used += size
+        elif "param" in free_kinds:
+            left_out = True
+    if used > state_room:
+        raise BudgetError(f"the kinds pinned to gpu need {format_size(used)} of HBM, "
+                          f"{format_size(max(state_room, 0))} is left beside the activations")
+    dram_budget = budgets.get("dram")
+    if dram_budget is None:
+        return where
+    order = [(g, k) for k in SPILL_ORDER for g in reversed(groups)
+             if (g, k) in group_bytes and where[(g, k)] == "dram" and k not in pins]
+
+    def dram_need():
+        on_nvme: dict = defaultdict(int)
+        need = 0
+        for key, t in where.items():
+            if t == "dram":
+                need += group_bytes[key]
+            elif t == "nvme":
+                on_nvme[key[0]] += group_bytes[key]
+        return need + 2 * max(on_nvme.values(), default=0)
+
+    if dram_need() <= dram_budget:
+        return where
+    if cfg.tiers.nvme is None:
+        raise BudgetError(_short_line(where, group_bytes, budgets, "dram"))
+    for key in order:
+        where[key] = "nvme"
+        if dram_need() <= dram_budget:
+            break
+    if dram_need() > dram_budget:
+        raise BudgetError(_short_line(where, group_bytes, budgets, "dram"))
+    nvme = sum(b for key, b in group_bytes.items() if where[key] == "nvme")
+    if budgets.get("nvme") is not None and nvme > budgets["nvme"]:
+        raise BudgetError(_short_line(where, group_bytes, budgets, "nvme"))
+    return where
+
+
+def _rest_fits(groups, g, group_bytes, kinds_of, used, room) -> bool:
+    """Whether every group after ``g`` would fit in HBM too (then no streaming slots are needed)."""
+    rest = 0
+    for h in groups[groups.index(g) + 1:]:
+        rest += sum(group_bytes[(h, k)] for k in kinds_of[h])
+    return used + rest <= room
+
+
+def _update_splits(where: dict, w: Workload):
+    """Candidate sets of GPU-updated groups: the groups with state in HBM always (updated there, in place
+    when all of it is); of the others, the CPU takes the last ones (a share of them), the GPU the first."""
+    groups = w.groups
+    up = [g for g in groups if any(t == "gpu" for (h, k), t in where.items() if h == g and k != "param")]
+    streamed = [g for g in groups if g not in up]
+    seen = set()
+    for share in CPU_SHARES:
+        n_cpu = round(share * len(streamed))
+        gpu = frozenset(up + streamed[: len(streamed) - n_cpu])
+        if gpu not in seen:
+            seen.add(gpu)
+            yield set(gpu)
+
+
+def _short_line(where: dict, group_bytes: dict, budgets: dict, tier: str) -> str:
+    total = sum(group_bytes.values())
+    fits = {t: budgets.get(t) for t in ("gpu", "dram", "nvme")}
+    have = sum(v for v in fits.values() if v)
+    more = max(total - have, 0)
+    what = ("an NVMe tier (tiers.nvme: {path: DIR}) or a larger tiers.dram.budget" if tier == "dram"
+            else "a larger tiers.nvme.budget or disk")
+    return (f"the training state ({format_size(total)}) does not fit: HBM {format_size(fits['gpu'] or 0)} beside the "
+            f"activations, DRAM {format_size(fits['dram'] or 0)}, NVMe {format_size(fits['nvme'] or 0)}"
+            + (f"; {format_size(more)} more is needed" if more else "") + f": add {what}")
+
+
+def _does_not_fit(total: int, room: int, w: Workload, budgets: dict) -> str:
+    act = w.activation_bytes(w.micro_batches)
+    if act > room:
+        return (f"one micro-batch's activations ({format_size(act)}) do not fit in the GPU's "
+                f"{format_size(max(room, 0))}: lower per_device_train_batch_size or cutoff_len")
+    return (f"the training state ({format_size(total)}) does not fit in HBM, DRAM "
+            f"({format_size(budgets.get('dram') or 0)}) and NVMe ({format_size(budgets.get('nvme') or 0)})")
+
+
+def compute_bound_at(plan: Plan, ga: int, max_ga: int = 4096) -> tuple[int, Prediction] | None:
+    """The smallest gradient_accumulation_steps (a multiple of steps of the same micro-batches) at which a
+    step with this placement is compute-bound, and its prediction; None if none up to ``max_ga``."""
+    w, base = plan.workload, plan.workload.micro_batches
+    per = base / ga  # micro-batches per accumulation step
+
+    def pred(k: int) -> Prediction:
+        mb = max(1, round(per * k))
+        wk = w.scaled(w.tokens * k // ga, mb)
+        act_room = plan.hbm_room - sum(b for key, b in plan.group_bytes.items() if plan.where[key] == "gpu") \
+            - plan.slot_bytes * plan.n_slots
+        p = 1
+        while wk.activation_bytes(p) > act_room and p < mb:
+            p += 1
+        return predict(Layout(plan.where, plan.gpu_updates, p), wk, plan.machine, plan.group_bytes, plan.params)
+
+    k = ga
+    while k <= max_ga:
+        pr = pred(k)
+        if pr.bound == "gpu":
+            lo, hi = max(ga, k // 2), k  # the smallest in (k/2, k]
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if pred(mid).bound == "gpu":
+                    hi = mid
+                else:
+                    lo = mid + 1
+            return hi, pred(hi)
+        k *= 2
+    return None
+
+
+def tflops(w: Workload, seconds: float) -> float:
+    return w.flops_per_token * w.tokens / seconds / 1e12 if seconds > 0 and not math.isinf(seconds) else 0.0

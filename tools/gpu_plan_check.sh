@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The planner on the GPU machine (the `device` tool); each mode fits one 10-minute call:
+#   bash tools/gpu_plan_check.sh small   # tests/test_cuda.py; the 3B shape at 4x4096 and 16x4096 tokens a step,
+#                                        # auto placement against plain PyTorch (measured / predicted step);
+#                                        # `tiermem plan` of the 14B shape (its time)
+#   bash tools/gpu_plan_check.sh 8b      # tiermem-train on the Llama-8B shape, 32x4096 tokens a step, auto
+#                                        # placement with only an NVMe path set (STEPS, default 6)
+#   bash tools/gpu_plan_check.sh 14b     # tiermem-train on the Qwen2.5-14B shape across HBM, DRAM and NVMe,
+#                                        # after a full `tiermem probe` (ACCUM, default 64; STEPS, default 4)
+# Details under $OUT; a short table prints last.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; free -g | head -2; df -h /tmp | tail -1
+summary=()
+steps_of() {  # step lines of a tiermem-train log -> measured median of steps 3.. and the prediction
+  python3 - "$1" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]
+t = [r["step_seconds"] for r in rows]
+steady = t[2:] or t
+pred = rows[-1].get("predicted_step_seconds")
+tf = statistics.median(r["tflops"] for r in rows[2:] or rows)
+print(f"steps {' '.join(f'{x:.2f}' for x in t)}; steady median {statistics.median(steady):.2f} s, {tf:.0f} TFLOP/s; "
+      f"predicted {pred:.2f} s (measured/predicted {statistics.median(steady) / pred:.3f}); "
+      f"grad norms {' '.join('%.3f' % r['grad_norm'] for r in rows)}")
+PY
+}
+case "${1:-small}" in
+small)
+  python3 -m pytest -q -rf -p no:cacheprovider tests/test_cuda.py > "$OUT/pytest_cuda.log" 2>&1
+  summary+=("test_cuda: $(grep -E "passed|failed" "$OUT/pytest_cuda.log" | tail -1)")
+  for acc in 1 4; do
+    python3 tools/bench_train.py --shape 3b --batch 4 --accum $acc --steps 5 --json "$OUT/b3_$acc.json" \
+      > "$OUT/b3_$acc.txt" 2>&1
+    tail -8 "$OUT/b3_$acc.txt"
+    summary+=("3B $((4 * acc))x4096: $(grep -E "^ratio|^tiermem predicted" "$OUT/b3_$acc.txt" | tr '\n' ' ')")
+  done
+  python3 tools/make_shape_run.py --shape 14b --dir /tmp/run14b --accum 64 --steps 1 --nvme /tmp/nvme >/dev/null
+  s=$(date +%s.%N)
+  python3 -m trainer.plan_cli /tmp/run14b/train.yaml > "$OUT/plan14b.txt" 2>&1
+  summary+=("tiermem plan 14B: $(python3 -c "print(f'{$(date +%s.%N) - $s:.1f}')") s")
+  cat "$OUT/plan14b.txt"
+  ;;
+8b)
+  python3 tools/make_shape_run.py --shape 8b --dir /tmp/run8b --accum 32 --steps "${STEPS:-6}" --nvme /tmp/nvme \
+    >/dev/null
+  python3 -m trainer.plan_cli /tmp/run8b/train.yaml > "$OUT/plan8b.txt" 2>&1; cat "$OUT/plan8b.txt"
+  python3 -m trainer.cli /tmp/run8b/train.yaml > "$OUT/train8b.txt" 2>&1; rc=$?
+  grep -vE "^(example|Human|Assistant)" "$OUT/train8b.txt" | tail -20
+  cp /tmp/run8b/out/trainer_log.jsonl "$OUT/log8b.jsonl" 2>/dev/null
+  summary+=("8B 32x4096 auto (rc $rc): $(steps_of /tmp/run8b/out/trainer_log.jsonl)")
+  ;;
+14b)
+  python3 -m tiermem.cli probe --size 2GiB --nvme-path /tmp/nvme --save "$OUT/probe.json" --reps 2 > "$OUT/probe.txt" 2>&1
+  cat "$OUT/probe.txt"
+  python3 tools/make_shape_run.py --shape 14b --dir /tmp/run14b --accum "${ACCUM:-64}" --steps "${STEPS:-4}" \
+    --nvme /tmp/nvme --set "tiermem={tiers: {nvme: {path: /tmp/nvme}}, probe: $OUT/probe.json}" >/dev/null
+  python3 -m trainer.plan_cli /tmp/run14b/train.yaml > "$OUT/plan14b.txt" 2>&1; cat "$OUT/plan14b.txt"
+  python3 -m trainer.cli /tmp/run14b/train.yaml > "$OUT/train14b.txt" 2>&1; rc=$?
+  grep -vE "^(example|Human|Assistant)" "$OUT/train14b.txt" | tail -20
+  cp /tmp/run14b/out/trainer_log.jsonl /tmp/run14b/out/store_stats.json "$OUT/" 2>/dev/null
+  summary+=("14B auto (rc $rc): $(steps_of /tmp/run14b/out/trainer_log.jsonl)")
+  ;;
+esac
+echo "== summary"; printf '%s\n' "${summary[@]}"

@@ -1,0 +1,82 @@
+"""Make what a `tiermem-train` run on a model *shape* needs: a directory with only config.json (the run
+starts from `tiermem_init: random`), a dataset of random token rows, and the training YAML.
+
+    python tools/make_shape_run.py --shape 8b --dir /tmp/run8b --rows 32 --accum 32 --steps 6 \
+        [--nvme /tmp/nvme] [--set key=value ...]
+    tiermem-train /tmp/run8b/train.yaml          # or: tiermem plan /tmp/run8b/train.yaml
+
+Shapes: 3b and 8b (Llama 3.2-3B-like untied, Llama-3.1-8B), 14b (Qwen2.5-14B: hidden 5120, 48 layers,
+intermediate 13824, 40 heads, 8 KV heads, vocab 152064, untied), qwen3-30b-a3b (Qwen3-30B-A3B: hidden 2048,
+48 layers of 128 experts of intermediate 768, top-8 renormalised, 32 heads, 4 KV heads, head_dim 128, vocab
+151936, the router's load-balancing loss on; 30.5 B params, 3.4 B active) and qwen3-moe-24l (the same with 24
+layers: 15.6 B params). Rows are `--seq` tokens each (4096); a
+step takes `--accum` micro-batches of `--batch` rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+import yaml
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "max_position_embeddings": 131072,
+         "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+         "initializer_range": 0.02, "vocab_size": 128256, "num_key_value_heads": 8}
+SHAPES = {
+    "3b": dict(LLAMA, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24),
+    "8b": dict(LLAMA, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32),
+    "14b": dict(LLAMA, architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=5120,
+                intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40, vocab_size=152064,
+                rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "qwen3-30b-a3b": dict(LLAMA, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                          intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                          max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                          output_router_logits=True, router_aux_loss_coef=0.001),
+}
+SHAPES["qwen3-moe-24l"] = dict(SHAPES["qwen3-30b-a3b"], num_hidden_layers=24)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    ap.add_argument("--dir", required=True, help="where the model, data and train.yaml go")
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--accum", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--nvme", help="tiers.nvme.path (the only tiermem setting)")
+    ap.add_argument("--set", nargs="*", default=[], help="more key=value for the YAML")
+    args = ap.parse_args()
+    d = Path(args.dir)
+    (d / "model").mkdir(parents=True, exist_ok=True)
+    (d / "data").mkdir(exist_ok=True)
+    shape = SHAPES[args.shape]
+    (d / "model" / "config.json").write_text(json.dumps(shape))
+    rng = random.Random(0)
+    rows = args.batch * args.accum * args.steps
+    with (d / "data" / "tokens.jsonl").open("w") as f:
+        for _ in range(rows):
+            f.write(json.dumps({"input_ids": [rng.randrange(shape["vocab_size"]) for _ in range(args.seq)]}) + "\n")
+    (d / "data" / "dataset_info.json").write_text(json.dumps(
+        {"tokens": {"file_name": "tokens.jsonl", "formatting": "tokenized"}}))
+    cfg = {"model_name_or_path": str(d / "model"), "tiermem_init": "random", "stage": "pt", "dataset": "tokens",
+           "dataset_dir": str(d / "data"), "cutoff_len": args.seq, "output_dir": str(d / "out"),
+           "overwrite_output_dir": True, "per_device_train_batch_size": args.batch,
+           "gradient_accumulation_steps": args.accum, "max_steps": args.steps, "learning_rate": 1e-5,
+           "bf16": True, "logging_steps": 1, "report_to": "none"}
+    if args.nvme:
+        cfg["tiermem"] = {"tiers": {"nvme": {"path": args.nvme}}}
+    for kv in args.set:
+        k, v = kv.split("=", 1)
+        cfg[k] = yaml.safe_load(v)
+    (d / "train.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    print(d / "train.yaml")
+
+
+if __name__ == "__main__":
+    main()

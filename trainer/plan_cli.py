@@ -1,0 +1,123 @@
+"""``tiermem plan TRAIN.yaml [key=value ...] [--json] [--probe FILE]``: what a training run would do on this
+machine, before it runs. Nothing is trained and nothing is written to output_dir.
+
+It reads the same YAML and overrides as ``tiermem-train`` and prints the state by kind, where the planner
+puts it (per tier, by kind and layer range), each tier's need against its budget, the predicted step (time,
+tokens/s, TFLOP/s, its split per resource and what bounds it), the smallest gradient_accumulation_steps at
+which the step is compute-bound with this placement, and one line of advice when a change would help by
+more than 10%. A run that cannot fit in the three tiers gets one line saying how much more of what it needs
+(exit 2). Without a GPU it plans from ``--probe FILE`` (a ``tiermem probe --save`` file of the GPU machine),
+or from the H200 machine's figures and says so. Overrides make it a what-if tool:
+``tiermem plan my.yaml tiermem.tiers.dram.budget=64GiB``.
+
+Reached as ``tiermem plan`` (an entry point of the ``tiermem.commands`` group) or ``python -m trainer.plan_cli``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from tiermem.errors import ConfigError, UserError
+
+
+def _args(argv):
+    p = argparse.ArgumentParser(prog="tiermem plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("config", help="training YAML (LLaMA-Factory keys), as tiermem-train takes it")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. gradient_accumulation_steps=64")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--probe", help="a `tiermem probe --save` file to plan with (default: the config's "
+                                   "tiermem.probe, else a quick probe of this machine's GPU, else assumed figures)")
+    return p.parse_intermixed_args(argv)
+
+
+def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
+    """(the plan as data, its text lines) for ``tiermem plan``'s arguments."""
+    import torch
+
+    from tiermem.plan.resolve import compute_device
+    from tiermem.sizes import format_size
+    from trainer import run_plan
+    from trainer.config import load_train_config
+    from trainer.loop import model_config
+    from trainer.state import store_config, wants_cuda
+
+    t0 = time.perf_counter()
+    cfg = load_train_config(args.config, args.overrides)
+    if cfg.tiermem_server:
+        raise ConfigError("tiermem plan plans a run's own store; a run attached to a service (tiermem_server) is "
+                          "placed by the service")
+    if args.probe and not Path(args.probe).is_file():
+        raise ConfigError(f"probe file {args.probe} not found; make one with `tiermem probe --save {args.probe}`")
+    mcfg = model_config(Path(cfg.model_name_or_path), cfg)
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    scfg = store_config(cfg.tiermem)
+    device = compute_device(scfg)
+    machine = run_plan.machine_for(scfg, device, args.probe)
+    shape = run_plan.Shape(cfg.per_device_train_batch_size, cfg.cutoff_len, cfg.gradient_accumulation_steps)
+    if device.type != "cuda" and wants_cuda(cfg.tiermem):
+        # no GPU here: plan for the GPU machine the figures describe (what the run would do there)
+        budgets = run_plan.budgets_for(scfg, machine)
+        p = run_plan.make(mcfg, dtype, scfg, shape, machine, device, cfg.loss_chunk_tokens, time_it=False,
+                          budgets=budgets, cuda=True)
+    else:
+        p = run_plan.make(mcfg, dtype, scfg, shape, machine, device, cfg.loss_chunk_tokens)
+    if p is None:
+        raise ConfigError("the placement pins every kind to a tier: nothing to plan (leave some kind to auto)")
+    data = run_plan.report(p, cfg.gradient_accumulation_steps)
+    data["model"] = {"family": mcfg.family, "params": mcfg.num_params(), "layers": mcfg.num_layers}
+    data["shape"] = {"rows": shape.rows, "tokens_per_row": shape.seq, "micro_batches": shape.micro_batches}
+    data["plan_seconds"] = time.perf_counter() - t0
+    pred = data["prediction"]
+    text = [f"model: {mcfg.family}, {mcfg.num_params() / 1e9:.2f} B params, {mcfg.num_layers} layers, "
+            f"{'bf16' if cfg.bf16 else 'fp32'}; a step: {shape.micro_batches} x {shape.rows} rows x {shape.seq} "
+            f"tokens = {shape.tokens:,} tokens",
+            f"machine: {machine.source}" + (f"; assumed: {', '.join(machine.assumed)}" if machine.assumed else ""),
+            f"compute: {p.workload.timed}",
+            "state: " + ", ".join(f"{k} {format_size(v)}" for k, v in data["state_bytes"].items())
+            + f" = {format_size(sum(data['state_bytes'].values()))}",
+            *(f"  {line}" for line in run_plan.where_lines(p)),
+            "need: " + "; ".join(run_plan.budget_lines(p)),
+            f"updates: GPU {len(data['gpu_updates'])} groups, CPU {len(p.workload.groups) - len(data['gpu_updates'])}; "
+            f"{p.passes} pass{'es' if p.passes > 1 else ''} a step",
+            f"predicted step: {pred['step_seconds']:.2f} s = {pred['tokens_per_s']:,.0f} tokens/s, "
+            f"{pred['tflops']:.0f} TFLOP/s; bound: {_bound(p)}",
+            f"  split: {run_plan.split_line(p)}"]
+    cb = data["compute_bound"]
+    if cb is None:
+        text.append("compute-bound: not within 4096x these tokens with this placement")
+    elif cb["gradient_accumulation_steps"] == cfg.gradient_accumulation_steps:
+        text.append("compute-bound: already, at this gradient_accumulation_steps")
+    else:
+        text.append(f"compute-bound from gradient_accumulation_steps {cb['gradient_accumulation_steps']}: "
+                    f"step {cb['step_seconds']:.2f} s, {cb['tokens_per_s']:,.0f} tokens/s")
+    if data["advice"]:
+        text.append(f"advice: {data['advice']}")
+    return data, text
+
+
+def _bound(p) -> str:
+    from tiermem.plan.costmodel import describe_bound
+
+    return describe_bound(p.prediction.bound)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    try:
+        data, text = plan(args)
+    except UserError as e:
+        print(f"tiermem plan: error: {e}", file=sys.stderr)
+        return e.exit_code
+    if args.json:
+        print(json.dumps(data, indent=1, default=str))
+    else:
+        print("\n".join(text))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

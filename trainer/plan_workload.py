@@ -1,0 +1,152 @@
+"""A run's step as the planner sees it (``tiermem.plan.workload.Workload``): the compute of each group and
+the activations a pass keeps, for this model at this batch shape.
+
+On a CUDA device one decoder layer and the loss are timed at the run's micro-batch shape (random weights,
+a few seconds; the working set measured beside) through the model's stages (the template or the generic
+path; a sparse model's heaviest layer); elsewhere the compute is estimated from the FLOPs of the parameters
+a token computes with (a sparse layer's top-k experts) and the machine's figure, and the memory from the
+shapes. The trainer corrects the compute from the first steps.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tiermem.plan.machine import Machine
+from tiermem.plan.workload import Workload
+from trainer.model.select import model_stages
+from trainer.model.weights import all_weights, init_weight
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def heaviest_layer(cfg) -> int:
+    """The layer with the most parameters (a sparse one of a mixture-of-experts model)."""
+    sizes: dict = {}
+    for w in all_weights(cfg):
+        if isinstance(w.group, int):
+            sizes[w.group] = sizes.get(w.group, 0) + _numel(w.shape)
+    return max(sizes, key=lambda i: (sizes[i], -i)) if sizes else 0
+
+
+def layer_params(cfg, active: bool = False) -> int:
+    """Parameters of the heaviest layer; ``active``: those one token computes with (its top-k experts)."""
+    i = heaviest_layer(cfg)
+    if hasattr(cfg, "layer_params"):
+        return cfg.layer_params(i, active)
+    return sum(_numel(w.shape) for w in all_weights(cfg) if w.group == i)
+
+
+def layer_flops(cfg, seq: int) -> float:
+    """FLOPs of one layer's forward per token at sequence length ``seq`` (matmuls + causal attention)."""
+    return 2.0 * layer_params(cfg, active=True) + 2.0 * seq * getattr(cfg, "q_size", cfg.hidden_size)
+
+
+def head_flops(cfg) -> float:
+    """FLOPs of the loss per token: the LM head's forward and backward."""
+    return 6.0 * cfg.hidden_size * cfg.vocab_size
+
+
+def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, machine: Machine,
+          device: torch.device, loss_chunk: int, time_it: bool = True) -> Workload:
+    """The workload of steps of ``micro_batches`` micro-batches of ``rows`` x ``seq`` tokens."""
+    tokens = rows * seq * micro_batches
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    boundary = (cfg.num_layers + 1) * cfg.hidden_size * itemsize
+    layer_p = layer_params(cfg)
+    head_p = cfg.vocab_size * cfg.hidden_size
+    # the fp32 accumulator of a layer's gradient and its partial sum read back; the loss's and the
+    # embedding's fp32 gradients (vocab x hidden each) at the end of the backward
+    grads = 8 * layer_p + 2 * 4 * head_p
+    timed = None
+    small = layer_p < 50_000_000 and head_p < 50_000_000  # cheap to time on a CPU
+    if time_it and (device.type == "cuda" or small) and head_p * itemsize < (8 << 30):
+        try:
+            timed = _time(cfg, dtype, rows, seq, device, loss_chunk)
+        except torch.OutOfMemoryError:
+            timed = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if timed is not None:
+        f_mb, b_mb, h_mb, work = timed
+        fwd_l, bwd_l, head = f_mb * micro_batches, b_mb * micro_batches, h_mb * micro_batches
+        how = f"timed on {device.type}: one layer and the loss at {rows}x{seq} tokens"
+    else:
+        rate = machine.gpu_tflops
+        f = layer_flops(cfg, seq) * tokens / rate
+        fwd_l, bwd_l, head = f, 3 * f, head_flops(cfg) * tokens / rate
+        # a layer's backward keeps about 14 hidden-sized and 4 intermediate-sized tensors per token
+        inter = (cfg.moe.top_k * cfg.moe.intermediate_size if getattr(cfg, "moe", None) is not None
+                 else getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))
+        work = rows * seq * (14 * cfg.hidden_size + 4 * inter) * itemsize \
+            + rows * min(seq, loss_chunk) * cfg.vocab_size * 4 * 2
+        how = f"estimated from FLOPs at {rate / 1e12:.0f} TFLOP/s ({machine.source})"
+    fwd = {i: fwd_l for i in range(cfg.num_layers)}
+    bwd = {i: bwd_l for i in range(cfg.num_layers)}
+    fwd["head"], bwd["head"] = head / 3, 2 * head / 3
+    fwd["embed"], bwd["embed"] = 0.0, 0.0
+    return Workload(list(range(cfg.num_layers)), "embed", "head", fwd, bwd, tokens, micro_batches, boundary,
+                    int(work + grads), 6.0 * cfg.num_params(active=True), cfg.tie_word_embeddings, how)
+
+
+def _time(cfg, dtype: torch.dtype, rows: int, seq: int, device: torch.device, loss_chunk: int):
+    """Seconds of one micro-batch's layer forward, layer backward with recompute, and loss with its
+    backward, and the bytes of GPU memory they need beyond their inputs."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    stages = model_stages(cfg, dtype, device)
+    layer = heaviest_layer(cfg)
+    groups: dict = {}
+    for lw in all_weights(cfg):
+        if lw.group in (layer, "embed", "head"):
+            groups.setdefault(lw.group, {})[lw.local] = init_weight(lw, cfg, gen, device).to(dtype)
+    w, embed_w, head_w = groups.get(layer, {}), groups["embed"], groups["head"]
+    ids = torch.randint(0, cfg.vocab_size, (rows, seq), device=device, generator=gen)
+    ctx = stages.contexts([ids], [None], 1, True)[0]
+    with torch.no_grad():
+        x = stages.embed(embed_w, ids, ctx).detach()  # (and what the generic path's layers are handed)
+    x = x + 0.5 * torch.randn(x.shape, device=device, dtype=dtype, generator=gen)  # (a layer's input scale)
+    cuda = device.type == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def fwd():
+        with torch.no_grad():
+            stages.layer(layer, w, x, ctx)
+
+    def bwd():
+        return stages.layer_backward(layer, w, x, torch.ones_like(x), ctx)[1]
+
+    def timed(fn, reps: int = 3) -> float:
+        fn()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        return (time.perf_counter() - t0) / reps
+
+    if cuda:
+        sync()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    t_f = timed(fwd)
+    t_b = timed(bwd)
+    work = torch.cuda.max_memory_allocated(device) - base if cuda else 0
+    targets = torch.randint(0, cfg.vocab_size, (rows, seq), device=device, generator=gen)
+    tied = embed_w if cfg.tie_word_embeddings else None
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    t_h = timed(lambda: stages.head_loss_backward(x, targets, head_w, tied, 1.0, loss_chunk), 2)
+    if cuda:
+        work = max(work, torch.cuda.max_memory_allocated(device) - base)
+    return t_f, t_b, t_h, work

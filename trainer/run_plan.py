@@ -1,0 +1,192 @@
+"""A training run's plan: the machine's figures, the step's workload, the planner's placement and
+prediction, and how they are told to the user (``tiermem-train``'s start lines, ``tiermem plan``'s report).
+
+    machine = machine_for(scfg, device, probe_file)      # a probe file, a quick probe, or assumed figures
+    plan = make(mcfg, dtype, scfg, shape, machine, device, loss_chunk)   # None when every kind is pinned
+    lines(plan)                                            # what the run prints at start
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tiermem.config import KINDS, StoreConfig
+from tiermem.plan.costmodel import describe_bound
+from tiermem.plan.machine import Machine
+from tiermem.plan.placement import Plan
+from tiermem.plan.planner import compute_bound_at, plan_step, tflops
+from tiermem.sizes import format_size
+from trainer import plan_workload
+from trainer.state import state_specs
+
+
+@dataclass
+class Shape:
+    rows: int  # rows a micro-batch
+    seq: int  # tokens a row (padded)
+    micro_batches: int  # micro-batches a step
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.seq * self.micro_batches
+
+
+def machine_for(scfg: StoreConfig, device: torch.device, probe: str | None = None) -> Machine:
+    """The figures to plan with: ``probe`` (or the config's ``probe``) file; else a quick probe when this
+    machine computes on CUDA; else the H200 machine's, said to be assumed."""
+    path = probe or scfg.probe
+    if path:
+        m = Machine.from_probe(path)
+        if device.type == "cuda":
+            m.gpu_memory = torch.cuda.get_device_properties(device).total_memory
+        return m
+    if device.type == "cuda":
+        return Machine.measure(scfg.tiers.nvme.path if scfg.tiers.nvme else None, device)
+    return Machine.h200("assumed: the H200 machine's figures (no GPU here and no probe file: "
+                        "`tiermem probe --save FILE` on the GPU machine, then --probe FILE)")
+
+
+def make(mcfg, dtype: torch.dtype, scfg: StoreConfig, shape: Shape, machine: Machine, device: torch.device,
+         loss_chunk: int, time_it: bool = True, budgets: dict | None = None, cuda: bool | None = None) -> Plan | None:
+    """The planner's plan for this run, or None when the placement pins every kind (the fixed rule then
+    places; nothing to decide). ``cuda``: plan for a CUDA GPU of ``machine``'s figures (default: whether
+    ``device`` is one)."""
+    specs = state_specs(mcfg, dtype)
+    if all(s.kind in scfg.pins() for s in specs):
+        return None
+    w = plan_workload.build(mcfg, dtype, shape.rows, shape.seq, shape.micro_batches, machine, device, loss_chunk,
+                            time_it=time_it)
+    return plan_step(specs, scfg, w, machine, budgets, cuda=device.type == "cuda" if cuda is None else cuda)
+
+
+def budgets_for(scfg: StoreConfig, machine: Machine) -> dict:
+    """Tier budgets on the machine ``machine`` describes (not this one): the config's, else 90% of its RAM
+    for DRAM and, for NVMe, the disk's free space where the probe recorded it (else this disk's)."""
+    from tiermem.plan.placement import default_budgets
+
+    here = default_budgets(scfg)
+    t = scfg.tiers
+    dram = t.dram.budget if t.dram.budget is not None else int(machine.ram * 0.9)
+    nvme = None
+    if t.nvme is not None:
+        nvme = t.nvme.budget if t.nvme.budget is not None else (machine.disk_free or here["nvme"])
+    return {"gpu": t.gpu.budget, "dram": dram, "nvme": nvme}
+
+
+def _span(groups: list) -> str:
+    ints = sorted(g for g in groups if isinstance(g, int))
+    parts, run = [], []
+    for g in [*ints, None]:
+        if g is not None and run and g == run[-1] + 1:
+            run.append(g)
+            continue
+        if run:
+            parts.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+        run = [g] if g is not None else []
+    names = [str(g) for g in groups if not isinstance(g, int)]
+    return ", ".join(names + (["layers " + ", ".join(parts)] if parts else []))
+
+
+def where_lines(plan: Plan) -> list[str]:
+    """Per tier: the kinds it holds and of which groups."""
+    out = []
+    groups = plan.workload.groups
+    for tier in ("gpu", "dram", "nvme"):
+        by_kind = {}
+        for k in KINDS:
+            gs = [g for g in groups if plan.where.get((g, k)) == tier]
+            if gs:
+                by_kind[k] = gs
+        if not by_kind:
+            continue
+        size = sum(b for key, b in plan.group_bytes.items() if plan.where[key] == tier)
+        # kinds with the same groups together
+        seen: dict = {}
+        for k, gs in by_kind.items():
+            seen.setdefault(tuple(map(str, gs)), ([], gs))[0].append(k)
+        parts = [f"{'+'.join(ks)} of {_span(gs) if len(gs) < len(groups) else 'every group'}"
+                 for ks, gs in seen.values()]
+        out.append(f"{tier} {format_size(size)}: " + "; ".join(parts))
+    return out
+
+
+def budget_lines(plan: Plan) -> list[str]:
+    need = plan.need()
+    out = [f"gpu: state {format_size(need['gpu'])} + activations {format_size(plan.activation_bytes)} of "
+           f"{format_size(plan.hbm_room)} usable HBM"]
+    for t in ("dram", "nvme"):
+        b = plan.budgets.get(t)
+        if need[t] or b:
+            out.append(f"{t}: {format_size(need[t])} of {'no limit' if b is None else format_size(b)}")
+    return out
+
+
+def split_line(plan: Plan) -> str:
+    p = plan.prediction
+    names = {"gpu": "GPU compute", "gpu_adamw": "GPU AdamW", "h2d": "PCIe in", "d2h": "PCIe out",
+             "cpu": "CPU AdamW"}
+    parts = [f"{names[r]} {p.busy[r]:.2f}s" for r in ("gpu", "gpu_adamw", "h2d", "d2h", "cpu") if p.busy[r] > 0]
+    if p.busy["nvme"] > 0:
+        parts.append(f"NVMe {p.busy['nvme']:.2f}s (read {p.nvme_read:.2f} + write {p.nvme_write:.2f})")
+    return ", ".join(parts)
+
+
+def lines(plan: Plan, ga: int | None = None) -> list[str]:
+    """The plan told in a few lines (a run's start, the head of ``tiermem plan``)."""
+    p, w = plan.prediction, plan.workload
+    passes = f"{plan.passes} pass{'es' if plan.passes > 1 else ''} a step"
+    if plan.gpu_updates is None:
+        updates = "updates: as optimizer.gpu_share says (the prediction assumed the planner's split)"
+    else:
+        n = len(plan.gpu_updates)
+        updates = f"updates: GPU {n} groups, CPU {len(w.groups) - n}"
+    out = [f"plan: {'; '.join(where_lines(plan))}", f"plan: {updates}; {passes}",
+           f"plan: predicted step {p.step:.2f}s = {w.tokens / p.step:,.0f} tokens/s, {tflops(w, p.step):.0f} TFLOP/s; "
+           f"bound: {describe_bound(p.bound)} ({split_line(plan)})"]
+    return out
+
+
+def report(plan: Plan, ga: int) -> dict:
+    """Everything ``tiermem plan`` says, as data (its --json), with the advice."""
+    p, w, m = plan.prediction, plan.workload, plan.machine
+    by_kind: dict = {}
+    for (_g, k), b in plan.group_bytes.items():
+        by_kind[k] = by_kind.get(k, 0) + b
+    tiers = {}
+    for t in ("gpu", "dram", "nvme"):
+        tiers[t] = {"need": plan.need()[t], "budget": plan.budgets.get(t),
+                    "kinds": {k: [str(g) for g in w.groups if plan.where.get((g, k)) == t] for k in KINDS
+                              if any(plan.where.get((g, k)) == t for g in w.groups)}}
+    bound_at = compute_bound_at(plan, ga)
+    out = {"state_bytes": by_kind, "tiers": tiers, "activation_bytes": plan.activation_bytes,
+           "hbm_usable": plan.hbm_room, "passes": plan.passes,
+           "gpu_updates": [str(g) for g in w.groups if g in plan.gpu_updates],
+           "prediction": {**p.to_json(), "tokens_per_s": w.tokens / p.step, "tflops": tflops(w, p.step)},
+           "tokens_per_step": w.tokens, "compute": w.timed, "machine": m.to_json(),
+           "compute_bound": None, "advice": advice(plan, ga, bound_at)}
+    if bound_at is not None:
+        k, pr = bound_at
+        out["compute_bound"] = {"gradient_accumulation_steps": k, "step_seconds": pr.step,
+                                "tokens_per_s": w.tokens * k / ga / pr.step}
+    return out
+
+
+def advice(plan: Plan, ga: int, bound_at) -> str | None:
+    """One line when a change would make a step's tokens go through more than 10% faster."""
+    p, w = plan.prediction, plan.workload
+    now = w.tokens / p.step
+    best = None
+    if bound_at is not None and bound_at[0] != ga:
+        k, pr = bound_at
+        rate = w.tokens * k / ga / pr.step
+        if rate > 1.1 * now:
+            best = (rate, f"raise gradient_accumulation_steps to {k}: the step becomes compute-bound, "
+                          f"{rate:,.0f} tokens/s (+{rate / now - 1:.0%})")
+    if p.bound == "nvme" or p.busy["nvme"] > 0.5 * p.step:
+        rate = now * min(2.0, p.step / max(p.busy["gpu"], 1e-9))
+        if rate > 1.1 * now and (best is None or rate > best[0]):
+            best = (rate, "the disk bounds the step: more DRAM (tiers.dram.budget) or a faster disk moves it "
+                          f"toward {rate:,.0f} tokens/s")
+    return best[1] if best else None
