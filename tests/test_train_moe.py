@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from tests.test_train_parity import HP, assert_same_weights, nvme_moments, reference_training, run_cli
 from tests.tiny_models import save_tiny_model, write_tokenized_dataset
 from trainer.model.config import MoeSpec
-from trainer.model.moe import RouterStats, experts, moe_ffn, route
+from trainer.model.moe import RouterStats, experts, grouped_available, moe_ffn, route
 
 transformers = pytest.importorskip("transformers")
 
@@ -56,35 +56,65 @@ def test_moe_training_matches_transformers(tmp_path, family, passes):
 
 
 def _spec(norm: bool) -> MoeSpec:
-    return MoeSpec(5, 2, 6, norm, (0,), "mlp", ("gate_proj", "up_proj", "down_proj"), 0.1)
+    return MoeSpec(5, 2, 8, norm, (0,), "mlp", ("gate_proj", "up_proj", "down_proj"), 0.1)
 
 
+def _expert_weights(spec: MoeSpec, hidden: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    w = {"mlp.gate.weight": torch.randn(spec.num_experts, hidden, generator=g)}
+    for e in range(spec.num_experts):
+        w[f"mlp.experts.{e}.gate_proj.weight"] = torch.randn(8, hidden, generator=g)
+        w[f"mlp.experts.{e}.up_proj.weight"] = torch.randn(8, hidden, generator=g)
+        w[f"mlp.experts.{e}.down_proj.weight"] = torch.randn(hidden, 8, generator=g)
+    return w
+
+
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("norm", [False, True])
-def test_grouped_experts_match_a_per_token_loop(norm):
+def test_grouped_experts_match_a_per_token_loop(norm, grouped, monkeypatch):
+    """Either way of running the experts (torch's grouped matmuls, one matmul chain per expert) computes what
+    a plain loop over the tokens and their top-k experts computes."""
+    monkeypatch.setenv("TIERMEM_MOE_GROUPED", "1" if grouped else "0")
     g = torch.Generator().manual_seed(0)
     spec, n, hidden = _spec(norm), 23, 8
-    h = torch.randn(n, hidden, generator=g, dtype=torch.float64)
-    w = {"mlp.gate.weight": torch.randn(spec.num_experts, hidden, generator=g, dtype=torch.float64)}
-    for e in range(spec.num_experts):
-        w[f"mlp.experts.{e}.gate_proj.weight"] = torch.randn(6, hidden, generator=g, dtype=torch.float64)
-        w[f"mlp.experts.{e}.up_proj.weight"] = torch.randn(6, hidden, generator=g, dtype=torch.float64)
-        w[f"mlp.experts.{e}.down_proj.weight"] = torch.randn(hidden, 6, generator=g, dtype=torch.float64)
+    h = torch.randn(n, hidden, generator=g)
+    w = _expert_weights(spec, hidden, g)
+    assert grouped_available(h, 8) == (grouped and hasattr(torch, "_grouped_mm"))
     got = moe_ffn(w, h.view(1, n, hidden), spec, None).view(n, hidden)
-    want = torch.zeros_like(h)
+    want = torch.zeros(n, hidden, dtype=torch.float64)
     for t in range(n):
-        p = torch.softmax((w["mlp.gate.weight"] @ h[t]).float(), dim=0)  # (routing runs in fp32)
+        p = torch.softmax(w["mlp.gate.weight"] @ h[t], dim=0)
         top = torch.topk(p, spec.top_k)
-        weights = (top.values / top.values.sum() if norm else top.values).double()
-        for wt, e in zip(weights, top.indices.tolist()):
-            x, pre = h[t], f"mlp.experts.{e}."
-            y = w[pre + "down_proj.weight"] @ (torch.nn.functional.silu(w[pre + "gate_proj.weight"] @ x)
-                                               * (w[pre + "up_proj.weight"] @ x))
-            want[t] += wt * y
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+        weights = top.values / top.values.sum() if norm else top.values
+        for wt, e in zip(weights.double(), top.indices.tolist()):
+            x = h[t].double()
+            gate, up, down = (w[f"mlp.experts.{e}.{p}_proj.weight"].double() for p in ("gate", "up", "down"))
+            want[t] += wt * (down @ (torch.nn.functional.silu(gate @ x) * (up @ x)))
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     assert route(h, w["mlp.gate.weight"], 2, norm)[2].unique().numel() > 2  # tokens spread over the experts
-    assert experts(h, torch.ones(n, 1, dtype=h.dtype), torch.zeros(n, 1, dtype=torch.long),
-                   [(w["mlp.experts.0.gate_proj.weight"], w["mlp.experts.0.up_proj.weight"],
-                     w["mlp.experts.0.down_proj.weight"])] * 5).shape == (n, hidden)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
+def test_grouped_and_per_expert_matmuls_agree_with_an_idle_expert():
+    g = torch.Generator().manual_seed(1)
+    spec, n, hidden = _spec(True), 19, 8
+    w = _expert_weights(spec, hidden, g)
+    h = torch.randn(n, hidden, generator=g)
+    _, top_w, top_i = route(h, w["mlp.gate.weight"], 2, True)
+    top_i = torch.where(top_i == 4, 0, top_i)  # expert 4 gets no token: an empty group
+
+    def run(grouped):
+        leaves = {k: t.clone().requires_grad_() for k, t in w.items() if "experts" in k}
+        x = h.clone().requires_grad_()
+        ws = [tuple(leaves[f"mlp.experts.{e}.{p}_proj.weight"] for p in ("gate", "up", "down"))
+              for e in range(spec.num_experts)]
+        y = experts(x, top_w, top_i, ws, grouped=grouped)
+        return [y, *torch.autograd.grad(y, [x, *leaves.values()], torch.ones_like(y), allow_unused=True)]
+
+    for name, a, b in zip(["output", "input", *[k for k in w if "experts" in k]], run(True), run(False)):
+        a = torch.zeros_like(b) if a is None and b is not None else a
+        b = torch.zeros_like(a) if b is None and a is not None else b
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_load_balancing_loss_and_its_gradient_match_transformers():

@@ -3,9 +3,11 @@ load-balancing loss, as plain functions of the weights they are handed.
 
 Routing: the router's logits over the experts, their softmax in fp32, the top-k experts of each token and
 their probabilities (renormalised to sum to one when ``norm_topk_prob``). The experts then run grouped:
-the token-expert assignments are sorted by expert, each expert's SwiGLU runs as one matmul chain over the
-tokens routed to it (a loop over experts, never over tokens), and the weighted results are added back to
-their tokens.
+the token-expert assignments are sorted by expert and each expert's SwiGLU runs over the tokens routed to
+it, as grouped matmuls (``torch._grouped_mm`` over the experts' weights stacked: three kernels a layer, no
+host sync) where torch has them for the dtype and device (CPU; bf16 on CUDA) and the rows are 16-byte
+aligned, else one matmul chain per expert (a loop over experts, never over tokens;
+``TIERMEM_MOE_GROUPED=0`` forces it). The weighted results are added back to their tokens.
 
 The load-balancing loss of a micro-batch (transformers' ``load_balancing_loss_func`` with the attention
 mask) is ``E * sum_e F_e * P_e`` over the E experts, where ``F_e`` is the share of all (layer, token, k)
@@ -18,6 +20,8 @@ for the backward to differentiate along with the layer's output.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -33,23 +37,42 @@ def route(h: torch.Tensor, gate_w: torch.Tensor, top_k: int, norm_topk: bool):
     return logits, top_w.to(h.dtype), top_i
 
 
-def experts(h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, weights: list[tuple]) -> torch.Tensor:
+def grouped_available(h: torch.Tensor, inter: int) -> bool:
+    """Whether ``torch._grouped_mm`` takes experts over tokens ``h`` with intermediate size ``inter``."""
+    if os.environ.get("TIERMEM_MOE_GROUPED", "1") == "0" or not hasattr(torch, "_grouped_mm"):
+        return False
+    if h.dtype not in ((torch.float32, torch.bfloat16) if h.device.type == "cpu" else (torch.bfloat16,)):
+        return False
+    align = 16 // h.element_size()
+    return h.shape[-1] % align == 0 and inter % align == 0
+
+
+def experts(h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, weights: list[tuple],
+            grouped: bool | None = None) -> torch.Tensor:
     """Each token's weighted sum of its top-k experts' SwiGLU outputs: ``h`` [N, H], ``weights`` the
-    experts' (gate [I, H], up [I, H], down [H, I]). Assignments sorted by expert, one matmul chain per
-    expert over its tokens."""
+    experts' (gate [I, H], up [I, H], down [H, I]). Assignments sorted by expert; grouped matmuls over all
+    experts at once (``grouped``; None: where available), else one matmul chain per expert over its tokens."""
     k = top_i.shape[1]
     flat = top_i.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token = order // k  # the token of each assignment, in expert order
-    counts = torch.bincount(flat, minlength=len(weights)).tolist()  # one host sync per layer and micro-batch
+    counts = torch.bincount(flat, minlength=len(weights))
     xs = h[token]
-    outs, start = [], 0
-    for (gate, up, down), n in zip(weights, counts):
-        if n:
-            x = xs[start: start + n]
-            outs.append(F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down))
-        start += n
-    ys = torch.cat(outs) * top_w.reshape(-1)[order].unsqueeze(-1)
+    if grouped if grouped is not None else grouped_available(h, weights[0][0].shape[0]):
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        gate_up = torch.cat([torch.stack([g for g, _, _ in weights]), torch.stack([u for _, u, _ in weights])], 1)
+        down = torch.stack([d for _, _, d in weights])
+        gate, up = torch._grouped_mm(xs, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+        ys = torch._grouped_mm(F.silu(gate) * up, down.transpose(-2, -1), offs=offs)
+    else:
+        outs, start = [], 0
+        for (g, u, d), n in zip(weights, counts.tolist()):  # (one host sync per layer and micro-batch)
+            if n:
+                x = xs[start: start + n]
+                outs.append(F.linear(F.silu(F.linear(x, g)) * F.linear(x, u), d))
+            start += n
+        ys = torch.cat(outs)
+    ys = ys * top_w.reshape(-1)[order].unsqueeze(-1)
     return torch.zeros_like(h).index_add(0, token, ys)
 
 
