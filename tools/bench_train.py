@@ -241,6 +241,13 @@ def main() -> None:
     print(f"{name} ({n_params / 1e9:.2f} B params, {n_active / 1e9:.2f} B active, {raw['num_hidden_layers']} "
           f"layers), bf16, {args.accum}x{args.batch}x{args.seq} = {tokens} tokens/step; TFLOP/s = 6 x active params "
           "x tokens")
+    if moe:
+        from trainer.model.moe import grouped_available
+
+        probe = torch.empty(1, raw["hidden_size"], dtype=torch.bfloat16, device="cuda")
+        print("MoE experts: " + ("grouped matmuls (torch._grouped_mm)" if grouped_available(
+            probe, raw["moe_intermediate_size"]) else "one matmul chain per expert") + " (TIERMEM_MOE_GROUPED=0: "
+              "per expert)")
     print(f"{'':10} {'s/step':>8} {'tok/s':>9} {'TFLOP/s':>8} {'peak HBM':>9}  split")
     for k in runs:
         r = res[k]
