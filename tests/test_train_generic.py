@@ -38,6 +38,13 @@ def test_generic_training_matches_transformers(tmp_path, family, passes):
     assert [r["loss"] for r in log] == pytest.approx(losses, rel=1e-5)
     args = (out / "training_args.yaml").read_text()
     assert "tiermem_model_path: auto" in args
+    if family == "gemma2":  # the export loads in transformers and computes the reference weights' logits
+        got = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        want = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        want.load_state_dict(ref, strict=False)  # (the tied head follows the embedding)
+        ids = torch.randint(1, 96, (2, 13), generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            torch.testing.assert_close(got(ids).logits, want(ids).logits, rtol=1e-4, atol=1e-4)
 
 
 def test_a_template_family_through_the_generic_path_ends_where_the_template_does(tmp_path):
