@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -161,6 +162,7 @@ def run_tiermem(args, raw: dict, model_dir: Path, path: str = "template") -> dic
     times = [starts[i + 1] - starts[i] for i in range(args.warmup, total)]
     splits = results[args.warmup:]
     peak = torch.cuda.max_memory_allocated() if cuda else 0
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
     stats = store.stats()
     ex.close()
     opt.close()
@@ -177,7 +179,8 @@ def run_tiermem(args, raw: dict, model_dir: Path, path: str = "template") -> dic
             "store_open_s": t_open, "init_s": t_init, "links": stats.get("links"), "passes": ex.last_passes,
             "losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
             "gradient_partials_wait_s": stats.get("waits_s", {}).get("gradient_partials", 0.0) / total,
-            "plan_s": t_plan, "predicted_s": plan.prediction.step if plan is not None else None,
+            "plan_s": t_plan, "alloc_retries": retries,
+            "predicted_s": plan.prediction.step if plan is not None else None,
             "predicted": plan.prediction.to_json() if plan is not None else None}
 
 
@@ -203,7 +206,10 @@ def main() -> None:
                     help="tiermem: run each step as this many layer-major passes (partial gradients in DRAM between)")
     ap.add_argument("--only", choices=["plain", "tiermem"])
     ap.add_argument("--json")
+    ap.add_argument("--alloc-conf", default="expandable_segments:True",
+                    help="PYTORCH_CUDA_ALLOC_CONF for both runs (tiermem-train's default; '' for PyTorch's)")
     args = ap.parse_args()
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = args.alloc_conf
     if not torch.cuda.is_available():
         raise SystemExit("bench_train needs a CUDA GPU")
     moe = args.shape == "qwen3-moe"
@@ -264,7 +270,9 @@ def main() -> None:
               f"(template {res['tiermem']['step_s']:.3f} s, generic {res['generic']['step_s']:.3f} s)")
     if "tiermem" in res:
         t = res["tiermem"]
-        print(f"tiermem: {t['passes']} pass(es) a step; trainer thread blocked on partial gradients "
+        print(f"tiermem: allocator retries {t['alloc_retries']} (PYTORCH_CUDA_ALLOC_CONF="
+              f"{os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')}); {t['passes']} pass(es) a step; "
+              f"trainer thread blocked on partial gradients "
               f"{t['gradient_partials_wait_s']:.3f} s/step (the GPU computes its queue meanwhile); step times "
               f"{' '.join(f'{x:.2f}' for x in t['times'])}; losses {' '.join(f'{x:.4f}' for x in t['losses'])}; "
               f"grad norms {' '.join(f'{x:.4f}' for x in t['grad_norms'])}")

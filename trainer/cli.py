@@ -7,6 +7,7 @@ exits with code 2; nothing is written to output_dir.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from tiermem.errors import UserError
@@ -20,7 +21,13 @@ def _user_error(e: BaseException) -> UserError | None:
     return None
 
 
+# PyTorch's caching allocator with expandable segments: a step's activations come and go beside a GPU tier
+# that fills most of HBM, and fixed-size segments fragment it (set the variable yourself to choose otherwise)
+ALLOC_CONF = "expandable_segments:True"
+
+
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)  # (read at the first CUDA allocation)
     parser = argparse.ArgumentParser(prog="tiermem-train", description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="training YAML (LLaMA-Factory keys)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. learning_rate=2e-5")

@@ -221,7 +221,8 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
         def live() -> dict:
             opt = {"last_update_s": optimizer.last_step_seconds, "split": optimizer.last_split,
                    "gpu_share": optimizer.gpu_share, "cpu_groups": store.cfg.optimizer.cpu_groups}
-            return dict(report.live, phase=executor.phase, layer=executor.layer, optimizer=opt,
+            retries = torch.cuda.memory_stats(store.gpu.device).get("num_alloc_retries", 0) if store.gpu.is_cuda else 0
+            return dict(report.live, phase=executor.phase, layer=executor.layer, optimizer=opt, alloc_retries=retries,
                         tflops=6 * active * report.live.get("tokens_per_s", 0.0) / 1e12,
                         plan=watch.live() if watch is not None else None)
 
@@ -295,7 +296,9 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
             plot_loss(out, report.losses)
             if report.eval_losses:
                 plot_loss(out, report.eval_losses, "eval_loss")
-        (out / "store_stats.json").write_text(json.dumps(store.stats(), indent=1, default=str) + "\n")
+        final = dict(store.stats(), alloc_retries=torch.cuda.memory_stats(store.gpu.device).get("num_alloc_retries", 0)
+                     if store.gpu.is_cuda else 0)
+        (out / "store_stats.json").write_text(json.dumps(final, indent=1, default=str) + "\n")
         stats.close()
         stats = None
         session.finished()

@@ -74,10 +74,13 @@ def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, mach
             timed = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    embed_bwd = 0.0
     if timed is not None:
-        f_mb, b_mb, h_mb, work = timed
-        fwd_l, bwd_l, head = f_mb * micro_batches, b_mb * micro_batches, h_mb * micro_batches
-        how = f"timed on {device.type}: one layer and the loss at {rows}x{seq} tokens"
+        f_mb, b_mb, h_mb, g_step, e_step, work = timed
+        fwd_l, bwd_l, head = f_mb * micro_batches, b_mb * micro_batches + g_step, h_mb * micro_batches
+        embed_bwd = e_step
+        how = (f"timed on {device.type}: one layer, its gradient's handling, the loss and the embedding's "
+               f"gradient at {rows}x{seq} tokens")
     else:
         rate = machine.gpu_tflops
         f = layer_flops(cfg, seq) * tokens / rate
@@ -91,14 +94,16 @@ def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, mach
     fwd = {i: fwd_l for i in range(cfg.num_layers)}
     bwd = {i: bwd_l for i in range(cfg.num_layers)}
     fwd["head"], bwd["head"] = head / 3, 2 * head / 3
-    fwd["embed"], bwd["embed"] = 0.0, 0.0
+    fwd["embed"], bwd["embed"] = 0.0, embed_bwd
     return Workload(list(range(cfg.num_layers)), "embed", "head", fwd, bwd, tokens, micro_batches, boundary,
                     int(work + grads), 6.0 * cfg.num_params(active=True), cfg.tie_word_embeddings, how)
 
 
 def _time(cfg, dtype: torch.dtype, rows: int, seq: int, device: torch.device, loss_chunk: int):
-    """Seconds of one micro-batch's layer forward, layer backward with recompute, and loss with its
-    backward, and the bytes of GPU memory they need beyond their inputs."""
+    """Seconds of one micro-batch's layer forward, layer backward with recompute (its gradient cast to fp32
+    and added up), and loss with its backward; of a layer's gradient handled once a step (its squared norm,
+    its copy home) and of the embedding's gradient; and the bytes of GPU memory they need beyond their
+    inputs. As the executor runs them (trainer.executor), through the model's stages (the heaviest layer)."""
     gen = torch.Generator(device=device).manual_seed(0)
     stages = model_stages(cfg, dtype, device)
     layer = heaviest_layer(cfg)
@@ -122,8 +127,17 @@ def _time(cfg, dtype: torch.dtype, rows: int, seq: int, device: torch.device, lo
         with torch.no_grad():
             stages.layer(layer, w, x, ctx)
 
+    acc = {k: torch.zeros(t.shape, dtype=torch.float32, device=device) for k, t in w.items()}
+    home = {k: torch.empty_like(a) for k, a in acc.items()}
+
     def bwd():
-        return stages.layer_backward(layer, w, x, torch.ones_like(x), ctx)[1]
+        for a, g in zip(acc.values(), stages.layer_backward(layer, w, x, torch.ones_like(x), ctx)[1]):
+            a.add_(g)
+
+    def grad_step():
+        sum(a.pow(2).sum() for a in acc.values())
+        for k, a in acc.items():
+            home[k].copy_(a)
 
     def timed(fn, reps: int = 3) -> float:
         fn()
@@ -140,7 +154,14 @@ def _time(cfg, dtype: torch.dtype, rows: int, seq: int, device: torch.device, lo
         base = torch.cuda.memory_allocated(device)
     t_f = timed(fwd)
     t_b = timed(bwd)
+    t_g = timed(grad_step)
     work = torch.cuda.max_memory_allocated(device) - base if cuda else 0
+    gy = torch.randn(x.shape, device=device, dtype=dtype, generator=gen)
+
+    def embed_grad():
+        sum(g.pow(2).sum() for g in stages.embed_grads(embed_w, [ids], [gy], [ctx], None).values())
+
+    t_e = timed(embed_grad, 2)
     targets = torch.randint(0, cfg.vocab_size, (rows, seq), device=device, generator=gen)
     tied = embed_w if cfg.tie_word_embeddings else None
     if cuda:
@@ -149,4 +170,4 @@ def _time(cfg, dtype: torch.dtype, rows: int, seq: int, device: torch.device, lo
     t_h = timed(lambda: stages.head_loss_backward(x, targets, head_w, tied, 1.0, loss_chunk), 2)
     if cuda:
         work = max(work, torch.cuda.max_memory_allocated(device) - base)
-    return t_f, t_b, t_h, work
+    return t_f, t_b, t_h, t_g, t_e, work

@@ -24,8 +24,11 @@ def fused_adamw(ps, gs, ms, vs, step: int, lr: float, beta1: float, beta2: float
     """torch's fused AdamW over lists of same-device tensors, in place (gradients unscaled in place too)."""
     if not ps:
         return
-    steps = [torch.tensor(float(step), device=device) for _ in ps]
-    scale = None if grad_scale is None else torch.tensor(grad_scale, dtype=torch.float32, device=device)
+    # made on the device (a fill, not a copy from pageable memory, which would make the host wait for the
+    # stream); the kernel only reads the step, so every tensor shares one
+    step_t = torch.full((), float(step), dtype=torch.float32, device=device)
+    steps = [step_t] * len(ps)
+    scale = None if grad_scale is None else torch.full((), grad_scale, dtype=torch.float32, device=device)
     torch._fused_adamw_(ps, gs, ms, vs, [], steps, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
                         eps=eps, amsgrad=False, maximize=False, grad_scale=scale, found_inf=None)
 

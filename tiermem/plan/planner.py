@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+import psutil
+
 from tiermem.config import StoreConfig
 from tiermem.errors import BudgetError
 from tiermem.plan.costmodel import Layout, Prediction, predict
@@ -46,7 +48,7 @@ def sizes(specs: list[TensorSpec]) -> tuple[dict, dict]:
 def hbm_room(machine: Machine, budgets: dict, cuda: bool) -> int:
     """HBM the state, the slots and the activations may take together."""
     if not cuda:  # the CPU stand-in: its "GPU" budget is a share of host memory
-        return int(budgets.get("gpu") or 0)
+        return int(budgets["gpu"]) if budgets.get("gpu") is not None else psutil.virtual_memory().available // 4
     total = int(machine.gpu_memory * (1 - HBM_RESERVE)) - (1 << 30)
     return total if budgets.get("gpu") is None else min(total, int(budgets["gpu"]))
 
@@ -65,7 +67,9 @@ def pass_counts(micro_batches: int) -> list[int]:
 def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine,
               budgets: dict | None = None, cuda: bool = True, fixed_passes: int | None = None) -> Plan:
     """The fastest predicted placement of ``specs`` for steps of ``w`` on machine ``m`` (see the module)."""
-    budgets = default_budgets(cfg) if budgets is None else dict(budgets)
+    if budgets is None:  # (the GPU's: tiers.gpu.budget or, unset, all of its HBM, activations included)
+        budgets = {**default_budgets(cfg), "gpu": cfg.tiers.gpu.budget}
+    budgets = dict(budgets)
     group_bytes, params = sizes(specs)
     pins = cfg.pins()
     room = hbm_room(m, budgets, cuda)

@@ -142,18 +142,23 @@ class StateReader:
         self._cache: dict[str, tuple[int, np.ndarray]] = {}
         self._ahead: dict[str, tuple[int, cf.Future]] = {}
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="tiermem-ckpt-read")
+        self._check = cf.ThreadPoolExecutor(1, thread_name_prefix="tiermem-ckpt-crc")
 
-    def _read_shard(self, kind: str, s0: int) -> np.ndarray:
+    def _read_shard(self, kind: str, s0: int) -> tuple[np.ndarray, cf.Future]:
+        """A shard's data, and a future of its checksum's check (taken on another thread: the next shard's
+        read overlaps it)."""
         arr = self._group[kind]
         shard = arr.shards[0] if arr.shards else arr.chunks[0]
         try:
             data = arr[s0: min(s0 + shard, arr.shape[0])]
         except Exception as e:  # noqa: BLE001 - a truncated, missing or garbled shard
             raise StorageError(f"{self.path / kind}: cannot read shard at {s0} ({str(e)[:160]})") from None
+        return data, self._check.submit(self._verify, kind, s0 // shard, data)
+
+    def _verify(self, kind: str, n: int, data: np.ndarray) -> None:
         crcs = self.crcs.get(kind)
-        if crcs is not None and (s0 // shard >= len(crcs) or crc32c_of(data) != crcs[s0 // shard]):
-            raise StorageError(f"{self.path / kind}: shard {s0 // shard} does not match its checksum")
-        return data
+        if crcs is not None and (n >= len(crcs) or crc32c_of(data) != crcs[n]):
+            raise StorageError(f"{self.path / kind}: shard {n} does not match its checksum")
 
     def get(self, kind: str, name: str) -> np.ndarray:
         """One tensor. Reading a kind's tensors in order reads each shard once, the next one ahead."""
@@ -168,10 +173,11 @@ class StateReader:
             cached = self._cache.get(kind)
             if cached is None or cached[0] != s0:
                 ahead = self._ahead.pop(kind, None)
-                data = ahead[1].result() if ahead is not None and ahead[0] == s0 else self._read_shard(kind, s0)
-                cached = self._cache[kind] = (s0, data)
+                data, check = ahead[1].result() if ahead is not None and ahead[0] == s0 else self._read_shard(kind, s0)
                 if s0 + shard < arr.shape[0]:
                     self._ahead[kind] = (s0 + shard, self._pool.submit(self._read_shard, kind, s0 + shard))
+                check.result()  # refused before use
+                cached = self._cache[kind] = (s0, data)
             take = min(n - i, s0 + cached[1].size - (off + i))
             start = off + i - s0
             out[i: i + take] = cached[1][start: start + take]
@@ -180,6 +186,7 @@ class StateReader:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._check.shutdown(wait=True, cancel_futures=True)
         self._cache.clear()
         self._ahead.clear()
 
