@@ -291,7 +291,7 @@ def test_state_lost_with_the_arena_names_the_newest_checkpoint(env, overwrite):
     svc = env.service(env={"TIERMEM_TEST_KILL_AT": "update:5:0"})
     # the service dies while the trainer still writes checkpoint-4 (read out of the store before
     # update 5 could start): the trainer finishes writing it before it stops
-    lost = env.train("run", save_steps=2, extra_env={"TIERMEM_TEST_SLOW_SAVE": "0.1"})
+    lost = env.train("run", save_steps=2, extra_env={"TIERMEM_TEST_SLOW_SAVE": "0.4"})  # (outlasts a step under load)
     assert svc.proc.wait(timeout=60) == -signal.SIGKILL and lost.returncode == 1
     assert "saved checkpoint-4 before stopping" in lost.stdout, lost.stdout + lost.stderr
     for arena in (env.tmp / "shm").glob("*.arena"):  # what a reboot does to a tmpfs

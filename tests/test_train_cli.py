@@ -83,12 +83,24 @@ def test_missing_model_directory(good, capsys):
     _expect_error(capsys, tmp, run(dict(cfg, model_name_or_path=str(tmp / "nope"))), "is not a directory")
 
 
-def test_unsupported_architecture_lists_the_supported(good, capsys):
+@pytest.mark.parametrize("arch,why", [("T5ForConditionalGeneration", "not one of transformers' causal language models"),
+                                      ("NoSuchForCausalLM", "has no class NoSuchForCausalLM")])
+def test_unsupported_architecture_says_what_is_missing(good, capsys, arch, why):
+    """An architecture neither the template nor the generic path takes: one line naming what is missing and
+    listing the template's own."""
     cfg, run, tmp = good
     conf = Path(cfg["model_name_or_path"]) / "config.json"
     raw = json.loads(conf.read_text())
-    conf.write_text(json.dumps(dict(raw, architectures=["GPT2LMHeadModel"])))
-    _expect_error(capsys, tmp, run(cfg), "GPT2LMHeadModel is not supported", "LlamaForCausalLM", "Qwen3ForCausalLM")
+    conf.write_text(json.dumps(dict(raw, architectures=[arch])))
+    _expect_error(capsys, tmp, run(cfg), f"{arch} is not supported", why, "LlamaForCausalLM", "MixtralForCausalLM")
+
+
+def test_a_generic_model_with_dropout_is_refused(good, capsys):
+    cfg, run, tmp = good
+    conf = Path(cfg["model_name_or_path"]) / "config.json"
+    raw = {k: v for k, v in json.loads(conf.read_text()).items() if not k.startswith("rope")}
+    conf.write_text(json.dumps(dict(raw, architectures=["Phi3ForCausalLM"], model_type="phi3", resid_pdrop=0.1)))
+    _expect_error(capsys, tmp, run(cfg), "resid_pdrop 0.1 is not supported", "set it to 0")
 
 
 def test_malformed_yaml(good, capsys):

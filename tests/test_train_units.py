@@ -46,10 +46,11 @@ def test_step_plan_covers_each_epoch_once_in_a_seeded_order():
 
 
 def test_collate_pads_right_and_masks_padding():
-    ids, labels, n = collate([[5, 6, 7], [8]], [None, [-100]], pad_id=0)
+    ids, labels, n, mask = collate([[5, 6, 7], [8]], [None, [-100]], pad_id=0)
     assert ids.tolist() == [[5, 6, 7], [8, 0, 0]]
     assert labels.tolist() == [[5, 6, 7], [-100, -100, -100]]
     assert n == 4
+    assert mask.tolist() == [[True, True, True], [True, False, False]]
 
 
 def test_stage_pt_packs_texts_with_eos_into_blocks(tmp_path):

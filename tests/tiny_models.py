@@ -27,6 +27,24 @@ def hf_config(family: str, **extra):
         return T.Qwen2Config(**{**COMMON, **extra})
     if family == "qwen3":
         return T.Qwen3Config(**{**COMMON, "head_dim": 12, "tie_word_embeddings": True, **extra})
+    if family == "qwen3_moe":  # layer 1 dense (mlp_only_layers), renormalised top-2 of 4 experts
+        return T.Qwen3MoeConfig(**{**COMMON, "head_dim": 12, "num_experts": 4, "num_experts_per_tok": 2,
+                                   "moe_intermediate_size": 24, "norm_topk_prob": True, "mlp_only_layers": [1],
+                                   "output_router_logits": True, "router_aux_loss_coef": 0.05, **extra})
+    if family == "gemma2":  # (generic path) alternating sliding-window layers shorter than the rows, soft-capping
+        return T.Gemma2Config(**{**COMMON, "head_dim": 8, "sliding_window": 6, "query_pre_attn_scalar": 8,
+                                 "final_logit_softcapping": 5.0, "attn_logit_softcapping": 20.0, **extra})
+    if family == "phi3":  # (generic path) fused qkv and gate-up projections
+        return T.Phi3Config(**{**COMMON, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **extra})
+    if family == "gemma3":  # (generic path)
+        return T.Gemma3TextConfig(**{**COMMON, "head_dim": 8, "sliding_window": 6, "query_pre_attn_scalar": 8, **extra})
+    if family == "gpt2":  # (generic path) learned positions, LayerNorm with biases, Conv1D, tied head
+        return T.GPT2Config(**{"vocab_size": 96, "n_embd": 32, "n_layer": 3, "n_head": 4, "n_positions": 128,
+                               "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, **extra})
+    if family == "mixtral":
+        return T.MixtralConfig(**{**COMMON, "intermediate_size": 24, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                  "sliding_window": None, "output_router_logits": True, "router_aux_loss_coef": 0.05,
+                                  **extra})
     raise ValueError(family)
 
 

@@ -1,7 +1,8 @@
 """Benchmark: streamed training (tiermem, placed by the planner) against plain PyTorch on the GPU.
 
-    python tools/bench_train.py [--shape 3b] [--batch 4] [--accum 1] [--seq 4096] [--steps 5] [--layers N]
-                                [--placement auto|dram] [--probe FILE] [--passes N] [--json FILE]
+    python tools/bench_train.py [--shape 3b|8b|qwen3-moe] [--batch 4] [--accum 1] [--seq 4096] [--steps 5]
+                                [--layers N] [--placement auto|dram] [--probe FILE] [--nvme DIR] [--passes N]
+                                [--path template|generic|both] [--json FILE]
 
 Both train a random-init Llama shape (3b: hidden 3072, 28 layers, intermediate 8192, 24 heads, 8 KV heads,
 vocab 128256, untied: 3.6 B params; 8b: Llama-3.1-8B's) in bf16 on random tokens, in the same process:
@@ -16,6 +17,20 @@ vocab 128256, untied: 3.6 B params; 8b: Llama-3.1-8B's) in bf16 on random tokens
 Prints step time, tokens/s, TFLOP/s (6 N tokens), peak HBM and tiermem's step split (compute / GPU
 waiting on transfers / GPU waiting on the optimizer), and the ratio tiermem / plain. The first
 ``--warmup`` steps of each are not timed.
+
+``--path generic`` runs tiermem's generic model path (transformers' own modules over the streamed weights)
+instead of the hand-written template; ``--path both`` runs the template and then the generic path (no plain
+run) and prints the ratio of their step times:
+
+    python tools/bench_train.py --shape 3b --batch 4 --accum 4 --path both
+
+``--shape qwen3-moe`` trains Qwen3-30B-A3B's dimensions (hidden 2048, 32 heads, 4 KV heads, head_dim 128,
+128 experts of intermediate 768, top-8 renormalised, vocab 151936, the load-balancing loss on) with 24
+layers unless ``--layers`` says otherwise, through tiermem alone (plain PyTorch cannot hold its fp32
+training state in HBM); TFLOP/s counts the active parameters (6 N_active tokens). Its state (18 B/param,
+261 GiB at 24 layers) outgrows the DRAM arena: give the NVMe tier a directory (``--nvme DIR``):
+
+    python tools/bench_train.py --shape qwen3-moe --batch 4 --accum 4 --nvme /path/on/nvme
 """
 
 from __future__ import annotations
@@ -37,8 +52,16 @@ SHAPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
          "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                           "original_max_position_embeddings": 8192},
          "tie_word_embeddings": False, "hidden_act": "silu", "initializer_range": 0.02}
+QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+             "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+             "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 24,
+             "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+             "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+             "tie_word_embeddings": False, "hidden_act": "silu", "initializer_range": 0.02,
+             "output_router_logits": True, "router_aux_loss_coef": 0.001}  # (the published model has 48 layers)
 SHAPES = {"3b": SHAPE,
-          "8b": dict(SHAPE, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32)}
+          "8b": dict(SHAPE, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32),
+          "qwen3-moe": QWEN3_MOE}
 
 
 def batches(args, vocab: int, step: int):
@@ -46,7 +69,8 @@ def batches(args, vocab: int, step: int):
     out = []
     for _ in range(args.accum):
         ids = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
-        out.append((ids.pin_memory(), ids.clone().pin_memory(), ids.numel()))
+        pin = (lambda t: t.pin_memory()) if torch.cuda.is_available() else (lambda t: t)  # (CPU: a smoke run)
+        out.append((pin(ids), pin(ids.clone()), ids.numel()))
     return out
 
 
@@ -83,34 +107,38 @@ def run_plain(args, raw: dict) -> dict:
     return {"step_s": statistics.median(times), "times": times, "peak_hbm_gib": peak / 2**30}
 
 
-def run_tiermem(args, raw: dict, model_dir: Path) -> dict:
+def run_tiermem(args, raw: dict, model_dir: Path, path: str = "template") -> dict:
     from tiermem.optim import AdamWConfig, StoreAdamW
     from tiermem.store.store import Store
     from trainer import run_plan
     from trainer.executor import Executor
-    from trainer.model.config import load_model_config
+    from trainer.model.select import load_model
     from trainer.model.weights import all_weights, group_order
     from trainer.state import state_specs, store_config
     from trainer.weights_io import init_weights
 
-    mcfg = load_model_config(model_dir)
+    mcfg = load_model(model_dir, path)
     data = {"tiers": {"gpu": {"slots": args.slots}}, "optimizer": {"gpu_share": args.gpu_share}}
+    if args.nvme:
+        data["tiers"]["nvme"] = {"path": args.nvme}
     if args.placement == "dram":
         data["placement"] = {k: "dram" for k in ("param", "grad", "master", "exp_avg", "exp_avg_sq")}
     scfg = store_config(data)
     plan, t_plan = None, 0.0
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")  # (a CPU: a smoke run of the code path)
     if args.placement == "auto":
         t0 = time.perf_counter()
-        machine = run_plan.machine_for(scfg, torch.device("cuda"), args.probe)
+        machine = run_plan.machine_for(scfg, dev, args.probe)
         plan = run_plan.make(mcfg, torch.bfloat16, scfg, run_plan.Shape(args.batch, args.seq, args.accum), machine,
-                             torch.device("cuda"), args.loss_chunk)
+                             dev, args.loss_chunk)
         t_plan = time.perf_counter() - t0
         for line in run_plan.lines(plan):
             print(line, flush=True)
     t0 = time.perf_counter()
     store = Store.open(scfg, state_specs(mcfg, torch.bfloat16), streamed_kinds=("param",), plan=plan)
     t_open = time.perf_counter() - t0
-    init_weights(store, mcfg, {"param": torch.bfloat16, "master": torch.float32}, 0, torch.device("cuda"))
+    init_weights(store, mcfg, {"param": torch.bfloat16, "master": torch.float32}, 0, store.gpu.device)
     t_init = time.perf_counter() - t0 - t_open
     on_gpu = plan.gpu_updates if plan is not None and args.gpu_share == "auto" else None
     opt = StoreAdamW(store, group_order(mcfg), {w.name: w.decay for w in all_weights(mcfg)}, AdamWConfig(),
@@ -120,7 +148,8 @@ def run_tiermem(args, raw: dict, model_dir: Path) -> dict:
         per_mb = (mcfg.num_layers + 1) * mcfg.hidden_size * 2 * args.batch * args.seq
         budget = per_mb * -(-args.accum // args.passes)
     ex = Executor(store, mcfg, torch.bfloat16, opt, 1.0, args.loss_chunk, budget)
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     starts, results, opt_s = [], [], []
     total = args.warmup + args.steps
     for step in range(total):
@@ -132,8 +161,8 @@ def run_tiermem(args, raw: dict, model_dir: Path) -> dict:
     starts.append(time.perf_counter())
     times = [starts[i + 1] - starts[i] for i in range(args.warmup, total)]
     splits = results[args.warmup:]
-    peak = torch.cuda.max_memory_allocated()
-    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    peak = torch.cuda.max_memory_allocated() if cuda else 0
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
     stats = store.stats()
     ex.close()
     opt.close()
@@ -167,6 +196,9 @@ def main() -> None:
     ap.add_argument("--placement", choices=["auto", "dram"], default="auto",
                     help="tiermem: the planner's placement (auto, as tiermem-train) or every kind in DRAM")
     ap.add_argument("--probe", help="a `tiermem probe --save` file for the planner (default: a quick probe)")
+    ap.add_argument("--nvme", help="a directory for the NVMe tier's file (the planner may then spill state there)")
+    ap.add_argument("--path", choices=["template", "generic", "both"], default="template",
+                    help="tiermem's model path: the hand-written template, the generic one, or both (no plain run)")
     ap.add_argument("--slots", type=int, default=3)
     ap.add_argument("--loss-chunk", type=int, default=4096)
     ap.add_argument("--gpu-share", default="auto", help="tiermem optimizer.gpu_share (auto, or 0..1)")
@@ -180,6 +212,10 @@ def main() -> None:
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = args.alloc_conf
     if not torch.cuda.is_available():
         raise SystemExit("bench_train needs a CUDA GPU")
+    moe = args.shape == "qwen3-moe"
+    if moe and (args.only == "plain" or args.path != "template"):
+        raise SystemExit("--shape qwen3-moe runs tiermem's template alone (--only tiermem, --path template): plain "
+                         "PyTorch cannot hold its fp32 training state in HBM")
     raw = dict(SHAPES[args.shape])
     if args.layers:
         raw["num_hidden_layers"] = args.layers
@@ -187,35 +223,51 @@ def main() -> None:
     (d / "config.json").write_text(json.dumps(raw))
     from trainer.model.config import model_config_from_dict
 
-    n_params = model_config_from_dict(raw).num_params()
+    mcfg = model_config_from_dict(raw)
+    n_params, n_active = mcfg.num_params(), mcfg.num_params(active=True)
     tokens = args.batch * args.accum * args.seq
-    res = {"tokens_per_step": tokens, "params": n_params}
-    if args.only != "tiermem":
-        res["plain"] = run_plain(args, raw)
-    if args.only != "plain":
-        res["tiermem"] = run_tiermem(args, raw, d)
-    for k in ("plain", "tiermem"):
-        if k in res:
-            r = res[k]
-            r["tokens_per_s"] = tokens / r["step_s"]
-            r["tflops"] = 6 * n_params * tokens / r["step_s"] / 1e12
+    res = {"tokens_per_step": tokens, "params": n_params, "active_params": n_active}
+    runs = (["tiermem", "generic"] if args.path == "both" else
+            [*(["plain"] if args.only != "tiermem" and not moe else []),
+             *(["tiermem"] if args.only != "plain" else [])])
+    for k in runs:
+        if k == "plain":
+            res[k] = run_plain(args, raw)
+        else:
+            path = "generic" if k == "generic" or args.path == "generic" else "template"
+            res[k] = run_tiermem(args, raw, d, path)
+            res[k]["path"] = path
+    for k in runs:
+        r = res[k]
+        r["tokens_per_s"] = tokens / r["step_s"]
+        r["tflops"] = 6 * n_active * tokens / r["step_s"] / 1e12
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1, default=str))
-    print(f"Llama-{args.shape.upper()} shape ({n_params / 1e9:.2f} B params, {raw['num_hidden_layers']} layers), bf16, "
-          f"{args.accum}x{args.batch}x{args.seq} = {tokens} tokens/step")
+    name = "Qwen3-30B-A3B dims" if moe else f"Llama-{args.shape.upper()} shape"
+    print(f"{name} ({n_params / 1e9:.2f} B params, {n_active / 1e9:.2f} B active, {raw['num_hidden_layers']} "
+          f"layers), bf16, {args.accum}x{args.batch}x{args.seq} = {tokens} tokens/step; TFLOP/s = 6 x active params "
+          "x tokens")
+    if moe:
+        from trainer.model.moe import grouped_available
+
+        probe = torch.empty(1, raw["hidden_size"], dtype=torch.bfloat16, device="cuda")
+        print("MoE experts: " + ("grouped matmuls (torch._grouped_mm)" if grouped_available(
+            probe, raw["moe_intermediate_size"]) else "one matmul chain per expert") + " (TIERMEM_MOE_GROUPED=0: "
+              "per expert)")
     print(f"{'':10} {'s/step':>8} {'tok/s':>9} {'TFLOP/s':>8} {'peak HBM':>9}  split")
-    for k in ("plain", "tiermem"):
-        if k not in res:
-            continue
+    for k in runs:
         r = res[k]
         split = ""
-        if k == "tiermem":
+        if k != "plain":
             split = (f"compute {r['compute_s']:.3f} + wait transfer {r['wait_transfer_s']:.3f} + wait optimizer "
                      f"{r['wait_optimizer_s']:.3f} (optimizer busy {r['optimizer_busy_s']:.3f} s: "
                      + ", ".join(f"{a} {b:.3f}" for a, b in r["optimizer_split"].items())
                      + f"; {r['optimizer_threads']} threads, gpu_share {r['gpu_share']})")
         print(f"{k:10} {r['step_s']:8.3f} {r['tokens_per_s']:9.0f} {r['tflops']:8.1f} "
               f"{r['peak_hbm_gib']:8.1f}G  {split}")
+    if args.path == "both":
+        print(f"ratio generic/template step time: {res['generic']['step_s'] / res['tiermem']['step_s']:.3f} "
+              f"(template {res['tiermem']['step_s']:.3f} s, generic {res['generic']['step_s']:.3f} s)")
     if "tiermem" in res:
         t = res["tiermem"]
         print(f"tiermem: allocator retries {t['alloc_retries']} (PYTORCH_CUDA_ALLOC_CONF="

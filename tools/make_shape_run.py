@@ -6,7 +6,10 @@ starts from `tiermem_init: random`), a dataset of random token rows, and the tra
     tiermem-train /tmp/run8b/train.yaml          # or: tiermem plan /tmp/run8b/train.yaml
 
 Shapes: 3b and 8b (Llama 3.2-3B-like untied, Llama-3.1-8B), 14b (Qwen2.5-14B: hidden 5120, 48 layers,
-intermediate 13824, 40 heads, 8 KV heads, vocab 152064, untied). Rows are `--seq` tokens each (4096); a
+intermediate 13824, 40 heads, 8 KV heads, vocab 152064, untied), qwen3-30b-a3b (Qwen3-30B-A3B: hidden 2048,
+48 layers of 128 experts of intermediate 768, top-8 renormalised, 32 heads, 4 KV heads, head_dim 128, vocab
+151936, the router's load-balancing loss on; 30.5 B params, 3.4 B active) and qwen3-moe-24l (the same with 24
+layers: 15.6 B params). Rows are `--seq` tokens each (4096); a
 step takes `--accum` micro-batches of `--batch` rows.
 """
 
@@ -28,7 +31,14 @@ SHAPES = {
     "14b": dict(LLAMA, architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=5120,
                 intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40, vocab_size=152064,
                 rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "qwen3-30b-a3b": dict(LLAMA, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                          intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                          max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                          output_router_logits=True, router_aux_loss_coef=0.001),
 }
+SHAPES["qwen3-moe-24l"] = dict(SHAPES["qwen3-30b-a3b"], num_hidden_layers=24)
 
 
 def main() -> None:

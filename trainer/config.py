@@ -88,6 +88,12 @@ class TrainConfig:
     tiermem_skip_bad_rows: bool = False  # skip rows that do not fit their dataset's format (counted), not stop
     tiermem_cache_dir: str | None = None  # tokenized-dataset cache; default $TIERMEM_CACHE or ~/.cache/tiermem
     loss_chunk_tokens: int = 4096  # tokens per chunk of the LM-head loss (bounds the logits' memory)
+    # the router's load-balancing loss of a mixture-of-experts model (LLaMA-Factory's key): a weight > 0 turns it
+    # on with that weight, 0 off; unset: as config.json says (output_router_logits, router_aux_loss_coef)
+    moe_aux_loss_coef: float | None = None
+    # which code computes the model: auto (the template where it covers the architecture, else the generic
+    # path through transformers' own modules), template, or generic
+    tiermem_model_path: Literal["auto", "template", "generic"] = "auto"
     # GPU memory a pass may fill with boundary activations; a step whose micro-batches need more runs as
     # several layer-major passes. auto: half the GPU memory free after the store's; no limit on the CPU.
     tiermem_activation_budget: Any = "auto"
@@ -257,6 +263,8 @@ def validate(c: TrainConfig, problems: list[str] | None = None, here: bool = Tru
             bad("set max_steps or a positive num_train_epochs")
     if not 0 <= c.seed < 2**32:
         bad(f"seed must be from 0 to 2**32 - 1 (as the Hugging Face Trainer's), got {c.seed}")
+    if c.moe_aux_loss_coef is not None and not (math.isfinite(c.moe_aux_loss_coef) and c.moe_aux_loss_coef >= 0):
+        bad(f"moe_aux_loss_coef must be a non-negative number, got {c.moe_aux_loss_coef}")
     if c.tiermem_activation_budget not in ("auto", None):
         from tiermem.sizes import parse_size
 

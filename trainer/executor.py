@@ -10,7 +10,9 @@
    order while the next step's forward consumes them (forward of layer i waits only for update i).
 
 The loss of a step is the mean over all its unmasked label tokens (labels shifted by one), as the
-Hugging Face Trainer computes it. The executor computes on the store's GPU device (the CPU in tests).
+Hugging Face Trainer computes it, plus a sparse model's load-balancing loss when it is on. The executor
+computes on the store's GPU device (the CPU in tests), with the model's stages (``trainer.model.stages``:
+the template; ``trainer.model.generic``: a transformers model's own modules).
 """
 
 from __future__ import annotations
@@ -22,16 +24,15 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from tiermem.errors import UserError
 from tiermem.faults import HOOKS
 from tiermem.futures import all_of
 from tiermem.store.catalog import state_name
 from tiermem.store.prefetch import Prefetcher
-from trainer.model.config import ModelConfig
-from trainer.model.layers import decoder_layer, head_loss, head_loss_backward, rope_tables, shift_labels
-from trainer.model.weights import EMBED, LM_HEAD, NORM, all_weights
+from trainer.model.layers import shift_labels
+from trainer.model.select import model_stages
+from trainer.model.weights import all_weights
 
 
 class NonFiniteStep(UserError):
@@ -61,7 +62,7 @@ class StepResult:
 
 
 class Executor:
-    def __init__(self, store, cfg: ModelConfig, dtype: torch.dtype, optimizer, max_grad_norm: float,
+    def __init__(self, store, cfg, dtype: torch.dtype, optimizer, max_grad_norm: float,
                  loss_chunk_tokens: int, activation_budget: int | None = None):
         self.store, self.cfg, self.dtype, self.optimizer = store, cfg, dtype, optimizer
         self.device = store.gpu.device
@@ -71,7 +72,7 @@ class Executor:
         self.local_names = {}
         for w in all_weights(cfg):
             self.local_names.setdefault(w.group, {})[w.name] = w.local
-        self._rope = None
+        self.model = model_stages(cfg, dtype, self.device)
         self._waits = [0.0, 0.0]
         self._phase_waits: dict = {}
         self.phase, self.layer = "starting", None  # what the GPU is doing now (for tiermem top)
@@ -85,11 +86,6 @@ class Executor:
         sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
 
     # -- helpers ---------------------------------------------------------------------------------
-    def _rope_for(self, t: int):
-        if self._rope is None or self._rope[0].shape[0] < t:
-            self._rope = rope_tables(self.cfg, t, self.device, self.dtype)
-        return self._rope
-
     def _drain(self) -> None:
         self.store.gpu.sync()
 
@@ -175,7 +171,7 @@ class Executor:
         self.last_passes = len(groups)
         loss = sumsq = None
         for p, group in enumerate(groups):
-            part, sq = self._pass(group, step, scale, p == 0, p == len(groups) - 1)
+            part, sq = self._pass(group, step, scale, p == 0, p == len(groups) - 1, len(batches))
             loss = part if loss is None else loss + part
             sumsq = sq if sq is not None else sumsq
 
@@ -198,58 +194,62 @@ class Executor:
         self.phase, self.layer = "optimizer", None
         return dataclasses.replace(result, seconds=time.perf_counter() - t_start)
 
-    def _pass(self, batches: list, step: int, scale: float, first: bool, last: bool):
-        """Forward, loss and backward of ``batches``, layer-major; (summed loss, squared gradient norm on
-        the last pass else None)."""
+    def _pass(self, batches: list, step: int, scale: float, first: bool, last: bool, n_micro: int):
+        """Forward, loss and backward of ``batches`` (of ``n_micro`` micro-batches in the step), layer-major;
+        (summed loss, squared gradient norm on the last pass else None)."""
         cfg, dev = self.cfg, self.device
-        L, tied = cfg.num_layers, cfg.tie_word_embeddings
+        L, tied, model = cfg.num_layers, cfg.tie_word_embeddings, self.model
         req = self.prefetch.request
         r_embed = req("embed", "param", step)
         r_fwd = [req(i, "param", step) for i in range(L)]
         r_head = req("head", "param", step)
         r_tied = req("embed", "param", step) if tied else None
         r_bwd = [req(i, "param", step) for i in reversed(range(L))]
+        r_emb = req("embed", "param", step) if model.embed_grads_need_weights else None
         ids = [b[0].to(dev, non_blocking=True) for b in batches]
         targets = [shift_labels(b[1]).to(dev, non_blocking=True) for b in batches]
-        rope = self._rope_for(max(x.shape[1] for x in ids))
+        masks = [b[3].to(dev, non_blocking=True) if len(b) > 3 else None for b in batches]
+        ctx = model.contexts(ids, masks, n_micro, True)
 
         # 1. forward, layer-major, keeping every micro-batch's boundary activations
         with torch.no_grad():
             self.phase, self.layer = "forward", "embed"
             view = self._take(r_embed, "forward")
-            acts = [[F.embedding(x, view.tensors[EMBED]) for x in ids]]
+            acts = [[model.embed(view.tensors, x, c) for x, c in zip(ids, ctx)]]
             view.release()
             for i in range(L):
                 self.layer = i
                 view = self._take(r_fwd[i], "forward")
                 w = self._weights(view)
-                acts.append([decoder_layer(w, x, rope, cfg) for x in acts[i]])
+                acts.append([model.layer(i, w, x, c) for x, c in zip(acts[i], ctx)])
                 view.release()
                 HOOKS.point("forward", step + 1)
+            aux = model.forward_done(ctx)  # a sparse model's load-balancing loss (weighted), or None
 
         # 2. loss + its backward, chunked over tokens
         self.phase, self.layer = "loss", "head"
         head_partials = self._partials("head", first)
         view = self._take(r_head, "loss")
         tied_view = self._take(r_tied, "loss") if tied else None
-        head_w = (tied_view or view).tensors[EMBED if tied else LM_HEAD]
         loss = torch.zeros((), dtype=torch.float32, device=dev)
-        g_norm = g_head = None
+        head_grads = g_tied = None
         grads_y = []
         for mb, h in enumerate(acts[L]):
-            part, gh, gnw, ghw = head_loss_backward(h, targets[mb], view.tensors[NORM], head_w, cfg.rms_norm_eps,
-                                                    scale, self.loss_chunk)
+            part, gh, g_own, g_t = model.head_loss_backward(h, targets[mb], view.tensors,
+                                                            tied_view.tensors if tied else None, scale, self.loss_chunk)
             loss += part
             grads_y.append(gh)
-            g_norm = gnw if g_norm is None else g_norm.add_(gnw)
-            g_head = ghw if g_head is None else g_head.add_(ghw)
+            if head_grads is None:
+                head_grads, g_tied = g_own, g_t
+            else:
+                for n, g in g_own.items():
+                    head_grads[n].add_(g)
+                if g_t is not None:
+                    g_tied.add_(g_t)
         acts[L] = None
         view.release()
         if tied_view is not None:
             tied_view.release()
-        head_grads = {NORM: g_norm}
-        if not tied:
-            head_grads[LM_HEAD] = g_head
         sq = [self._grads("head", head_grads, head_partials, last)]
 
         # 3. backward, layer-major, with recompute
@@ -264,35 +264,27 @@ class Executor:
             w = self._weights(view)
             acc: list[torch.Tensor] | None = None
             for mb in range(len(ids)):
-                x = acts[i][mb].detach().requires_grad_()
-                leaves = {k: t.detach().requires_grad_() for k, t in w.items()}
-                with torch.enable_grad():
-                    y = decoder_layer(leaves, x, rope, cfg)
-                    outs = torch.autograd.grad(y, [x, *leaves.values()], grads_y[mb])
-                grads_y[mb] = outs[0]
+                grads_y[mb], g_w = model.layer_backward(i, w, acts[i][mb], grads_y[mb], ctx[mb])
                 acts[i][mb] = None
                 if acc is None:
-                    acc = [g.float() for g in outs[1:]]
+                    acc = [g.float() for g in g_w]
                 else:
-                    for a, g in zip(acc, outs[1:]):
+                    for a, g in zip(acc, g_w):
                         a.add_(g)
             view.release()
             sq.append(self._grads(i, dict(zip(view.tensors.keys(), acc)), partials, last))
             HOOKS.point("backward", step + 1)
 
-        # the embedding's gradient: every micro-batch's input gradient, plus the tied LM head's. As Hugging
-        # Face's padding_idx, the lookups of the pad token add nothing to its row; a tied head's gradient
-        # of that row stays
-        hidden = cfg.hidden_size
-        g_embed = g_head if tied else torch.zeros((cfg.vocab_size, hidden), dtype=torch.float32, device=dev)
-        pad = cfg.pad_token_id if cfg.pad_token_id is not None and 0 <= cfg.pad_token_id < cfg.vocab_size else None
-        pad_row = g_embed[pad].clone() if pad is not None else None
-        for x, gy in zip(ids, grads_y):
-            g_embed.index_add_(0, x.reshape(-1), gy.reshape(-1, hidden).float())
-        if pad is not None:
-            g_embed[pad] = pad_row
-        sq.append(self._grads("embed", {EMBED: g_embed}, embed_partials, last))
+        # the embedding's gradient: every micro-batch's input gradient, plus the tied LM head's
+        self.phase, self.layer = "backward", "embed"
+        view = self._take(r_emb, "backward") if r_emb is not None else None
+        g_embed = model.embed_grads(view.tensors if view is not None else None, ids, grads_y, ctx, g_tied)
+        if view is not None:
+            view.release()
+        sq.append(self._grads("embed", g_embed, embed_partials, last))
         del grads_y, acts
+        if aux is not None:
+            loss = loss + aux / scale  # (the caller scales the summed loss by scale)
         return loss, (sum(sq) if last else None)
 
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor, int]], version: int) -> tuple[float, int]:
@@ -305,22 +297,23 @@ class Executor:
         r_head = req("head", "param", version)
         r_tied = req("embed", "param", version) if cfg.tie_word_embeddings else None
         ids = [b[0].to(dev) for b in batches]
-        rope = self._rope_for(max(x.shape[1] for x in ids))
+        model = self.model
+        ctx = model.contexts(ids, [b[3].to(dev) if len(b) > 3 else None for b in batches], len(batches), False)
         self.phase, self.layer = "evaluation", None
         with torch.no_grad():
             view = self._take(r_embed, "eval")
-            hs = [F.embedding(x, view.tensors[EMBED]) for x in ids]
+            hs = [model.embed(view.tensors, x, c) for x, c in zip(ids, ctx)]
             view.release()
             for i in range(cfg.num_layers):
                 view = self._take(r_fwd[i], "eval")
                 w = self._weights(view)
-                hs = [decoder_layer(w, h, rope, cfg) for h in hs]
+                hs = [model.layer(i, w, h, c) for h, c in zip(hs, ctx)]
                 view.release()
             view = self._take(r_head, "eval")
             tied_view = self._take(r_tied, "eval") if r_tied is not None else None
-            head_w = (tied_view or view).tensors[EMBED if tied_view is not None else LM_HEAD]
-            total = sum(float(head_loss(h, shift_labels(b[1]).to(dev), view.tensors[NORM], head_w, cfg.rms_norm_eps,
-                                        self.loss_chunk)) for h, b in zip(hs, batches))
+            tied_w = tied_view.tensors if tied_view is not None else None
+            total = sum(float(model.head_loss(h, shift_labels(b[1]).to(dev), view.tensors, tied_w, self.loss_chunk))
+                        for h, b in zip(hs, batches))
             view.release()
             if tied_view is not None:
                 tied_view.release()

@@ -38,7 +38,8 @@ from trainer.data.batches import StepPlan, collate
 from trainer.data.prepare import Rows, load_rows, split_eval
 from trainer.data.registry import resolve
 from trainer.executor import Executor, NonFiniteStep
-from trainer.model.config import ModelConfigError, load_model_config
+from trainer.model.config import ModelConfigError, load_balancing_coef
+from trainer.model.select import load_model
 from trainer.model.weights import all_weights, group_order
 from trainer.plan_watch import PlanWatch
 from trainer.report import Reporter, plot_loss
@@ -93,7 +94,7 @@ def prepare(cfg: TrainConfig, console: Console, say) -> Job:
     """Check the model and the config, pick the checkpoint to resume from, tokenize the data, plan the steps;
     nothing is written to output_dir."""
     model_dir = Path(cfg.model_name_or_path)
-    mcfg = model_config(model_dir)
+    mcfg = model_config(model_dir, cfg)
     if mcfg.sliding_window is not None and cfg.cutoff_len > mcfg.sliding_window:
         raise ConfigError(f"cutoff_len {cfg.cutoff_len} exceeds the model's sliding_window {mcfg.sliding_window}; "
                           "sliding-window attention is not supported yet: lower cutoff_len")
@@ -121,7 +122,10 @@ def prepare(cfg: TrainConfig, console: Console, say) -> Job:
         say("note: evaluation data or eval_steps is set but eval_strategy is no: no evaluation will run")
     if cfg.template is not None and all(e.formatting == "tokenized" for e in resolve(cfg.dataset, cfg.dataset_dir)):
         say(f"note: template '{cfg.template}' is not used: tokenized datasets come rendered already")
-    say(f"[bold]tiermem-train[/]: {mcfg.family} {job.n_params / 1e6:,.1f}M params, {mcfg.num_layers} layers, "
+    active = mcfg.num_params(active=True)
+    say(f"[bold]tiermem-train[/]: {mcfg.family} {job.n_params / 1e6:,.1f}M params"
+        + (f" ({active / 1e6:,.1f}M active)" if active != job.n_params else "")
+        + (" (generic path)" if getattr(mcfg, "generic", False) else "") + f", {mcfg.num_layers} layers, "
         f"{'bf16' if cfg.bf16 else 'fp32'}; {len(rows)} training rows"
         + (f", {len(eval_rows)} evaluation rows" if eval_rows is not None else "")
         + f"; {total} steps of {cfg.per_device_train_batch_size}x{cfg.gradient_accumulation_steps} rows "
@@ -225,6 +229,7 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
     """Steps ``start``..total (logging, checkpoints, evaluation), then the export; returns the results."""
     cfg, mcfg, out, plan, total = job.cfg, job.mcfg, job.out, job.plan, job.total
     store, optimizer, n_params = session.store, session.optimizer, job.n_params
+    active = job.mcfg.num_params(active=True)  # what a token computes with (a sparse model's top-k experts)
     rows, dtype, model_dir = job.rows, job.dtype, job.model_dir
     scfg = store.cfg
     executor = saver = stats = tb = None
@@ -235,7 +240,7 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
         tb = open_writer(cfg, out)  # report_to: tensorboard (sets cfg.logging_dir to where it writes)
         (out / "training_args.yaml").write_text(yaml.safe_dump(resolved(cfg, scfg, budget, store), sort_keys=False))
         executor = Executor(store, mcfg, dtype, optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens, budget)
-        report = Reporter(out, total, n_params, say, resume_step=start, sink=tb.record if tb else None,
+        report = Reporter(out, total, active, say, resume_step=start, sink=tb.record if tb else None,
                           first_step=cfg.logging_first_step)
         watch = PlanWatch(job.store_plan) if job.store_plan is not None else None
         if watch is not None:
@@ -248,7 +253,7 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                    "gpu_share": optimizer.gpu_share, "cpu_groups": store.cfg.optimizer.cpu_groups}
             retries = torch.cuda.memory_stats(store.gpu.device).get("num_alloc_retries", 0) if store.gpu.is_cuda else 0
             return dict(report.live, phase=executor.phase, layer=executor.layer, optimizer=opt, alloc_retries=retries,
-                        tflops=6 * n_params * report.live.get("tokens_per_s", 0.0) / 1e12,
+                        tflops=6 * active * report.live.get("tokens_per_s", 0.0) / 1e12,
                         plan=watch.live() if watch is not None else None)
 
         stats = StatsFile(out / "tiermem_stats.json", store, live, sink=session.progress_sink)
@@ -366,12 +371,15 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
             tb.close()
 
 
-def model_config(model_dir: Path):
-    """The model's config.json read, its problems reported as the user's (one line, exit code 2)."""
+def model_config(model_dir: Path, cfg: TrainConfig | None = None):
+    """The model's config.json read (for the path that computes it: ``tiermem_model_path``), with the run's
+    load-balancing loss weight (``moe_aux_loss_coef``); its problems reported as the user's (one line, exit
+    code 2)."""
     try:
-        return load_model_config(model_dir)
+        mcfg = load_model(model_dir, cfg.tiermem_model_path if cfg is not None else "auto")
     except ModelConfigError as e:
         raise ConfigError(str(e)) from None
+    return load_balancing_coef(mcfg, cfg.moe_aux_loss_coef) if cfg is not None else mcfg
 
 
 def _checked_resume(cfg: TrainConfig, out: Path, mcfg, model_dir: Path, named: dict | None = None,

@@ -53,7 +53,7 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
                           "placed by the service")
     if args.probe and not Path(args.probe).is_file():
         raise ConfigError(f"probe file {args.probe} not found; make one with `tiermem probe --save {args.probe}`")
-    mcfg = model_config(Path(cfg.model_name_or_path))
+    mcfg = model_config(Path(cfg.model_name_or_path), cfg)
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     scfg = store_config(cfg.tiermem, here=False)
     device = compute_device(scfg)

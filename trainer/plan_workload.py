@@ -2,8 +2,10 @@
 the activations a pass keeps, for this model at this batch shape.
 
 On a CUDA device one decoder layer and the loss are timed at the run's micro-batch shape (random weights,
-a few seconds; the working set measured beside); elsewhere the compute is estimated from the FLOPs and the
-machine's figure, and the memory from the shapes. The trainer corrects the compute from the first steps.
+a few seconds; the working set measured beside) through the model's stages (the template or the generic
+path; a sparse model's heaviest layer); elsewhere the compute is estimated from the FLOPs of the parameters
+a token computes with (a sparse layer's top-k experts) and the machine's figure, and the memory from the
+shapes. The trainer corrects the compute from the first steps.
 """
 
 from __future__ import annotations
@@ -14,9 +16,8 @@ import torch
 
 from tiermem.plan.machine import Machine
 from tiermem.plan.workload import Workload
-from trainer.model.config import ModelConfig
-from trainer.model.layers import decoder_layer, head_loss_backward, rope_tables
-from trainer.model.weights import init_weight, layer_weights
+from trainer.model.select import model_stages
+from trainer.model.weights import all_weights, init_weight
 
 # a step's compute runs this much longer than the sum of its layers timed alone (measured on the H200 machine:
 # 1.05-1.07 for the 3B shape all in HBM, 1.11 for the 8B shape with a CPU AdamW beside it; docs/measurements.md).
@@ -24,23 +25,47 @@ from trainer.model.weights import init_weight, layer_weights
 IN_STEP = 1.08
 
 
-def layer_flops(cfg: ModelConfig, seq: int) -> float:
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def heaviest_layer(cfg) -> int:
+    """The layer with the most parameters (a sparse one of a mixture-of-experts model)."""
+    sizes: dict = {}
+    for w in all_weights(cfg):
+        if isinstance(w.group, int):
+            sizes[w.group] = sizes.get(w.group, 0) + _numel(w.shape)
+    return max(sizes, key=lambda i: (sizes[i], -i)) if sizes else 0
+
+
+def layer_params(cfg, active: bool = False) -> int:
+    """Parameters of the heaviest layer; ``active``: those one token computes with (its top-k experts)."""
+    i = heaviest_layer(cfg)
+    if hasattr(cfg, "layer_params"):
+        return cfg.layer_params(i, active)
+    return sum(_numel(w.shape) for w in all_weights(cfg) if w.group == i)
+
+
+def layer_flops(cfg, seq: int) -> float:
     """FLOPs of one layer's forward per token at sequence length ``seq`` (matmuls + causal attention)."""
-    return 2.0 * cfg.layer_params() + 2.0 * seq * cfg.q_size
+    return 2.0 * layer_params(cfg, active=True) + 2.0 * seq * getattr(cfg, "q_size", cfg.hidden_size)
 
 
-def head_flops(cfg: ModelConfig) -> float:
+def head_flops(cfg) -> float:
     """FLOPs of the loss per token: the LM head's forward and backward."""
     return 6.0 * cfg.hidden_size * cfg.vocab_size
 
 
-def build(cfg: ModelConfig, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, machine: Machine,
+def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, machine: Machine,
           device: torch.device, loss_chunk: int, time_it: bool = True) -> Workload:
     """The workload of steps of ``micro_batches`` micro-batches of ``rows`` x ``seq`` tokens."""
     tokens = rows * seq * micro_batches
     itemsize = torch.empty((), dtype=dtype).element_size()
     boundary = (cfg.num_layers + 1) * cfg.hidden_size * itemsize
-    layer_p = cfg.layer_params()
+    layer_p = layer_params(cfg)
     head_p = cfg.vocab_size * cfg.hidden_size
     # the fp32 accumulator of a layer's gradient and its partial sum read back; the loss's and the
     # embedding's fp32 gradients (vocab x hidden each) at the end of the backward
@@ -67,7 +92,9 @@ def build(cfg: ModelConfig, dtype: torch.dtype, rows: int, seq: int, micro_batch
         f = layer_flops(cfg, seq) * tokens / rate
         fwd_l, bwd_l, head = f, 3 * f, head_flops(cfg) * tokens / rate
         # a layer's backward keeps about 14 hidden-sized and 4 intermediate-sized tensors per token
-        work = rows * seq * (14 * cfg.hidden_size + 4 * cfg.intermediate_size) * itemsize \
+        inter = (cfg.moe.top_k * cfg.moe.intermediate_size if getattr(cfg, "moe", None) is not None
+                 else getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))
+        work = rows * seq * (14 * cfg.hidden_size + 4 * inter) * itemsize \
             + rows * min(seq, loss_chunk) * cfg.vocab_size * 4 * 2
         how = f"estimated from FLOPs at {rate / 1e12:.0f} TFLOP/s ({machine.source})"
     fwd = {i: fwd_l for i in range(cfg.num_layers)}
@@ -75,18 +102,27 @@ def build(cfg: ModelConfig, dtype: torch.dtype, rows: int, seq: int, micro_batch
     fwd["head"], bwd["head"] = head / 3, 2 * head / 3
     fwd["embed"], bwd["embed"] = 0.0, embed_bwd
     return Workload(list(range(cfg.num_layers)), "embed", "head", fwd, bwd, tokens, micro_batches, boundary,
-                    int(work + grads), 6.0 * cfg.num_params(), cfg.tie_word_embeddings, how)
+                    int(work + grads), 6.0 * cfg.num_params(active=True), cfg.tie_word_embeddings, how)
 
 
-def _time(cfg: ModelConfig, dtype: torch.dtype, rows: int, seq: int, device: torch.device, loss_chunk: int):
+def _time(cfg, dtype: torch.dtype, rows: int, seq: int, device: torch.device, loss_chunk: int):
     """Seconds of one micro-batch's layer forward, layer backward with recompute (its gradient cast to fp32
     and added up), and loss with its backward; of a layer's gradient handled once a step (its squared norm,
     its copy home) and of the embedding's gradient; and the bytes of GPU memory they need beyond their
-    inputs. As the executor runs them (trainer.executor)."""
+    inputs. As the executor runs them (trainer.executor), through the model's stages (the heaviest layer)."""
     gen = torch.Generator(device=device).manual_seed(0)
-    w = {lw.local: init_weight(lw, cfg, gen, device).to(dtype) for lw in layer_weights(cfg, 0)}
-    rope = rope_tables(cfg, seq, device, dtype)
-    x = torch.randn(rows, seq, cfg.hidden_size, device=device, dtype=dtype)
+    stages = model_stages(cfg, dtype, device)
+    layer = heaviest_layer(cfg)
+    groups: dict = {}
+    for lw in all_weights(cfg):
+        if lw.group in (layer, "embed", "head"):
+            groups.setdefault(lw.group, {})[lw.local] = init_weight(lw, cfg, gen, device).to(dtype)
+    w, embed_w, head_w = groups.get(layer, {}), groups["embed"], groups["head"]
+    ids = torch.randint(0, cfg.vocab_size, (rows, seq), device=device, generator=gen)
+    ctx = stages.contexts([ids], [None], 1, True)[0]
+    with torch.no_grad():
+        x = stages.embed(embed_w, ids, ctx).detach()  # (and what the generic path's layers are handed)
+    x = x + 0.5 * torch.randn(x.shape, device=device, dtype=dtype, generator=gen)  # (a layer's input scale)
     cuda = device.type == "cuda"
 
     def sync():
@@ -95,18 +131,13 @@ def _time(cfg: ModelConfig, dtype: torch.dtype, rows: int, seq: int, device: tor
 
     def fwd():
         with torch.no_grad():
-            decoder_layer(w, x, rope, cfg)
+            stages.layer(layer, w, x, ctx)
 
     acc = {k: torch.zeros(t.shape, dtype=torch.float32, device=device) for k, t in w.items()}
     home = {k: torch.empty_like(a) for k, a in acc.items()}
 
     def bwd():
-        xl = x.detach().requires_grad_()
-        leaves = {k: t.detach().requires_grad_() for k, t in w.items()}
-        with torch.enable_grad():
-            y = decoder_layer(leaves, xl, rope, cfg)
-            outs = torch.autograd.grad(y, [xl, *leaves.values()], torch.ones_like(y))
-        for a, g in zip(acc.values(), outs[1:]):
+        for a, g in zip(acc.values(), stages.layer_backward(layer, w, x, torch.ones_like(x), ctx)[1]):
             a.add_(g)
 
     def grad_step():
@@ -131,23 +162,18 @@ def _time(cfg: ModelConfig, dtype: torch.dtype, rows: int, seq: int, device: tor
     t_b = timed(bwd)
     t_g = timed(grad_step)
     work = torch.cuda.max_memory_allocated(device) - base if cuda else 0
-    ids = torch.randint(0, cfg.vocab_size, (rows * seq,), device=device, generator=gen)
-    gy = torch.randn(rows * seq, cfg.hidden_size, device=device, dtype=dtype, generator=gen)
+    gy = torch.randn(x.shape, device=device, dtype=dtype, generator=gen)
 
     def embed_grad():
-        g = torch.zeros((cfg.vocab_size, cfg.hidden_size), dtype=torch.float32, device=device)
-        g.index_add_(0, ids, gy.float())
-        g.pow(2).sum()
+        sum(g.pow(2).sum() for g in stages.embed_grads(embed_w, [ids], [gy], [ctx], None).values())
 
     t_e = timed(embed_grad, 2)
-    head_w = (torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype, generator=gen) * 0.02)
-    norm_w = torch.ones(cfg.hidden_size, device=device, dtype=dtype)
     targets = torch.randint(0, cfg.vocab_size, (rows, seq), device=device, generator=gen)
-    h = x[:, :, :]
+    tied = embed_w if cfg.tie_word_embeddings else None
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    t_h = timed(lambda: head_loss_backward(h, targets, norm_w, head_w, cfg.rms_norm_eps, 1.0, loss_chunk), 2)
+    t_h = timed(lambda: stages.head_loss_backward(x, targets, head_w, tied, 1.0, loss_chunk), 2)
     if cuda:
         work = max(work, torch.cuda.max_memory_allocated(device) - base)
     return t_f, t_b, t_h, t_g, t_e, work

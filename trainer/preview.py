@@ -15,7 +15,7 @@ def preview(cfg: TrainConfig, n: int, ids_only: bool = False, out=print) -> None
     from trainer.loop import model_config
 
     model_dir = Path(cfg.model_name_or_path)
-    mcfg = model_config(model_dir)
+    mcfg = model_config(model_dir, cfg)
     rows = load_rows(cfg.dataset, cfg, mcfg, model_dir)
     examples = [(ids, ids if labels is None else labels) for ids, labels in zip(rows.input_ids, rows.labels)][:n]
     if ids_only:

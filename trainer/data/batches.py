@@ -52,12 +52,13 @@ class StepPlan:
 
 
 def collate(input_ids: list[list[int]], labels: list[list[int] | None], pad_id: int):
-    """(input_ids [B, T], labels [B, T], tokens) as int64 tensors right-padded to the longest row, and the
-    number of real (non-padding) tokens."""
+    """(input_ids [B, T], labels [B, T], tokens, mask [B, T]): int64 tensors right-padded to the longest row,
+    the number of real (non-padding) tokens, and which positions are real (bool)."""
     t = max(len(r) for r in input_ids)
     ids = torch.full((len(input_ids), t), pad_id, dtype=torch.long)
     lab = torch.full((len(input_ids), t), -100, dtype=torch.long)
     for i, (r, lr) in enumerate(zip(input_ids, labels)):
         ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
         lab[i, : len(r)] = torch.tensor(r if lr is None else lr, dtype=torch.long)
-    return ids, lab, sum(len(r) for r in input_ids)
+    mask = torch.arange(t).unsqueeze(0) < torch.tensor([len(r) for r in input_ids]).unsqueeze(1)
+    return ids, lab, sum(len(r) for r in input_ids), mask

@@ -1,10 +1,12 @@
 """The model's shape, read from a Hugging Face config.json: the Llama family (Llama 2/3, Mistral, Qwen2,
-Qwen3), with RoPE given as ``rope_theta`` + ``rope_scaling`` (published checkpoints) or as transformers
-5's ``rope_parameters``. Anything this trainer cannot compute exactly is refused with one line.
+Qwen3) and its mixture-of-experts members (Qwen3-MoE, Mixtral: ``MoeSpec``), with RoPE given as
+``rope_theta`` + ``rope_scaling`` (published checkpoints) or as transformers 5's ``rope_parameters``.
+Anything this trainer cannot compute exactly is refused with one line.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -23,8 +25,30 @@ SUPPORTED = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """The mixture-of-experts feed-forward of the sparse layers: each token goes through ``top_k`` of
+    ``num_experts`` SwiGLU experts, weighted by its router probabilities (renormalised over the top-k when
+    ``norm_topk_prob``). Dense layers (Qwen3-MoE's ``mlp_only_layers``, or off ``decoder_sparse_step``) keep
+    the plain MLP of ``intermediate_size``."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    norm_topk_prob: bool
+    sparse_layers: tuple[int, ...]
+    block: str  # the layer's MoE module: "mlp" (Qwen3-MoE) or "block_sparse_moe" (Mixtral)
+    proj: tuple[str, str, str]  # an expert's gate, up and down projections
+    aux_loss_coef: float  # the router's load-balancing loss weight (0: off), see load_balancing_coef
+
+    def expert_params(self, hidden: int) -> int:
+        return 3 * hidden * self.intermediate_size
 
 
 @dataclass
@@ -48,6 +72,7 @@ class ModelConfig:
     initializer_range: float = 0.02
     max_position_embeddings: int = 4096
     pad_token_id: int | None = None  # the embedding row Hugging Face never trains (nn.Embedding padding_idx)
+    moe: MoeSpec | None = None
     raw: dict = field(default_factory=dict, repr=False)  # config.json as read, for export
 
     @property
@@ -70,9 +95,19 @@ class ModelConfig:
             inv = _llama3_scale(inv, self.rope)
         return inv
 
-    def layer_params(self) -> int:
+    def is_sparse(self, layer: int) -> bool:
+        return self.moe is not None and layer in self.moe.sparse_layers
+
+    def layer_params(self, layer: int = 0, active: bool = False) -> int:
+        """Parameters of decoder layer ``layer``; ``active``: those one token computes with (its top-k
+        experts of a sparse layer, not all of them)."""
         h, q, kv, i = self.hidden_size, self.q_size, self.kv_size, self.intermediate_size
-        n = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
+        n = h * q + 2 * h * kv + q * h + 2 * h
+        if self.is_sparse(layer):
+            m = self.moe
+            n += m.num_experts * h + (m.top_k if active else m.num_experts) * m.expert_params(h)
+        else:
+            n += 3 * h * i
         if self.attention_bias:
             n += q + 2 * kv
         if self.o_bias:
@@ -83,9 +118,11 @@ class ModelConfig:
             n += 2 * self.head_dim
         return n
 
-    def num_params(self) -> int:
+    def num_params(self, active: bool = False) -> int:
+        """All parameters, or (``active``) those one token computes with: what 6 N tokens counts."""
         emb = self.vocab_size * self.hidden_size
-        return emb * (1 if self.tie_word_embeddings else 2) + self.hidden_size + self.num_layers * self.layer_params()
+        layers = sum(self.layer_params(i, active) for i in range(self.num_layers))
+        return emb * (1 if self.tie_word_embeddings else 2) + self.hidden_size + layers
 
 
 def _llama3_scale(inv: torch.Tensor, p: dict) -> torch.Tensor:
@@ -148,6 +185,7 @@ def model_config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig
         raise ModelConfigError(f"{where}: architecture {arch or '(none given)'} is not supported; supported: "
                           + ", ".join(SUPPORTED))
     family = SUPPORTED[arch]
+    qwen3ish = family in ("qwen3", "qwen3_moe")
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ModelConfigError(f"{where}: hidden_act '{act}' is not supported (only silu)")
@@ -164,15 +202,16 @@ def model_config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig
             head_dim=_int(raw, "head_dim", where, h // heads) if raw.get("head_dim") else h // heads,
             rms_norm_eps=_float(raw, "rms_norm_eps", where, 1e-6),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=family == "qwen2" or (family in ("llama", "qwen3") and bool(raw.get("attention_bias"))),
-            o_bias=family in ("llama", "qwen3") and bool(raw.get("attention_bias")),
+            attention_bias=family == "qwen2" or ((family == "llama" or qwen3ish) and bool(raw.get("attention_bias"))),
+            o_bias=(family == "llama" or qwen3ish) and bool(raw.get("attention_bias")),
             mlp_bias=family == "llama" and bool(raw.get("mlp_bias")),
-            qk_norm=family == "qwen3",
+            qk_norm=qwen3ish,
             rope=_rope(raw, where),
             sliding_window=raw.get("sliding_window") if _uses_window(raw, family) else None,
             initializer_range=float(raw.get("initializer_range", 0.02)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
             pad_token_id=raw.get("pad_token_id") if isinstance(raw.get("pad_token_id"), int) else None,
+            moe=_moe(raw, family, where),
             raw=raw,
         )
     except KeyError as e:
@@ -184,10 +223,57 @@ def model_config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig
     return cfg
 
 
+def _moe(raw: dict, family: str, where: str) -> MoeSpec | None:
+    """The MoE block of Qwen3-MoE or Mixtral, with transformers' defaults for keys config.json leaves out."""
+    if family == "qwen3_moe":
+        n_layers = _int(raw, "num_hidden_layers", where)
+        step = _int(raw, "decoder_sparse_step", where, 1)
+        dense = raw.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+            raise ModelConfigError(f"{where}: mlp_only_layers must be a list of layer indices, got {dense!r}")
+        key = "num_experts" if "num_experts" in raw else "num_local_experts"  # (transformers 5 writes the latter)
+        n_exp = _int(raw, key, where, 128, low=0)
+        sparse = tuple(i for i in range(n_layers) if i not in dense and n_exp > 0 and (i + 1) % step == 0)
+        if not sparse:
+            return None
+        return MoeSpec(n_exp, _int(raw, "num_experts_per_tok", where, 8),
+                       _int(raw, "moe_intermediate_size", where, 768), bool(raw.get("norm_topk_prob", False)),
+                       sparse, "mlp", ("gate_proj", "up_proj", "down_proj"), _coef(raw, where, 0.001))
+    if family == "mixtral":
+        jitter = raw.get("router_jitter_noise") or 0.0
+        if jitter:
+            raise ModelConfigError(f"{where}: router_jitter_noise {jitter} is not supported (random noise on the "
+                                   "router's input cannot be recomputed exactly); set it to 0")
+        return MoeSpec(_int(raw, "num_local_experts", where, 8), _int(raw, "num_experts_per_tok", where, 2),
+                       _int(raw, "intermediate_size", where), True, tuple(range(_int(raw, "num_hidden_layers", where))),
+                       "block_sparse_moe", ("w1", "w3", "w2"), _coef(raw, where, 0.001))
+    return None
+
+
+def _coef(raw: dict, where: str, default: float) -> float:
+    """The load-balancing loss weight config.json asks for: router_aux_loss_coef when output_router_logits is
+    set, else 0 (the trainer's ``moe_aux_loss_coef`` overrides it: ``load_balancing_coef``)."""
+    if not raw.get("output_router_logits", False):
+        return 0.0
+    value = raw.get("router_aux_loss_coef", default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ModelConfigError(f"{where}: router_aux_loss_coef must be a non-negative number, got {value!r}")
+    return float(value)
+
+
+def load_balancing_coef(cfg: ModelConfig, override: float | None) -> ModelConfig:
+    """``cfg`` with the router's load-balancing loss weight a run trains with: ``override`` (LLaMA-Factory's
+    ``moe_aux_loss_coef``: a positive value turns the loss on with that weight, 0 turns it off) or, when None,
+    what config.json says (``output_router_logits`` and ``router_aux_loss_coef``)."""
+    if cfg.moe is None or override is None:
+        return cfg
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, aux_loss_coef=float(override)))
+
+
 def _uses_window(raw: dict, family: str) -> bool:
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         return raw.get("sliding_window") is not None
-    if family in ("qwen2", "qwen3"):
+    if family in ("qwen2", "qwen3", "qwen3_moe"):
         return bool(raw.get("use_sliding_window", False)) and raw.get("sliding_window") is not None
     return False
 

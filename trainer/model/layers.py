@@ -3,7 +3,8 @@
 Nothing here owns a parameter: ``decoder_layer(w, x, rope, cfg)`` computes one decoder layer with the
 tensors in ``w`` (names relative to the layer, e.g. "self_attn.q_proj.weight"), which may be views into
 a streaming slot. Llama 2/3 and Mistral, Qwen2 (q/k/v biases) and Qwen3 (q/k RMSNorm) differ only in
-which tensors ``w`` holds. Attention is SDPA, causal, with grouped KV heads.
+which tensors ``w`` holds; a sparse layer of Qwen3-MoE or Mixtral has the experts' feed-forward
+(``trainer.model.moe``) instead of the MLP. Attention is SDPA, causal, with grouped KV heads.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.model.config import ModelConfig
+from trainer.model.moe import RouterStats, moe_ffn
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -39,8 +41,9 @@ def _linear(x, w, name):
     return F.linear(x, w[name + ".weight"], w.get(name + ".bias"))
 
 
-def decoder_layer(w: dict[str, torch.Tensor], x: torch.Tensor, rope, cfg: ModelConfig) -> torch.Tensor:
-    """One decoder layer: x [B, T, H] -> [B, T, H]."""
+def decoder_layer(w: dict[str, torch.Tensor], x: torch.Tensor, rope, cfg: ModelConfig,
+                  router: RouterStats | None = None) -> torch.Tensor:
+    """One decoder layer: x [B, T, H] -> [B, T, H]; a sparse layer's routing goes to ``router``."""
     b, t, _ = x.shape
     cos, sin = rope[0][:t], rope[1][:t]
     h = rms_norm(x, w["input_layernorm.weight"], cfg.rms_norm_eps)
@@ -58,6 +61,8 @@ def decoder_layer(w: dict[str, torch.Tensor], x: torch.Tensor, rope, cfg: ModelC
     a = a.transpose(1, 2).reshape(b, t, cfg.q_size)
     x = x + _linear(a, w, "self_attn.o_proj")
     h = rms_norm(x, w["post_attention_layernorm.weight"], cfg.rms_norm_eps)
+    if "mlp.gate_proj.weight" not in w:
+        return x + moe_ffn(w, h, cfg.moe, router)
     m = F.silu(_linear(h, w, "mlp.gate_proj")) * _linear(h, w, "mlp.up_proj")
     return x + _linear(m, w, "mlp.down_proj")
 

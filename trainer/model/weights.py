@@ -3,6 +3,12 @@
 Groups are "embed" (the token embedding), 0..L-1 (one per decoder layer) and "head" (the final norm
 and, unless tied to the embedding, the LM head). Inside a layer the template uses names relative to
 the layer ("self_attn.q_proj.weight"); the store and checkpoints use full names.
+
+A sparse (mixture-of-experts) layer's experts are tensors of that layer's group, one per expert and
+projection, named as the published checkpoints name them (``mlp.experts.7.gate_proj.weight``,
+``block_sparse_moe.experts.7.w1.weight``): every expert is needed by every layer's compute of a batch of
+thousands of tokens, so the group is the unit to stream, and the store places its kinds like any other.
+A model taken by the generic path (``trainer.model.generic``) lists its own weights.
 """
 
 from __future__ import annotations
@@ -24,10 +30,13 @@ class Weight:
     shape: tuple[int, ...]
     group: int | str
     decay: bool  # weight decay applies (not to biases or normalisation weights)
+    layer_name: str | None = None  # the name inside its layer, where it is not the name after "model.layers.N."
 
     @property
     def local(self) -> str:
         """The name inside its layer (for decoder layers), else the full name."""
+        if self.layer_name is not None:
+            return self.layer_name
         if isinstance(self.group, int):
             return self.name.split(".", 3)[3]
         return self.name
@@ -48,6 +57,8 @@ def layer_weights(cfg: ModelConfig, i: int) -> list[Weight]:
         out.append(Weight(p + "self_attn.q_norm.weight", (cfg.head_dim,), i, False))
         out.append(Weight(p + "self_attn.k_norm.weight", (cfg.head_dim,), i, False))
     out.append(Weight(p + "post_attention_layernorm.weight", (h,), i, False))
+    if cfg.is_sparse(i):
+        return out + expert_weights(cfg, i)
     for proj, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
         out.append(Weight(p + f"mlp.{proj}.weight", shape, i, True))
         if cfg.mlp_bias:
@@ -55,8 +66,23 @@ def layer_weights(cfg: ModelConfig, i: int) -> list[Weight]:
     return out
 
 
-def all_weights(cfg: ModelConfig) -> list[Weight]:
+def expert_weights(cfg: ModelConfig, i: int) -> list[Weight]:
+    """A sparse layer's router and experts (each expert's gate, up and down projections)."""
+    m, h = cfg.moe, cfg.hidden_size
+    p = f"model.layers.{i}.{m.block}."
+    out = [Weight(p + "gate.weight", (m.num_experts, h), i, True)]
+    gate, up, down = m.proj
+    for e in range(m.num_experts):
+        for proj, shape in ((gate, (m.intermediate_size, h)), (up, (m.intermediate_size, h)),
+                            (down, (h, m.intermediate_size))):
+            out.append(Weight(p + f"experts.{e}.{proj}.weight", shape, i, True))
+    return out
+
+
+def all_weights(cfg) -> list[Weight]:
     """Every tensor, in forward order: embedding, layers, final norm, LM head."""
+    if hasattr(cfg, "weights"):  # a model of the generic path lists its own
+        return cfg.weights()
     out = [Weight(EMBED, (cfg.vocab_size, cfg.hidden_size), "embed", True)]
     for i in range(cfg.num_layers):
         out += layer_weights(cfg, i)
@@ -74,6 +100,8 @@ def group_order(cfg: ModelConfig) -> list[int | str]:
 def init_weight(w: Weight, cfg: ModelConfig, gen: torch.Generator, device: torch.device) -> torch.Tensor:
     """A freshly initialised fp32 tensor, as Hugging Face initialises these models (normal(0, std) for
     matrices and embeddings, ones for norms, zeros for biases)."""
+    if hasattr(cfg, "init_weight"):  # a model of the generic path: as its transformers class initialises it
+        return cfg.init_weight(w, gen, device)
     if w.name.endswith("norm.weight"):
         return torch.ones(w.shape, device=device)
     if w.name.endswith(".bias"):

@@ -1,0 +1,56 @@
+"""Which path computes a model: the hand-written template (``trainer.model.stages``) for the architectures
+it covers (the fast path), else the generic path (``trainer.model.generic``: the transformers model's own
+modules run over the streamed weights), else one line naming what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from trainer.model.config import SUPPORTED, ModelConfigError, load_model_config, model_config_from_dict
+from trainer.model.stages import TemplateStages
+
+
+def read_config(model_dir: str | Path) -> tuple[dict, str]:
+    """config.json of ``model_dir`` as a dict, and its path (for messages)."""
+    cfg_path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir() or not cfg_path.is_file():
+        load_model_config(model_dir)  # raises the one-line error for a missing directory or config.json
+    try:
+        return json.loads(cfg_path.read_bytes()), str(cfg_path)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelConfigError(f"{cfg_path}: not valid JSON: {e}") from None
+
+
+def model_from_dict(raw: dict, where: str = "config.json", path: str = "auto"):
+    """The model's config for the path that computes it: ``path`` "auto" (the template where it covers the
+    architecture, else the generic path), "template" or "generic"."""
+    archs = raw.get("architectures") if isinstance(raw, dict) else None
+    arch = archs[0] if isinstance(archs, list) and archs else None
+    if not isinstance(raw, dict) or path == "template" or (path == "auto" and arch in SUPPORTED):
+        return model_config_from_dict(raw, where)
+    from trainer.model.generic import generic_config
+
+    try:
+        return generic_config(raw, where)
+    except ModelConfigError as e:
+        if path == "generic":
+            raise
+        raise ModelConfigError(f"{e}; the template takes {', '.join(SUPPORTED)}") from None
+
+
+def load_model(model_dir: str | Path, path: str = "auto"):
+    raw, where = read_config(model_dir)
+    return model_from_dict(raw, where, path)
+
+
+def model_stages(cfg, dtype: torch.dtype, device: torch.device):
+    """The computation of ``cfg``'s model in the executor's terms."""
+    if getattr(cfg, "generic", False):
+        from trainer.model.generic import GenericStages
+
+        return GenericStages(cfg, dtype, device)
+    return TemplateStages(cfg, dtype, device)

@@ -1,0 +1,122 @@
+"""The template's computation in the executor's terms: per-micro-batch contexts, the embedding, one decoder
+layer forward, its backward by recompute, the final norm + LM head loss, and the embedding's gradient.
+
+The executor (``trainer.executor``) runs a step layer-major over these, whatever computes them: this
+hand-written template for the Llama family and its MoE members, or ``trainer.model.generic`` for other
+transformers models (the same methods). Weights come as dicts: the embedding's and the head's by full
+name, a layer's by names relative to the layer. Gradients come back in fp32.
+
+A sparse model's load-balancing loss (``trainer.model.moe``) lives in the contexts: each micro-batch's
+``RouterStats`` counts during the forward, ``forward_done`` freezes them and returns the step's loss term,
+and each layer's backward differentiates the layer's share of it along with the layer's output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from trainer.model.config import ModelConfig
+from trainer.model.layers import decoder_layer, head_loss, head_loss_backward, rope_tables
+from trainer.model.moe import RouterStats
+from trainer.model.weights import EMBED, LM_HEAD, NORM
+
+
+@dataclass
+class MicroBatch:
+    """What a micro-batch's layers need besides their weights and input."""
+
+    rope: tuple
+    router: RouterStats | None = None
+
+
+class TemplateStages:
+    embed_name = EMBED
+    norm_name = NORM
+    head_name = LM_HEAD
+    embed_grads_need_weights = False  # the embedding's gradient is a scatter of the input gradients
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
+        self.cfg, self.dtype, self.device = cfg, dtype, device
+        self._rope = None
+
+    @property
+    def aux_loss_coef(self) -> float:
+        return self.cfg.moe.aux_loss_coef if self.cfg.moe is not None else 0.0
+
+    def _rope_for(self, t: int):
+        if self._rope is None or self._rope[0].shape[0] < t:
+            self._rope = rope_tables(self.cfg, t, self.device, self.dtype)
+        return self._rope
+
+    def contexts(self, ids: list[torch.Tensor], masks: list, n_micro: int, train: bool) -> list[MicroBatch]:
+        """One context per micro-batch of ``ids`` (with their padding ``masks``, None: no padding); on a
+        training step of ``n_micro`` micro-batches in all, a sparse model's router statistics, each weighted
+        for the step's loss (the mean over its micro-batches of their load-balancing losses, times the
+        coefficient)."""
+        rope = self._rope_for(max(x.shape[1] for x in ids))
+        coef = self.aux_loss_coef if train else 0.0
+        return [MicroBatch(rope, RouterStats(m, x.numel(), self.cfg.moe, coef / n_micro, self.device) if coef else None)
+                for x, m in zip(ids, masks)]
+
+    def embed(self, w: dict[str, torch.Tensor], ids: torch.Tensor, ctx: MicroBatch) -> torch.Tensor:
+        return F.embedding(ids, w[EMBED])
+
+    def layer(self, i: int, w: dict[str, torch.Tensor], x: torch.Tensor, ctx: MicroBatch) -> torch.Tensor:
+        """Decoder layer ``i`` over ``x`` with its weights ``w`` (no gradient)."""
+        return decoder_layer(w, x, ctx.rope, self.cfg, ctx.router)
+
+    def forward_done(self, ctxs: list[MicroBatch]) -> torch.Tensor | None:
+        """The forward of these micro-batches is complete: freeze their router statistics; the weighted sum
+        of their load-balancing losses (None without)."""
+        terms = [c.router.weight * c.router.freeze() for c in ctxs if c.router is not None]
+        return sum(terms) if terms else None
+
+    def layer_backward(self, i: int, w: dict[str, torch.Tensor], x: torch.Tensor, gy: torch.Tensor, ctx: MicroBatch):
+        """Recompute the layer from its input ``x`` and backpropagate ``gy`` (plus the layer's share of the
+        load-balancing loss): (input gradient, the weights' gradients in ``w``'s order)."""
+        x = x.detach().requires_grad_()
+        leaves = {k: t.detach().requires_grad_() for k, t in w.items()}
+        with torch.enable_grad():
+            y = decoder_layer(leaves, x, ctx.rope, self.cfg, ctx.router)
+            outs, grads = [y], [gy]
+            term = ctx.router.take_term() if ctx.router is not None else None
+            if term is not None:
+                outs.append(term)
+                grads.append(torch.ones_like(term))
+            res = torch.autograd.grad(outs, [x, *leaves.values()], grads, allow_unused=True)
+        return res[0], [g if g is not None else torch.zeros_like(t) for g, t in zip(res[1:], leaves.values())]
+
+    def head_loss_backward(self, h: torch.Tensor, targets: torch.Tensor, w: dict[str, torch.Tensor],
+                           tied: dict[str, torch.Tensor] | None, scale: float, chunk: int):
+        """Summed cross-entropy of the head over ``targets`` and its backward for ``sum * scale``: (loss sum,
+        grad of h, {head weight: grad}, the tied embedding's grad or None)."""
+        head_w = tied[EMBED] if tied is not None else w[LM_HEAD]
+        loss, gh, gnw, ghw = head_loss_backward(h, targets, w[NORM], head_w, self.cfg.rms_norm_eps, scale, chunk)
+        if tied is not None:
+            return loss, gh, {NORM: gnw}, ghw
+        return loss, gh, {NORM: gnw, LM_HEAD: ghw}, None
+
+    def head_loss(self, h: torch.Tensor, targets: torch.Tensor, w: dict[str, torch.Tensor],
+                  tied: dict[str, torch.Tensor] | None, chunk: int) -> torch.Tensor:
+        head_w = tied[EMBED] if tied is not None else w[LM_HEAD]
+        return head_loss(h, targets, w[NORM], head_w, self.cfg.rms_norm_eps, chunk)
+
+    def embed_grads(self, w: dict[str, torch.Tensor], ids: list[torch.Tensor], grads_h: list[torch.Tensor],
+                    ctxs: list[MicroBatch], tied_grad: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """The embedding's gradient: every micro-batch's input gradient, plus the tied LM head's. As Hugging
+        Face's padding_idx, the lookups of the pad token add nothing to its row; a tied head's gradient of
+        that row stays."""
+        cfg = self.cfg
+        hidden = cfg.hidden_size
+        g = tied_grad if tied_grad is not None else torch.zeros((cfg.vocab_size, hidden), dtype=torch.float32,
+                                                                 device=self.device)
+        pad = cfg.pad_token_id if cfg.pad_token_id is not None and 0 <= cfg.pad_token_id < cfg.vocab_size else None
+        pad_row = g[pad].clone() if pad is not None else None
+        for x, gy in zip(ids, grads_h):
+            g.index_add_(0, x.reshape(-1), gy.reshape(-1, hidden).float())
+        if pad is not None:
+            g[pad] = pad_row
+        return {EMBED: g}
