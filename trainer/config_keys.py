@@ -87,7 +87,6 @@ KEYS: dict[str, Answer] = {
               "config.json", "rope_scaling", ok=()),
     **_refuse("this changes the model's architecture, which tiermem does not support", "shift_attn",
               "mixture_of_depths", "use_unsloth", "upcast_layernorm", "upcast_lmhead_output"),
-    **_refuse("the auxiliary router loss of mixture-of-experts models is not supported", "moe_aux_loss_coef", ok=()),
     **_refuse("KTransformers offload is not supported: tiermem keeps the state in its own tiered store", "use_kt"),
     **_noop("used only with use_kt", "kt_cpu_activation", "kt_weight_path", "kt_non_expert_weight_path",
             "kt_expert_checkpoint_path", "kt_use_lora_experts", "kt_lora_expert_num",

@@ -238,7 +238,9 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
         ckpt.remove_partial(out)
         budget = activation_budget(cfg, store, job.store_plan)
         tb = open_writer(cfg, out)  # report_to: tensorboard (sets cfg.logging_dir to where it writes)
-        (out / "training_args.yaml").write_text(yaml.safe_dump(resolved(cfg, scfg, budget, store), sort_keys=False))
+        args = dict(resolved(cfg, scfg, budget, store),
+                    tiermem_model_path="generic" if getattr(mcfg, "generic", False) else "template")
+        (out / "training_args.yaml").write_text(yaml.safe_dump(args, sort_keys=False))
         executor = Executor(store, mcfg, dtype, optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens, budget)
         report = Reporter(out, total, active, say, resume_step=start, sink=tb.record if tb else None,
                           first_step=cfg.logging_first_step)
