@@ -79,7 +79,9 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
     data["shape"] = {"rows": shape.rows, "tokens_per_row": shape.seq, "micro_batches": shape.micro_batches}
     data["plan_seconds"] = time.perf_counter() - t0
     pred = data["prediction"]
-    text = [f"model: {mcfg.family}, {mcfg.num_params() / 1e9:.2f} B params, {mcfg.num_layers} layers, "
+    n = mcfg.num_params()
+    text = [f"model: {mcfg.family}, " + (f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M")
+            + f" params, {mcfg.num_layers} layers, "
             f"{'bf16' if cfg.bf16 else 'fp32'}; a step: {shape.micro_batches} x {shape.rows} rows x {shape.seq} "
             f"tokens = {shape.tokens:,} tokens",
             f"machine: {machine.source}" + (f"; assumed: {', '.join(machine.assumed)}" if machine.assumed else ""),
