@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -121,10 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"tiermem plan: error: {e}", file=sys.stderr)
         return e.exit_code
-    if args.json:
-        print(json.dumps(data, indent=1, default=str))
-    else:
-        print("\n".join(text))
+    try:
+        print(json.dumps(data, indent=1, default=str) if args.json else "\n".join(text))
+        sys.stdout.flush()
+    except BrokenPipeError:  # (piped into head): the rest is not wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
