@@ -170,10 +170,10 @@ def test_the_pad_row_trains_as_in_hugging_face(tmp_path, family, tied):
 @pytest.mark.slow
 @pytest.mark.parametrize("gpu_share,passes", [(0.0, 1), (0.5, 1), (1.0, 1), (0.0, 2), (0.5, 2)])
 def test_auto_placement_with_resident_shared_groups_matches(tmp_path, gpu_share, passes):
-    """Embeddings and head resident on the (CPU stand-in) GPU tier, layers streamed from DRAM; a share of
-    the layers updated by the optimizer's GPU worker (state streamed to the "GPU" and back); with a small
+    """The planner's placement with an explicit optimizer.gpu_share (which wins over the planner's split): the
+    state lives on the (CPU stand-in) GPU tier and the workers split the groups by the share; with a small
     activation budget each step runs as one layer-major pass per micro-batch, gradients adding up in the
-    store between passes."""
+    store between passes. (test_planner_layouts_match_plain_pytorch streams some groups.)"""
     model_dir = save_tiny_model("llama", tmp_path / "model")
     data_dir = tmp_path / "data"
     name = write_tokenized_dataset(data_dir)
@@ -227,3 +227,32 @@ def test_bf16_loss_curve_matches_the_mixed_precision_recipe(tmp_path):
     assert [r["loss"] for r in log] == pytest.approx(losses, rel=2e-2)
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["dtype"] == "bfloat16" and "torch_dtype" not in cfg  # transformers 5 warns of torch_dtype
+
+
+@pytest.mark.parametrize("case", ["resident+streamed", "cpu worker", "pinned on nvme", "two passes"])
+def test_planner_layouts_match_plain_pytorch(tmp_path, case):
+    """The planner's layouts on a (CPU stand-in) GPU too small for the whole state: groups that live in HBM
+    (updated in place), a streamed group, an explicit gpu_share (the CPU worker takes the resident groups
+    too), a pinned kind on NVMe beside kinds in HBM (the GPU worker reads and writes it through the store),
+    and two passes a step: each ends with plain PyTorch's weights."""
+    model_dir = save_tiny_model("llama", tmp_path / "model")
+    data_dir = tmp_path / "data"
+    name = write_tokenized_dataset(data_dir)
+    ref = reference_training(model_dir, data_dir, name, [])
+    tiermem = {"tiers": {"gpu": {"device": "cpu", "budget": "800KiB"}, "dram": {"budget": "64MiB"},
+                         "nvme": {"path": str(tmp_path / "nvme"), "budget": "64MiB", "backend": "posix"}}}
+    over = {}
+    if case == "cpu worker":
+        tiermem["optimizer"] = {"gpu_share": 0.0}
+    elif case == "pinned on nvme":
+        tiermem["placement"] = {"exp_avg_sq": "nvme"}
+        tiermem["tiers"]["gpu"]["budget"] = "820KiB"
+    elif case == "two passes":
+        over["tiermem_activation_budget"] = "1KiB"
+    assert run_cli(tmp_path, model_dir, data_dir, name, tiermem, **over) == 0
+    placement = yaml.safe_load((tmp_path / "out" / "training_args.yaml").read_text())["tiermem"]["placement"]
+    if case == "pinned on nvme":
+        assert placement["exp_avg_sq"] == "nvme" and placement["exp_avg"] == "gpu", placement
+    else:  # some groups in HBM, the others streamed from DRAM
+        assert set(placement["master" if "master" in placement else "param"]) == {"gpu", "dram"}, placement
+    assert_same_weights(tmp_path / "out", ref, tied=False)

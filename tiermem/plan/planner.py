@@ -141,8 +141,11 @@ def _place(group_bytes: dict, w: Workload, pins: dict, state_room: int, budgets:
             used += size
         elif "param" in free_kinds:
             left_out = True
+    streamed = [b for (g, k), b in group_bytes.items() if k == "param" and where[(g, k)] != "gpu"]
+    if streamed:  # (the slots hold the largest streamed group's weights)
+        used += cfg.tiers.gpu.slots * max(streamed)
     if used > state_room:
-        raise BudgetError(f"the kinds pinned to gpu need {format_size(used)} of HBM, "
+        raise BudgetError(f"the GPU needs {format_size(used)} for the state it holds and its streaming slots, "
                           f"{format_size(max(state_room, 0))} is left beside the activations")
     dram_budget = budgets.get("dram")
     if dram_budget is None:
