@@ -81,8 +81,9 @@ def test_budgets_are_never_exceeded(gpu, dram, layers, nvme_read, cpu):
     try:
         p = plan(layers=layers, gpu=gpu * GiB, dram=dram * GiB, m=machine(gpu_memory=gpu * GiB,
                  nvme_read=nvme_read * 1e9, cpu_adamw=cpu * 1e9))
-    except BudgetError as e:
-        assert "does not fit" in str(e) or "do not fit" in str(e)
+    except BudgetError as e:  # the planner's own refusal, never a plan the budget check then rejects
+        assert ("does not fit" in str(e) or "do not fit" in str(e) or "left beside the activations" in str(e)) \
+            and not str(e).startswith("placement does not fit"), str(e)
         return
     need = p.need()
     assert need["gpu"] + p.activation_bytes <= p.hbm_room
