@@ -317,3 +317,20 @@ def test_the_run_corrects_its_prediction_and_names_what_was_off():
     extra = watch.predicted * 0.4
     lines = [line for n in range(3, 8) for line in watch.observe(n, slow(watch.prediction.compute, extra))]
     assert len(lines) == 1 and "waiting for the optimizer" in lines[0] and "+" in lines[0]
+
+
+def test_steps_that_grow_are_reported_once():
+    from trainer.executor import StepResult
+    from trainer.plan_watch import PlanWatch
+
+    p = plan(layers=6, gpu=80 * GiB)
+    watch = PlanWatch(p, start=10)
+    base = max(p.prediction.compute, 1.0)
+    step = lambda wait: StepResult(1.0, 1.0, 100, base + wait, 0.0, wait, {})
+    said = []
+    for n in range(12):  # flat, then the optimizer's wait grows by 0.2 s a step
+        said += watch.observe(n, step(0.0 if n < 6 else 0.2 * (n - 5)))
+    growing = [line for line in said if "growing" in line]
+    assert len(growing) == 1 and "waiting for the optimizer" in growing[0] and "since step 13" in growing[0]
+    flat = PlanWatch(p)
+    assert not [line for n in range(12) for line in flat.observe(n, step(0.0)) if "growing" in line]

@@ -244,7 +244,7 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
         executor = Executor(store, mcfg, dtype, optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens, budget)
         report = Reporter(out, total, active, say, resume_step=start, sink=tb.record if tb else None,
                           first_step=cfg.logging_first_step)
-        watch = PlanWatch(job.store_plan) if job.store_plan is not None else None
+        watch = PlanWatch(job.store_plan, start) if job.store_plan is not None else None
         if watch is not None:
             report.predicted = watch.predicted
         saved: dict[int, str] = {}  # checkpoints written, for trainer_state.json's best_model_checkpoint

@@ -2,7 +2,8 @@
 first steps, and one line naming the resource that was off when the steady step misses the prediction.
 
     watch = PlanWatch(plan)
-    for each step: notes = watch.observe(step_index, result)   # lines to print (rarely any)
+    for each step: notes = watch.observe(step_index, result)   # lines to print (rarely any): the compute
+                                                               # corrected, the prediction missed, steps growing
     watch.predicted                                            # the current prediction's step seconds
 """
 
@@ -14,14 +15,17 @@ from tiermem.plan.costmodel import Layout, predict
 
 STEADY_FROM = 2  # steps before this (0-based, since the start or a resume) fill the pipeline
 TOLERANCE = 0.15
+FLAT = 0.05  # steady steps stay within this of each other; steps that grow are a defect to report
+NOISE_S = 0.5  # shorter steps (tiny models, the CPU stand-in) vary more than any of this says
 
 
 class PlanWatch:
-    def __init__(self, plan):
-        self.plan = plan
+    def __init__(self, plan, start: int = 0):
+        self.plan, self.start = plan, start
         self.prediction = plan.prediction
         self.corrected = False
         self.warned = False
+        self.growing_said = False
         self.seen: list = []
 
     @property
@@ -43,10 +47,30 @@ class PlanWatch:
         if len(steady) >= 3 and not self.warned:
             measured = statistics.median(r.seconds for r in steady)
             off = measured / self.predicted - 1
-            if abs(off) > TOLERANCE:
+            if abs(off) > TOLERANCE and measured >= NOISE_S:
                 self.warned = True
                 out.append(self._which(steady, measured, off))
+        if len(steady) >= 6 and not self.growing_said:
+            line = self._growing(steady)
+            if line:
+                self.growing_said = True
+                out.append(line)
         return out
+
+    def _growing(self, steady: list) -> str | None:
+        """One line when the last steady steps take longer than the first ones by more than FLAT."""
+        med = lambda rs, k: statistics.median(getattr(r, k) for r in rs)
+        head, tail = steady[:3], steady[-3:]
+        first, last = med(head, "seconds"), med(tail, "seconds")
+        if last <= first * (1 + FLAT) or first < NOISE_S:
+            return None
+        grew = {"waiting for transfers": med(tail, "wait_transfer") - med(head, "wait_transfer"),
+                "waiting for the optimizer": med(tail, "wait_optimizer") - med(head, "wait_optimizer"),
+                "GPU compute": med(tail, "compute") - med(head, "compute")}
+        name = max(grew, key=lambda k: grew[k])
+        return (f"plan: steps are growing: {first:.2f}s -> {last:.2f}s since step {self.start + STEADY_FROM + 1} "
+                f"(+{last / first - 1:.0%}), most of it {name} ({grew[name]:+.2f}s); steady steps should stay within "
+                f"{FLAT:.0%}: a defect worth reporting")
 
     def _correct(self) -> list[str]:
         """Scale the plan's compute by what the first steps measured (the layer timing at plan time is one
