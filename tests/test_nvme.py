@@ -36,6 +36,31 @@ def test_posix_direct_on_disk(nvme_dir, store_name):
     assert not tier.path.exists()
 
 
+def test_discarded_extents_give_their_disk_space_back(nvme_dir, store_name):
+    """The state a finished run no longer reads is discarded: its blocks go back to the filesystem (the file
+    keeps its size) and its extents are free; the rest reads back unchanged."""
+    from tiermem.tiers.nvme import can_punch_holes
+
+    tier = NvmeTier(nvme_dir, store_name, 16 << 20, backend="posix")
+    try:
+        if not can_punch_holes(nvme_dir):
+            pytest.skip("this filesystem cannot punch holes")
+        keep, drop = tier.allocate(4 << 20), tier.allocate(8 << 20)
+        data = torch.randint(0, 255, (4 << 20,), dtype=torch.uint8)
+        tier.pwrite(data, keep).result()
+        tier.pwrite(torch.ones(8 << 20, dtype=torch.uint8), drop).result()
+        before = tier.path.stat().st_blocks * 512
+        assert tier.discard([drop]) == 8 << 20
+        assert before - tier.path.stat().st_blocks * 512 == 8 << 20
+        assert tier.path.stat().st_size == 16 << 20
+        assert tier.allocator.free_bytes() == 12 << 20
+        back = torch.empty_like(data)
+        tier.pread(back, keep).result()
+        assert torch.equal(back, data)
+    finally:
+        tier.close()
+
+
 def test_posix_buffered_where_o_direct_is_refused(nvme_dir, store_name, monkeypatch, caplog):
     real_open = os.open
 

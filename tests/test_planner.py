@@ -135,6 +135,21 @@ def test_a_state_too_big_for_every_tier_is_refused_in_one_line():
     assert "does not fit" in str(e.value) and "\n" not in str(e.value)
 
 
+def test_the_room_kept_for_the_export_binds_only_the_state_that_stays_on_nvme():
+    """Gradients and moments on NVMe are discarded before the export: only the rest must leave the exported
+    model's room (``nvme_kept``); a plan that needs master weights there beyond it is refused in one line."""
+    specs = specs_for(8, 50_000_000, 100_000_000)
+    m, w = machine(gpu_memory=8 * GiB), workload(8)
+    p = plan_step(specs, store_cfg(), w, m, {"gpu": 8 * GiB, "dram": 5 * GiB, "nvme": 200 * GiB, "nvme_kept": 0},
+                  cuda=True)
+    on_nvme = {k for (g, k), t in p.where.items() if t == "nvme"}
+    assert on_nvme and on_nvme <= {"exp_avg", "exp_avg_sq"}
+    with pytest.raises(BudgetError) as e:  # DRAM so small that master weights must spill too
+        plan_step(specs, store_cfg(), w, m, {"gpu": 8 * GiB, "dram": 4 * GiB, "nvme": 200 * GiB, "nvme_kept": 0},
+                  cuda=True)
+    assert "more is needed" in str(e.value) and "exported model" in str(e.value) and "\n" not in str(e.value)
+
+
 # -- the cost model against a simulation written separately ---------------------------------------------
 
 def simulate_streamed_cpu(w: Workload, m: Machine, gb: dict, params: dict, slots: int) -> dict:

@@ -7,6 +7,10 @@
 #                                        # placement with only an NVMe path set (STEPS, default 6)
 #   bash tools/gpu_plan_check.sh 14b     # tiermem-train on the Qwen2.5-14B shape across HBM, DRAM and NVMe,
 #                                        # after a full `tiermem probe` (ACCUM, default 64; STEPS, default 4)
+#   bash tools/gpu_plan_check.sh moe     # the MoE tests on CUDA; tiermem-train on Qwen3-30B-A3B's dimensions
+#                                        # with LAYERS (default 20) layers, auto placement over the three tiers
+#                                        # (ACCUM, default 4, of 4 rows; STEPS, default 6); `tiermem plan` of
+#                                        # the whole 48-layer model (its one-line refusal)
 # Details under $OUT; a short table prints last.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -65,6 +69,22 @@ $(python3 -c "import json; print(json.load(open('/tmp/run8b/out/store_stats.json
   grep -vE "^(example|Human|Assistant)" "$OUT/train14b.txt" | tail -20
   cp /tmp/run14b/out/trainer_log.jsonl /tmp/run14b/out/store_stats.json "$OUT/" 2>/dev/null
   summary+=("14B auto (rc $rc): $(steps_of /tmp/run14b/out/trainer_log.jsonl)")
+  ;;
+moe)
+  python3 -m pytest -q -rf -p no:cacheprovider tests/test_cuda.py -k "moe or plain" > "$OUT/pytest_moe.log" 2>&1
+  summary+=("test_cuda -k 'moe or plain': $(grep -E "passed|failed" "$OUT/pytest_moe.log" | tail -1)")
+  python3 tools/make_shape_run.py --shape qwen3-30b-a3b --dir /tmp/q30 --accum 16 --steps 1 --nvme /tmp/nvme >/dev/null
+  python3 -m trainer.plan_cli /tmp/q30/train.yaml > "$OUT/plan_q30.txt" 2>&1
+  summary+=("tiermem plan Qwen3-30B-A3B (rc $?): $(cat "$OUT/plan_q30.txt")")
+  python3 tools/make_shape_run.py --shape qwen3-30b-a3b --layers "${LAYERS:-20}" --dir /tmp/qmoe --batch 4 \
+    --accum "${ACCUM:-4}" --steps "${STEPS:-6}" --nvme /tmp/nvme >/dev/null
+  python3 -m trainer.plan_cli /tmp/qmoe/train.yaml > "$OUT/plan_moe.txt" 2>&1; cat "$OUT/plan_moe.txt"
+  python3 -m trainer.cli /tmp/qmoe/train.yaml > "$OUT/train_moe.txt" 2>&1; rc=$?
+  grep -vE "^(example|Human|Assistant)" "$OUT/train_moe.txt" | tail -20
+  cp /tmp/qmoe/out/trainer_log.jsonl "$OUT/log_moe.jsonl" 2>/dev/null
+  summary+=("Qwen3-MoE ${LAYERS:-20} layers auto (rc $rc): $(steps_of /tmp/qmoe/out/trainer_log.jsonl); \
+$(grep -E "^predicted step" "$OUT/plan_moe.txt")")
+  rm -rf /tmp/qmoe/out /tmp/q30
   ;;
 esac
 echo "== summary"; printf '%s\n' "${summary[@]}"

@@ -9,7 +9,7 @@ Shapes: 3b and 8b (Llama 3.2-3B-like untied, Llama-3.1-8B), 14b (Qwen2.5-14B: hi
 intermediate 13824, 40 heads, 8 KV heads, vocab 152064, untied), qwen3-30b-a3b (Qwen3-30B-A3B: hidden 2048,
 48 layers of 128 experts of intermediate 768, top-8 renormalised, 32 heads, 4 KV heads, head_dim 128, vocab
 151936, the router's load-balancing loss on; 30.5 B params, 3.4 B active) and qwen3-moe-24l (the same with 24
-layers: 15.6 B params). Rows are `--seq` tokens each (4096); a
+layers: 15.6 B params); `--layers N` changes a shape's depth. Rows are `--seq` tokens each (4096); a
 step takes `--accum` micro-batches of `--batch` rows.
 """
 
@@ -45,6 +45,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), required=True)
     ap.add_argument("--dir", required=True, help="where the model, data and train.yaml go")
+    ap.add_argument("--layers", type=int, help="decoder layers (default: the shape's)")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--accum", type=int, default=32)
@@ -55,7 +56,9 @@ def main() -> None:
     d = Path(args.dir)
     (d / "model").mkdir(parents=True, exist_ok=True)
     (d / "data").mkdir(exist_ok=True)
-    shape = SHAPES[args.shape]
+    shape = dict(SHAPES[args.shape])
+    if args.layers:
+        shape["num_hidden_layers"] = args.layers
     (d / "model" / "config.json").write_text(json.dumps(shape))
     rng = random.Random(0)
     rows = args.batch * args.accum * args.steps

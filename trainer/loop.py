@@ -24,6 +24,7 @@ from tiermem.errors import BudgetError, ConfigError
 from tiermem.optim import AdamWConfig, OptimSettings
 from tiermem.plan.machine import Machine
 from tiermem.plan.placement import make_plan
+from tiermem.plan.planner import DISCARDED_AT_END
 from tiermem.plan.resolve import compute_device
 from tiermem.schema import to_plain
 from tiermem.session import Session, open_session
@@ -335,6 +336,8 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                                          -(-len(job.eval_rows) // cfg.per_device_eval_batch_size),
                                          plan.epoch_of(total), cfg.stage)
         session.refresh_layout()
+        if session.attached is None:  # (the service keeps its state) the disk's room goes to the export
+            store.discard_on_nvme(DISCARDED_AT_END)
         with _bar(console) as bar:
             task = bar.add_task("exporting", total=n_params)
             export_model(store, mcfg, out, "master" if cfg.bf16 else "param", dtype, model_dir,

@@ -65,18 +65,27 @@ def local_budgets(scfg: StoreConfig, mcfg, dtype: torch.dtype, out_dir, saves: b
     """This machine's tier budgets for a run writing to ``out_dir``: the GPU's is tiers.gpu.budget (unset: all
     of HBM, activations included); an unset NVMe budget leaves room on its disk, when ``out_dir`` is on the
     same one, for the exported model and (``saves``) one checkpoint: a full disk at the end loses nothing
-    but the time of the run."""
+    but the time of the run. Where the disk takes holes punched in a file, the exported model's room is only
+    kept from the state that stays on NVMe to the end (``nvme_kept``): the gradients and moments there are
+    discarded before the export."""
     import os
 
     from tiermem.plan.placement import default_budgets, existing_parent
+    from tiermem.tiers.nvme import can_punch_holes
 
     b = {**default_budgets(scfg), "gpu": scfg.tiers.gpu.budget}
     nv = scfg.tiers.nvme
     if nv is not None and nv.budget is None and b.get("nvme") is not None and out_dir is not None:
-        if os.stat(existing_parent(str(nv.path))).st_dev == os.stat(existing_parent(str(out_dir))).st_dev:
+        where = existing_parent(str(nv.path))
+        if os.stat(where).st_dev == os.stat(existing_parent(str(out_dir))).st_dev:
             n = mcfg.num_params()
-            keep = n * torch.empty((), dtype=dtype).element_size() + (n * (2 + 12) if saves else 0)
-            b["nvme"] = max(0, b["nvme"] - keep)
+            export = n * torch.empty((), dtype=dtype).element_size()
+            ckpt = n * (2 + 12) if saves else 0
+            b["nvme"] = max(0, b["nvme"] - ckpt)
+            if can_punch_holes(where):  # (the state the export does not read is discarded before it)
+                b["nvme_kept"] = max(0, b["nvme"] - export)
+            else:
+                b["nvme"] = max(0, b["nvme"] - export)
     return b
 
 

@@ -30,6 +30,7 @@ from tiermem.sizes import align_up, format_size
 from tiermem.store.catalog import TensorSpec
 
 SPILL_ORDER = ("exp_avg_sq", "exp_avg", "master", "grad", "param")  # coldest first
+DISCARDED_AT_END = ("grad", "exp_avg", "exp_avg_sq")  # on NVMe: given back to the disk before the export
 CPU_SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
 HBM_RESERVE = 0.06  # of HBM kept free for the allocator's fragmentation and the CUDA context
 
@@ -171,11 +172,14 @@ def _place(group_bytes: dict, w: Workload, pins: dict, state_room: int, budgets:
         where[key] = "nvme"
         if dram_need() <= dram_budget:
             break
-    if dram_need() > dram_budget:
-        raise BudgetError(_short_line(group_bytes, budgets, state_room, "dram"))
+    if dram_need() > dram_budget:  # (what DRAM still holds, and the staging of a group's NVMe state)
+        raise BudgetError(_short_line(group_bytes, budgets, state_room, "staging", dram_need() - dram_budget))
     nvme = sum(b for key, b in group_bytes.items() if where[key] == "nvme")
-    if budgets.get("nvme") is not None and nvme > budgets["nvme"]:
-        raise BudgetError(_short_line(group_bytes, budgets, state_room, "nvme"))
+    if budgets.get("nvme") is not None and nvme > budgets["nvme"]:  # (DRAM also stages a group's NVMe state)
+        raise BudgetError(_short_line(group_bytes, budgets, state_room, "nvme", nvme - budgets["nvme"]))
+    kept = sum(b for key, b in group_bytes.items() if where[key] == "nvme" and key[1] not in DISCARDED_AT_END)
+    if budgets.get("nvme_kept") is not None and kept > budgets["nvme_kept"]:  # (beside the exported model)
+        raise BudgetError(_short_line(group_bytes, budgets, state_room, "export", kept - budgets["nvme_kept"]))
     return where
 
 
@@ -202,13 +206,18 @@ def _update_splits(where: dict, w: Workload):
             yield set(gpu)
 
 
-def _short_line(group_bytes: dict, budgets: dict, state_room: int, tier: str) -> str:
+def _short_line(group_bytes: dict, budgets: dict, state_room: int, tier: str, short: int = 0) -> str:
+    """The refusal: what the tiers hold and how much more is needed (``short``: the shortfall the spill found,
+    which counts DRAM's staging of NVMe state; at least the state beyond the three budgets)."""
     total = sum(group_bytes.values())
     fits = {"gpu": max(state_room, 0), "dram": budgets.get("dram"), "nvme": budgets.get("nvme")}
     have = sum(v for v in fits.values() if v)
-    more = max(total - have, 0)
-    what = ("an NVMe tier (tiers.nvme: {path: DIR}) or a larger tiers.dram.budget" if tier == "dram"
-            else "a larger tiers.nvme.budget or disk")
+    more = max(total - have, short, 0)
+    what = {"dram": "an NVMe tier (tiers.nvme: {path: DIR}) or a larger tiers.dram.budget",
+            "nvme": "a larger tiers.nvme.budget or disk",
+            "staging": "a larger tiers.dram.budget (DRAM stages each group's NVMe state on its way)",
+            "export": "disk for the exported model beside the weights kept on NVMe, a larger tiers.dram.budget, "
+                      "or an output_dir on another disk"}[tier]
     return (f"the training state ({format_size(total)}) does not fit: HBM {format_size(fits['gpu'] or 0)} beside the "
             f"activations, DRAM {format_size(fits['dram'] or 0)}, NVMe {format_size(fits['nvme'] or 0)}"
             + (f"; {format_size(more)} more is needed" if more else "") + f": add {what}")

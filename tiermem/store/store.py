@@ -142,6 +142,19 @@ class Store:
 
         return self._ordered(entry, run)
 
+    def discard_on_nvme(self, kinds: tuple[str, ...]) -> int:
+        """The state of ``kinds`` on the NVMe tier will not be read again (the run's last step and checkpoint
+        are done): remove it, giving its disk space back for what the run writes next (the exported model).
+        Returns the bytes given back."""
+        if self.nvme is None:
+            return 0
+        for k in kinds:
+            self.flush(k)
+        gone = [e for e in self.catalog.entries() if e.spec.kind in kinds and e.tier == "nvme"]
+        for e in gone:
+            self.catalog.remove(e.spec.name)
+        return self.nvme.discard([e.extent for e in gone])
+
     def location(self, entry: Entry) -> Location:
         return Location(entry.tier, entry.extent, entry.spec.nbytes)
 

@@ -8,10 +8,13 @@ straight to and from the file). ``auto`` takes kvikio when it is installed and c
 from __future__ import annotations
 
 import concurrent.futures as cf
+import ctypes
+import ctypes.util
 import errno
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -24,6 +27,31 @@ from tiermem.tiers.nvme_posix import PosixBackend
 
 log = logging.getLogger(__name__)
 SUFFIX = ".nvme"
+_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE (linux/falloc.h)
+_libc = None
+
+
+def punch_hole(fd: int, offset: int, length: int) -> bool:
+    """Give the file's bytes [offset, offset + length) back to the filesystem (the file keeps its size and
+    reads zeros there); False where the filesystem or platform cannot."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        if hasattr(_libc, "fallocate"):
+            _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    if not hasattr(_libc, "fallocate"):
+        return False
+    return _libc.fallocate(fd, _PUNCH_HOLE, offset, length) == 0
+
+
+def can_punch_holes(directory: str | Path) -> bool:
+    """Whether files in ``directory`` give freed bytes back (tried on a small file of its own)."""
+    try:
+        with tempfile.TemporaryFile(dir=directory) as f:
+            os.posix_fallocate(f.fileno(), 0, 1 << 16)
+            return punch_hole(f.fileno(), 0, 1 << 16)
+    except OSError:
+        return False
 
 
 def check_directory(path: Path, need: int) -> Path:
@@ -120,6 +148,20 @@ class NvmeTier:
 
     def free(self, extent: Extent) -> None:
         self.allocator.free(extent)
+
+    def discard(self, extents: list[Extent]) -> int:
+        """Free ``extents`` for good: their bytes go back to the filesystem (holes punched in the file) where
+        it can; returns the bytes given back."""
+        back = 0
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            for e in extents:
+                self.allocator.free(e)
+                if punch_hole(fd, e.offset, e.nbytes):
+                    back += e.nbytes
+        finally:
+            os.close(fd)
+        return back
 
     def pread(self, buf: torch.Tensor, extent: Extent) -> cf.Future:
         """Read the first ``buf.nbytes`` bytes of ``extent`` into ``buf``."""
