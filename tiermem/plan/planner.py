@@ -32,6 +32,7 @@ from tiermem.store.catalog import TensorSpec
 SPILL_ORDER = ("exp_avg_sq", "exp_avg", "master", "grad", "param")  # coldest first
 DISCARDED_AT_END = ("grad", "exp_avg", "exp_avg_sq")  # on NVMe: given back to the disk before the export
 CPU_SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
+TIE = 0.005  # a later candidate layout must predict a step this much shorter to be taken
 HBM_RESERVE = 0.06  # of HBM kept free for the allocator's fragmentation and the CUDA context
 
 
@@ -83,16 +84,37 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
         if state_room < 0:
             continue
         try:
-            where = _place(group_bytes, w, pins, state_room, budgets, cfg)
+            first = _place(group_bytes, w, pins, state_room, budgets, cfg)
         except BudgetError as e:
             short = e  # (the last: the most passes, the most HBM left to state)
             continue
-        for gpu_updates in _update_splits(where, w):
-            layout = Layout(where, gpu_updates, p, cfg.tiers.gpu.slots)
-            pred = predict(layout, w, m, group_bytes, params)
-            key = (round(pred.step, 6), p)
-            if best is None or key < best[0]:
-                best = (key, layout, pred, state_room, act)
+        # then the same with HBM left for the GPU worker to update every streamed group (their gradients
+        # wait there from the backward; three groups' state in flight); last, where neither leaves the GPU
+        # worker room, nothing in HBM but what is pinned there (every update may then run on the CPU)
+        reserve = gpu_update_bytes(first, group_bytes, set(w.groups))
+        tries = [(first, None), (state_room - reserve, True), (state_room, False)] if reserve else [(first, None)]
+        fits = False
+        for n, (where, fill) in enumerate(tries):
+            if n == 2 and fits:
+                break
+            if fill is not None:
+                try:
+                    where = _place(group_bytes, w, pins, where, budgets, cfg, fill)
+                except BudgetError:
+                    continue
+            free = state_room - _hbm_used(where, group_bytes, cfg)
+            for gpu_updates in _update_splits(where, w):
+                need = gpu_update_bytes(where, group_bytes, gpu_updates)
+                if need > free:
+                    short = BudgetError(f"the GPU's optimizer needs {format_size(need)} of HBM beside the state "
+                                        f"to update the groups it streams in, {format_size(max(free, 0))} is left: "
+                                        "raise tiers.gpu.budget, or pin fewer kinds off the GPU")
+                    continue
+                fits = True
+                layout = Layout(where, gpu_updates, p, cfg.tiers.gpu.slots)
+                pred = predict(layout, w, m, group_bytes, params)
+                if best is None or pred.step < best[0] * (1 - TIE):  # (the first of near-equal layouts: fewer
+                    best = (pred.step, layout, pred, state_room, act)  # passes, more state in HBM)
     if best is None:
         raise short or BudgetError(_does_not_fit(need_total, room, w, budgets))
     _, layout, pred, state_room, act = best
@@ -104,6 +126,26 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
     plan.hbm_room = room
     check_budgets(plan)
     return plan
+
+
+def gpu_update_bytes(where: dict, group_bytes: dict, gpu_updates: set) -> int:
+    """HBM the GPU worker needs to update the ``gpu_updates`` groups whose state does not all live in HBM:
+    each one's fp32 gradient, kept on the GPU from the backward until its update, and three groups' state in
+    flight (the next one arriving, one updating, the last one going home, with its compute copy)."""
+    streamed = [g for g in gpu_updates
+                if any(t != "gpu" for (h, k), t in where.items() if h == g)]
+    if not streamed:
+        return 0
+    grads = sum(group_bytes.get((g, "grad"), 0) for g in streamed)
+    state = max(sum(b for (h, k), b in group_bytes.items() if h == g and k != "grad") for g in streamed)
+    return grads + 3 * state
+
+
+def _hbm_used(where: dict, group_bytes: dict, cfg: StoreConfig) -> int:
+    """HBM the placed state and the streaming slots take."""
+    used = sum(b for key, b in group_bytes.items() if where[key] == "gpu")
+    streamed = [b for (g, k), b in group_bytes.items() if k == "param" and where[(g, k)] != "gpu"]
+    return used + (cfg.tiers.gpu.slots * max(streamed) if streamed else 0)
 
 
 def _finish_plan(layout: Layout, group_bytes: dict, cfg: StoreConfig, budgets: dict) -> Plan:
@@ -119,8 +161,9 @@ def _finish_plan(layout: Layout, group_bytes: dict, cfg: StoreConfig, budgets: d
 
 
 def _place(group_bytes: dict, w: Workload, pins: dict, state_room: int, budgets: dict,
-           cfg: StoreConfig) -> dict:
-    """HBM takes whole groups in update order while they fit; DRAM the rest; NVMe what DRAM cannot hold."""
+           cfg: StoreConfig, fill: bool = True) -> dict:
+    """HBM takes whole groups in update order while they fit (``fill``; else only what is pinned there);
+    DRAM the rest; NVMe what DRAM cannot hold."""
     groups = w.groups
     kinds_of: dict = defaultdict(list)
     for g, k in group_bytes:
@@ -130,7 +173,7 @@ def _place(group_bytes: dict, w: Workload, pins: dict, state_room: int, budgets:
     slots = cfg.tiers.gpu.slots * max((b for (g, k), b in group_bytes.items() if k == "param"), default=0)
     used = pinned_gpu
     left_out = any(where.get((g, "param")) not in (None, "gpu") for g in groups if "param" in pins)
-    for g in groups:  # (left_out: some group's weights stream: the slots are needed)
+    for g in groups if fill else []:  # (left_out: some group's weights stream: the slots are needed)
         free_kinds = [k for k in kinds_of[g] if k not in pins]
         if not free_kinds:
             continue
