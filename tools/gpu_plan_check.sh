@@ -69,6 +69,16 @@ $(python3 -c "import json; print(json.load(open('/tmp/run8b/out/store_stats.json
   grep -vE "^(example|Human|Assistant)" "$OUT/train14b.txt" | tail -20
   cp /tmp/run14b/out/trainer_log.jsonl /tmp/run14b/out/store_stats.json "$OUT/" 2>/dev/null
   summary+=("14B auto (rc $rc): $(steps_of /tmp/run14b/out/trainer_log.jsonl)")
+  summary+=("$(python3 - "$OUT/store_stats.json" "$OUT/probe.json" <<'PY'
+import json, sys
+links = json.load(open(sys.argv[1]))["links"]
+raw = {r["link"].split(" (")[0]: r["raw"] for r in json.load(open(sys.argv[2]))["rows"]}
+for name, probe in (("nvme->dram", "NVMe -> arena"), ("dram->nvme", "arena -> NVMe")):
+    l = links[name]
+    print(f"{name}: {l['bytes'] / 1e9:.1f} GB in {l['busy_s']:.1f} s busy = {l['gbps_avg']:.2f} GB/s, "
+          f"{l['gbps_avg'] / raw[probe]:.2f} of the probe's raw {raw[probe]:.2f} GB/s;", end=" ")
+PY
+)")
   ;;
 moe)
   python3 -m pytest -q -rf -p no:cacheprovider tests/test_cuda.py -k "moe or plain" > "$OUT/pytest_moe.log" 2>&1
