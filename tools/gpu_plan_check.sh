@@ -6,7 +6,8 @@
 #   bash tools/gpu_plan_check.sh 8b      # tiermem-train on the Llama-8B shape, 32x4096 tokens a step, auto
 #                                        # placement with only an NVMe path set (STEPS, default 6)
 #   bash tools/gpu_plan_check.sh 14b     # tiermem-train on the Qwen2.5-14B shape across HBM, DRAM and NVMe,
-#                                        # after a full `tiermem probe` (ACCUM, default 64; STEPS, default 4)
+#                                        # after a full `tiermem probe` (ACCUM, default 64; STEPS, default 4;
+#                                        # PROBE=FILE: a saved full probe of the machine instead)
 #   bash tools/gpu_plan_check.sh moe     # the MoE tests on CUDA; tiermem-train on Qwen3-30B-A3B's dimensions
 #                                        # with LAYERS (default 20) layers, auto placement over the three tiers
 #                                        # (ACCUM, default 4, of 4 rows; STEPS, default 6); `tiermem plan` of
@@ -60,14 +61,20 @@ small)
 $(python3 -c "import json; print(json.load(open('/tmp/run8b/out/store_stats.json'))['alloc_retries'])")")
   ;;
 14b)
-  python3 -m tiermem.cli probe --size 2GiB --nvme-path /tmp/nvme --save "$OUT/probe.json" --reps 2 > "$OUT/probe.txt" 2>&1
-  cat "$OUT/probe.txt"
+  if [ -n "${PROBE:-}" ]; then cp "$PROBE" "$OUT/probe.json"  # (a full probe of this machine, saved before)
+  else
+    python3 -m tiermem.cli probe --size 2GiB --nvme-path /tmp/nvme --save "$OUT/probe.json" --reps 2 > "$OUT/probe.txt" 2>&1
+    cat "$OUT/probe.txt"
+  fi
   python3 tools/make_shape_run.py --shape 14b --dir /tmp/run14b --accum "${ACCUM:-64}" --steps "${STEPS:-4}" \
     --nvme /tmp/nvme --set "tiermem={tiers: {nvme: {path: /tmp/nvme}}, probe: $OUT/probe.json}" >/dev/null
   python3 -m trainer.plan_cli /tmp/run14b/train.yaml > "$OUT/plan14b.txt" 2>&1; cat "$OUT/plan14b.txt"
   python3 -m trainer.cli /tmp/run14b/train.yaml > "$OUT/train14b.txt" 2>&1; rc=$?
   grep -vE "^(example|Human|Assistant)" "$OUT/train14b.txt" | tail -20
   cp /tmp/run14b/out/trainer_log.jsonl /tmp/run14b/out/store_stats.json "$OUT/" 2>/dev/null
+  [ -f "$OUT/store_stats.json" ] || python3 -c "import json, sys; json.dump(json.load(open(sys.argv[1]))['store'], \
+open(sys.argv[2], 'w'))" /tmp/run14b/out/tiermem_stats.json "$OUT/store_stats.json"  # (the live one)
+  ls -la /tmp/run14b/out | tail -8; df -h /tmp | tail -1
   summary+=("14B auto (rc $rc): $(steps_of /tmp/run14b/out/trainer_log.jsonl)")
   summary+=("$(python3 - "$OUT/store_stats.json" "$OUT/probe.json" <<'PY'
 import json, sys
