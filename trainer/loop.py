@@ -288,8 +288,9 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                     raise
                 except torch.OutOfMemoryError:
                     raise BudgetError(
-                        f"the GPU ran out of memory holding the activations of {len(batches)} micro-batches of "
-                        f"{cfg.per_device_train_batch_size} rows x up to {cfg.cutoff_len} tokens; lower "
+                        f"the GPU ran out of memory in step {step + 1} ({len(batches)} micro-batches of "
+                        f"{cfg.per_device_train_batch_size} rows x up to {cfg.cutoff_len} tokens, as "
+                        f"{executor.last_passes or 1} layer-major passes, beside the state kept in HBM); lower "
                         "per_device_train_batch_size or cutoff_len, tiermem_activation_budget (a step then runs as "
                         "several layer-major passes) or tiers.gpu.budget") from None
                 if step == start and executor.last_passes > 1:
