@@ -148,6 +148,48 @@ def test_the_gpu_optimizer_gets_room_for_the_groups_it_streams_in_or_leaves_them
         assert gpu_update_bytes(p.where, p.group_bytes, set(streamed)) >= 3 * p.group_bytes[(streamed[0], "master")]
 
 
+def test_a_services_plan_keeps_no_state_in_hbm_and_leaves_the_gpu_worker_its_room():
+    """A service's run (hbm_state False): every kind in DRAM or on NVMe whatever HBM there is, the GPU worker's
+    copies within the trainer's HBM; without CUDA (gpu_worker False) the CPU updates every group."""
+    specs = specs_for(8, 50_000_000, 100_000_000)
+    w = workload(8)
+    for room in (6 * GiB, 60 * GiB):
+        p = plan_step(specs, store_cfg(), w, machine(gpu_memory=room), {"gpu": room, "dram": 12 * GiB,
+                      "nvme": 200 * GiB}, cuda=False, hbm_state=False)
+        assert "gpu" not in set(p.where.values())
+        assert p.slot_bytes * p.n_slots + p.activation_bytes + \
+            gpu_update_bytes(p.where, p.group_bytes, p.gpu_updates) <= p.hbm_room
+    p = plan_step(specs, store_cfg(), w, machine(), {"gpu": 60 * GiB, "dram": 12 * GiB, "nvme": 200 * GiB},
+                  cuda=False, hbm_state=False, gpu_worker=False)
+    assert p.gpu_updates == set() and p.prediction.busy["cpu"] > 0
+
+
+def test_a_trainers_workload_goes_to_the_service_and_back_or_is_refused_in_one_line():
+    from tiermem.service.planning import plan_run
+    from tiermem.service.requests import RequestError
+
+    specs = specs_for(4, 1_000_000, 2_000_000)
+    w = workload(4)
+    assert Workload.from_json(w.to_json()) == w
+    from tiermem.plan.resolve import resolve_auto
+
+    raw = store_cfg()
+    cfg = resolve_auto(raw, role="service")
+    plan, share, told = plan_run(specs, cfg, raw, {"workload": w.to_json(), "hbm_room": 8 * GiB},
+                                 lambda: machine())
+    assert share == 0 and {t for _, _, t in told["where"]} <= {"dram", "nvme"} and told["passes"] == plan.passes
+    assert plan_run(specs, cfg, raw, None, machine) is None  # nothing sent: the fixed rule
+    bad = [("a list", "must be an object"), ({"workload": {}, "hbm_room": 1}, "workload.layers"),
+           ({"workload": dict(w.to_json(), tokens=-1), "hbm_room": 1}, "workload.tokens"),
+           ({"workload": dict(w.to_json(), fwd={"0": 1.0}), "hbm_room": 1}, "workload.fwd"),
+           ({"workload": dict(w.to_json(), micro_batches=1 << 30), "hbm_room": 1}, "workload.micro_batches"),
+           ({"workload": w.to_json(), "hbm_room": "lots"}, "hbm_room"),
+           ({"workload": workload(5).to_json(), "hbm_room": 1 << 30}, "groups")]
+    for asked, needle in bad:
+        with pytest.raises(RequestError, match=needle):
+            plan_run(specs, cfg, raw, asked, machine)
+
+
 def test_the_room_kept_for_the_export_binds_only_the_state_that_stays_on_nvme():
     """Gradients and moments on NVMe are discarded before the export: only the rest must leave the exported
     model's room (``nvme_kept``); a plan that needs master weights there beyond it is refused in one line."""

@@ -193,6 +193,23 @@ def test_with_cpu_groups_last_the_trainer_takes_the_first_groups_and_the_run_is_
         assert svc.stop() == 0
 
 
+def test_the_service_plans_a_run_from_its_trainers_step(env):
+    """placement auto in the service's config: the trainer sends its step's workload, the service plans the run
+    as an embedded run is planned (no state in HBM: it outlives the trainer) and both say the plan; the
+    weights are the embedded run's."""
+    ref = env.reference()
+    svc = env.service(placement="auto")
+    try:
+        run = env.train("planned")
+        assert run.returncode == 0, run.stderr
+        assert "plan: dram " in run.stdout and "plan: predicted step" in run.stdout, run.stdout
+        assert "plan: gpu" not in run.stdout  # (the service's state never lives in the trainer's HBM)
+        svc.wait_for("planned: predicted step")
+        assert same(env.weights("planned"), ref)
+    finally:
+        assert svc.stop() == 0
+
+
 @pytest.mark.parametrize("share,group,placement", [(0, 1, DRAM), (0, 1, PLACEMENT), (0.5, 1, PLACEMENT),
                                                      (0.5, 0, DRAM)])
 def test_service_killed_mid_update_recovers_and_the_run_ends_bit_identically(env, share, group, placement):

@@ -86,14 +86,14 @@ class Session:
 
 def open_session(specs: list[TensorSpec], settings: OptimSettings, config: StoreConfig | None = None,
                  server: str | Path | None = None, run_id: str = "", label: dict | None = None,
-                 plan: Plan | None = None) -> Session:
+                 plan: Plan | None = None, plan_input: dict | None = None) -> Session:
     """The store for ``specs`` with its optimizer: opened here from ``config`` (its autos resolved by the
     caller; placed by ``plan``, the planner's, when given: its GPU-updated groups go to the optimizer's GPU
     worker), or attached to the service at ``server`` (``default``: this user's default socket) for run
-    ``run_id``."""
+    ``run_id`` (which plans a new run from ``plan_input``, {workload, hbm_room}, when given)."""
     if server is not None:
         path = protocol.default_socket() if str(server) == "default" else Path(server)
-        attached = attach(path, run_id, label or {}, specs, settings)
+        attached = attach(path, run_id, label or {}, specs, settings, plan_input)
         return Session(attached.store, attached.optimizer, attached)
     store = Store.open(config, specs, streamed_kinds=("param",), plan=plan)
     try:

@@ -146,10 +146,15 @@ def open_training_session(job: Job, say) -> Session:
         job.store_plan = plan_run(job, scfg, say)
         return open_session(specs, settings, config=scfg, plan=job.store_plan)
     label = {"model": str(cfg.model_name_or_path), "output_dir": str(job.out.resolve())}
+    workload, plan_input = run_plan.service_plan_input(mcfg, job.dtype, step_shape(job), cfg.loss_chunk_tokens)
     session = open_session(specs, settings, server=cfg.tiermem_server, label=label,
-                           run_id=run_identity(cfg, mcfg, job.dtype, job.rows))
+                           run_id=run_identity(cfg, mcfg, job.dtype, job.rows), plan_input=plan_input)
     try:
         say(_attach_line(session))
+        if session.attached.plan is not None:  # the service planned the run (as an embedded run plans)
+            job.store_plan = run_plan.from_service(session.attached.plan, specs, workload)
+            for line in run_plan.lines(job.store_plan):
+                say(line)
         if session.continues_at is None:  # a new run in the service (from the checkpoint it names, if it lost one)
             job.resume = _checked_resume(cfg, job.out, mcfg, job.model_dir, session.named_checkpoint, say)
     except BaseException:

@@ -218,3 +218,39 @@ def advice(plan: Plan, ga: int, bound_at) -> str | None:
             best = (rate, "the disk bounds the step: more DRAM (tiers.dram.budget) or a faster disk moves it "
                           f"toward {rate:,.0f} tokens/s")
     return best[1] if best else None
+
+
+def service_plan_input(mcfg, dtype: torch.dtype, shape: Shape, loss_chunk: int):
+    """What an attached trainer sends the service so that it plans the run: the step's workload, timed on this
+    process's GPU (the CPU stand-in's for a small model), and the HBM the step may use."""
+    import psutil
+
+    from tiermem.plan.planner import HBM_RESERVE
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda") if cuda else torch.device("cpu")
+    m = Machine.h200("for the workload's estimate when the layer is not timed")
+    w = plan_workload.build(mcfg, dtype, shape.rows, shape.seq, shape.micro_batches, m, device, loss_chunk)
+    if cuda:
+        room = int(torch.cuda.get_device_properties(device).total_memory * (1 - HBM_RESERVE)) - (1 << 30)
+    else:  # (the CPU stand-in's "GPU" is a share of host memory, as an embedded run's)
+        room = psutil.virtual_memory().available // 4
+    return w, {"workload": w.to_json(), "hbm_room": int(room)}
+
+
+def from_service(told: dict, specs, w) -> Plan:
+    """The plan the service made of this run (``tiermem.service.planning``), as the run's own: placement, split,
+    passes and the prediction, made again here from the same figures."""
+    from tiermem.plan.costmodel import Layout, predict
+    from tiermem.plan.planner import sizes
+
+    group_bytes, params = sizes(specs)
+    where = {(g, k): t for g, k, t in told["where"]}
+    m = Machine.from_json(told["machine"])
+    gpu_updates = None if told.get("gpu_updates") is None else set(told["gpu_updates"])
+    plan = Plan(where, group_bytes, 0, 0, 0, {})
+    plan.passes, plan.gpu_updates = int(told["passes"]), gpu_updates
+    plan.activation_budget, plan.activation_bytes = told.get("activation_budget"), int(told["activation_bytes"])
+    plan.hbm_room, plan.machine, plan.workload, plan.params = int(told["hbm_room"]), m, w, params
+    plan.prediction = predict(Layout(where, gpu_updates or set(), plan.passes), w, m, group_bytes, params)
+    return plan

@@ -207,7 +207,7 @@ def predict(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_pa
         """The group's weights on the GPU: a slot filled over PCIe (or on the GPU from an offer)."""
         if tier(g, "param") == "gpu":
             return None
-        slot = slot_free[-layout.slots] if len(slot_free) >= layout.slots else None
+        slot = slot_free[-layout.slots] if layout.slots and len(slot_free) >= layout.slots else None
         return h2d(nbytes(g, "param"), [*deps, slot], f"fetch {g}")
 
     last_grad = []

@@ -53,6 +53,11 @@ class Machine:
         return asdict(self)
 
     @classmethod
+    def from_json(cls, o: dict) -> Machine:
+        """The figures ``to_json`` wrote (the service's, sent to its trainer)."""
+        return cls(**o)
+
+    @classmethod
     def h200(cls, note: str = "assumed: the H200 machine's figures") -> Machine:
         return cls(**H200, source=note, assumed=sorted(k for k in H200 if k not in ("ram",)))
 

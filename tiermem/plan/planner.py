@@ -67,8 +67,12 @@ def pass_counts(micro_batches: int) -> list[int]:
 
 
 def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine,
-              budgets: dict | None = None, cuda: bool = True, fixed_passes: int | None = None) -> Plan:
-    """The fastest predicted placement of ``specs`` for steps of ``w`` on machine ``m`` (see the module)."""
+              budgets: dict | None = None, cuda: bool = True, fixed_passes: int | None = None,
+              hbm_state: bool = True, gpu_worker: bool = True) -> Plan:
+    """The fastest predicted placement of ``specs`` for steps of ``w`` on machine ``m`` (see the module).
+    ``hbm_state`` False: no state in HBM (a service's run: the state outlives the trainer's GPU); HBM holds
+    the activations, the slots and the GPU worker's copies. ``gpu_worker`` False: the CPU updates every
+    group that does not live in HBM (a service without CUDA)."""
     if budgets is None:  # (the GPU's: tiers.gpu.budget or, unset, all of its HBM, activations included)
         budgets = {**default_budgets(cfg), "gpu": cfg.tiers.gpu.budget}
     budgets = dict(budgets)
@@ -84,14 +88,14 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
         if state_room < 0:
             continue
         try:
-            first = _place(group_bytes, w, pins, state_room, budgets, cfg)
+            first = _place(group_bytes, w, pins, state_room, budgets, cfg, fill=hbm_state)
         except BudgetError as e:
             short = e  # (the last: the most passes, the most HBM left to state)
             continue
         # then the same with HBM left for the GPU worker to update every streamed group (their gradients
         # wait there from the backward; three groups' state in flight); last, where neither leaves the GPU
         # worker room, nothing in HBM but what is pinned there (every update may then run on the CPU)
-        reserve = gpu_update_bytes(first, group_bytes, set(w.groups))
+        reserve = gpu_update_bytes(first, group_bytes, set(w.groups)) if hbm_state else 0
         tries = [(first, None), (state_room - reserve, True), (state_room, False)] if reserve else [(first, None)]
         fits = False
         for n, (where, fill) in enumerate(tries):
@@ -103,7 +107,7 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
                 except BudgetError:
                     continue
             free = state_room - _hbm_used(where, group_bytes, cfg)
-            for gpu_updates in _update_splits(where, w):
+            for gpu_updates in _update_splits(where, w, gpu_worker):
                 need = gpu_update_bytes(where, group_bytes, gpu_updates)
                 if need > free:
                     short = BudgetError(f"the GPU's optimizer needs {format_size(need)} of HBM beside the state "
@@ -234,14 +238,15 @@ def _rest_fits(groups, g, group_bytes, kinds_of, used, room) -> bool:
     return used + rest <= room
 
 
-def _update_splits(where: dict, w: Workload):
+def _update_splits(where: dict, w: Workload, gpu_worker: bool = True):
     """Candidate sets of GPU-updated groups: the groups with state in HBM always (updated there, in place
-    when all of it is); of the others, the CPU takes the last ones (a share of them), the GPU the first."""
+    when all of it is); of the others, the CPU takes the last ones (a share of them; all of them without a
+    ``gpu_worker``), the GPU the first."""
     groups = w.groups
     up = [g for g in groups if any(t == "gpu" for (h, k), t in where.items() if h == g and k != "param")]
     streamed = [g for g in groups if g not in up]
     seen = set()
-    for share in CPU_SHARES:
+    for share in CPU_SHARES if gpu_worker else (1.0,):
         n_cpu = round(share * len(streamed))
         gpu = frozenset(up + streamed[: len(streamed) - n_cpu])
         if gpu not in seen:

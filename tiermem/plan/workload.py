@@ -53,3 +53,42 @@ class Workload:
         out["fwd"] = {str(k): v for k, v in self.fwd.items()}
         out["bwd"] = {str(k): v for k, v in self.bwd.items()}
         return out
+
+    @classmethod
+    def from_json(cls, o) -> Workload:
+        """The workload ``to_json`` wrote (a trainer's, sent to the service); ValueError naming what is wrong."""
+        if not isinstance(o, dict):
+            raise ValueError("the workload must be an object")
+        layers = o.get("layers")
+        if not (isinstance(layers, list) and 0 < len(layers) <= 10_000
+                and all(isinstance(g, int) and not isinstance(g, bool) for g in layers)):
+            raise ValueError("workload.layers must be a list of layer numbers")
+        first, last = o.get("first"), o.get("last")
+        if not (isinstance(first, str) and isinstance(last, str)):
+            raise ValueError("workload.first and workload.last must name groups")
+        groups = {str(g): g for g in [first, *layers, last]}
+
+        def seconds(name: str) -> dict:
+            d = o.get(name)
+            if not (isinstance(d, dict) and set(d) == set(groups)):
+                raise ValueError(f"workload.{name} must give seconds for every group")
+            out = {}
+            for k, v in d.items():
+                if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e6):
+                    raise ValueError(f"workload.{name}[{k!r}] must be seconds")
+                out[groups[k]] = float(v)
+            return out
+
+        def number(name: str, lo: float, hi: float, integral: bool = True):
+            v = o.get(name)
+            if not (isinstance(v, int if integral else (int, float)) and not isinstance(v, bool) and lo <= v <= hi):
+                raise ValueError(f"workload.{name} must be a number in [{lo:g}, {hi:g}]")
+            return v
+
+        tied, timed = o.get("tied", False), o.get("timed", "estimated")
+        if not isinstance(tied, bool) or not isinstance(timed, str):
+            raise ValueError("workload.tied must be true or false, workload.timed a string")
+        return cls(list(layers), first, last, seconds("fwd"), seconds("bwd"), number("tokens", 1, 1 << 40),
+                   number("micro_batches", 1, 4096), number("boundary_bytes_per_token", 0, 1 << 40),
+                   number("working_bytes", 0, 1 << 50), float(number("flops_per_token", 0, 1e18, False)), tied,
+                   timed[:200])

@@ -243,6 +243,7 @@ class Attached:
     initialized: bool
     committed: int
     resume: dict | None = None  # the service lost this run's state: {checkpoint, step} to resume from
+    plan: dict | None = None  # the service's plan of the run (tiermem.service.planning), when it planned it
 
     def request(self, op: str, **fields) -> dict:
         return self.client.request(op, run=self.run, **fields)
@@ -260,14 +261,17 @@ class Attached:
         self.store.close()
 
 
-def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: OptimSettings) -> Attached:
-    """Attach to the service at ``path`` for run ``run_id`` (created there if the service holds no run).
+def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: OptimSettings,
+           plan: dict | None = None) -> Attached:
+    """Attach to the service at ``path`` for run ``run_id`` (created there if the service holds no run; with
+    ``plan``, {workload, hbm_room}, the service plans it).
 
     The trainer computes on the service config's ``tiers.gpu.device`` (the CPU when there is no CUDA)."""
     client = ServiceClient(path)
     try:
         reply = client.request("hello", run=run_id, label=label, specs=[spec_to_json(s) for s in specs],
-                               optim=optim.to_json(), pid=os.getpid(), rank=0, world=1)
+                               optim=optim.to_json(), pid=os.getpid(), rank=0, world=1,
+                               **({"plan": plan} if plan is not None else {}))
         cfg = load_store_config(reply["config"], "the service's config")
         device = compute_device(cfg)
         theirs = [spec_from_json(s) for s in reply["specs"]]
@@ -287,4 +291,5 @@ def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: Optim
         local = optim.optimizer(store, on_gpu=mine, guard=RemoteGuard(client, store, run_id), cpu_takes_over=False)
     opt = RemoteOptimizer(client, store, optim.groups, run_id, reply["committed"], local,
                           float(reply.get("gpu_share", 0.0)))
-    return Attached(client, store, opt, run_id, reply["initialized"], reply["committed"], reply.get("resume"))
+    return Attached(client, store, opt, run_id, reply["initialized"], reply["committed"], reply.get("resume"),
+                    reply.get("plan"))

@@ -53,6 +53,7 @@ from tiermem.service import protocol
 from tiermem.service.config import gpu_share, planning_config, service_config
 from tiermem.service.journal import Journal, UndoGuard, make_private, state_dir, undo_bytes, write_atomic
 from tiermem.service.owner import Ownership
+from tiermem.service.planning import plan_run, service_machine
 from tiermem.service.replace import Replacement
 from tiermem.service.requests import RequestError, field_of, is_key, object_of
 from tiermem.service.runs import Client, Run, label_of, newest_checkpoint, no_room_note, room_for_new_state
@@ -95,6 +96,7 @@ class Service(UpdateRequests, Replacement):
         self.run: Run | None = None
         self.lost: dict | None = None  # a run whose state is gone: {run, checkpoint, step} for its trainer
         self.pending_config: StoreConfig | None = None
+        self.machine = None  # the planner's figures of this machine (service_machine), once a run is planned
         self._listener: socket.socket | None = None
         self._stopping = False
         try:
@@ -105,6 +107,12 @@ class Service(UpdateRequests, Replacement):
         except BaseException:
             self.owner.release()
             raise
+
+    def _machine(self):
+        """The machine's figures for the planner, measured once (when the first run is planned)."""
+        if self.machine is None:
+            self.machine = service_machine(self.plan_cfg)
+        return self.machine
 
     def release(self) -> None:
         """Give up the store's files (the service is stopped, or never started)."""
@@ -172,7 +180,9 @@ class Service(UpdateRequests, Replacement):
         undo = Extent(*record["undo"]) if record["undo"] is not None else None
         guard = UndoGuard(store, journal, undo, settings.has_master, record.get("epoch", 0))
         # (offer_params False: the trainer is another process, nothing to hand over on the GPU)
-        optimizer = settings.optimizer(store, gpu_share=record["gpu_share"], guard=guard, offer_params=False)
+        on_gpu = record.get("plan", {}).get("gpu_updates")  # (the planner's split, when it planned the run)
+        optimizer = settings.optimizer(store, gpu_share=record["gpu_share"], guard=guard, offer_params=False,
+                                       **({"on_gpu": on_gpu} if on_gpu is not None else {}))
         return Run(record, specs, store, journal, optimizer, guard)
 
     def _new_run(self, msg: dict) -> Run:
@@ -190,9 +200,14 @@ class Service(UpdateRequests, Replacement):
         groups = {s.group for s in specs}
         if not all(is_key(g) for g in optim.groups) or set(optim.groups) != groups:
             raise RequestError("optim.groups must list every group of the specs once")
-        budgets = dict(default_budgets(self.cfg), gpu=0)
-        plan = make_plan(specs, self.plan_cfg, ("param",), budgets)
-        share = gpu_share(self.plan_cfg)
+        planned = plan_run(specs, self.plan_cfg, self.cfg, msg.get("plan"), self._machine)
+        if planned is not None:  # the trainer sent its step: the planner's placement, split and passes
+            plan, share, told = planned
+            self.say(f"planned: predicted step {plan.prediction.step:.2f}s, {plan.passes} pass(es) a step, the "
+                     f"trainer's GPU worker updating {share:.0%} of the groups")
+        else:  # (no workload sent, or every kind pinned: the fixed rule)
+            plan, told = make_plan(specs, self.plan_cfg, ("param",), dict(default_budgets(self.cfg), gpu=0)), None
+            share = gpu_share(self.plan_cfg)
         undo = undo_bytes(specs, optim.has_master)  # any group may have to go in place (no room elsewhere)
         moved = ("master" if optim.has_master else "param", *MOMENTS)
         # both workers write out of place
@@ -207,6 +222,8 @@ class Service(UpdateRequests, Replacement):
                       "arena_dir": self.cfg.tiers.dram.path, "config": str(Path(self.config_path).resolve()),
                       "undo": [ext.offset, ext.nbytes] if ext else None, "optim": optim.to_json(), "gpu_share": share,
                       "nvme_capacity": store.nvme.capacity if store.nvme is not None else 0}
+            if told is not None:
+                record["plan"] = told
             write_atomic(self.record_path, record)
             return self._make_run(record, specs, store)
         except BaseException:
@@ -295,7 +312,7 @@ class Service(UpdateRequests, Replacement):
                         "dir": cfg.tiers.nvme.path, "capacity": nvme.capacity, "backend": cfg.tiers.nvme.backend,
                         "threads": cfg.tiers.nvme.threads, "io_chunk": cfg.tiers.nvme.io_chunk,
                         "direct": cfg.tiers.nvme.direct},
-                    "config": to_plain(cfg), "gpu_share": run.record["gpu_share"],
+                    "config": to_plain(cfg), "gpu_share": run.record["gpu_share"], "plan": run.record.get("plan"),
                     "trainer_groups": [g for g in run.optimizer.groups if g in run.optimizer.on_gpu]}
 
     def _tell(self, client: Client, event: dict) -> None:
