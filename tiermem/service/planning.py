@@ -9,6 +9,7 @@ watches it (passes, activation budget, predicted step).
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 from tiermem.config import StoreConfig
 from tiermem.plan.machine import Machine
@@ -18,6 +19,10 @@ from tiermem.plan.resolve import compute_device
 from tiermem.plan.workload import Workload
 from tiermem.service.requests import RequestError
 from tiermem.store.catalog import TensorSpec
+
+# the service's crash-safe CPU AdamW (out of place, or in place behind an undo copy) against plain fused
+# AdamW on the same cores: 0.26-0.38x measured on the H200 host (docs/measurements.md, tools/bench_optim.py)
+CRASH_SAFE_CPU = 0.37
 
 
 def service_machine(cfg: StoreConfig) -> Machine:
@@ -56,7 +61,8 @@ def plan_run(specs: list[TensorSpec], plan_cfg: StoreConfig, raw_cfg: StoreConfi
         raise RequestError("the workload's groups are not the specs' groups")
     cuda = compute_device(plan_cfg).type == "cuda"
     budgets = {**default_budgets(plan_cfg), "gpu": room}
-    m = machine()
+    m = dataclasses.replace(machine(), assumed=list(machine().assumed))
+    m.cpu_adamw *= CRASH_SAFE_CPU  # (the service's CPU AdamW writes out of place or behind an undo copy)
     cfg = copy.deepcopy(plan_cfg)  # (the service's own store has no slots; its trainer streams through these)
     cfg.tiers.gpu.slots = raw_cfg.tiers.gpu.slots
     plan = plan_step(specs, cfg, w, m, budgets, cuda=False, hbm_state=False, gpu_worker=cuda)
