@@ -10,7 +10,10 @@ nothing over PCIe), while they fit beside the activations, the working set of a 
 slots; the other groups live in DRAM, their coldest kinds (exp_avg_sq, exp_avg, master) spilling to NVMe
 from the last groups first while DRAM is short. The streamed groups' updates are split between the CPU
 (the last groups: the forward needs them last) and the GPU in the proportion the cost model predicts
-fastest. Kinds the placement pins (``{exp_avg_sq: nvme}``) stay where they are pinned.
+fastest; a streamed group the GPU updates needs HBM of its own (its gradient waits there from the backward,
+three groups' state are in flight), so a split is taken only where that room is left, and a layout that
+leaves it is tried too. Kinds the placement pins (``{exp_avg_sq: nvme}``) stay where they are pinned. A
+service's run keeps no state in HBM (``hbm_state=False``).
 """
 
 from __future__ import annotations
