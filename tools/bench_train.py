@@ -107,7 +107,11 @@ def run_plain(args, raw: dict) -> dict:
     return {"step_s": statistics.median(times), "times": times, "peak_hbm_gib": peak / 2**30}
 
 
-def run_tiermem(args, raw: dict, model_dir: Path, path: str = "template") -> dict:
+def run_tiermem(args, raw: dict, model_dir: Path, path: str = "template", around=None) -> dict:
+    """``around(step)``, when given, is a context manager each step runs in (tools/profile_step.py's
+    profiler)."""
+    import contextlib
+
     from tiermem.optim import AdamWConfig, StoreAdamW
     from tiermem.store.store import Store
     from trainer import run_plan
@@ -154,7 +158,8 @@ def run_tiermem(args, raw: dict, model_dir: Path, path: str = "template") -> dic
     total = args.warmup + args.steps
     for step in range(total):
         starts.append(time.perf_counter())
-        results.append(ex.step(batches(args, raw["vocab_size"], step), step, 1e-5))
+        with around(step) if around is not None else contextlib.nullcontext():
+            results.append(ex.step(batches(args, raw["vocab_size"], step), step, 1e-5))
         if step > 0:
             opt_s.append(opt.last_step_seconds)
     opt.wait()  # the last update belongs to the last timed step

@@ -1,0 +1,166 @@
+"""Profile: where a streamed step's GPU time goes, against the same layer's standalone ceiling, in one run.
+
+    python tools/profile_step.py [--shape 3b|8b|qwen3-moe|tiny] [--batch 4] [--accum 4] [--seq 4096]
+                                 [--layers N] [--warmup 2] [--trace FILE.json] [--json FILE]
+
+Trains the shape as tools/bench_train.py's tiermem run does (placed by the planner), runs ``--warmup``
+steps, then one step under the torch profiler, and prints:
+
+- the step's kernel time by kind — matmuls, attention, norms, elementwise, reductions and softmax,
+  gathers/scatters, copies — and the host's time in the CUDA allocator (cudaMalloc / cudaFree), with each
+  one's share;
+- the step's compute as the executor measured it (forward, loss, backward with one recompute), against the
+  standalone ceiling of the same schedule: one layer's forward and its backward with recompute, the loss,
+  a layer's gradient handling and the embedding's gradient, each timed alone at the step's micro-batch shape
+  in this process (``trainer.plan_workload``), summed over the step. The ratio is what streaming costs
+  the kernels (issue 17 asks for >= 0.9).
+
+``--trace FILE`` also writes the profiled step as a Chrome trace. Without CUDA it runs the ``tiny`` shape on
+the CPU (a smoke test of the tool: CPU operator times stand in for kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench_train import SHAPES, run_tiermem  # noqa: E402
+
+TINY = dict(SHAPES["3b"], hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=512)
+KINDS = [  # (kind, pattern over a kernel's or operator's name, lower case); the first that matches
+    ("attention", r"flash|fmha|attention|sdpa|mha"),
+    ("matmul", r"gemm|cutlass|cublas|nvjet|xmma|matmul|aten::mm\b|aten::addmm|aten::bmm|grouped_mm|aten::linear"),
+    ("norm", r"rms|layer_?norm|rsqrt"),
+    ("softmax / reduction", r"softmax|cross_entropy|nll|reduce|aten::sum|aten::mean|aten::amax|aten::max\b|norm"),
+    ("gather / scatter", r"index|scatter|gather|embedding|argsort|sort|topk|bincount|cumsum"),
+    ("copy", r"memcpy|memset|copy|aten::cat|aten::stack|aten::to\b|clone|contiguous|fill"),
+    ("elementwise", r"elementwise|vectorized|silu|aten::mul|aten::add|aten::sub|aten::div|sigmoid|exp|pow|"
+                    r"foreach|where|neg|aten::cos|aten::sin"),
+]
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, pat in KINDS:
+        if re.search(pat, low):
+            return kind
+    return "other"
+
+
+def by_kind(prof, cuda: bool) -> tuple[dict, float, float]:
+    """Milliseconds by kind (kernels on CUDA, the CPU's operators otherwise), the total, and the host's
+    milliseconds in the CUDA allocator."""
+    from torch.autograd import DeviceType
+
+    out: dict = defaultdict(float)
+    alloc = 0.0
+    for e in prof.key_averages():
+        if re.search(r"cudaMalloc|cudaFree", e.key):
+            alloc += e.cpu_time_total / 1e3
+        if cuda:
+            if getattr(e, "device_type", None) != DeviceType.CUDA:
+                continue
+            t = getattr(e, "self_device_time_total", None)
+            t = getattr(e, "self_cuda_time_total", 0.0) if t is None else t
+        else:
+            if not e.key.startswith("aten::"):
+                continue
+            t = e.self_cpu_time_total
+        out[kind_of(e.key)] += t / 1e3
+    return dict(out), sum(out.values()), alloc
+
+
+def ceiling(mcfg, args, device: torch.device) -> float:
+    """Seconds of the step's compute with every part timed alone at the step's micro-batch shape."""
+    from trainer.plan_workload import _time
+
+    t_f, t_b, t_h, t_g, t_e, _ = _time(mcfg, torch.bfloat16, args.batch, args.seq, device, args.loss_chunk)
+    layers = mcfg.num_layers
+    return layers * args.accum * (t_f + t_b) + args.accum * t_h + layers * t_g + t_e
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=[*sorted(SHAPES), "tiny"], default="3b")
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--accum", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--loss-chunk", type=int, default=4096)
+    ap.add_argument("--probe", help="a `tiermem probe --save` file for the planner (default: a quick probe)")
+    ap.add_argument("--nvme", help="a directory for the NVMe tier's file")
+    ap.add_argument("--trace", help="write the profiled step as a Chrome trace")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    if not cuda and args.shape != "tiny":
+        raise SystemExit("profile_step needs a CUDA GPU for a real shape (--shape tiny runs on the CPU)")
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    raw = dict(TINY if args.shape == "tiny" else SHAPES[args.shape])
+    if args.layers:
+        raw["num_hidden_layers"] = args.layers
+    d = Path(tempfile.mkdtemp(prefix="tiermem-profile-"))
+    (d / "config.json").write_text(json.dumps(raw))
+    from torch.profiler import ProfilerActivity, profile
+
+    from trainer.model.config import model_config_from_dict
+
+    mcfg = model_config_from_dict(raw)
+    holder: dict = {}
+
+    def around(step: int):
+        if step != args.warmup:
+            import contextlib
+
+            return contextlib.nullcontext()
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        holder["prof"] = profile(activities=acts)
+        return holder["prof"]
+
+    # (bench_train's run: the planner's placement, the trainer's executor and optimizer; one step profiled)
+    bench = argparse.Namespace(batch=args.batch, accum=args.accum, seq=args.seq, steps=1, warmup=args.warmup,
+                               placement="auto", probe=args.probe, nvme=args.nvme, slots=3,
+                               loss_chunk=args.loss_chunk, gpu_share="auto", passes=0)
+    res = run_tiermem(bench, raw, d, around=around)
+    prof = holder["prof"]
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+    kinds, total, alloc = by_kind(prof, cuda)
+    compute = res["compute_s"]
+    device = torch.device("cuda" if cuda else "cpu")
+    ceil = ceiling(mcfg, args, device)
+    tokens = args.batch * args.accum * args.seq
+    n_active = mcfg.num_params(active=True)
+    print(f"{args.shape} shape ({mcfg.num_params() / 1e9:.2f} B params, {raw['num_hidden_layers']} layers), bf16, "
+          f"{args.accum}x{args.batch}x{args.seq} = {tokens} tokens a step; step {res['times'][-1]:.3f} s = "
+          f"{6 * n_active * tokens / res['times'][-1] / 1e12:.0f} TFLOP/s (6 N tokens)")
+    what = "kernel" if cuda else "CPU operator"
+    print(f"\n{'the profiled step, ' + what + ' time by kind':44} {'ms':>10} {'share':>7}")
+    for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        print(f"{kind:44} {ms:10.1f} {ms / total:7.1%}")
+    print(f"{'(all)':44} {total:10.1f}")
+    print(f"{'host in the CUDA allocator (cudaMalloc/Free)':44} {alloc:10.1f}")
+    print(f"\nstep compute (the executor's) {compute:.3f} s; standalone ceiling of the same schedule {ceil:.3f} s; "
+          f"ceiling / compute = {ceil / compute:.3f}" + ("  (CPU: a smoke run)" if not cuda else ""))
+    print(f"step split: compute {compute:.3f} s + waiting for transfers {res['wait_transfer_s']:.3f} s + for the "
+          f"optimizer {res['wait_optimizer_s']:.3f} s; allocator retries {res['alloc_retries']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"kinds_ms": kinds, "total_ms": total, "allocator_host_ms": alloc,
+                                               "compute_s": compute, "ceiling_s": ceil, "run": res}, default=str,
+                                              indent=1))
+
+
+if __name__ == "__main__":
+    main()
