@@ -62,6 +62,9 @@ BAD_VALUES = [
     ("max_grad_norm=.inf", "max_grad_norm"),
     ("tiermem.tiers.gpu.slots=0", "tiers.gpu.slots"),
     ("tiermem.tiers.gpu.device=tpu:9", "tiers.gpu.device"),
+    ("tiermem_keep_activations=-1", "tiermem_keep_activations"),
+    ("tiermem_keep_activations=true", "tiermem_keep_activations"),
+    ("tiermem_keep_activations=all", "tiermem_keep_activations"),
 ]
 
 

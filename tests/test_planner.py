@@ -190,6 +190,16 @@ def test_a_trainers_workload_goes_to_the_service_and_back_or_is_refused_in_one_l
             plan_run(specs, cfg, raw, asked, machine)
 
 
+def test_kept_layers_skip_their_recompute_in_the_prediction():
+    specs = specs_for(6, 50_000_000, 100_000_000)
+    w = workload(6, fwd=0.1)
+    gb, params = sizes(specs)
+    where = {key: "gpu" for key in gb}
+    base = predict(Layout(where, set(w.groups), 1), w, machine(), gb, params)
+    kept = predict(Layout(where, set(w.groups), 1, keep=frozenset({0, 1})), w, machine(), gb, params)
+    assert base.compute - kept.compute == pytest.approx(2 * 0.1)
+
+
 def test_the_room_kept_for_the_export_binds_only_the_state_that_stays_on_nvme():
     """Gradients and moments on NVMe are discarded before the export: only the rest must leave the exported
     model's room (``nvme_kept``); a plan that needs master weights there beyond it is refused in one line."""

@@ -54,6 +54,11 @@ def test_a_template_family_through_the_generic_path_ends_where_the_template_does
     tiermem = {"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}}}
     assert run_cli(tmp_path, model_dir, data_dir, name, tiermem, tiermem_model_path="generic", max_steps=3) == 0
     generic = load_file(tmp_path / "out" / "model.safetensors")
+    # the generic path keeping every layer's activations (no recompute) trains bit for bit the same
+    assert run_cli(tmp_path, model_dir, data_dir, name, tiermem, tiermem_model_path="generic", max_steps=3,
+                   overwrite_output_dir=True, tiermem_keep_activations=99) == 0
+    kept = load_file(tmp_path / "out" / "model.safetensors")
+    assert all(torch.equal(kept[n], generic[n]) for n in generic)
     assert run_cli(tmp_path, model_dir, data_dir, name, tiermem, overwrite_output_dir=True, max_steps=3) == 0
     template = load_file(tmp_path / "out" / "model.safetensors")
     assert set(generic) == set(template)

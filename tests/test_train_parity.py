@@ -229,6 +229,35 @@ def test_bf16_loss_curve_matches_the_mixed_precision_recipe(tmp_path):
     assert cfg["dtype"] == "bfloat16" and "torch_dtype" not in cfg  # transformers 5 warns of torch_dtype
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # (qwen3's tiny model ties its head)
+def test_kept_activations_train_exactly_as_the_recompute(tmp_path, family, capsys):
+    """tiermem_keep_activations: the layers whose weights live in HBM keep their forward's graph and skip the
+    recompute; the weights are bit for bit those of the recomputing run, and plain PyTorch's to rounding;
+    two passes a step too. A layer streamed through a slot is not kept (the run says how many are)."""
+    model_dir = save_tiny_model(family, tmp_path / "model")
+    data_dir = tmp_path / "data"
+    name = write_tokenized_dataset(data_dir)
+    ref = reference_training(model_dir, data_dir, name, [])
+    budget = {"llama": "800KiB", "qwen3": "1MiB"}[family]  # (some layers in HBM, the others streamed)
+    tiermem = {"tiers": {"gpu": {"device": "cpu", "budget": budget}, "dram": {"budget": "64MiB"}}}
+    weights = {}
+    for keep, passes in ((0, False), (2, False), (5, False), (2, True)):
+        out = tmp_path / f"k{keep}{passes}"
+        over = {"tiermem_activation_budget": "1KiB"} if passes else {}
+        assert run_cli(tmp_path, model_dir, data_dir, name, tiermem, output_dir=str(out),
+                       tiermem_keep_activations=keep, **over) == 0
+        said = capsys.readouterr().out
+        if keep:
+            kept = int(said.split("note: the activations of ")[1].split(" ")[0])
+            assert 0 < kept <= keep and (kept < keep or keep == 2), said  # (not every layer lives in HBM)
+            assert "kept (no recompute)" in said
+        weights[(keep, passes)] = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+        assert_same_weights(out, ref, tied=family == "qwen3")
+    for key, w in weights.items():
+        base = weights[(0, False)] if not key[1] else weights[(2, True)]
+        assert all(torch.equal(w[n], base[n]) for n in base), key
+
+
 @pytest.mark.parametrize("case", ["resident+streamed", "cpu worker", "pinned on nvme", "two passes"])
 def test_planner_layouts_match_plain_pytorch(tmp_path, case):
     """The planner's layouts on a (CPU stand-in) GPU too small for the whole state: groups that live in HBM

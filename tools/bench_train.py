@@ -136,6 +136,7 @@ def run_tiermem(args, raw: dict, model_dir: Path, path: str = "template", around
         machine = run_plan.machine_for(scfg, dev, args.probe)
         plan = run_plan.make(mcfg, torch.bfloat16, scfg, run_plan.Shape(args.batch, args.seq, args.accum), machine,
                              dev, args.loss_chunk)
+        run_plan.keep_activations(plan, getattr(args, "keep", 0), mcfg)
         t_plan = time.perf_counter() - t0
         for line in run_plan.lines(plan):
             print(line, flush=True)
@@ -151,7 +152,7 @@ def run_tiermem(args, raw: dict, model_dir: Path, path: str = "template", around
     if args.passes > 1:  # --passes N: an activation budget that holds ceil(accum / N) micro-batches' boundaries
         per_mb = (mcfg.num_layers + 1) * mcfg.hidden_size * 2 * args.batch * args.seq
         budget = per_mb * -(-args.accum // args.passes)
-    ex = Executor(store, mcfg, torch.bfloat16, opt, 1.0, args.loss_chunk, budget)
+    ex = Executor(store, mcfg, torch.bfloat16, opt, 1.0, args.loss_chunk, budget, getattr(args, "keep", 0))
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     starts, results, opt_s = [], [], []
@@ -184,7 +185,7 @@ def run_tiermem(args, raw: dict, model_dir: Path, path: str = "template", around
             "store_open_s": t_open, "init_s": t_init, "links": stats.get("links"), "passes": ex.last_passes,
             "losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
             "gradient_partials_wait_s": stats.get("waits_s", {}).get("gradient_partials", 0.0) / total,
-            "plan_s": t_plan, "alloc_retries": retries,
+            "plan_s": t_plan, "alloc_retries": retries, "kept_layers": ex.last_kept,
             "predicted_s": plan.prediction.step if plan is not None else None,
             "predicted": plan.prediction.to_json() if plan is not None else None}
 
@@ -209,6 +210,8 @@ def main() -> None:
     ap.add_argument("--gpu-share", default="auto", help="tiermem optimizer.gpu_share (auto, or 0..1)")
     ap.add_argument("--passes", type=int, default=0,
                     help="tiermem: run each step as this many layer-major passes (partial gradients in DRAM between)")
+    ap.add_argument("--keep", type=int, default=0,
+                    help="tiermem: layers (of those in HBM) whose activations are kept: no recompute in their backward")
     ap.add_argument("--only", choices=["plain", "tiermem"])
     ap.add_argument("--json")
     ap.add_argument("--alloc-conf", default="expandable_segments:True",

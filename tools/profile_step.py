@@ -81,13 +81,14 @@ def by_kind(prof, cuda: bool) -> tuple[dict, float, float]:
     return dict(out), sum(out.values()), alloc
 
 
-def ceiling(mcfg, args, device: torch.device) -> float:
-    """Seconds of the step's compute with every part timed alone at the step's micro-batch shape."""
+def ceiling(mcfg, args, device: torch.device, kept: int) -> float:
+    """Seconds of the step's compute with every part timed alone at the step's micro-batch shape (``kept``
+    layers without their recompute, as the step ran them)."""
     from trainer.plan_workload import _time
 
     t_f, t_b, t_h, t_g, t_e, _ = _time(mcfg, torch.bfloat16, args.batch, args.seq, device, args.loss_chunk)
     layers = mcfg.num_layers
-    return layers * args.accum * (t_f + t_b) + args.accum * t_h + layers * t_g + t_e
+    return layers * args.accum * (t_f + t_b) - kept * args.accum * t_f + args.accum * t_h + layers * t_g + t_e
 
 
 def main() -> None:
@@ -101,6 +102,7 @@ def main() -> None:
     ap.add_argument("--loss-chunk", type=int, default=4096)
     ap.add_argument("--probe", help="a `tiermem probe --save` file for the planner (default: a quick probe)")
     ap.add_argument("--nvme", help="a directory for the NVMe tier's file")
+    ap.add_argument("--keep", type=int, default=0, help="layers whose activations are kept (no recompute)")
     ap.add_argument("--trace", help="write the profiled step as a Chrome trace")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -132,7 +134,7 @@ def main() -> None:
     # (bench_train's run: the planner's placement, the trainer's executor and optimizer; one step profiled)
     bench = argparse.Namespace(batch=args.batch, accum=args.accum, seq=args.seq, steps=1, warmup=args.warmup,
                                placement="auto", probe=args.probe, nvme=args.nvme, slots=3,
-                               loss_chunk=args.loss_chunk, gpu_share="auto", passes=0)
+                               loss_chunk=args.loss_chunk, gpu_share="auto", passes=0, keep=args.keep)
     res = run_tiermem(bench, raw, d, around=around)
     prof = holder["prof"]
     if args.trace:
@@ -140,7 +142,7 @@ def main() -> None:
     kinds, total, alloc = by_kind(prof, cuda)
     compute = res["compute_s"]
     device = torch.device("cuda" if cuda else "cpu")
-    ceil = ceiling(mcfg, args, device)
+    ceil = ceiling(mcfg, args, device, res["kept_layers"])
     tokens = args.batch * args.accum * args.seq
     n_active = mcfg.num_params(active=True)
     print(f"{args.shape} shape ({mcfg.num_params() / 1e9:.2f} B params, {raw['num_hidden_layers']} layers), bf16, "

@@ -63,7 +63,7 @@ class StepResult:
 
 class Executor:
     def __init__(self, store, cfg, dtype: torch.dtype, optimizer, max_grad_norm: float,
-                 loss_chunk_tokens: int, activation_budget: int | None = None):
+                 loss_chunk_tokens: int, activation_budget: int | None = None, keep_layers: int = 0):
         self.store, self.cfg, self.dtype, self.optimizer = store, cfg, dtype, optimizer
         self.device = store.gpu.device
         self.max_grad_norm = max_grad_norm
@@ -78,6 +78,10 @@ class Executor:
         self.phase, self.layer = "starting", None  # what the GPU is doing now (for tiermem top)
         self.activation_budget = activation_budget  # bytes of boundary activations a pass may keep; None: any
         self.last_passes = 1
+        # decoder layers (the first ones whose weights live in HBM) whose forward keeps its activations, so that
+        # their backward needs no recompute (tiermem_keep_activations)
+        self.keep_layers = keep_layers
+        self.last_kept = 0
         # before_commit(step, result): the step's figures, before the optimizer takes the step (a committed
         # step's figures must outlive a trainer killed before it logs them)
         self.before_commit = None
@@ -137,6 +141,18 @@ class Executor:
             return sum(g.pow(2).sum() for g in grads.values())
         self.store.store_group(group, "grad", {state_name(n, "grad"): g for n, g in grads.items()})
         return None
+
+    def kept(self) -> set:
+        """The layers whose activations a step keeps: the first ``keep_layers`` of those whose weights live in
+        HBM (a streamed layer's slot is reused before its backward)."""
+        out: set = set()
+        for i in range(self.cfg.num_layers if self.keep_layers else 0):
+            entries = self.store.catalog.group_entries(i, "param")
+            if entries and all(e.tier == "gpu" for e in entries):
+                out.add(i)
+                if len(out) == self.keep_layers:
+                    break
+        return out
 
     def passes(self, batches: list) -> list[list]:
         """The step's micro-batches in groups whose boundary activations fit the activation budget."""
@@ -210,8 +226,12 @@ class Executor:
         targets = [shift_labels(b[1]).to(dev, non_blocking=True) for b in batches]
         masks = [b[3].to(dev, non_blocking=True) if len(b) > 3 else None for b in batches]
         ctx = model.contexts(ids, masks, n_micro, True)
+        keep = self.kept() if all(getattr(c, "router", None) is None for c in ctx) else set()
+        self.last_kept = len(keep)
+        graphs: dict = {}
 
-        # 1. forward, layer-major, keeping every micro-batch's boundary activations
+        # 1. forward, layer-major, keeping every micro-batch's boundary activations (and, for the kept
+        # layers, their whole graphs)
         with torch.no_grad():
             self.phase, self.layer = "forward", "embed"
             view = self._take(r_embed, "forward")
@@ -221,7 +241,13 @@ class Executor:
                 self.layer = i
                 view = self._take(r_fwd[i], "forward")
                 w = self._weights(view)
-                acts.append([model.layer(i, w, x, c) for x, c in zip(acts[i], ctx)])
+                if i in keep:
+                    outs = [model.layer_graph(i, w, x, c) for x, c in zip(acts[i], ctx)]
+                    graphs[i] = [g for _, g in outs]
+                    acts.append([y for y, _ in outs])
+                    acts[i] = [None] * len(ids)  # (the graph holds the input)
+                else:
+                    acts.append([model.layer(i, w, x, c) for x, c in zip(acts[i], ctx)])
                 view.release()
                 HOOKS.point("forward", step + 1)
             aux = model.forward_done(ctx)  # a sparse model's load-balancing loss (weighted), or None
@@ -264,7 +290,11 @@ class Executor:
             w = self._weights(view)
             acc: list[torch.Tensor] | None = None
             for mb in range(len(ids)):
-                grads_y[mb], g_w = model.layer_backward(i, w, acts[i][mb], grads_y[mb], ctx[mb])
+                if i in keep:  # (no recompute: the forward kept the layer's graph)
+                    grads_y[mb], g_w = model.graph_backward(graphs[i][mb], grads_y[mb])
+                    graphs[i][mb] = None
+                else:
+                    grads_y[mb], g_w = model.layer_backward(i, w, acts[i][mb], grads_y[mb], ctx[mb])
                 acts[i][mb] = None
                 if acc is None:
                     acc = [g.float() for g in g_w]

@@ -195,6 +195,7 @@ def plan_run(job: Job, scfg, say):
     plan = run_plan.make(job.mcfg, job.dtype, scfg, step_shape(job), machine, device, job.cfg.loss_chunk_tokens,
                          budgets=budgets)
     if plan is not None:
+        run_plan.keep_activations(plan, job.cfg.tiermem_keep_activations, job.mcfg)
         lines = run_plan.lines(plan)
         if explicit_gpu_share(job.cfg.tiermem):  # the user's optimizer.gpu_share wins
             plan.gpu_updates = None
@@ -247,7 +248,8 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
         args = dict(resolved(cfg, scfg, budget, store),
                     tiermem_model_path="generic" if getattr(mcfg, "generic", False) else "template")
         (out / "training_args.yaml").write_text(yaml.safe_dump(args, sort_keys=False))
-        executor = Executor(store, mcfg, dtype, optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens, budget)
+        executor = Executor(store, mcfg, dtype, optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens, budget,
+                            cfg.tiermem_keep_activations)
         report = Reporter(out, total, active, say, resume_step=start, sink=tb.record if tb else None,
                           first_step=cfg.logging_first_step)
         watch = PlanWatch(job.store_plan, start) if job.store_plan is not None else None
@@ -297,7 +299,12 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                         f"{cfg.per_device_train_batch_size} rows x up to {cfg.cutoff_len} tokens, as "
                         f"{executor.last_passes or 1} layer-major passes, beside the state kept in HBM); lower "
                         "per_device_train_batch_size or cutoff_len, tiermem_activation_budget (a step then runs as "
-                        "several layer-major passes) or tiers.gpu.budget") from None
+                        "several layer-major passes)" + (", tiermem_keep_activations" if cfg.tiermem_keep_activations
+                                                         else "") + " or tiers.gpu.budget") from None
+                if step == start and cfg.tiermem_keep_activations:
+                    say(f"note: the activations of {executor.last_kept} of the {cfg.tiermem_keep_activations} layers "
+                        "tiermem_keep_activations asks for are kept (only layers whose weights live in HBM can "
+                        "be; none with a load-balancing loss): their backward skips the recompute")
                 if step == start and executor.last_passes > 1:
                     say(f"note: a step's boundary activations exceed the activation budget "
                         f"({format_size(executor.activation_budget)}): each step runs as {executor.last_passes} "

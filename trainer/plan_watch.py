@@ -86,7 +86,8 @@ class PlanWatch:
         w2 = w.scaled(w.tokens, w.micro_batches)
         w2.fwd = {g: s * factor for g, s in w.fwd.items()}
         w2.bwd = {g: s * factor for g, s in w.bwd.items()}
-        layout = Layout(self.plan.where, self.plan.gpu_updates, self.plan.passes)
+        layout = Layout(self.plan.where, self.plan.gpu_updates, self.plan.passes,
+                        keep=getattr(self.plan, "keep", frozenset()))
         self.prediction = predict(layout, w2, self.plan.machine, self.plan.group_bytes, self.plan.params)
         return [f"plan: compute corrected by the first steps (x{factor:.3f}): predicted step "
                 f"{self.prediction.step:.2f}s"]

@@ -164,7 +164,8 @@ def split_line(plan: Plan) -> str:
 def lines(plan: Plan, ga: int | None = None) -> list[str]:
     """The plan told in a few lines (a run's start, the head of ``tiermem plan``)."""
     p, w = plan.prediction, plan.workload
-    passes = f"{plan.passes} pass{'es' if plan.passes > 1 else ''} a step"
+    passes = f"{plan.passes} pass{'es' if plan.passes > 1 else ''} a step" + (
+        f"; the activations of {_span(sorted(plan.keep))} kept (no recompute)" if plan.keep else "")
     if plan.gpu_updates is None:
         updates = "updates: as optimizer.gpu_share says (the prediction assumed the planner's split)"
     else:
@@ -254,3 +255,16 @@ def from_service(told: dict, specs, w) -> Plan:
     plan.hbm_room, plan.machine, plan.workload, plan.params = int(told["hbm_room"]), m, w, params
     plan.prediction = predict(Layout(where, gpu_updates or set(), plan.passes), w, m, group_bytes, params)
     return plan
+
+
+def keep_activations(plan: Plan, n: int, mcfg) -> None:
+    """``tiermem_keep_activations`` in the plan: the first ``n`` layers whose weights live in HBM (the executor
+    picks the same), their recompute gone from the prediction (none while a load-balancing loss is on)."""
+    from tiermem.plan.costmodel import SLOTS, Layout, predict
+
+    moe = getattr(mcfg, "moe", None)
+    if not n or (moe is not None and moe.aux_loss_coef):
+        return
+    plan.keep = frozenset([g for g in plan.workload.layers if plan.where.get((g, "param")) == "gpu"][:n])
+    layout = Layout(plan.where, plan.gpu_updates or set(), plan.passes, plan.n_slots or SLOTS, plan.keep)
+    plan.prediction = predict(layout, plan.workload, plan.machine, plan.group_bytes, plan.params)

@@ -42,6 +42,7 @@ class Layout:
     gpu_updates: set
     passes: int = 1
     slots: int = SLOTS
+    keep: frozenset = frozenset()  # layers whose forward keeps its activations: their backward skips the recompute
 
 
 @dataclass
@@ -227,7 +228,8 @@ def predict(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_pa
             partial = None
             if not first and phase in ("bwd", "loss", "embed_bwd") and tier(g, "grad") != "gpu":
                 partial = h2d(nbytes(g, "grad"), [partial_home.get(g)], f"partial {g}")
-            seconds = (w.fwd.get(g, 0.0) if phase in ("fwd",) else w.bwd.get(g, 0.0)
+            bwd = w.bwd.get(g, 0.0) - (w.fwd.get(g, 0.0) if g in layout.keep else 0.0)  # (the recompute)
+            seconds = (w.fwd.get(g, 0.0) if phase in ("fwd",) else max(bwd, 0.0)
                        if phase != "loss" else w.fwd.get(g, 0.0) + w.bwd.get(g, 0.0)) / p
             c = sim.op("gpu", seconds, [last_compute, upd, tied_upd, f, partial], f"{phase} {g}")
             compute_ops.append((c, g, upd if upd is not None else tied_upd, f if f is not None else partial))

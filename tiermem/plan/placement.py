@@ -43,6 +43,7 @@ class Plan:
     passes: int = 1  # layer-major passes a step runs as
     activation_budget: int | None = None  # boundary-activation bytes a pass may keep (None: any)
     activation_bytes: int = 0  # HBM the planner keeps for activations
+    keep: frozenset = frozenset()  # layers whose activations a step keeps (tiermem_keep_activations): no recompute
     hbm_room: int = 0  # HBM for state, slots and activations together
     prediction: object = None  # costmodel.Prediction of a step
     machine: object = None  # machine.Machine it planned on

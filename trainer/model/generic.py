@@ -313,6 +313,17 @@ class GenericStages:
             res = torch.autograd.grad(y, [x, *leaves.values()], gy, allow_unused=True)
         return res[0], [g if g is not None else torch.zeros_like(t) for g, t in zip(res[1:], leaves.values())]
 
+    def layer_graph(self, i: int, w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Inputs):
+        """As the template's: the layer's forward keeping its graph, for a backward without recompute."""
+        from trainer.model.stages import keep_graph
+
+        return keep_graph(lambda leaves, x_: self._call_layer(i, leaves, x_, ctx), w, x)
+
+    def graph_backward(self, graph, gy: torch.Tensor):
+        from trainer.model.stages import backward_of
+
+        return backward_of(graph, gy)
+
     def forward_done(self, ctxs: list[Inputs]) -> None:
         return None
 

@@ -89,6 +89,14 @@ class TemplateStages:
             res = torch.autograd.grad(outs, [x, *leaves.values()], grads, allow_unused=True)
         return res[0], [g if g is not None else torch.zeros_like(t) for g, t in zip(res[1:], leaves.values())]
 
+    def layer_graph(self, i: int, w: dict[str, torch.Tensor], x: torch.Tensor, ctx: MicroBatch):
+        """Decoder layer ``i``'s forward keeping its autograd graph (its activations), for a backward without
+        the recompute: (output, graph). Not for a layer whose router feeds the load-balancing loss."""
+        return keep_graph(lambda leaves, x_: decoder_layer(leaves, x_, ctx.rope, self.cfg, ctx.router), w, x)
+
+    def graph_backward(self, graph, gy: torch.Tensor):
+        return backward_of(graph, gy)
+
     def head_loss_backward(self, h: torch.Tensor, targets: torch.Tensor, w: dict[str, torch.Tensor],
                            tied: dict[str, torch.Tensor] | None, scale: float, chunk: int):
         """Summed cross-entropy of the head over ``targets`` and its backward for ``sum * scale``: (loss sum,
@@ -120,3 +128,21 @@ class TemplateStages:
         if pad is not None:
             g[pad] = pad_row
         return {EMBED: g}
+
+
+def keep_graph(fn, w: dict[str, torch.Tensor], x: torch.Tensor):
+    """``fn(leaves, x)`` with gradients on: its output detached, and (input leaf, weight leaves, output) for
+    ``backward_of``. The weights must stay in place until then (a group that lives in HBM)."""
+    x = x.detach().requires_grad_()
+    leaves = {k: t.detach().requires_grad_() for k, t in w.items()}
+    with torch.enable_grad():
+        y = fn(leaves, x)
+    return y.detach(), (x, leaves, y)
+
+
+def backward_of(graph, gy: torch.Tensor):
+    """The kept layer's backward of ``gy``: (input gradient, the weights' gradients in their order), as the
+    recomputing backward returns them."""
+    x, leaves, y = graph
+    res = torch.autograd.grad(y, [x, *leaves.values()], gy, allow_unused=True)
+    return res[0], [g if g is not None else torch.zeros_like(t) for g, t in zip(res[1:], leaves.values())]
