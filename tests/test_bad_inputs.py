@@ -65,6 +65,7 @@ BAD_VALUES = [
     ("tiermem_keep_activations=-1", "tiermem_keep_activations"),
     ("tiermem_keep_activations=true", "tiermem_keep_activations"),
     ("tiermem_keep_activations=all", "tiermem_keep_activations"),
+    ("tiermem_keep_activations=1.5", "tiermem_keep_activations"),
 ]
 
 

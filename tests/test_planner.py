@@ -200,6 +200,27 @@ def test_kept_layers_skip_their_recompute_in_the_prediction():
     assert base.compute - kept.compute == pytest.approx(2 * 0.1)
 
 
+def test_keep_auto_keeps_the_resident_layers_the_hbm_left_holds():
+    from types import SimpleNamespace
+
+    from trainer.run_plan import keep_activations
+
+    specs = specs_for(6, 10_000_000, 20_000_000)
+    for kept_bytes, expect in ((1 << 20, 6), (1 << 40, 0)):
+        w = dataclasses.replace(workload(6), kept_bytes=kept_bytes)
+        p = plan_step(specs, store_cfg(), w, machine(gpu_memory=80 * GiB),
+                      {"gpu": None, "dram": 40 * GiB, "nvme": 200 * GiB}, cuda=True)
+        before = p.prediction.compute
+        keep_activations(p, "auto", SimpleNamespace(moe=None))
+        assert len(p.keep) == expect
+        assert p.prediction.compute == pytest.approx(before - expect * w.fwd[0])
+    w = workload(6)  # (n layers asked: the first n of those in HBM)
+    p = plan_step(specs, store_cfg(), w, machine(gpu_memory=80 * GiB), {"gpu": None, "dram": 40 * GiB,
+                  "nvme": 200 * GiB}, cuda=True)
+    keep_activations(p, 2, SimpleNamespace(moe=None))
+    assert p.keep == {0, 1} and all(p.where[(g, "param")] == "gpu" for g in p.keep)
+
+
 def test_the_room_kept_for_the_export_binds_only_the_state_that_stays_on_nvme():
     """Gradients and moments on NVMe are discarded before the export: only the rest must leave the exported
     model's room (``nvme_kept``); a plan that needs master weights there beyond it is refused in one line."""

@@ -256,6 +256,18 @@ def test_kept_activations_train_exactly_as_the_recompute(tmp_path, family, capsy
     for key, w in weights.items():
         base = weights[(0, False)] if not key[1] else weights[(2, True)]
         assert all(torch.equal(w[n], base[n]) for n in base), key
+    # auto: with room in HBM for every layer's state and kept activations, the plan keeps them all
+    roomy = {"tiers": {"gpu": {"device": "cpu", "budget": "64MiB"}, "dram": {"budget": "64MiB"}}}
+    runs = {}
+    for keep in (0, "auto"):
+        out = tmp_path / f"roomy{keep}"
+        assert run_cli(tmp_path, model_dir, data_dir, name, roomy, output_dir=str(out),
+                       tiermem_keep_activations=keep) == 0
+        said = capsys.readouterr().out
+        runs[keep] = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+    layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    assert f"note: the activations of {layers} layers are kept (auto" in said, said
+    assert all(torch.equal(runs["auto"][n], runs[0][n]) for n in runs[0])
 
 
 @pytest.mark.parametrize("case", ["resident+streamed", "cpu worker", "pinned on nvme", "two passes"])

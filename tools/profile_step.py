@@ -86,7 +86,7 @@ def ceiling(mcfg, args, device: torch.device, kept: int) -> float:
     layers without their recompute, as the step ran them)."""
     from trainer.plan_workload import _time
 
-    t_f, t_b, t_h, t_g, t_e, _ = _time(mcfg, torch.bfloat16, args.batch, args.seq, device, args.loss_chunk)
+    t_f, t_b, t_h, t_g, t_e, _, _ = _time(mcfg, torch.bfloat16, args.batch, args.seq, device, args.loss_chunk)
     layers = mcfg.num_layers
     return layers * args.accum * (t_f + t_b) - kept * args.accum * t_f + args.accum * t_h + layers * t_g + t_e
 

@@ -98,8 +98,9 @@ class TrainConfig:
     # several layer-major passes. auto: half the GPU memory free after the store's; no limit on the CPU.
     tiermem_activation_budget: Any = "auto"
     # decoder layers whose forward keeps its activations for the backward instead of recomputing them (the
-    # first ones whose weights live in HBM: a streamed layer's weights are gone before its backward); 0: none
-    tiermem_keep_activations: int = 0
+    # first ones whose weights live in HBM: a streamed layer's weights are gone before its backward); 0: none;
+    # auto: as many as the HBM the plan leaves holds
+    tiermem_keep_activations: Any = 0
 
     notes = ()  # (not a field) the note: lines of keys accepted without effect, set by load_train_config
 
@@ -268,9 +269,9 @@ def validate(c: TrainConfig, problems: list[str] | None = None, here: bool = Tru
         bad(f"seed must be from 0 to 2**32 - 1 (as the Hugging Face Trainer's), got {c.seed}")
     if c.moe_aux_loss_coef is not None and not (math.isfinite(c.moe_aux_loss_coef) and c.moe_aux_loss_coef >= 0):
         bad(f"moe_aux_loss_coef must be a non-negative number, got {c.moe_aux_loss_coef}")
-    if isinstance(c.tiermem_keep_activations, bool) or not isinstance(c.tiermem_keep_activations, int) \
-            or c.tiermem_keep_activations < 0:
-        bad(f"tiermem_keep_activations must be a number of layers, 0 or more, got {c.tiermem_keep_activations!r}")
+    keep = c.tiermem_keep_activations
+    if keep != "auto" and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 0):
+        bad(f"tiermem_keep_activations must be a number of layers (0 or more) or auto, got {keep!r}")
     if c.tiermem_activation_budget not in ("auto", None):
         from tiermem.sizes import parse_size
 

@@ -248,8 +248,10 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
         args = dict(resolved(cfg, scfg, budget, store),
                     tiermem_model_path="generic" if getattr(mcfg, "generic", False) else "template")
         (out / "training_args.yaml").write_text(yaml.safe_dump(args, sort_keys=False))
-        executor = Executor(store, mcfg, dtype, optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens, budget,
-                            cfg.tiermem_keep_activations)
+        keep = cfg.tiermem_keep_activations  # (auto: the plan's choice; without a plan, none)
+        if keep == "auto":
+            keep = len(getattr(job.store_plan, "keep", ()) or ())
+        executor = Executor(store, mcfg, dtype, optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens, budget, keep)
         report = Reporter(out, total, active, say, resume_step=start, sink=tb.record if tb else None,
                           first_step=cfg.logging_first_step)
         watch = PlanWatch(job.store_plan, start) if job.store_plan is not None else None
@@ -302,9 +304,11 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                         "several layer-major passes)" + (", tiermem_keep_activations" if cfg.tiermem_keep_activations
                                                          else "") + " or tiers.gpu.budget") from None
                 if step == start and cfg.tiermem_keep_activations:
-                    say(f"note: the activations of {executor.last_kept} of the {cfg.tiermem_keep_activations} layers "
-                        "tiermem_keep_activations asks for are kept (only layers whose weights live in HBM can "
-                        "be; none with a load-balancing loss): their backward skips the recompute")
+                    asked = ("auto" if cfg.tiermem_keep_activations == "auto"
+                             else f"the {cfg.tiermem_keep_activations}")
+                    say(f"note: the activations of {executor.last_kept} layers are kept ({asked} "
+                        "tiermem_keep_activations asks for; only layers whose weights live in HBM can be, none with "
+                        "a load-balancing loss): their backward skips the recompute")
                 if step == start and executor.last_passes > 1:
                     say(f"note: a step's boundary activations exceed the activation budget "
                         f"({format_size(executor.activation_budget)}): each step runs as {executor.last_passes} "

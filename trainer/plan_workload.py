@@ -82,7 +82,7 @@ def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, mach
     embed_bwd = 0.0
     if timed is not None:
         f_mb, b_mb, h_mb, g_step, e_step = (x * IN_STEP for x in timed[:5])
-        work = timed[5]
+        work, kept = timed[5], timed[6]
         fwd_l, bwd_l, head = f_mb * micro_batches, b_mb * micro_batches + g_step, h_mb * micro_batches
         embed_bwd = e_step
         how = (f"timed on {device.type}: one layer, its gradient's handling, the loss and the embedding's "
@@ -96,13 +96,15 @@ def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, mach
                  else getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))
         work = rows * seq * (14 * cfg.hidden_size + 4 * inter) * itemsize \
             + rows * min(seq, loss_chunk) * cfg.vocab_size * 4 * 2
+        kept = rows * seq * (10 * cfg.hidden_size + 4 * inter) * itemsize  # (a layer's saved activations)
         how = f"estimated from FLOPs at {rate / 1e12:.0f} TFLOP/s ({machine.source})"
     fwd = {i: fwd_l for i in range(cfg.num_layers)}
     bwd = {i: bwd_l for i in range(cfg.num_layers)}
     fwd["head"], bwd["head"] = head / 3, 2 * head / 3
     fwd["embed"], bwd["embed"] = 0.0, embed_bwd
     return Workload(list(range(cfg.num_layers)), "embed", "head", fwd, bwd, tokens, micro_batches, boundary,
-                    int(work + grads), 6.0 * cfg.num_params(active=True), cfg.tie_word_embeddings, how)
+                    int(work + grads), 6.0 * cfg.num_params(active=True), cfg.tie_word_embeddings, how,
+                    kept_bytes=int(kept))
 
 
 def _time(cfg, dtype: torch.dtype, rows: int, seq: int, device: torch.device, loss_chunk: int):
@@ -168,6 +170,7 @@ def _time(cfg, dtype: torch.dtype, rows: int, seq: int, device: torch.device, lo
         sum(g.pow(2).sum() for g in stages.embed_grads(embed_w, [ids], [gy], [ctx], None).values())
 
     t_e = timed(embed_grad, 2)
+    kept = _kept_bytes(stages, layer, w, x, ctx)
     targets = torch.randint(0, cfg.vocab_size, (rows, seq), device=device, generator=gen)
     tied = embed_w if cfg.tie_word_embeddings else None
     if cuda:
@@ -176,4 +179,23 @@ def _time(cfg, dtype: torch.dtype, rows: int, seq: int, device: torch.device, lo
     t_h = timed(lambda: stages.head_loss_backward(x, targets, head_w, tied, 1.0, loss_chunk), 2)
     if cuda:
         work = max(work, torch.cuda.max_memory_allocated(device) - base)
-    return t_f, t_b, t_h, t_g, t_e, work
+    return t_f, t_b, t_h, t_g, t_e, work, kept
+
+
+def _kept_bytes(stages, layer, w: dict, x: torch.Tensor, ctx) -> int:
+    """Bytes the layer's forward graph keeps for one micro-batch (what tiermem_keep_activations holds per
+    layer): the storages autograd saves, less the weights', the input's and the output's (held anyway)."""
+    held = {t.untyped_storage().data_ptr() for t in [x, *w.values()]}
+    saved: dict = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in held:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y, graph = stages.layer_graph(layer, w, x, ctx)
+    saved.pop(y.untyped_storage().data_ptr(), None)  # (the output is the next layer's boundary activation)
+    del graph
+    return sum(saved.values())

@@ -257,14 +257,25 @@ def from_service(told: dict, specs, w) -> Plan:
     return plan
 
 
-def keep_activations(plan: Plan, n: int, mcfg) -> None:
+def keep_activations(plan: Plan, n, mcfg) -> None:
     """``tiermem_keep_activations`` in the plan: the first ``n`` layers whose weights live in HBM (the executor
-    picks the same), their recompute gone from the prediction (none while a load-balancing loss is on)."""
+    picks the same; ``auto``: as many as the HBM left beside the plan holds), their recompute gone from the
+    prediction (none while a load-balancing loss is on)."""
     from tiermem.plan.costmodel import SLOTS, Layout, predict
+    from tiermem.plan.planner import gpu_update_bytes
 
     moe = getattr(mcfg, "moe", None)
     if not n or (moe is not None and moe.aux_loss_coef):
         return
-    plan.keep = frozenset([g for g in plan.workload.layers if plan.where.get((g, "param")) == "gpu"][:n])
+    resident = [g for g in plan.workload.layers if plan.where.get((g, "param")) == "gpu"]
+    if n == "auto":
+        w = plan.workload
+        per_layer = w.kept_bytes * -(-w.micro_batches // plan.passes)  # (every micro-batch of a pass)
+        left = plan.hbm_room - plan.need()["gpu"] - plan.activation_bytes \
+            - gpu_update_bytes(plan.where, plan.group_bytes, plan.gpu_updates or set())
+        n = min(len(resident), max(left, 0) // per_layer) if per_layer > 0 else 0
+    plan.keep = frozenset(resident[:n])
+    if not plan.keep:
+        return
     layout = Layout(plan.where, plan.gpu_updates or set(), plan.passes, plan.n_slots or SLOTS, plan.keep)
     plan.prediction = predict(layout, plan.workload, plan.machine, plan.group_bytes, plan.params)

@@ -27,6 +27,7 @@ class Workload:
     tied: bool = False  # the loss also reads ``first``'s weights (a tied LM head)
     timed: str = "estimated"  # how the compute figures were had: "timed on <device>" or "estimated ..."
     notes: list[str] = field(default_factory=list)
+    kept_bytes: int = 0  # what one layer's forward graph keeps for one micro-batch (tiermem_keep_activations)
 
     @property
     def groups(self) -> list[Group]:
@@ -46,7 +47,8 @@ class Workload:
         f = tokens / self.tokens
         return Workload(self.layers, self.first, self.last, {g: s * f for g, s in self.fwd.items()},
                         {g: s * f for g, s in self.bwd.items()}, tokens, micro_batches, self.boundary_bytes_per_token,
-                        self.working_bytes, self.flops_per_token, self.tied, self.timed, list(self.notes))
+                        self.working_bytes, self.flops_per_token, self.tied, self.timed, list(self.notes),
+                        self.kept_bytes * tokens // max(micro_batches, 1) // max(self.tokens // self.micro_batches, 1))
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -91,4 +93,4 @@ class Workload:
         return cls(list(layers), first, last, seconds("fwd"), seconds("bwd"), number("tokens", 1, 1 << 40),
                    number("micro_batches", 1, 4096), number("boundary_bytes_per_token", 0, 1 << 40),
                    number("working_bytes", 0, 1 << 50), float(number("flops_per_token", 0, 1e18, False)), tied,
-                   timed[:200])
+                   timed[:200], [], number("kept_bytes", 0, 1 << 50) if "kept_bytes" in o else 0)
