@@ -83,6 +83,8 @@ def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, mach
     if timed is not None:
         f_mb, b_mb, h_mb, g_step, e_step = (x * IN_STEP for x in timed[:5])
         work, kept = timed[5], timed[6]
+        if kept is None:  # (measuring the kept graph ran out of memory: estimated as without timing)
+            kept = rows * seq * (10 * cfg.hidden_size + 4 * _inter(cfg)) * itemsize
         fwd_l, bwd_l, head = f_mb * micro_batches, b_mb * micro_batches + g_step, h_mb * micro_batches
         embed_bwd = e_step
         how = (f"timed on {device.type}: one layer, its gradient's handling, the loss and the embedding's "
@@ -92,11 +94,9 @@ def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, mach
         f = layer_flops(cfg, seq) * tokens / rate
         fwd_l, bwd_l, head = f, 3 * f, head_flops(cfg) * tokens / rate
         # a layer's backward keeps about 14 hidden-sized and 4 intermediate-sized tensors per token
-        inter = (cfg.moe.top_k * cfg.moe.intermediate_size if getattr(cfg, "moe", None) is not None
-                 else getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))
-        work = rows * seq * (14 * cfg.hidden_size + 4 * inter) * itemsize \
+        work = rows * seq * (14 * cfg.hidden_size + 4 * _inter(cfg)) * itemsize \
             + rows * min(seq, loss_chunk) * cfg.vocab_size * 4 * 2
-        kept = rows * seq * (10 * cfg.hidden_size + 4 * inter) * itemsize  # (a layer's saved activations)
+        kept = rows * seq * (10 * cfg.hidden_size + 4 * _inter(cfg)) * itemsize  # (a layer's saved activations)
         how = f"estimated from FLOPs at {rate / 1e12:.0f} TFLOP/s ({machine.source})"
     fwd = {i: fwd_l for i in range(cfg.num_layers)}
     bwd = {i: bwd_l for i in range(cfg.num_layers)}
@@ -105,6 +105,12 @@ def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, mach
     return Workload(list(range(cfg.num_layers)), "embed", "head", fwd, bwd, tokens, micro_batches, boundary,
                     int(work + grads), 6.0 * cfg.num_params(active=True), cfg.tie_word_embeddings, how,
                     kept_bytes=int(kept))
+
+
+def _inter(cfg) -> int:
+    """A token's intermediate width in a layer's feed-forward (its top-k experts' for a sparse model)."""
+    return (cfg.moe.top_k * cfg.moe.intermediate_size if getattr(cfg, "moe", None) is not None
+            else getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))
 
 
 def _time(cfg, dtype: torch.dtype, rows: int, seq: int, device: torch.device, loss_chunk: int):
@@ -184,7 +190,8 @@ def _time(cfg, dtype: torch.dtype, rows: int, seq: int, device: torch.device, lo
 
 def _kept_bytes(stages, layer, w: dict, x: torch.Tensor, ctx) -> int:
     """Bytes the layer's forward graph keeps for one micro-batch (what tiermem_keep_activations holds per
-    layer): the storages autograd saves, less the weights', the input's and the output's (held anyway)."""
+    layer): the storages autograd saves, less the weights', the input's and the output's (held anyway); None
+    when the graph does not fit the GPU now (the layer's timings stand)."""
     held = {t.untyped_storage().data_ptr() for t in [x, *w.values()]}
     saved: dict = {}
 
@@ -194,8 +201,11 @@ def _kept_bytes(stages, layer, w: dict, x: torch.Tensor, ctx) -> int:
             saved[st.data_ptr()] = st.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y, graph = stages.layer_graph(layer, w, x, ctx)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y, graph = stages.layer_graph(layer, w, x, ctx)
+    except torch.OutOfMemoryError:
+        return None
     saved.pop(y.untyped_storage().data_ptr(), None)  # (the output is the next layer's boundary activation)
     del graph
     return sum(saved.values())

@@ -14,7 +14,7 @@ import torch
 
 from tiermem.config import KINDS, StoreConfig
 from tiermem.plan.costmodel import describe_bound
-from tiermem.plan.machine import Machine
+from tiermem.plan.machine import Machine, machine_for  # noqa: F401 - (machine_for: the callers' name)
 from tiermem.plan.placement import Plan
 from tiermem.plan.planner import compute_bound_at, plan_step, tflops
 from tiermem.sizes import format_size
@@ -31,21 +31,6 @@ class Shape:
     @property
     def tokens(self) -> int:
         return self.rows * self.seq * self.micro_batches
-
-
-def machine_for(scfg: StoreConfig, device: torch.device, probe: str | None = None) -> Machine:
-    """The figures to plan with: ``probe`` (or the config's ``probe``) file; else a quick probe when this
-    machine computes on CUDA; else the H200 machine's, said to be assumed."""
-    path = probe or scfg.probe
-    if path:
-        m = Machine.from_probe(path)
-        if device.type == "cuda":
-            m.gpu_memory = torch.cuda.get_device_properties(device).total_memory
-        return m
-    if device.type == "cuda":
-        return Machine.measure(scfg.tiers.nvme.path if scfg.tiers.nvme else None, device)
-    return Machine.h200("assumed: the H200 machine's figures (no GPU here and no probe file: "
-                        "`tiermem probe --save FILE` on the GPU machine, then --probe FILE)")
 
 
 def make(mcfg, dtype: torch.dtype, scfg: StoreConfig, shape: Shape, machine: Machine, device: torch.device,

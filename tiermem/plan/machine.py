@@ -2,6 +2,7 @@
 
     m = Machine.from_probe("probe.json")        # a `tiermem probe --save` file (its rows and machine)
     m = Machine.measure(nvme_path)              # a quick probe of this machine (a few seconds)
+    m = machine_for(store_cfg, device, probe)   # the run's: its probe file, else a quick probe on CUDA, else assumed
     m = Machine.h200()                          # the H200 machine's figures (docs/measurements.md), said so
 
 Every figure a source lacks is taken from the H200 machine's and named in ``assumed``, so a plan always
@@ -185,3 +186,19 @@ def _adamw_rate(n: int = 1 << 24) -> float:
         return n / (time.perf_counter() - t0)
     finally:
         torch.set_num_threads(keep)
+
+
+def machine_for(scfg, device: torch.device, probe: str | None = None) -> Machine:
+    """The figures to plan with: ``probe`` (or the config's ``probe``) file; else a quick probe when this
+    machine computes on CUDA; else the H200 machine's, said to be assumed. (A training run's and a service's:
+    ``scfg`` is their tiermem StoreConfig.)"""
+    path = probe or scfg.probe
+    if path:
+        m = Machine.from_probe(path)
+        if device.type == "cuda":
+            m.gpu_memory = torch.cuda.get_device_properties(device).total_memory
+        return m
+    if device.type == "cuda":
+        return Machine.measure(scfg.tiers.nvme.path if scfg.tiers.nvme else None, device)
+    return Machine.h200("assumed: the H200 machine's figures (no GPU here and no probe file: "
+                        "`tiermem probe --save FILE` on the GPU machine, then --probe FILE)")

@@ -45,10 +45,11 @@ class Workload:
     def scaled(self, tokens: int, micro_batches: int) -> Workload:
         """The same model at another number of tokens a step (compute scales with tokens)."""
         f = tokens / self.tokens
+        per_micro = (tokens / max(micro_batches, 1)) / (self.tokens / max(self.micro_batches, 1))
         return Workload(self.layers, self.first, self.last, {g: s * f for g, s in self.fwd.items()},
                         {g: s * f for g, s in self.bwd.items()}, tokens, micro_batches, self.boundary_bytes_per_token,
                         self.working_bytes, self.flops_per_token, self.tied, self.timed, list(self.notes),
-                        self.kept_bytes * tokens // max(micro_batches, 1) // max(self.tokens // self.micro_batches, 1))
+                        int(self.kept_bytes * per_micro))  # (a kept graph grows with a micro-batch's tokens)
 
     def to_json(self) -> dict:
         out = asdict(self)

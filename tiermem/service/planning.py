@@ -12,7 +12,7 @@ import copy
 import dataclasses
 
 from tiermem.config import StoreConfig
-from tiermem.plan.machine import Machine
+from tiermem.plan.machine import Machine, machine_for
 from tiermem.plan.placement import Plan, default_budgets
 from tiermem.plan.planner import plan_step
 from tiermem.plan.resolve import compute_device
@@ -26,14 +26,9 @@ CRASH_SAFE_CPU = 0.37
 
 
 def service_machine(cfg: StoreConfig) -> Machine:
-    """The figures the service plans with: its config's ``probe`` file; else a quick probe where it computes
-    on CUDA; else the H200 machine's, said to be assumed."""
-    if cfg.probe:
-        return Machine.from_probe(cfg.probe)
-    device = compute_device(cfg)
-    if device.type == "cuda":
-        return Machine.measure(cfg.tiers.nvme.path if cfg.tiers.nvme else None, device)
-    return Machine.h200("assumed: the H200 machine's figures (the service has no GPU and no probe file)")
+    """The figures the service plans with, found as a training run finds its own (``machine_for``): its
+    config's ``probe`` file; else a quick probe where it computes on CUDA; else assumed."""
+    return machine_for(cfg, compute_device(cfg))
 
 
 def plan_run(specs: list[TensorSpec], plan_cfg: StoreConfig, raw_cfg: StoreConfig, asked,
@@ -61,15 +56,14 @@ def plan_run(specs: list[TensorSpec], plan_cfg: StoreConfig, raw_cfg: StoreConfi
         raise RequestError("the workload's groups are not the specs' groups")
     cuda = compute_device(plan_cfg).type == "cuda"
     budgets = {**default_budgets(plan_cfg), "gpu": room}
-    m = dataclasses.replace(machine(), assumed=list(machine().assumed))
-    m.cpu_adamw *= CRASH_SAFE_CPU  # (the service's CPU AdamW writes out of place or behind an undo copy)
+    base = machine()  # (the service's CPU AdamW writes out of place or behind an undo copy)
+    m = dataclasses.replace(base, assumed=list(base.assumed), cpu_adamw=base.cpu_adamw * CRASH_SAFE_CPU)
     cfg = copy.deepcopy(plan_cfg)  # (the service's own store has no slots; its trainer streams through these)
     cfg.tiers.gpu.slots = raw_cfg.tiers.gpu.slots
     plan = plan_step(specs, cfg, w, m, budgets, cuda=False, hbm_state=False, gpu_worker=cuda)
     explicit = raw_cfg.optimizer.gpu_share is not None
-    streamed = [g for g in w.groups]  # (no state in HBM: every group streams)
-    share = plan_cfg.optimizer.gpu_share if explicit or not cuda else \
-        len(plan.gpu_updates & set(streamed)) / len(streamed)
+    # (no state in HBM: every group streams, and the planner's split is a share of them all)
+    share = plan_cfg.optimizer.gpu_share if explicit or not cuda else len(plan.gpu_updates) / len(w.groups)
     told = {"where": [[g, k, t] for (g, k), t in plan.where.items()],
             "gpu_updates": None if explicit else sorted(plan.gpu_updates, key=str),
             "passes": plan.passes, "activation_budget": plan.activation_budget,
