@@ -107,6 +107,19 @@ def run_plain(args, raw: dict) -> dict:
     return {"step_s": statistics.median(times), "times": times, "peak_hbm_gib": peak / 2**30}
 
 
+def keep_arg(text: str):
+    """--keep: a number of layers or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"a number of layers (0 or more) or auto, got {text!r}")
+    return n
+
+
 def run_tiermem(args, raw: dict, model_dir: Path, path: str = "template", around=None) -> dict:
     """``around(step)``, when given, is a context manager each step runs in (tools/profile_step.py's
     profiler)."""
@@ -152,7 +165,10 @@ def run_tiermem(args, raw: dict, model_dir: Path, path: str = "template", around
     if args.passes > 1:  # --passes N: an activation budget that holds ceil(accum / N) micro-batches' boundaries
         per_mb = (mcfg.num_layers + 1) * mcfg.hidden_size * 2 * args.batch * args.seq
         budget = per_mb * -(-args.accum // args.passes)
-    ex = Executor(store, mcfg, torch.bfloat16, opt, 1.0, args.loss_chunk, budget, getattr(args, "keep", 0))
+    keep = getattr(args, "keep", 0)
+    if keep == "auto":  # (the plan's choice, as tiermem-train takes it)
+        keep = len(getattr(plan, "keep", ()) or ())
+    ex = Executor(store, mcfg, torch.bfloat16, opt, 1.0, args.loss_chunk, budget, keep)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     starts, results, opt_s = [], [], []
@@ -210,8 +226,9 @@ def main() -> None:
     ap.add_argument("--gpu-share", default="auto", help="tiermem optimizer.gpu_share (auto, or 0..1)")
     ap.add_argument("--passes", type=int, default=0,
                     help="tiermem: run each step as this many layer-major passes (partial gradients in DRAM between)")
-    ap.add_argument("--keep", type=int, default=0,
-                    help="tiermem: layers (of those in HBM) whose activations are kept: no recompute in their backward")
+    ap.add_argument("--keep", type=keep_arg, default=0,
+                    help="tiermem: layers (of those in HBM) whose activations are kept: no recompute in their backward "
+                         "(auto: as many as the plan's HBM holds, as tiermem_keep_activations: auto)")
     ap.add_argument("--only", choices=["plain", "tiermem"])
     ap.add_argument("--json")
     ap.add_argument("--alloc-conf", default="expandable_segments:True",

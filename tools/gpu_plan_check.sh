@@ -12,6 +12,10 @@
 #                                        # with LAYERS (default 20) layers, auto placement over the three tiers
 #                                        # (ACCUM, default 4, of 4 rows; STEPS, default 6); `tiermem plan` of
 #                                        # the whole 48-layer model (its one-line refusal)
+#   bash tools/gpu_plan_check.sh compute # issue 17: tests/test_cuda.py; tools/profile_step.py on the 3B shape at
+#                                        # 16x4096 tokens, recomputing and with kept activations (auto); bench_train
+#                                        # 3B 16x4096 keep auto against plain PyTorch; tiermem-train on the 8B shape
+#                                        # at 16x4096 tokens with tiermem_keep_activations KEEP8 (default auto)
 # Details under $OUT; a short table prints last.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -102,6 +106,32 @@ moe)
   summary+=("Qwen3-MoE ${LAYERS:-20} layers auto (rc $rc): $(steps_of /tmp/qmoe/out/trainer_log.jsonl); \
 $(grep -E "^predicted step" "$OUT/plan_moe.txt")")
   rm -rf /tmp/qmoe/out /tmp/q30
+  ;;
+compute)
+  if [ -z "${SKIP_TESTS:-}" ]; then
+    python3 -m pytest -q -rf -p no:cacheprovider tests/test_cuda.py > "$OUT/pytest_cuda.log" 2>&1
+    summary+=("test_cuda: $(grep -E "passed|failed" "$OUT/pytest_cuda.log" | tail -1)")
+  fi
+  if [ -z "${SKIP_3B:-}" ]; then
+    for keep in 0 auto; do
+      python3 tools/profile_step.py --shape 3b --batch 4 --accum 4 --keep $keep --json "$OUT/prof3b_$keep.json" \
+        > "$OUT/prof3b_$keep.txt" 2>&1
+      grep -vE "^(predicted|plan|  )" "$OUT/prof3b_$keep.txt" | tail -16
+      summary+=("profile 3B 16x4096 keep $keep: $(grep -E "^3b shape" "$OUT/prof3b_$keep.txt" | sed 's/.*; step/step/') \
+$(grep -E "^step compute" "$OUT/prof3b_$keep.txt" | sed 's/.*s; standalone/standalone/')")
+    done
+    python3 tools/bench_train.py --shape 3b --batch 4 --accum 4 --steps 5 --keep auto --json "$OUT/b3_keep.json" \
+      > "$OUT/b3_keep.txt" 2>&1
+    tail -8 "$OUT/b3_keep.txt"
+    summary+=("3B 16x4096 keep auto: $(grep -E "^ratio|^tiermem predicted" "$OUT/b3_keep.txt" | tr '\n' ' ')")
+  fi
+  python3 tools/make_shape_run.py --shape 8b --dir /tmp/run8k --batch 4 --accum 4 --steps "${STEPS:-6}" --nvme /tmp/nvme \
+    --set "tiermem_keep_activations=${KEEP8:-auto}" >/dev/null
+  python3 -m trainer.cli /tmp/run8k/train.yaml > "$OUT/train8k.txt" 2>&1; rc=$?
+  grep -vE "^(example|Human|Assistant)" "$OUT/train8k.txt" | tail -24
+  cp /tmp/run8k/out/trainer_log.jsonl "$OUT/log8k.jsonl" 2>/dev/null
+  summary+=("8B 16x4096 keep ${KEEP8:-auto} (rc $rc): $(steps_of /tmp/run8k/out/trainer_log.jsonl)")
+  rm -rf /tmp/run8k/out
   ;;
 esac
 echo "== summary"; printf '%s\n' "${summary[@]}"

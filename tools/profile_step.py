@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench_train import SHAPES, run_tiermem  # noqa: E402
+from bench_train import SHAPES, keep_arg, run_tiermem  # noqa: E402
 
 TINY = dict(SHAPES["3b"], hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512)
@@ -102,7 +102,8 @@ def main() -> None:
     ap.add_argument("--loss-chunk", type=int, default=4096)
     ap.add_argument("--probe", help="a `tiermem probe --save` file for the planner (default: a quick probe)")
     ap.add_argument("--nvme", help="a directory for the NVMe tier's file")
-    ap.add_argument("--keep", type=int, default=0, help="layers whose activations are kept (no recompute)")
+    ap.add_argument("--keep", type=keep_arg, default=0,
+                    help="layers whose activations are kept (no recompute; auto: as many as the plan's HBM holds)")
     ap.add_argument("--trace", help="write the profiled step as a Chrome trace")
     ap.add_argument("--json")
     args = ap.parse_args()
