@@ -60,11 +60,11 @@ def store_cfg(placement="auto", nvme: bool = True):
 
 
 def plan(layers=8, layer_params=50_000_000, embed=100_000_000, gpu=None, dram=40 * GiB, nvme=200 * GiB,
-         placement="auto", w=None, m=None, **mkw):
+         placement="auto", w=None, m=None, keep_auto=False, **mkw):
     specs = specs_for(layers, layer_params, embed)
     m = m or machine(gpu_memory=gpu or 80 * GiB, **mkw)
     return plan_step(specs, store_cfg(placement), w or workload(layers), m,
-                     {"gpu": gpu, "dram": dram, "nvme": nvme}, cuda=True)
+                     {"gpu": gpu, "dram": dram, "nvme": nvme}, cuda=True, keep_auto=keep_auto)
 
 
 def tier_bytes(p) -> dict:
@@ -76,18 +76,23 @@ def tier_bytes(p) -> dict:
 
 @settings(max_examples=40, deadline=None)
 @given(gpu=st.integers(4, 120), dram=st.integers(2, 100), layers=st.integers(2, 12),
-       nvme_read=st.floats(0.5, 8.0), cpu=st.floats(0.5, 8.0))
-def test_budgets_are_never_exceeded(gpu, dram, layers, nvme_read, cpu):
+       nvme_read=st.floats(0.5, 8.0), cpu=st.floats(0.5, 8.0), kept_mib=st.sampled_from([0, 64, 1024, 8192]))
+def test_budgets_are_never_exceeded(gpu, dram, layers, nvme_read, cpu, kept_mib):
+    w = dataclasses.replace(workload(layers), kept_bytes=kept_mib << 20)  # (kept graphs: chosen with the state)
     try:
         p = plan(layers=layers, gpu=gpu * GiB, dram=dram * GiB, m=machine(gpu_memory=gpu * GiB,
-                 nvme_read=nvme_read * 1e9, cpu_adamw=cpu * 1e9))
+                 nvme_read=nvme_read * 1e9, cpu_adamw=cpu * 1e9), w=w, keep_auto=True)
     except BudgetError as e:  # the planner's own refusal, never a plan the budget check then rejects
         assert ("does not fit" in str(e) or "do not fit" in str(e) or "left beside the activations" in str(e)
                 or "is left" in str(e)) and not str(e).startswith("placement does not fit"), str(e)
         return
     need = p.need()
     # (with the GPU optimizer's working copies of the streamed groups it updates)
-    assert need["gpu"] + p.activation_bytes + gpu_update_bytes(p.where, p.group_bytes, p.gpu_updates) <= p.hbm_room
+    # and the graphs of the layers that keep their activations, every micro-batch of a pass
+    kept = len(p.keep) * w.kept_bytes * -(-w.micro_batches // p.passes)
+    assert (need["gpu"] + p.activation_bytes + gpu_update_bytes(p.where, p.group_bytes, p.gpu_updates) + kept
+            <= p.hbm_room)
+    assert all(p.where[(g, "param")] == "gpu" for g in p.keep)
     assert need["dram"] <= dram * GiB
     assert need["nvme"] <= 200 * GiB
     assert p.prediction.step > 0
@@ -206,19 +211,47 @@ def test_keep_auto_keeps_the_resident_layers_the_hbm_left_holds():
     from trainer.run_plan import keep_activations
 
     specs = specs_for(6, 10_000_000, 20_000_000)
+    base = plan_step(specs, store_cfg(), workload(6), machine(gpu_memory=80 * GiB),
+                     {"gpu": None, "dram": 40 * GiB, "nvme": 200 * GiB}, cuda=True).prediction.compute
     for kept_bytes, expect in ((1 << 20, 6), (1 << 40, 0)):
         w = dataclasses.replace(workload(6), kept_bytes=kept_bytes)
         p = plan_step(specs, store_cfg(), w, machine(gpu_memory=80 * GiB),
-                      {"gpu": None, "dram": 40 * GiB, "nvme": 200 * GiB}, cuda=True)
-        before = p.prediction.compute
-        keep_activations(p, "auto", SimpleNamespace(moe=None))
+                      {"gpu": None, "dram": 40 * GiB, "nvme": 200 * GiB}, cuda=True, keep_auto=True)
+        keep_activations(p, "auto", SimpleNamespace(moe=None))  # (nothing more: the planner chose)
         assert len(p.keep) == expect
-        assert p.prediction.compute == pytest.approx(before - expect * w.fwd[0])
+        assert p.prediction.compute == pytest.approx(base - expect * w.fwd[0])
     w = workload(6)  # (n layers asked: the first n of those in HBM)
     p = plan_step(specs, store_cfg(), w, machine(gpu_memory=80 * GiB), {"gpu": None, "dram": 40 * GiB,
                   "nvme": 200 * GiB}, cuda=True)
     keep_activations(p, 2, SimpleNamespace(moe=None))
     assert p.keep == {0, 1} and all(p.where[(g, "param")] == "gpu" for g in p.keep)
+
+
+def test_keep_auto_gives_hbm_from_state_to_kept_graphs_where_the_step_is_compute_bound():
+    """All the state fits in HBM with no room left for a kept graph. In one pass a step, where the CPU updates
+    the state of a few groups well within the compute, the planner moves it to DRAM and keeps layers; where
+    moving it costs more than their recompute, the state stays. Free to choose the passes, it keeps every
+    layer with fewer micro-batches' graphs at a time (nothing in HBM moves between passes)."""
+    specs = specs_for(8, 100_000_000, 100_000_000)  # 1.6 GB of state a layer
+    w = dataclasses.replace(workload(8, fwd=0.1), kept_bytes=256 << 20)  # 4 GiB a layer for 16 micro-batches
+    gb, _ = sizes(specs)
+    room = sum(gb.values()) + w.activation_bytes(1) + 2 * GiB  # (HBM for all the state, little more)
+    m = machine(gpu_memory=(room + GiB) / (1 - 0.06), cpu_adamw=4e9)
+    budgets = {"gpu": None, "dram": 60 * GiB, "nvme": 200 * GiB}
+
+    def planned(mm, keep_auto, passes=1):
+        return plan_step(specs, store_cfg(), w, mm, budgets, cuda=True, keep_auto=keep_auto, fixed_passes=passes)
+
+    plain, kept = planned(m, False), planned(m, True)
+    assert not plain.keep and all(t == "gpu" for t in plain.where.values())
+    assert kept.keep and any(t == "dram" for t in kept.where.values())
+    assert all(kept.where[(g, "param")] == "gpu" for g in kept.keep)
+    assert kept.prediction.step < plain.prediction.step * (1 - 0.005)
+    assert kept.prediction.compute == pytest.approx(plain.prediction.compute - len(kept.keep) * 0.1)
+    slow = dataclasses.replace(m, cpu_adamw=0.005e9, h2d=0.1e9, d2h=0.1e9)
+    assert not planned(slow, True).keep
+    free = planned(slow, True, passes=None)
+    assert free.passes > 1 and len(free.keep) == 8 and all(t == "gpu" for t in free.where.values())
 
 
 def test_the_room_kept_for_the_export_binds_only_the_state_that_stays_on_nvme():

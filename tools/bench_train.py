@@ -135,6 +135,10 @@ def run_tiermem(args, raw: dict, model_dir: Path, path: str = "template", around
     from trainer.weights_io import init_weights
 
     mcfg = load_model(model_dir, path)
+    if getattr(args, "compile", False):  # (torch_compile: true, as tiermem-train runs it)
+        from trainer.model.compiled import choose
+
+        mcfg.compile = choose(True, "inductor", None, mcfg, True)
     data = {"tiers": {"gpu": {"slots": args.slots}}, "optimizer": {"gpu_share": args.gpu_share}}
     if args.nvme:
         data["tiers"]["nvme"] = {"path": args.nvme}
@@ -148,7 +152,7 @@ def run_tiermem(args, raw: dict, model_dir: Path, path: str = "template", around
         t0 = time.perf_counter()
         machine = run_plan.machine_for(scfg, dev, args.probe)
         plan = run_plan.make(mcfg, torch.bfloat16, scfg, run_plan.Shape(args.batch, args.seq, args.accum), machine,
-                             dev, args.loss_chunk)
+                             dev, args.loss_chunk, keep=getattr(args, "keep", 0))
         run_plan.keep_activations(plan, getattr(args, "keep", 0), mcfg)
         t_plan = time.perf_counter() - t0
         for line in run_plan.lines(plan):
@@ -229,6 +233,7 @@ def main() -> None:
     ap.add_argument("--keep", type=keep_arg, default=0,
                     help="tiermem: layers (of those in HBM) whose activations are kept: no recompute in their backward "
                          "(auto: as many as the plan's HBM holds, as tiermem_keep_activations: auto)")
+    ap.add_argument("--compile", action="store_true", help="tiermem: torch.compile the decoder layer (torch_compile)")
     ap.add_argument("--only", choices=["plain", "tiermem"])
     ap.add_argument("--json")
     ap.add_argument("--alloc-conf", default="expandable_segments:True",

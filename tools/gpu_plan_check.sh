@@ -13,9 +13,11 @@
 #                                        # (ACCUM, default 4, of 4 rows; STEPS, default 6); `tiermem plan` of
 #                                        # the whole 48-layer model (its one-line refusal)
 #   bash tools/gpu_plan_check.sh compute # issue 17: tests/test_cuda.py; tools/profile_step.py on the 3B shape at
-#                                        # 16x4096 tokens, recomputing and with kept activations (auto); bench_train
-#                                        # 3B 16x4096 keep auto against plain PyTorch; tiermem-train on the 8B shape
-#                                        # at 16x4096 tokens with tiermem_keep_activations KEEP8 (default auto)
+#                                        # 16x4096 tokens with --keep each of KEEPS (default "0 auto") and FLAGS
+#                                        # (e.g. --compile); bench_train 3B 16x4096 keep auto FLAGS against plain
+#                                        # PyTorch; tiermem-train on the 8B shape at 16x4096 tokens with
+#                                        # tiermem_keep_activations KEEP8 (default auto), torch_compile COMPILE8
+#                                        # (default auto)
 # Details under $OUT; a short table prints last.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -113,24 +115,24 @@ compute)
     summary+=("test_cuda: $(grep -E "passed|failed" "$OUT/pytest_cuda.log" | tail -1)")
   fi
   if [ -z "${SKIP_3B:-}" ]; then
-    for keep in 0 auto; do
-      python3 tools/profile_step.py --shape 3b --batch 4 --accum 4 --keep $keep --json "$OUT/prof3b_$keep.json" \
+    for keep in ${KEEPS:-0 auto}; do
+      python3 tools/profile_step.py --shape 3b --batch 4 --accum 4 --keep $keep ${FLAGS:-} --json "$OUT/prof3b_$keep.json" \
         > "$OUT/prof3b_$keep.txt" 2>&1
-      grep -vE "^(predicted|plan|  )" "$OUT/prof3b_$keep.txt" | tail -16
-      summary+=("profile 3B 16x4096 keep $keep: $(grep -E "^3b shape" "$OUT/prof3b_$keep.txt" | sed 's/.*; step/step/') \
+      grep -vE "^(predicted|plan|  )" "$OUT/prof3b_$keep.txt" | tail -32
+      summary+=("profile 3B 16x4096 keep $keep ${FLAGS:-}: $(grep -E "^3b shape" "$OUT/prof3b_$keep.txt" | sed 's/.*; step/step/') \
 $(grep -E "^step compute" "$OUT/prof3b_$keep.txt" | sed 's/.*s; standalone/standalone/')")
     done
-    python3 tools/bench_train.py --shape 3b --batch 4 --accum 4 --steps 5 --keep auto --json "$OUT/b3_keep.json" \
+    python3 tools/bench_train.py --shape 3b --batch 4 --accum 4 --steps 5 --keep auto ${FLAGS:-} --json "$OUT/b3_keep.json" \
       > "$OUT/b3_keep.txt" 2>&1
     tail -8 "$OUT/b3_keep.txt"
-    summary+=("3B 16x4096 keep auto: $(grep -E "^ratio|^tiermem predicted" "$OUT/b3_keep.txt" | tr '\n' ' ')")
+    summary+=("3B 16x4096 keep auto ${FLAGS:-}: $(grep -E "^ratio|^tiermem predicted" "$OUT/b3_keep.txt" | tr '\n' ' ')")
   fi
   python3 tools/make_shape_run.py --shape 8b --dir /tmp/run8k --batch 4 --accum 4 --steps "${STEPS:-6}" --nvme /tmp/nvme \
-    --set "tiermem_keep_activations=${KEEP8:-auto}" >/dev/null
+    --set "tiermem_keep_activations=${KEEP8:-auto}" "torch_compile=${COMPILE8:-auto}" >/dev/null
   python3 -m trainer.cli /tmp/run8k/train.yaml > "$OUT/train8k.txt" 2>&1; rc=$?
   grep -vE "^(example|Human|Assistant)" "$OUT/train8k.txt" | tail -24
   cp /tmp/run8k/out/trainer_log.jsonl "$OUT/log8k.jsonl" 2>/dev/null
-  summary+=("8B 16x4096 keep ${KEEP8:-auto} (rc $rc): $(steps_of /tmp/run8k/out/trainer_log.jsonl)")
+  summary+=("8B 16x4096 keep ${KEEP8:-auto} torch_compile ${COMPILE8:-auto} (rc $rc): $(steps_of /tmp/run8k/out/trainer_log.jsonl)")
   rm -rf /tmp/run8k/out
   ;;
 esac

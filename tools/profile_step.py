@@ -38,6 +38,7 @@ from bench_train import SHAPES, keep_arg, run_tiermem  # noqa: E402
 
 TINY = dict(SHAPES["3b"], hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512)
+TOP = 14  # the costliest kernels listed
 KINDS = [  # (kind, pattern over a kernel's or operator's name, lower case); the first that matches
     ("attention", r"flash|fmha|attention|sdpa|mha"),
     ("matmul", r"gemm|cutlass|cublas|nvjet|xmma|matmul|aten::mm\b|aten::addmm|aten::bmm|grouped_mm|aten::linear"),
@@ -58,13 +59,14 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def by_kind(prof, cuda: bool) -> tuple[dict, float, float]:
-    """Milliseconds by kind (kernels on CUDA, the CPU's operators otherwise), the total, and the host's
-    milliseconds in the CUDA allocator."""
+def by_kind(prof, cuda: bool) -> tuple[dict, float, float, list]:
+    """Milliseconds by kind (kernels on CUDA, the CPU's operators otherwise), the total, the host's
+    milliseconds in the CUDA allocator, and the costliest kernels (ms, calls, kind, name)."""
     from torch.autograd import DeviceType
 
     out: dict = defaultdict(float)
     alloc = 0.0
+    top = []
     for e in prof.key_averages():
         if re.search(r"cudaMalloc|cudaFree", e.key):
             alloc += e.cpu_time_total / 1e3
@@ -78,7 +80,8 @@ def by_kind(prof, cuda: bool) -> tuple[dict, float, float]:
                 continue
             t = e.self_cpu_time_total
         out[kind_of(e.key)] += t / 1e3
-    return dict(out), sum(out.values()), alloc
+        top.append((t / 1e3, e.count, kind_of(e.key), e.key))
+    return dict(out), sum(out.values()), alloc, sorted(top, reverse=True)[:TOP]
 
 
 def ceiling(mcfg, args, device: torch.device, kept: int) -> float:
@@ -104,6 +107,7 @@ def main() -> None:
     ap.add_argument("--nvme", help="a directory for the NVMe tier's file")
     ap.add_argument("--keep", type=keep_arg, default=0,
                     help="layers whose activations are kept (no recompute; auto: as many as the plan's HBM holds)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the decoder layer (torch_compile)")
     ap.add_argument("--trace", help="write the profiled step as a Chrome trace")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -121,6 +125,8 @@ def main() -> None:
     from trainer.model.config import model_config_from_dict
 
     mcfg = model_config_from_dict(raw)
+    if args.compile:  # (the ceiling times the compiled layer too)
+        mcfg.compile = ("inductor", None)
     holder: dict = {}
 
     def around(step: int):
@@ -135,12 +141,13 @@ def main() -> None:
     # (bench_train's run: the planner's placement, the trainer's executor and optimizer; one step profiled)
     bench = argparse.Namespace(batch=args.batch, accum=args.accum, seq=args.seq, steps=1, warmup=args.warmup,
                                placement="auto", probe=args.probe, nvme=args.nvme, slots=3,
-                               loss_chunk=args.loss_chunk, gpu_share="auto", passes=0, keep=args.keep)
+                               loss_chunk=args.loss_chunk, gpu_share="auto", passes=0, keep=args.keep,
+                               compile=args.compile)
     res = run_tiermem(bench, raw, d, around=around)
     prof = holder["prof"]
     if args.trace:
         prof.export_chrome_trace(args.trace)
-    kinds, total, alloc = by_kind(prof, cuda)
+    kinds, total, alloc, top = by_kind(prof, cuda)
     compute = res["compute_s"]
     device = torch.device("cuda" if cuda else "cpu")
     ceil = ceiling(mcfg, args, device, res["kept_layers"])
@@ -155,13 +162,17 @@ def main() -> None:
         print(f"{kind:44} {ms:10.1f} {ms / total:7.1%}")
     print(f"{'(all)':44} {total:10.1f}")
     print(f"{'host in the CUDA allocator (cudaMalloc/Free)':44} {alloc:10.1f}")
+    print(f"\n{'the costliest ' + what + 's':44} {'ms':>10} {'calls':>7}  kind")
+    for ms, calls, kind, name in top:
+        print(f"{name[:44]:44} {ms:10.1f} {calls:7d}  {kind}")
     print(f"\nstep compute (the executor's) {compute:.3f} s; standalone ceiling of the same schedule {ceil:.3f} s; "
           f"ceiling / compute = {ceil / compute:.3f}" + ("  (CPU: a smoke run)" if not cuda else ""))
     print(f"step split: compute {compute:.3f} s + waiting for transfers {res['wait_transfer_s']:.3f} s + for the "
           f"optimizer {res['wait_optimizer_s']:.3f} s; allocator retries {res['alloc_retries']}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"kinds_ms": kinds, "total_ms": total, "allocator_host_ms": alloc,
-                                               "compute_s": compute, "ceiling_s": ceil, "run": res}, default=str,
+        Path(args.json).write_text(json.dumps({"kinds_ms": kinds, "top": top, "total_ms": total,
+                                               "allocator_host_ms": alloc, "compute_s": compute, "ceiling_s": ceil,
+                                               "run": res}, default=str,
                                               indent=1))
 
 

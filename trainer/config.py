@@ -101,8 +101,20 @@ class TrainConfig:
     # first ones whose weights live in HBM: a streamed layer's weights are gone before its backward); 0: none;
     # auto: as many as the HBM the plan leaves holds
     tiermem_keep_activations: Any = 0
+    # torch.compile of the decoder layer (the template's dense layers; trainer.model.compiled): true, false, or
+    # auto (on CUDA); Hugging Face's keys, with its backend and mode (modes with CUDA graphs are refused)
+    torch_compile: Any = "auto"
+    torch_compile_backend: str = "inductor"
+    torch_compile_mode: str | None = None
 
     notes = ()  # (not a field) the note: lines of keys accepted without effect, set by load_train_config
+
+
+def _dynamo_backend(name) -> bool:
+    """Whether ``name`` is a torch.compile backend a layer that streams its weights can run under."""
+    import torch._dynamo
+
+    return isinstance(name, str) and name != "cudagraphs" and name in torch._dynamo.list_backends(exclude_tags=())
 
 
 def _parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
@@ -272,6 +284,14 @@ def validate(c: TrainConfig, problems: list[str] | None = None, here: bool = Tru
     keep = c.tiermem_keep_activations
     if keep != "auto" and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 0):
         bad(f"tiermem_keep_activations must be a number of layers (0 or more) or auto, got {keep!r}")
+    if c.torch_compile != "auto" and not isinstance(c.torch_compile, bool):
+        bad(f"torch_compile must be true, false or auto, got {c.torch_compile!r}")
+    if c.torch_compile_mode not in (None, "default", "max-autotune-no-cudagraphs"):
+        bad(f"torch_compile_mode must be default or max-autotune-no-cudagraphs (CUDA graphs cannot follow weights that "
+            f"stream through slots), got {c.torch_compile_mode!r}")
+    if c.torch_compile_backend != "inductor" and not _dynamo_backend(c.torch_compile_backend):
+        bad(f"torch_compile_backend must name a torch.compile backend other than cudagraphs (inductor, aot_eager, "
+            f"... : torch._dynamo.list_backends()), got {c.torch_compile_backend!r}")
     if c.tiermem_activation_budget not in ("auto", None):
         from tiermem.sizes import parse_size
 

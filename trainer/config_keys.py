@@ -61,7 +61,7 @@ KEYS: dict[str, Answer] = {
     **_noop(HUB + "; models are read from local directories only", "hf_hub_token", "ms_hub_token",
             "om_hub_token"),
     **_noop(KERNELS, "flash_attn", "attn", "enable_liger_kernel", "use_liger_kernel", "liger_kernel_config",
-            "use_v1_kernels", "torch_compile", "torch_compile_backend", "torch_compile_mode", "use_unsloth_gc"),
+            "use_v1_kernels", "use_unsloth_gc"),
     **_noop(RECOMPUTE, "gradient_checkpointing", "gradient_checkpointing_kwargs", "disable_gradient_checkpointing",
             "use_reentrant_gc", "activation_checkpointing", "activation_checkpointing_kwargs"),
     **_noop(INFERENCE, "infer_backend", "infer_dtype", "use_kv_cache", "use_cache", "vllm_maxlen", "vllm_gpu_util",

@@ -45,7 +45,7 @@ from trainer.model.weights import all_weights, group_order
 from trainer.plan_watch import PlanWatch
 from trainer.report import Reporter, plot_loss
 from trainer.schedule import lr_factor, warmup_steps
-from trainer.state import explicit_gpu_share, state_specs, store_config
+from trainer.state import explicit_gpu_share, state_specs, store_config, wants_cuda
 from trainer.tensorboard import open_writer
 from trainer.weights_io import check_weight_files, export_model, import_weights, init_weights
 from trainer.when import eval_due, save_due, saves
@@ -193,7 +193,7 @@ def plan_run(job: Job, scfg, say):
     machine = run_plan.machine_for(scfg, device)
     budgets = run_plan.local_budgets(scfg, job.mcfg, job.dtype, job.out, saves(job.cfg))
     plan = run_plan.make(job.mcfg, job.dtype, scfg, step_shape(job), machine, device, job.cfg.loss_chunk_tokens,
-                         budgets=budgets)
+                         budgets=budgets, keep=job.cfg.tiermem_keep_activations)
     if plan is not None:
         run_plan.keep_activations(plan, job.cfg.tiermem_keep_activations, job.mcfg)
         lines = run_plan.lines(plan)
@@ -395,13 +395,28 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
 
 def model_config(model_dir: Path, cfg: TrainConfig | None = None):
     """The model's config.json read (for the path that computes it: ``tiermem_model_path``), with the run's
-    load-balancing loss weight (``moe_aux_loss_coef``); its problems reported as the user's (one line, exit
-    code 2)."""
+    load-balancing loss weight (``moe_aux_loss_coef``) and whether its layers are compiled (``torch_compile``);
+    its problems reported as the user's (one line, exit code 2)."""
     try:
         mcfg = load_model(model_dir, cfg.tiermem_model_path if cfg is not None else "auto")
     except ModelConfigError as e:
         raise ConfigError(str(e)) from None
-    return load_balancing_coef(mcfg, cfg.moe_aux_loss_coef) if cfg is not None else mcfg
+    if cfg is None:
+        return mcfg
+    mcfg.compile = compile_choice(cfg, mcfg)
+    return load_balancing_coef(mcfg, cfg.moe_aux_loss_coef)
+
+
+def compile_choice(cfg: TrainConfig, mcfg):
+    """torch_compile for this run: (backend, mode) or None; auto compiles on CUDA (the store's compute device, or
+    an attached trainer's GPU)."""
+    from trainer.model.compiled import CompileError, choose
+
+    on_cuda = torch.cuda.is_available() and (bool(cfg.tiermem_server) or wants_cuda(cfg.tiermem))
+    try:
+        return choose(cfg.torch_compile, cfg.torch_compile_backend, cfg.torch_compile_mode, mcfg, on_cuda)
+    except CompileError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _checked_resume(cfg: TrainConfig, out: Path, mcfg, model_dir: Path, named: dict | None = None,

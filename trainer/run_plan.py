@@ -34,16 +34,26 @@ class Shape:
 
 
 def make(mcfg, dtype: torch.dtype, scfg: StoreConfig, shape: Shape, machine: Machine, device: torch.device,
-         loss_chunk: int, time_it: bool = True, budgets: dict | None = None, cuda: bool | None = None) -> Plan | None:
+         loss_chunk: int, time_it: bool = True, budgets: dict | None = None, cuda: bool | None = None,
+         keep=0) -> Plan | None:
     """The planner's plan for this run, or None when the placement pins every kind (the fixed rule then
     places; nothing to decide). ``cuda``: plan for a CUDA GPU of ``machine``'s figures (default: whether
-    ``device`` is one)."""
+    ``device`` is one). ``keep``: tiermem_keep_activations (auto: the planner chooses the kept layers with
+    the placement; a number: ``keep_activations`` takes them after)."""
     specs = state_specs(mcfg, dtype)
     if all(s.kind in scfg.pins() for s in specs):
         return None
     w = plan_workload.build(mcfg, dtype, shape.rows, shape.seq, shape.micro_batches, machine, device, loss_chunk,
                             time_it=time_it)
-    return plan_step(specs, scfg, w, machine, budgets, cuda=device.type == "cuda" if cuda is None else cuda)
+    return plan_step(specs, scfg, w, machine, budgets, cuda=device.type == "cuda" if cuda is None else cuda,
+                     keep_auto=keep == "auto" and keeps_activations(mcfg))
+
+
+def keeps_activations(mcfg) -> bool:
+    """Whether a layer of this model can keep its activations (not while a load-balancing loss is on: its
+    backward differentiates the router's term, which the recompute provides)."""
+    moe = getattr(mcfg, "moe", None)
+    return moe is None or not moe.aux_loss_coef
 
 
 def local_budgets(scfg: StoreConfig, mcfg, dtype: torch.dtype, out_dir, saves: bool) -> dict:
@@ -88,7 +98,7 @@ def budgets_for(scfg: StoreConfig, machine: Machine) -> dict:
     return {"gpu": t.gpu.budget, "dram": dram, "nvme": nvme}
 
 
-def _span(groups: list) -> str:
+def span(groups: list) -> str:
     ints = sorted(g for g in groups if isinstance(g, int))
     parts, run = [], []
     for g in [*ints, None]:
@@ -119,7 +129,7 @@ def where_lines(plan: Plan) -> list[str]:
         seen: dict = {}
         for k, gs in by_kind.items():
             seen.setdefault(tuple(map(str, gs)), ([], gs))[0].append(k)
-        parts = [f"{'+'.join(ks)} of {_span(gs) if len(gs) < len(groups) else 'every group'}"
+        parts = [f"{'+'.join(ks)} of {span(gs) if len(gs) < len(groups) else 'every group'}"
                  for ks, gs in seen.values()]
         out.append(f"{tier} {format_size(size)}: " + "; ".join(parts))
     return out
@@ -150,7 +160,7 @@ def lines(plan: Plan, ga: int | None = None) -> list[str]:
     """The plan told in a few lines (a run's start, the head of ``tiermem plan``)."""
     p, w = plan.prediction, plan.workload
     passes = f"{plan.passes} pass{'es' if plan.passes > 1 else ''} a step" + (
-        f"; the activations of {_span(sorted(plan.keep))} kept (no recompute)" if plan.keep else "")
+        f"; the activations of {span(sorted(plan.keep))} kept (no recompute)" if plan.keep else "")
     if plan.gpu_updates is None:
         updates = "updates: as optimizer.gpu_share says (the prediction assumed the planner's split)"
     else:
@@ -243,22 +253,14 @@ def from_service(told: dict, specs, w) -> Plan:
 
 
 def keep_activations(plan: Plan, n, mcfg) -> None:
-    """``tiermem_keep_activations`` in the plan: the first ``n`` layers whose weights live in HBM (the executor
-    picks the same; ``auto``: as many as the HBM left beside the plan holds), their recompute gone from the
-    prediction (none while a load-balancing loss is on)."""
+    """A number ``n`` of tiermem_keep_activations in the plan: the first ``n`` layers whose weights live in
+    HBM (the executor picks the same), their recompute gone from the prediction (none while a load-balancing
+    loss is on). ``auto`` was the planner's to choose (``make(keep="auto")``): nothing to do here."""
     from tiermem.plan.costmodel import SLOTS, Layout, predict
-    from tiermem.plan.planner import gpu_update_bytes
 
-    moe = getattr(mcfg, "moe", None)
-    if not n or (moe is not None and moe.aux_loss_coef):
+    if not n or n == "auto" or not keeps_activations(mcfg):
         return
     resident = [g for g in plan.workload.layers if plan.where.get((g, "param")) == "gpu"]
-    if n == "auto":
-        w = plan.workload
-        per_layer = w.kept_bytes * -(-w.micro_batches // plan.passes)  # (every micro-batch of a pass)
-        left = plan.hbm_room - plan.need()["gpu"] - plan.activation_bytes \
-            - gpu_update_bytes(plan.where, plan.group_bytes, plan.gpu_updates or set())
-        n = min(len(resident), max(left, 0) // per_layer) if per_layer > 0 else 0
     plan.keep = frozenset(resident[:n])
     if not plan.keep:
         return

@@ -71,11 +71,15 @@ def pass_counts(micro_batches: int) -> list[int]:
 
 def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine,
               budgets: dict | None = None, cuda: bool = True, fixed_passes: int | None = None,
-              hbm_state: bool = True, gpu_worker: bool = True) -> Plan:
+              hbm_state: bool = True, gpu_worker: bool = True, keep_auto: bool = False) -> Plan:
     """The fastest predicted placement of ``specs`` for steps of ``w`` on machine ``m`` (see the module).
     ``hbm_state`` False: no state in HBM (a service's run: the state outlives the trainer's GPU); HBM holds
     the activations, the slots and the GPU worker's copies. ``gpu_worker`` False: the CPU updates every
-    group that does not live in HBM (a service without CUDA)."""
+    group that does not live in HBM (a service without CUDA). ``keep_auto`` (tiermem_keep_activations: auto):
+    the layers that keep their forward's activations, and skip the recompute, are chosen with the placement:
+    HBM given to a layer's kept graph is HBM taken from state, so several numbers of kept layers are tried,
+    each with the state placed in what they leave, and every layout keeps as many more as its leftover HBM
+    holds."""
     if budgets is None:  # (the GPU's: tiers.gpu.budget or, unset, all of its HBM, activations included)
         budgets = {**default_budgets(cfg), "gpu": cfg.tiers.gpu.budget}
     budgets = dict(budgets)
@@ -85,15 +89,18 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
     need_total = sum(group_bytes.values())
     best: tuple | None = None
     short = None
-    for p in ([fixed_passes] if fixed_passes else pass_counts(w.micro_batches)):
+    for p, k in ((p, k) for p in ([fixed_passes] if fixed_passes else pass_counts(w.micro_batches))
+                 for k in keep_counts(w, keep_auto and hbm_state)):
         act = w.activation_bytes(p)
-        state_room = room - act
+        per_kept = w.kept_bytes * -(-w.micro_batches // p)  # (a kept layer's graph: every micro-batch of a pass)
+        state_room = room - act - k * per_kept
         if state_room < 0:
             continue
         try:
             first = _place(group_bytes, w, pins, state_room, budgets, cfg, fill=hbm_state)
         except BudgetError as e:
-            short = e  # (the last: the most passes, the most HBM left to state)
+            if not k:  # (the last: the most passes, the most HBM left to state; none given to kept graphs)
+                short = e
             continue
         # then the same with HBM left for the GPU worker to update every streamed group (their gradients
         # wait there from the backward; three groups' state in flight); last, where neither leaves the GPU
@@ -118,7 +125,8 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
                                         "raise tiers.gpu.budget, or pin fewer kinds off the GPU")
                     continue
                 fits = True
-                layout = Layout(where, gpu_updates, p, cfg.tiers.gpu.slots)
+                kept = _kept(where, w, k, (free - need) // per_kept if keep_auto and per_kept else 0)
+                layout = Layout(where, gpu_updates, p, cfg.tiers.gpu.slots, kept)
                 pred = predict(layout, w, m, group_bytes, params)
                 if best is None or pred.step < best[0] * (1 - TIE):  # (the first of near-equal layouts: fewer
                     best = (pred.step, layout, pred, state_room, act)  # passes, more state in HBM)
@@ -128,11 +136,34 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
     plan = _finish_plan(layout, group_bytes, cfg, {**budgets, "gpu": state_room})
     plan.prediction, plan.passes, plan.gpu_updates = pred, layout.passes, set(layout.gpu_updates)
     plan.activation_bytes = act
+    plan.keep = layout.keep
     plan.activation_budget = (act - w.working_bytes) if layout.passes > 1 else None
     plan.machine, plan.workload, plan.params = m, w, params
     plan.hbm_room = room
     check_budgets(plan)
     return plan
+
+
+def keep_counts(w: Workload, search: bool) -> list[int]:
+    """Numbers of layers given HBM for their kept graphs before the state is placed: none, then doubling
+    up to every layer (0 only when not searching or when a layer's graph was not measured)."""
+    if not search or not w.kept_bytes:
+        return [0]
+    n, out = len(w.layers), [0]
+    k = 1
+    while k < n:
+        out.append(k)
+        k *= 2
+    return out + [n]
+
+
+def _kept(where: dict, w: Workload, k: int, more: int) -> frozenset:
+    """The layers that keep their graphs: the first ``k + more`` whose weights live in HBM (a streamed
+    layer's weights are gone before its backward); none unless ``k + more`` is positive."""
+    n = k + max(more, 0)
+    if n <= 0:
+        return frozenset()
+    return frozenset([g for g in w.layers if where.get((g, "param")) == "gpu"][:n])
 
 
 def gpu_update_bytes(where: dict, group_bytes: dict, gpu_updates: set) -> int:

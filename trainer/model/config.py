@@ -74,6 +74,9 @@ class ModelConfig:
     pad_token_id: int | None = None  # the embedding row Hugging Face never trains (nn.Embedding padding_idx)
     moe: MoeSpec | None = None
     raw: dict = field(default_factory=dict, repr=False)  # config.json as read, for export
+    # how this run computes its decoder layers: (backend, mode) of torch.compile, or None for the eager layer
+    # (torch_compile; trainer.model.compiled)
+    compile: tuple | None = field(default=None, repr=False, compare=False)
 
     @property
     def q_size(self) -> int:

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from trainer.model.compiled import layer_function
 from trainer.model.config import ModelConfig
-from trainer.model.layers import decoder_layer, head_loss, head_loss_backward, rope_tables
+from trainer.model.layers import head_loss, head_loss_backward, rope_tables
 from trainer.model.moe import RouterStats
 from trainer.model.weights import EMBED, LM_HEAD, NORM
 
@@ -41,6 +42,7 @@ class TemplateStages:
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
         self.cfg, self.dtype, self.device = cfg, dtype, device
         self._rope = None
+        self._layer = layer_function(cfg.compile)  # (decoder_layer, or compiled: torch_compile)
 
     @property
     def aux_loss_coef(self) -> float:
@@ -66,7 +68,7 @@ class TemplateStages:
 
     def layer(self, i: int, w: dict[str, torch.Tensor], x: torch.Tensor, ctx: MicroBatch) -> torch.Tensor:
         """Decoder layer ``i`` over ``x`` with its weights ``w`` (no gradient)."""
-        return decoder_layer(w, x, ctx.rope, self.cfg, ctx.router)
+        return self._layer(w, x, ctx.rope, self.cfg, ctx.router)
 
     def forward_done(self, ctxs: list[MicroBatch]) -> torch.Tensor | None:
         """The forward of these micro-batches is complete: freeze their router statistics; the weighted sum
@@ -80,7 +82,7 @@ class TemplateStages:
         x = x.detach().requires_grad_()
         leaves = {k: t.detach().requires_grad_() for k, t in w.items()}
         with torch.enable_grad():
-            y = decoder_layer(leaves, x, ctx.rope, self.cfg, ctx.router)
+            y = self._layer(leaves, x, ctx.rope, self.cfg, ctx.router)
             outs, grads = [y], [gy]
             term = ctx.router.take_term() if ctx.router is not None else None
             if term is not None:
@@ -92,7 +94,7 @@ class TemplateStages:
     def layer_graph(self, i: int, w: dict[str, torch.Tensor], x: torch.Tensor, ctx: MicroBatch):
         """Decoder layer ``i``'s forward keeping its autograd graph (its activations), for a backward without
         the recompute: (output, graph). Not for a layer whose router feeds the load-balancing loss."""
-        return keep_graph(lambda leaves, x_: decoder_layer(leaves, x_, ctx.rope, self.cfg, ctx.router), w, x)
+        return keep_graph(lambda leaves, x_: self._layer(leaves, x_, ctx.rope, self.cfg, ctx.router), w, x)
 
     def graph_backward(self, graph, gy: torch.Tensor):
         return backward_of(graph, gy)
