@@ -66,6 +66,10 @@ BAD_VALUES = [
     ("tiermem_keep_activations=true", "tiermem_keep_activations"),
     ("tiermem_keep_activations=all", "tiermem_keep_activations"),
     ("tiermem_keep_activations=1.5", "tiermem_keep_activations"),
+    ("torch_compile=maybe", "torch_compile"),
+    ("torch_compile_mode=reduce-overhead", "torch_compile_mode"),
+    ("torch_compile_backend=cudagraphs", "torch_compile_backend"),
+    ("torch_compile_backend=nonesuch", "torch_compile_backend"),
 ]
 
 

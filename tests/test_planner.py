@@ -230,8 +230,8 @@ def test_keep_auto_keeps_the_resident_layers_the_hbm_left_holds():
 def test_keep_auto_gives_hbm_from_state_to_kept_graphs_where_the_step_is_compute_bound():
     """All the state fits in HBM with no room left for a kept graph. In one pass a step, where the CPU updates
     the state of a few groups well within the compute, the planner moves it to DRAM and keeps layers; where
-    moving it costs more than their recompute, the state stays. Free to choose the passes, it keeps every
-    layer with fewer micro-batches' graphs at a time (nothing in HBM moves between passes)."""
+    moving it costs more than their recompute, the state stays; free to choose the passes, it does not add
+    passes for kept graphs (the GPU runs found passes cost more than the cost model counts)."""
     specs = specs_for(8, 100_000_000, 100_000_000)  # 1.6 GB of state a layer
     w = dataclasses.replace(workload(8, fwd=0.1), kept_bytes=256 << 20)  # 4 GiB a layer for 16 micro-batches
     gb, _ = sizes(specs)
@@ -250,8 +250,8 @@ def test_keep_auto_gives_hbm_from_state_to_kept_graphs_where_the_step_is_compute
     assert kept.prediction.compute == pytest.approx(plain.prediction.compute - len(kept.keep) * 0.1)
     slow = dataclasses.replace(m, cpu_adamw=0.005e9, h2d=0.1e9, d2h=0.1e9)
     assert not planned(slow, True).keep
-    free = planned(slow, True, passes=None)
-    assert free.passes > 1 and len(free.keep) == 8 and all(t == "gpu" for t in free.where.values())
+    free = planned(slow, True, passes=None)  # (more passes would leave the graphs room: not taken for them)
+    assert free.passes == 1 and not free.keep and all(t == "gpu" for t in free.where.values())
 
 
 def test_the_room_kept_for_the_export_binds_only_the_state_that_stays_on_nvme():

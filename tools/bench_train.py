@@ -120,6 +120,11 @@ def keep_arg(text: str):
     return n
 
 
+def compile_arg(text: str):
+    """--compile's value as torch_compile takes it."""
+    return {"true": True, "false": False}.get(text, text)
+
+
 def run_tiermem(args, raw: dict, model_dir: Path, path: str = "template", around=None) -> dict:
     """``around(step)``, when given, is a context manager each step runs in (tools/profile_step.py's
     profiler)."""
@@ -135,10 +140,10 @@ def run_tiermem(args, raw: dict, model_dir: Path, path: str = "template", around
     from trainer.weights_io import init_weights
 
     mcfg = load_model(model_dir, path)
-    if getattr(args, "compile", False):  # (torch_compile: true, as tiermem-train runs it)
-        from trainer.model.compiled import choose
+    from trainer.model.compiled import choose  # (torch_compile, as tiermem-train takes it)
 
-        mcfg.compile = choose(True, "inductor", None, mcfg, True)
+    mcfg.compile = choose(compile_arg(getattr(args, "compile", "auto")), "inductor", None, mcfg,
+                          torch.cuda.is_available())
     data = {"tiers": {"gpu": {"slots": args.slots}}, "optimizer": {"gpu_share": args.gpu_share}}
     if args.nvme:
         data["tiers"]["nvme"] = {"path": args.nvme}
@@ -233,7 +238,8 @@ def main() -> None:
     ap.add_argument("--keep", type=keep_arg, default=0,
                     help="tiermem: layers (of those in HBM) whose activations are kept: no recompute in their backward "
                          "(auto: as many as the plan's HBM holds, as tiermem_keep_activations: auto)")
-    ap.add_argument("--compile", action="store_true", help="tiermem: torch.compile the decoder layer (torch_compile)")
+    ap.add_argument("--compile", nargs="?", const="true", default="auto", choices=["auto", "true", "false"],
+                    help="tiermem: torch.compile the decoder layer (torch_compile; auto: on CUDA, as tiermem-train)")
     ap.add_argument("--only", choices=["plain", "tiermem"])
     ap.add_argument("--json")
     ap.add_argument("--alloc-conf", default="expandable_segments:True",

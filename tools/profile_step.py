@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench_train import SHAPES, keep_arg, run_tiermem  # noqa: E402
+from bench_train import SHAPES, compile_arg, keep_arg, run_tiermem  # noqa: E402
 
 TINY = dict(SHAPES["3b"], hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512)
@@ -107,7 +107,8 @@ def main() -> None:
     ap.add_argument("--nvme", help="a directory for the NVMe tier's file")
     ap.add_argument("--keep", type=keep_arg, default=0,
                     help="layers whose activations are kept (no recompute; auto: as many as the plan's HBM holds)")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the decoder layer (torch_compile)")
+    ap.add_argument("--compile", nargs="?", const="true", default="auto", choices=["auto", "true", "false"],
+                    help="torch.compile the decoder layer (torch_compile; auto: on CUDA, as tiermem-train)")
     ap.add_argument("--trace", help="write the profiled step as a Chrome trace")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -125,8 +126,9 @@ def main() -> None:
     from trainer.model.config import model_config_from_dict
 
     mcfg = model_config_from_dict(raw)
-    if args.compile:  # (the ceiling times the compiled layer too)
-        mcfg.compile = ("inductor", None)
+    from trainer.model.compiled import choose  # (the ceiling times the layer the step runs)
+
+    mcfg.compile = choose(compile_arg(args.compile), "inductor", None, mcfg, cuda)
     holder: dict = {}
 
     def around(step: int):

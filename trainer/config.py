@@ -99,8 +99,8 @@ class TrainConfig:
     tiermem_activation_budget: Any = "auto"
     # decoder layers whose forward keeps its activations for the backward instead of recomputing them (the
     # first ones whose weights live in HBM: a streamed layer's weights are gone before its backward); 0: none;
-    # auto: as many as the HBM the plan leaves holds
-    tiermem_keep_activations: Any = 0
+    # auto: the planner's choice, with the placement (a dense model's; a mixture of experts keeps none on auto)
+    tiermem_keep_activations: Any = "auto"
     # torch.compile of the decoder layer (the template's dense layers; trainer.model.compiled): true, false, or
     # auto (on CUDA); Hugging Face's keys, with its backend and mode (modes with CUDA graphs are refused)
     torch_compile: Any = "auto"

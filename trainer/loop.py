@@ -245,12 +245,13 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
         ckpt.remove_partial(out)
         budget = activation_budget(cfg, store, job.store_plan)
         tb = open_writer(cfg, out)  # report_to: tensorboard (sets cfg.logging_dir to where it writes)
-        args = dict(resolved(cfg, scfg, budget, store),
-                    tiermem_model_path="generic" if getattr(mcfg, "generic", False) else "template")
-        (out / "training_args.yaml").write_text(yaml.safe_dump(args, sort_keys=False))
         keep = cfg.tiermem_keep_activations  # (auto: the plan's choice; without a plan, none)
         if keep == "auto":
             keep = len(getattr(job.store_plan, "keep", ()) or ())
+        args = dict(resolved(cfg, scfg, budget, store),
+                    tiermem_model_path="generic" if getattr(mcfg, "generic", False) else "template",
+                    torch_compile=mcfg.compile is not None, tiermem_keep_activations=keep)
+        (out / "training_args.yaml").write_text(yaml.safe_dump(args, sort_keys=False))
         executor = Executor(store, mcfg, dtype, optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens, budget, keep)
         report = Reporter(out, total, active, say, resume_step=start, sink=tb.record if tb else None,
                           first_step=cfg.logging_first_step)
@@ -301,11 +302,10 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                         f"{cfg.per_device_train_batch_size} rows x up to {cfg.cutoff_len} tokens, as "
                         f"{executor.last_passes or 1} layer-major passes, beside the state kept in HBM); lower "
                         "per_device_train_batch_size or cutoff_len, tiermem_activation_budget (a step then runs as "
-                        "several layer-major passes)" + (", tiermem_keep_activations" if cfg.tiermem_keep_activations
+                        "several layer-major passes)" + (", tiermem_keep_activations" if executor.last_kept
                                                          else "") + " or tiers.gpu.budget") from None
-                if step == start and cfg.tiermem_keep_activations:
-                    asked = ("auto" if cfg.tiermem_keep_activations == "auto"
-                             else f"the {cfg.tiermem_keep_activations}")
+                if step == start and cfg.tiermem_keep_activations not in (0, "auto"):  # (auto: the plan says)
+                    asked = f"the {cfg.tiermem_keep_activations}"
                     say(f"note: the activations of {executor.last_kept} layers are kept ({asked} "
                         "tiermem_keep_activations asks for; only layers whose weights live in HBM can be, none with "
                         "a load-balancing loss): their backward skips the recompute")
@@ -436,7 +436,10 @@ NOT_IDENTITY = {"logging_steps", "save_steps", "save_only_model", "save_total_li
                 "overwrite_output_dir", "overwrite_cache", "preprocessing_num_workers", "tiermem_server",
                 "tiermem_cache_dir", "resume_from_checkpoint", "eval_strategy", "eval_steps",
                 "per_device_eval_batch_size", "eval_dataset", "save_strategy", "logging_first_step", "logging_dir",
-                "do_eval", "metric_for_best_model"}
+                "do_eval", "metric_for_best_model",
+                # how the layers are computed, not what: the same math (kept graphs bit for bit; compiled kernels
+                # to rounding)
+                "tiermem_keep_activations", "torch_compile", "torch_compile_backend", "torch_compile_mode"}
 
 
 def run_identity(cfg: TrainConfig, mcfg, dtype: torch.dtype, rows: Rows) -> str:

@@ -39,14 +39,15 @@ def make(mcfg, dtype: torch.dtype, scfg: StoreConfig, shape: Shape, machine: Mac
     """The planner's plan for this run, or None when the placement pins every kind (the fixed rule then
     places; nothing to decide). ``cuda``: plan for a CUDA GPU of ``machine``'s figures (default: whether
     ``device`` is one). ``keep``: tiermem_keep_activations (auto: the planner chooses the kept layers with
-    the placement; a number: ``keep_activations`` takes them after)."""
+    the placement, for a dense model: the kept graphs of expert layers are not yet measured on the GPU; a
+    number: ``keep_activations`` takes them after)."""
     specs = state_specs(mcfg, dtype)
     if all(s.kind in scfg.pins() for s in specs):
         return None
     w = plan_workload.build(mcfg, dtype, shape.rows, shape.seq, shape.micro_batches, machine, device, loss_chunk,
                             time_it=time_it)
     return plan_step(specs, scfg, w, machine, budgets, cuda=device.type == "cuda" if cuda is None else cuda,
-                     keep_auto=keep == "auto" and keeps_activations(mcfg))
+                     keep_auto=keep == "auto" and keeps_activations(mcfg) and getattr(mcfg, "moe", None) is None)
 
 
 def keeps_activations(mcfg) -> bool:
