@@ -101,6 +101,9 @@ class TrainConfig:
     # first ones whose weights live in HBM: a streamed layer's weights are gone before its backward); 0: none;
     # auto: as many as the HBM the plan leaves holds
     tiermem_keep_activations: Any = 0
+    # with several ranks (torchrun): seconds a collective, or a wait for another rank's update, may take before
+    # the run stops with one line naming the rank
+    tiermem_dist_timeout: float = 600.0
 
     notes = ()  # (not a field) the note: lines of keys accepted without effect, set by load_train_config
 
@@ -267,6 +270,8 @@ def validate(c: TrainConfig, problems: list[str] | None = None, here: bool = Tru
             bad("set max_steps or a positive num_train_epochs")
     if not 0 <= c.seed < 2**32:
         bad(f"seed must be from 0 to 2**32 - 1 (as the Hugging Face Trainer's), got {c.seed}")
+    if not (math.isfinite(c.tiermem_dist_timeout) and c.tiermem_dist_timeout > 0):
+        bad(f"tiermem_dist_timeout must be a positive number of seconds, got {c.tiermem_dist_timeout}")
     if c.moe_aux_loss_coef is not None and not (math.isfinite(c.moe_aux_loss_coef) and c.moe_aux_loss_coef >= 0):
         bad(f"moe_aux_loss_coef must be a non-negative number, got {c.moe_aux_loss_coef}")
     keep = c.tiermem_keep_activations

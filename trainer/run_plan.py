@@ -34,16 +34,18 @@ class Shape:
 
 
 def make(mcfg, dtype: torch.dtype, scfg: StoreConfig, shape: Shape, machine: Machine, device: torch.device,
-         loss_chunk: int, time_it: bool = True, budgets: dict | None = None, cuda: bool | None = None) -> Plan | None:
+         loss_chunk: int, time_it: bool = True, budgets: dict | None = None, cuda: bool | None = None,
+         hbm_state: bool = True) -> Plan | None:
     """The planner's plan for this run, or None when the placement pins every kind (the fixed rule then
     places; nothing to decide). ``cuda``: plan for a CUDA GPU of ``machine``'s figures (default: whether
-    ``device`` is one)."""
+    ``device`` is one). ``hbm_state`` False: no state in HBM (several ranks share the host's store)."""
     specs = state_specs(mcfg, dtype)
     if all(s.kind in scfg.pins() for s in specs):
         return None
     w = plan_workload.build(mcfg, dtype, shape.rows, shape.seq, shape.micro_batches, machine, device, loss_chunk,
                             time_it=time_it)
-    return plan_step(specs, scfg, w, machine, budgets, cuda=device.type == "cuda" if cuda is None else cuda)
+    return plan_step(specs, scfg, w, machine, budgets, cuda=device.type == "cuda" if cuda is None else cuda,
+                     hbm_state=hbm_state)
 
 
 def local_budgets(scfg: StoreConfig, mcfg, dtype: torch.dtype, out_dir, saves: bool) -> dict:
