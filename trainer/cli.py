@@ -91,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_train_config(args.config, args.overrides)
         if args.preview is None and os.environ.get("FORCE_TORCHRUN"):  # (the config checked once, here, first)
             from trainer.dist import relaunch
+            from trainer.dp_checks import check_supported
 
-            code = relaunch(sys.argv[1:] if argv is None else list(argv))
+            code = relaunch(sys.argv[1:] if argv is None else list(argv), lambda world: check_supported(cfg, world))
             if code is not None:
                 return code
         if args.preview is not None:

@@ -102,7 +102,9 @@ class World:
         signal.signal(signal.SIGTERM, self._terminated)
 
     def _terminated(self, signum, frame) -> None:
-        """torchrun stops the others when a rank fails: stop here as if that rank was found lost."""
+        """torchrun stops the others when a rank fails: stop here as if that rank was found lost (once: a second
+        SIGTERM while stopping is ignored, torchrun's SIGKILL after its grace period stays)."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise self.lost(signal_name="SIGTERM")
 
     def global_rank(self, local_rank: int) -> int:
@@ -180,9 +182,10 @@ class World:
             self.started = False
 
 
-def relaunch(argv: list[str]) -> int | None:
+def relaunch(argv: list[str], check=None) -> int | None:
     """``FORCE_TORCHRUN=1``: run ``tiermem-train argv`` again under torchrun with ``NPROC_PER_NODE`` processes
-    (default: the GPUs, at least 1) and return its exit code; None when not asked (or already under torchrun)."""
+    (default: the GPUs, at least 1) and return its exit code; None when not asked (or already under torchrun).
+    ``check(world)`` first refuses what that many ranks cannot run."""
     if os.environ.get("FORCE_TORCHRUN", "").lower() not in ("1", "true", "yes") or "WORLD_SIZE" in os.environ:
         return None
     raw = os.environ.get("NPROC_PER_NODE")
@@ -196,6 +199,8 @@ def relaunch(argv: list[str]) -> int | None:
     n = max(n, 1)
     if int(os.environ.get("NNODES", "1") or 1) > 1:
         raise ConfigError("NNODES > 1: training across several hosts is not supported yet; run on one host")
+    if check is not None:
+        check(World(0, n, 0, n))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}"]
     if os.environ.get("MASTER_PORT"):
         cmd += [f"--master-addr={os.environ.get('MASTER_ADDR', '127.0.0.1')}",

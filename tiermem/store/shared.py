@@ -30,6 +30,7 @@ import time
 import psutil
 import torch
 
+from tiermem.config import KINDS
 from tiermem.sizes import align_up
 from tiermem.store.catalog import Group, TensorSpec
 from tiermem.store.layout import attach_store, layout_of
@@ -112,8 +113,9 @@ class HostStore:
         return int(self._c[i])
 
     def _raise_to(self, i: int, v: int) -> None:
-        if v > int(self._c[i]):
-            self._c[i] = v
+        c = self._c
+        if c is not None and v > int(c[i]):  # (None: closed; a write-back finishing late has no reader left)
+            c[i] = v
 
     def params(self, g: Group) -> int:
         return self._get(self.index[g])
@@ -177,6 +179,8 @@ class HostStore:
                 if p > cat.params_version(g):
                     cat.params_ready(g, p)
                 if s > cat.version(g):
+                    for k in KINDS:  # (its owner wrote every kind: a checkpoint here may read them)
+                        self.store.mark_valid(g, k)
                     cat.bump(g, to=s)
             now = time.monotonic()
             if self.lost is None and now - last_watch > WATCH_S:
