@@ -211,3 +211,32 @@ def test_force_torchrun_checks_the_config_before_it_starts(tmp_path, tiny):
                        env=child_env(FORCE_TORCHRUN="1", NPROC_PER_NODE="2"), timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "learning_rate" in r.stderr, r.stderr
     assert "torch.distributed" not in r.stderr
+
+
+def test_host_memory_follows_the_cgroup_limit(tmp_path, monkeypatch):
+    """A cgroup limit below the machine's memory bounds the figure; one above what the OS reports (memory that
+    grows as it is used) is taken instead of it; none leaves the OS's figure."""
+    import psutil
+
+    from tiermem.plan import hostmem
+
+    class VM:
+        total, available = 32 << 30, 30 << 30
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: VM)
+    cg = tmp_path / "cg"
+    cg.mkdir()
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/\n")
+    real = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: real(proc if str(self) == "/proc/self/cgroup" else
+                                                                       self, *a, **k))
+    (cg / "memory.stat").write_text("inactive_file 1073741824\n")
+    (cg / "memory.current").write_text(str(3 << 30))
+    (cg / "memory.max").write_text("max\n")
+    assert hostmem.memory_figures(cg)["available"] == 30 << 30
+    (cg / "memory.max").write_text(str(16 << 30))
+    assert hostmem.memory_figures(cg)["available"] == 14 << 30  # (16 - 3 + 1 of page cache)
+    (cg / "memory.max").write_text(str(256 << 30))
+    got = hostmem.memory_figures(cg)
+    assert got["available"] == 254 << 30 and "grows" in got["source"]

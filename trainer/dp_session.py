@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tiermem.optim import StoreAdamW
+from tiermem.plan.placement import check_budgets
 from tiermem.session import Session
 from tiermem.store.shared import HostStore
 from tiermem.store.store import Store
@@ -44,7 +45,9 @@ def open_rank_session(world, specs, settings, scfg, plan) -> RankSession:
     told = None
     if world.local_rank == 0:
         staging = plan.staging_bytes
+        # (the arena is the host's: the other ranks' staging regions and the counters are in its budget too)
         plan.staging_bytes += HostStore.room(staging, world.local_size, len(groups))
+        check_budgets(plan)
         store = Store.open(scfg, specs, streamed_kinds=("param",), plan=plan)
         try:
             host = HostStore.create(store, groups, world.local_size, staging)
