@@ -50,6 +50,7 @@ class World:
     timeout_s: float = DEFAULT_TIMEOUT_S
     cpu_group: object = None  # the gloo group of the control messages
     started: bool = False
+    stopping: bool = False  # a lost rank was found: this one is stopping
     phase: str = "start"  # start, prepare (every rank checks the same things: the lead alone says them), train
 
     @classmethod
@@ -105,7 +106,27 @@ class World:
         """torchrun stops the others when a rank fails: stop here as if that rank was found lost (once: a second
         SIGTERM while stopping is ignored, torchrun's SIGKILL after its grace period stays)."""
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise self.lost(signal_name="SIGTERM")
+        if not self.stopping:  # (already stopping on the lost rank: a save being finished must not be cut)
+            raise self.lost(signal_name="SIGTERM")
+
+    @property
+    def node(self) -> int:
+        """This host's number (torchrun gives each host's ranks consecutive numbers)."""
+        return self.rank // max(self.local_size, 1)
+
+    @property
+    def nodes(self) -> int:
+        return self.size // max(self.local_size, 1)
+
+    def from_host_lead(self, obj=None):
+        """What this host's first rank (local rank 0) has, on every rank of the host (one broadcast per host)."""
+        mine = None
+        for n in range(self.nodes):
+            src = n * self.local_size
+            got = self.broadcast_json(obj if self.rank == src else None, src=src)
+            if n == self.node:
+                mine = got
+        return mine
 
     def global_rank(self, local_rank: int) -> int:
         return self.rank - self.local_rank + local_rank
@@ -117,6 +138,7 @@ class World:
 
         from tiermem.store.shared import alive
 
+        self.stopping = True
         t0 = time.monotonic()
         while dead is None:  # (a rank killed a moment ago may not be reaped yet: a short grace)
             gone = [r for r, pid in self.pids.items() if r != self.local_rank and not alive(pid)]
@@ -197,11 +219,12 @@ def relaunch(argv: list[str], check=None) -> int | None:
     else:
         n = torch.cuda.device_count() if torch.cuda.is_available() else 1
     n = max(n, 1)
-    if int(os.environ.get("NNODES", "1") or 1) > 1:
-        raise ConfigError("NNODES > 1: training across several hosts is not supported yet; run on one host")
+    nodes = int(os.environ.get("NNODES", "1") or 1)
     if check is not None:
-        check(World(0, n, 0, n))
+        check(World(0, n * nodes, 0, n))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}"]
+    if nodes > 1:  # (as llamafactory-cli: NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT)
+        cmd += [f"--nnodes={nodes}", f"--node-rank={os.environ.get('NODE_RANK', '0')}"]
     if os.environ.get("MASTER_PORT"):
         cmd += [f"--master-addr={os.environ.get('MASTER_ADDR', '127.0.0.1')}",
                 f"--master-port={os.environ['MASTER_PORT']}"]

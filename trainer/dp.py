@@ -150,6 +150,16 @@ class OwnerOptimizer:
         self.local.wait()
         self.check()
 
+    def wait_group(self, g: Group, version: int) -> None:
+        """Until this rank's group ``g`` holds update ``version`` whole."""
+        while True:
+            self.check()
+            try:
+                self.host.store.catalog.wait_version(g, version, timeout=0.2)
+                return
+            except TimeoutError:
+                continue
+
     def wait_all(self, version: int) -> None:
         """Until every group, this rank's or another's, holds update ``version`` whole (before the export)."""
         cat = self.host.store.catalog
@@ -200,4 +210,4 @@ class OwnerOptimizer:
         s = self._save_step
         if s is None or update <= s:
             return 0.0
-        return self.host.wait_saved(g, s, self.world.timeout_s)
+        return self.host.wait_saved(g, s)

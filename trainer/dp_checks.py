@@ -20,9 +20,9 @@ def check_supported(cfg, world, mcfg=None) -> None:
     if not world.several:
         return
     n = f"{world.size} ranks"
-    if world.local_size != world.size:
-        raise ConfigError(f"training across several hosts {NOT_YET} ({n}, {world.local_size} on this host): run "
-                          "every rank on one host")
+    if world.size % max(world.local_size, 1):
+        raise ConfigError(f"hosts with different numbers of ranks are {NOT_YET[3:]} ({n}, {world.local_size} on "
+                          "this host): start the same --nproc-per-node on every host")
     if cfg.tiermem_server:
         raise ConfigError(f"tiermem_server {NOT_YET} ({n}): drop tiermem_server (the ranks of a host then share "
                           "one embedded store) or run one process")

@@ -57,7 +57,7 @@ def open_rank_session(world, specs, settings, scfg, plan) -> RankSession:
         told = dict(host.describe(), gpu_updates=None if plan.gpu_updates is None else list(plan.gpu_updates),
                     activation_budget=plan.activation_budget, passes=plan.passes)
     try:
-        told = world.broadcast_json(told)
+        told = world.from_host_lead(told)
         if host is None:
             host = HostStore.attach(scfg, specs, told, world.local_rank, world.device(), scfg.tiers.gpu.slots)
             p = host.store.plan

@@ -144,10 +144,10 @@ def prepare(cfg: TrainConfig, console: Console, say, world: World | None = None)
     for note in cfg.notes:
         say(note)
     torch.manual_seed(cfg.seed)
-    if world.local_rank > 0:
-        world.barrier()  # (the host's first rank tokenizes into the cache first)
+    if world.rank > 0:
+        world.barrier()  # (rank 0 tokenizes into the cache first, the others read it or make their own)
     rows, eval_rows = prepare_data(cfg, mcfg, model_dir, console)
-    if world.several and world.local_rank == 0:
+    if world.several and world.rank == 0:
         world.barrier()
     show_example(rows, model_dir, say)
     # a step's rows: those of one process with per_device_train_batch_size x world size rows a micro-batch
@@ -341,6 +341,11 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
             keep = len(getattr(job.store_plan, "keep", ()) or ())
         executor = Executor(store, mcfg, dtype, optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens, budget, keep,
                             reducer=getattr(session, "reducer", None))
+        sync = None  # several hosts: their stores kept in step (trainer.dp_hosts)
+        if world.nodes > 1:
+            from trainer.dp_hosts import HostSync
+
+            sync = HostSync(world, session, cfg.bf16)
         report = Reporter(out, total, active, say, resume_step=start, sink=tb.record if tb else None,
                           first_step=cfg.logging_first_step)
         watch = PlanWatch(job.store_plan, start) if getattr(job.store_plan, "prediction", None) is not None else None
@@ -399,6 +404,8 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                         "per_device_train_batch_size or cutoff_len, tiermem_activation_budget (a step then runs as "
                         "several layer-major passes)" + (", tiermem_keep_activations" if cfg.tiermem_keep_activations
                                                          else "") + " or tiers.gpu.budget") from None
+                if sync is not None:  # (every host's next forward reads the new weights)
+                    sync.compute_copies(step + 1)
                 if step == start and cfg.tiermem_keep_activations:
                     asked = ("auto" if cfg.tiermem_keep_activations == "auto"
                              else f"the {cfg.tiermem_keep_activations}")
@@ -425,7 +432,10 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                     loss = evaluate(executor, job.eval_rows, cfg, mcfg, done, world)
                     last_eval = (done, loss, time.perf_counter() - t_eval)
                     report.eval(done, loss, plan.epoch_of(done), time.perf_counter() - t0)
-                if saver is None and world.several and saves(cfg) and save_due(cfg, done, per_epoch, total):
+                if sync is not None and saves(cfg) and save_due(cfg, done, per_epoch, total):
+                    sync.to_lead(done)  # (the other hosts' groups' state, to the store the lead saves from)
+                if saver is None and world.node == 0 and world.several and saves(cfg) \
+                        and save_due(cfg, done, per_epoch, total):
                     optimizer.expect_save(done)  # (the lead saves: update done + 1 waits for its reading)
                 if saver is not None and save_due(cfg, done, per_epoch, total):
                     session.refresh_layout()
@@ -437,6 +447,8 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                     saver.begin(done, {"trainer_state.json": hf_state, "tiermem_state.json": own})
                 bar.advance(task)
             optimizer.wait()
+            if sync is not None:
+                sync.to_lead(total)
             if world.several and lead:  # (every other rank's last update too, whole: the export reads it)
                 optimizer.wait_all(total)
             if saver is not None:

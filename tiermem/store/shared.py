@@ -145,13 +145,14 @@ class HostStore:
         """This process ends cleanly: its going away is no loss."""
         self._c[3 * len(self.groups) + local_rank] = 1
 
-    def wait_saved(self, g: Group, step: int, timeout: float) -> float:
+    def wait_saved(self, g: Group, step: int, timeout: float | None = None) -> float:
         """Block until a checkpoint of ``step`` has read group ``g`` (another process writes it); returns the
-        seconds waited. Raises PeerLost when a process of the host is gone, TimeoutError after ``timeout``."""
+        seconds waited. Raises PeerLost when a process of the host is gone, TimeoutError after ``timeout`` (None:
+        as long as the others live: a big checkpoint's reader may take minutes to reach a late group)."""
         t0 = time.perf_counter()
         while self.saved(g) < step:
             self.check()
-            if time.perf_counter() - t0 > timeout:
+            if timeout is not None and time.perf_counter() - t0 > timeout:
                 raise TimeoutError(f"group {g!r} was not read by checkpoint-{step} within {timeout:.0f} s")
             time.sleep(FOLLOW_S)
         return time.perf_counter() - t0
