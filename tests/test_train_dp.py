@@ -1,7 +1,8 @@
 """Data-parallel training on one host (issue 18), on the CPU through gloo: 2 and 3 ranks started by torchrun
 (and by ``FORCE_TORCHRUN=1``) against one process with the same global batch, fp32 — the same per-step losses
 and gradient norms as printed, the same weights to 1e-5; Adam's moments on NVMe; checkpoints written once and
-resumed; a rank killed mid-step stops the run with one line naming it, and the rerun resumes. Plus the parts:
+resumed; a rank killed mid-step stops the run with one line naming it, and the rerun resumes; 2 "hosts" of 2
+ranks (two torchruns, a store each). Plus the parts:
 owners, rows, the host's shared store and its counters, and what several ranks refuse."""
 
 from __future__ import annotations
