@@ -172,17 +172,24 @@ class HostStore:
         self._thread.start()
 
     def _follow(self, others: list[Group], peers: dict[int, int]) -> None:
-        cat = self.store.catalog
-        last_watch = 0.0
+        cat, n = self.store.catalog, len(self.groups)
+        idx = [self.index[g] for g in others]
+        last_watch, seen = 0.0, None
         while not self._stop.wait(FOLLOW_S):
-            for g in others:
-                p, s = self.params(g), self.state(g)
-                if p > cat.params_version(g):
-                    cat.params_ready(g, p)
-                if s > cat.version(g):
-                    for k in KINDS:  # (its owner wrote every kind: a checkpoint here may read them)
-                        self.store.mark_valid(g, k)
-                    cat.bump(g, to=s)
+            c = self._c
+            if c is None:
+                return
+            now_seen = c[: 2 * n].tolist()  # (one copy of the counters a poll: cheap with hundreds of groups)
+            if now_seen != seen:
+                seen = now_seen
+                for g, i in zip(others, idx):
+                    p, s = now_seen[i], now_seen[n + i]
+                    if p > cat.params_version(g):
+                        cat.params_ready(g, p)
+                    if s > cat.version(g):
+                        for k in KINDS:  # (its owner wrote every kind: a checkpoint here may read them)
+                            self.store.mark_valid(g, k)
+                        cat.bump(g, to=s)
             now = time.monotonic()
             if self.lost is None and now - last_watch > WATCH_S:
                 last_watch = now
