@@ -91,8 +91,9 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
             console = Console(file=open(os.devnull, "w"))
         return _run(cfg, console or Console(), world)
     except UserError as e:
-        if not world.lead and not isinstance(e, RankLost):
-            e.quiet = world.phase in ("start", "prepare")  # (every rank checks the same there: the lead says it)
+        if not world.lead and world.phase in ("start", "prepare"):
+            e.quiet = True  # (every rank checks the same things there, and waits for the lead: the lead says it)
+        elif not world.lead and not isinstance(e, RankLost):
             e.rank_prefix = f"rank {world.rank}: "
         raise
     finally:
@@ -118,8 +119,8 @@ def _run(cfg: TrainConfig, console: Console, world: World) -> dict:
 
 def prepare(cfg: TrainConfig, console: Console, say, world: World | None = None) -> Job:
     """Check the model and the config, pick the checkpoint to resume from, tokenize the data, plan the steps;
-    nothing is written to output_dir. With several ranks, the host's first one tokenizes first (into the
-    cache), the others after it."""
+    nothing is written to output_dir. With several ranks, rank 0 tokenizes first (into the cache), the
+    others after it."""
     world = world or World()
     model_dir = Path(cfg.model_name_or_path)
     mcfg = model_config(model_dir, cfg)
