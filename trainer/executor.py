@@ -196,10 +196,12 @@ class Executor:
         if world is not None:  # (the world's step: its tokens normalise every rank's loss)
             trained, tokens, several = (int(x) for x in world.sum([trained, tokens, int(len(groups) > 1)]))
             if several:
-                raise UserError(f"step {step + 1}: a rank's boundary activations exceed the activation budget, so its "
+                err = UserError(f"step {step + 1}: a rank's boundary activations exceed the activation budget, so its "
                                 "step would run as several layer-major passes, which several ranks do not support "
                                 "yet: lower per_device_train_batch_size or cutoff_len, or raise "
                                 "tiermem_activation_budget")
+                err.quiet = not world.lead  # (every rank finds it: the lead says it)
+                raise err
         scale = 1.0 / max(trained, 1)
         loss = sumsq = None
         for p, group in enumerate(groups):
@@ -218,7 +220,9 @@ class Executor:
         norm = math.sqrt(float(sumsq))
         loss_value = float(loss) * scale
         if not (math.isfinite(norm) and math.isfinite(loss_value)):
-            raise NonFiniteStep(step + 1, loss_value, norm)
+            err = NonFiniteStep(step + 1, loss_value, norm)
+            err.quiet = world is not None and not world.lead  # (the world's norm: every rank finds it)
+            raise err
         grad_scale = None
         if self.max_grad_norm > 0:
             coef = self.max_grad_norm / (norm + 1e-6)
