@@ -290,3 +290,15 @@ def test_bf16_two_ranks_follow_one_process(tmp_path, tiny, capsys):
     assert len(got) == len(ref) == 6
     assert all(abs(float(a[1]) - float(b[1])) <= 2e-2 for a, b in zip(got, ref)), (got, ref)
     assert (tmp_path / "two" / "checkpoint-5" / "checkpoint.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_killed_first_rank_is_named_and_its_arena_removed(tmp_path, tiny):
+    """Rank 0 (which made the host's arena) killed mid-step: rank 1 names it in one line and removes the arena
+    and NVMe file it left."""
+    before = arenas()
+    path = write_cfg(tmp_path, tiny, "two", 2, nvme=True, tiermem_dist_timeout=30)
+    r = ranks(path, 2, TIERMEM_TEST_KILL_AT="backward:3", TIERMEM_TEST_KILL_RANK="0")
+    lines = [x for x in r.stderr.splitlines() if x.startswith("tiermem-train: error:")]
+    assert r.returncode != 0 and len(lines) == 1 and "rank 0 (pid" in lines[0], r.stderr[-3000:]
+    assert arenas() == before and not list((tmp_path / "nvme-two").glob("*"))

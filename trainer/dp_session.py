@@ -28,11 +28,17 @@ class RankSession(Session):
     reducer: GradReducer = None
 
     def close(self) -> None:
+        dead = self.host.dead_peers(self.world.pids) if self.world.local_rank != 0 else []
+        orphaned = 0 in dead and self.world.local_rank == min(r for r in self.world.pids if r not in dead)
+        files = [t.path for t in (self.store.dram, self.store.nvme) if t is not None and t.path is not None]
         try:
             self.optimizer.close()
         finally:
             self.host.close()
             self.store.close()
+            if orphaned:  # (the host's first rank died with the arena and NVMe file it made: nobody else removes
+                for f in files:  # them; the run resumes from its last checkpoint, not from them)
+                    f.unlink(missing_ok=True)
 
 
 def open_rank_session(world, specs, settings, scfg, plan) -> RankSession:
