@@ -7,6 +7,7 @@ environment at import time.
   (``forward:3``, ``backward:3``, ``commit:3``, ``optimizer:3`` in a trainer: inside step 3, or around
   committing it; ``update:3:1``: group 1's update 3 is written but not yet journaled, in the service or
   in a trainer's GPU worker).
+- ``TIERMEM_TEST_KILL_RANK=N``: with several ranks, only rank N (torchrun's ``RANK``) kills itself there.
 - ``TIERMEM_TEST_HOLD_AT=POINT:KEY``: the thread that reaches the point waits there for good instead (a
   test then acts on the other process while this one is held at a known place).
 - ``TIERMEM_TEST_SLOW_UPDATE=SECONDS``: the service takes this much longer over each group's update (a
@@ -49,6 +50,8 @@ def install_from_env(environ=None) -> None:
     """Set ``HOOKS`` from the TIERMEM_TEST_* variables (an entry point calls this once, at start)."""
     env = os.environ if environ is None else environ
     HOOKS.kill_at = env.get("TIERMEM_TEST_KILL_AT") or None
+    if env.get("TIERMEM_TEST_KILL_RANK") not in (None, "", env.get("RANK", "0")):
+        HOOKS.kill_at = None
     HOOKS.hold_at = env.get("TIERMEM_TEST_HOLD_AT") or None
     HOOKS.slow_update = float(env.get("TIERMEM_TEST_SLOW_UPDATE") or 0)
     HOOKS.slow_save = float(env.get("TIERMEM_TEST_SLOW_SAVE") or 0)

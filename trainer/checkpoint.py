@@ -215,6 +215,9 @@ class Saver:
         self._error: BaseException | None = None
         self._abort = threading.Event()
         self.paused = 0.0  # seconds the optimizer waited on saves (the GPU may have waited on it in turn)
+        # on_released(group, step): the save of ``step`` has read the group (the ranks that update other groups
+        # than this process's wait for it)
+        self.on_released = None
         self.last: dict = {}
 
     # -- the optimizer's gate ----------------------------------------------------------------------
@@ -269,11 +272,15 @@ class Saver:
                     row = {k: self.store.read(state_name(w.name, k)).result() for k in kinds}
                     q.put((w.name, row, mib))
                 self._released[g].set()
+                if self.on_released is not None:
+                    self.on_released(g, step)
         except BaseException as e:  # noqa: BLE001 - reported by wait()
             self._error = self._error or e
         finally:
-            for ev in self._released.values():
+            for g, ev in self._released.items():
                 ev.set()  # never leave the optimizer waiting
+                if self.on_released is not None:
+                    self.on_released(g, step)
             q.put(None)
 
     def _wait_version(self, g, step: int) -> None:

@@ -2,6 +2,9 @@
 
 A user mistake (bad config, missing file, bad data row, placement over budget) prints one line per problem
 and exits with code 2; nothing is written to output_dir.
+
+Several GPUs of one host: ``torchrun --nproc-per-node N -m trainer.cli CONFIG``, or ``FORCE_TORCHRUN=1
+tiermem-train CONFIG`` (``NPROC_PER_NODE`` processes, default the GPUs), as llamafactory-cli does.
 """
 
 from __future__ import annotations
@@ -86,6 +89,13 @@ def main(argv: list[str] | None = None) -> int:
 
         install_from_env()
         cfg = load_train_config(args.config, args.overrides)
+        if args.preview is None and os.environ.get("FORCE_TORCHRUN"):  # (the config checked once, here, first)
+            from trainer.dist import relaunch
+            from trainer.dp_checks import check_supported
+
+            code = relaunch(sys.argv[1:] if argv is None else list(argv), lambda world: check_supported(cfg, world))
+            if code is not None:
+                return code
         if args.preview is not None:
             preview(cfg, args.preview, ids_only=args.ids)
         else:
@@ -98,8 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         err = _user_error(e)
         if err is None:
             raise
+        if getattr(err, "quiet", False):  # (another rank of the run says it)
+            return err.exit_code
+        prefix = getattr(err, "rank_prefix", "")
         for line in getattr(err, "problems", None) or [str(err)]:
-            print(f"tiermem-train: error: {line}", file=sys.stderr)
+            print(f"tiermem-train: error: {prefix}{line}", file=sys.stderr)
         return err.exit_code
 
 

@@ -106,6 +106,9 @@ class TrainConfig:
     torch_compile: Any = "auto"
     torch_compile_backend: str = "inductor"
     torch_compile_mode: str | None = None
+    # with several ranks (torchrun): seconds a collective, or a wait for another rank's update, may take before
+    # the run stops with one line naming the rank
+    tiermem_dist_timeout: float = 600.0
 
     notes = ()  # (not a field) the note: lines of keys accepted without effect, set by load_train_config
 
@@ -279,6 +282,8 @@ def validate(c: TrainConfig, problems: list[str] | None = None, here: bool = Tru
             bad("set max_steps or a positive num_train_epochs")
     if not 0 <= c.seed < 2**32:
         bad(f"seed must be from 0 to 2**32 - 1 (as the Hugging Face Trainer's), got {c.seed}")
+    if not (math.isfinite(c.tiermem_dist_timeout) and c.tiermem_dist_timeout > 0):
+        bad(f"tiermem_dist_timeout must be a positive number of seconds, got {c.tiermem_dist_timeout}")
     if c.moe_aux_loss_coef is not None and not (math.isfinite(c.moe_aux_loss_coef) and c.moe_aux_loss_coef >= 0):
         bad(f"moe_aux_loss_coef must be a non-negative number, got {c.moe_aux_loss_coef}")
     keep = c.tiermem_keep_activations

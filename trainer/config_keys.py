@@ -37,7 +37,8 @@ def _refuse(reason: str, *keys: str, ok: tuple = (False,)) -> dict[str, Answer]:
     return {k: Answer("refuse", reason, ok) for k in keys}
 
 
-ONE_PROCESS = "tiermem trains in one process on one GPU (no DDP, no launcher)"
+ONE_PROCESS = ("tiermem's ranks are torchrun's processes, one store per host (README: Several GPUs): DDP's and "
+               "the launcher's settings do not apply")
 DATALOADER = "batches are collated in the training process; tokenizing uses preprocessing_num_workers"
 KERNELS = "tiermem chooses its own kernels (SDPA attention, a chunked LM-head loss)"
 RECOMPUTE = "the step always recomputes each layer from its boundary activation (layer-major, see README)"
@@ -152,9 +153,11 @@ KEYS: dict[str, Answer] = {
     # -- Hugging Face TrainingArguments -----------------------------------------------------------------
     **_refuse("tiermem replaces DeepSpeed's offload with its own tiered store; remove the key", "deepspeed",
               ok=("",)),
-    **_refuse("tiermem trains on one GPU without FSDP; remove the key", "fsdp", ok=("", False, [])),
+    **_refuse("tiermem does not shard with FSDP: its ranks share one store per host (README: Several GPUs); remove "
+              "the key", "fsdp", ok=("", False, [])),
+    **_noop("the ranks' timeout is tiermem_dist_timeout (seconds)", "ddp_timeout"),
     **_noop(ONE_PROCESS, "fsdp_config", "fsdp_min_num_params", "fsdp_transformer_layer_cls_to_wrap", "tp_size",
-            "ddp_timeout", "ddp_backend", "ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers",
+            "ddp_backend", "ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers",
             "ddp_static_graph", "local_rank", "log_on_each_node", "log_level_replica", "save_on_each_node",
             "accelerator_config", "parallelism_config", "dispatch_batches", "split_batches", "tpu_num_cores",
             "tpu_metrics_debug", "mp_parameters", "average_tokens_across_devices", "eval_use_gather_object",

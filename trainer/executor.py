@@ -63,8 +63,13 @@ class StepResult:
 
 class Executor:
     def __init__(self, store, cfg, dtype: torch.dtype, optimizer, max_grad_norm: float,
-                 loss_chunk_tokens: int, activation_budget: int | None = None, keep_layers: int = 0):
+                 loss_chunk_tokens: int, activation_budget: int | None = None, keep_layers: int = 0, reducer=None):
+        """``reducer`` (``trainer.dp.GradReducer``, several ranks): each group's gradient is reduced to the rank
+        that owns it, which alone hands it to the store; the loss, the token counts and the norm are the world's."""
         self.store, self.cfg, self.dtype, self.optimizer = store, cfg, dtype, optimizer
+        self.reducer = reducer
+        if reducer is not None:
+            reducer.hand = self._hand_grads
         self.device = store.gpu.device
         self.max_grad_norm = max_grad_norm
         self.loss_chunk = loss_chunk_tokens
@@ -136,6 +141,9 @@ class Executor:
             self.store.wait(fut, "gradient_partials")
             for n, g in grads.items():
                 g.add_(prev[n])
+        if self.reducer is not None:  # (one pass: the owner hands the world's sum to the store)
+            self.reducer.reduce(group, grads)
+            return None
         if last:
             self._hand_grads(group, grads)
             return sum(g.pow(2).sum() for g in grads.values())
@@ -182,21 +190,39 @@ class Executor:
         self._phase_waits = {}
         trained = sum(int((shift_labels(b[1]) != -100).sum()) for b in batches)
         tokens = sum(b[2] for b in batches)
+        groups = self.passes(batches) if batches else []
+        self.last_passes = max(len(groups), 1)
+        world = self.reducer.world if self.reducer is not None else None
+        if world is not None:  # (the world's step: its tokens normalise every rank's loss)
+            trained, tokens, several = (int(x) for x in world.sum([trained, tokens, int(len(groups) > 1)]))
+            if several:
+                err = UserError(f"step {step + 1}: a rank's boundary activations exceed the activation budget, so its "
+                                "step would run as several layer-major passes, which several ranks do not support "
+                                "yet: lower per_device_train_batch_size or cutoff_len, or raise "
+                                "tiermem_activation_budget")
+                err.quiet = not world.lead  # (every rank finds it: the lead says it)
+                raise err
         scale = 1.0 / max(trained, 1)
-        groups = self.passes(batches)
-        self.last_passes = len(groups)
         loss = sumsq = None
         for p, group in enumerate(groups):
             part, sq = self._pass(group, step, scale, p == 0, p == len(groups) - 1, len(batches))
             loss = part if loss is None else loss + part
             sumsq = sq if sq is not None else sumsq
+        if world is not None and not groups:  # no rows for this rank in this step: zeros to the owners
+            for g in ("head", *reversed(range(self.cfg.num_layers)), "embed"):
+                self.reducer.reduce(g, None)
 
         # 4. exact global-norm clipping, then the store's optimizer (overlaps the next forward)
         self._drain()
+        if world is not None:
+            sumsq = self.reducer.finish()
+            loss = world.sum([float(loss) if loss is not None else 0.0])[0]
         norm = math.sqrt(float(sumsq))
         loss_value = float(loss) * scale
         if not (math.isfinite(norm) and math.isfinite(loss_value)):
-            raise NonFiniteStep(step + 1, loss_value, norm)
+            err = NonFiniteStep(step + 1, loss_value, norm)
+            err.quiet = world is not None and not world.lead  # (the world's norm: every rank finds it)
+            raise err
         grad_scale = None
         if self.max_grad_norm > 0:
             coef = self.max_grad_norm / (norm + 1e-6)
@@ -315,7 +341,7 @@ class Executor:
         del grads_y, acts
         if aux is not None:
             loss = loss + aux / scale  # (the caller scales the summed loss by scale)
-        return loss, (sum(sq) if last else None)
+        return loss, (sum(sq) if last and self.reducer is None else None)
 
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor, int]], version: int) -> tuple[float, int]:
         """Forward only, layer-major, over ``batches`` with the weights of ``version`` (updates done so far):

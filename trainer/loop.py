@@ -20,7 +20,7 @@ import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from tiermem.errors import BudgetError, ConfigError
+from tiermem.errors import BudgetError, ConfigError, UserError
 from tiermem.optim import AdamWConfig, OptimSettings
 from tiermem.plan.machine import Machine
 from tiermem.plan.placement import make_plan
@@ -38,6 +38,7 @@ from trainer.config import TrainConfig, resolved
 from trainer.data.batches import StepPlan, collate
 from trainer.data.prepare import Rows, load_rows, split_eval
 from trainer.data.registry import resolve
+from trainer.dist import World
 from trainer.executor import Executor, NonFiniteStep
 from trainer.model.config import ModelConfigError, load_balancing_coef
 from trainer.model.select import load_model
@@ -67,6 +68,7 @@ class Job:
     dtype: torch.dtype
     resume: Path | None  # the checkpoint an embedded run resumes from
     store_plan: object = None  # the planner's plan of an embedded run (tiermem.plan.placement.Plan)
+    world: World = None  # this process among the run's ranks (one rank: World())
 
     @property
     def n_params(self) -> int:
@@ -76,10 +78,34 @@ class Job:
 def run(cfg: TrainConfig, console: Console | None = None) -> dict:
     """The whole run: prepare (check, tokenize), open the store (embedded or the service's), load the
     weights, train, export."""
-    console = console or Console()
+    world = World.from_env()
+    if not world.several:
+        return _run(cfg, console or Console(), world)
+    from trainer.dist import RankLost
+    from trainer.dp_checks import check_supported
+
+    try:
+        check_supported(cfg, world)
+        world.start(cfg.tiermem_dist_timeout)
+        if not world.lead:  # (the lead tells the run; the others' errors name their rank)
+            console = Console(file=open(os.devnull, "w"))
+        return _run(cfg, console or Console(), world)
+    except UserError as e:
+        if not world.lead and world.phase in ("start", "prepare"):
+            e.quiet = True  # (every rank checks the same things there, and waits for the lead: the lead says it)
+        elif not world.lead and not isinstance(e, RankLost):
+            e.rank_prefix = f"rank {world.rank}: "
+        raise
+    finally:
+        world.stop()
+
+
+def _run(cfg: TrainConfig, console: Console, world: World) -> dict:
     say = lambda text: console.print(text, soft_wrap=True, highlight=False)
-    job = prepare(cfg, console, say)
+    world.phase = "prepare"
+    job = prepare(cfg, console, say, world)
     session = open_training_session(job, say)
+    world.phase = "train"
     try:
         _describe_store(session.store, say)
         start = load_weights(job, session, console, say)
@@ -91,11 +117,17 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
         session.close()
 
 
-def prepare(cfg: TrainConfig, console: Console, say) -> Job:
+def prepare(cfg: TrainConfig, console: Console, say, world: World | None = None) -> Job:
     """Check the model and the config, pick the checkpoint to resume from, tokenize the data, plan the steps;
-    nothing is written to output_dir."""
+    nothing is written to output_dir. With several ranks, rank 0 tokenizes first (into the cache), the
+    others after it."""
+    world = world or World()
     model_dir = Path(cfg.model_name_or_path)
     mcfg = model_config(model_dir, cfg)
+    if world.several:
+        from trainer.dp_checks import check_supported
+
+        check_supported(cfg, world, mcfg)
     if mcfg.sliding_window is not None and cfg.cutoff_len > mcfg.sliding_window:
         raise ConfigError(f"cutoff_len {cfg.cutoff_len} exceeds the model's sliding_window {mcfg.sliding_window}; "
                           "sliding-window attention is not supported yet: lower cutoff_len")
@@ -109,16 +141,22 @@ def prepare(cfg: TrainConfig, console: Console, say) -> Job:
             raise ConfigError("plot_loss: true needs matplotlib (pip install matplotlib)") from None
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     if not cfg.tiermem_server:  # the placement under the budgets, before any data is read
-        check_placement(cfg, mcfg, dtype)
+        check_placement(cfg, mcfg, dtype, world)
     for note in cfg.notes:
         say(note)
     torch.manual_seed(cfg.seed)
+    if world.rank > 0:
+        world.barrier()  # (rank 0 tokenizes into the cache first, the others read it or make their own)
     rows, eval_rows = prepare_data(cfg, mcfg, model_dir, console)
+    if world.several and world.rank == 0:
+        world.barrier()
     show_example(rows, model_dir, say)
-    plan = StepPlan(len(rows), cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps, cfg.seed)
+    # a step's rows: those of one process with per_device_train_batch_size x world size rows a micro-batch
+    plan = StepPlan(len(rows), cfg.per_device_train_batch_size * world.size, cfg.gradient_accumulation_steps,
+                    cfg.seed)
     total = plan.total_steps(cfg.num_train_epochs, cfg.max_steps)
     warmup = warmup_steps(total, cfg.warmup_steps, cfg.warmup_ratio)
-    job = Job(cfg, mcfg, model_dir, out, rows, eval_rows, plan, total, warmup, dtype, resume)
+    job = Job(cfg, mcfg, model_dir, out, rows, eval_rows, plan, total, warmup, dtype, resume, world=world)
     if (eval_rows is not None or cfg.eval_steps is not None) and cfg.eval_strategy == "no" and not cfg.do_eval:
         say("note: evaluation data or eval_steps is set but eval_strategy is no: no evaluation will run")
     if cfg.template is not None and all(e.formatting == "tokenized" for e in resolve(cfg.dataset, cfg.dataset_dir)):
@@ -129,8 +167,8 @@ def prepare(cfg: TrainConfig, console: Console, say) -> Job:
         + (" (generic path)" if getattr(mcfg, "generic", False) else "") + f", {mcfg.num_layers} layers, "
         f"{'bf16' if cfg.bf16 else 'fp32'}; {len(rows)} training rows"
         + (f", {len(eval_rows)} evaluation rows" if eval_rows is not None else "")
-        + f"; {total} steps of {cfg.per_device_train_batch_size}x{cfg.gradient_accumulation_steps} rows "
-        f"(warmup {warmup})")
+        + f"; {total} steps of {cfg.per_device_train_batch_size}x{cfg.gradient_accumulation_steps}"
+        + (f"x{world.size} ranks" if world.several else "") + f" rows (warmup {warmup})")
     return job
 
 
@@ -141,6 +179,9 @@ def open_training_session(job: Job, say) -> Session:
     settings = OptimSettings(AdamWConfig(cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.weight_decay),
                              cfg.bf16, {w.name: w.decay for w in all_weights(mcfg)}, group_order(mcfg))
     specs = state_specs(mcfg, job.dtype)
+    world = job.world
+    if world.several:
+        return _open_rank_session(job, world, specs, settings, say)
     if not cfg.tiermem_server:
         scfg = store_config(cfg.tiermem)
         job.store_plan = plan_run(job, scfg, say)
@@ -163,11 +204,38 @@ def open_training_session(job: Job, say) -> Session:
     return session
 
 
-def check_placement(cfg: TrainConfig, mcfg, dtype: torch.dtype) -> None:
+def _open_rank_session(job: Job, world: World, specs, settings, say) -> Session:
+    """One rank's session of a run of several: the host's first rank plans (no state in HBM) and opens the store,
+    the others attach to it (``trainer.dp_session``)."""
+    from trainer.dp_checks import rank_store_config
+    from trainer.dp_session import open_rank_session
+
+    scfg = rank_store_config(job.cfg, world)
+    plan = None
+    if world.local_rank == 0:
+        plan = job.store_plan = plan_run(job, scfg, say, hbm_state=False)
+        if plan is None:  # (every kind pinned: the fixed rule places)
+            plan = make_plan(specs, scfg, streamed_kinds=("param",))
+    session = open_rank_session(world, specs, settings, scfg, plan)
+    if world.local_rank != 0:
+        job.store_plan = session.store.plan
+    mine = sorted((g for g, r in session.owner.items() if r == world.rank), key=lambda g: settings.groups.index(g))
+    say(f"{world.size} ranks share this host's store; rank 0 updates {len(mine)} of {len(settings.groups)} groups "
+        f"({_span(mine)}) with {session.optimizer.local.threads} CPU AdamW threads, the others the rest")
+    return session
+
+
+def check_placement(cfg: TrainConfig, mcfg, dtype: torch.dtype, world: World | None = None) -> None:
     """The state placed under the budgets as the run will place it (nothing allocated, no data read): a run
     that cannot fit is refused (BudgetError) first. The planner's fit does not depend on the compute's speed,
     so nothing is timed or measured here."""
-    scfg = store_config(cfg.tiermem)
+    several = world is not None and world.several
+    if several:
+        from trainer.dp_checks import rank_store_config
+
+        scfg = rank_store_config(cfg, world)
+    else:
+        scfg = store_config(cfg.tiermem)
     device = compute_device(scfg)
     machine = Machine.h200("the fit check")
     if device.type == "cuda":
@@ -175,7 +243,7 @@ def check_placement(cfg: TrainConfig, mcfg, dtype: torch.dtype) -> None:
     shape = run_plan.Shape(cfg.per_device_train_batch_size, cfg.cutoff_len, cfg.gradient_accumulation_steps)
     budgets = run_plan.local_budgets(scfg, mcfg, dtype, cfg.output_dir, saves(cfg))
     if run_plan.make(mcfg, dtype, scfg, shape, machine, device, cfg.loss_chunk_tokens, time_it=False,
-                     budgets=budgets) is None:
+                     budgets=budgets, hbm_state=not several) is None:
         make_plan(state_specs(mcfg, dtype), scfg, streamed_kinds=("param",))  # every kind pinned
 
 
@@ -187,13 +255,14 @@ def step_shape(job: Job) -> run_plan.Shape:
     return run_plan.Shape(cfg.per_device_train_batch_size, seq, len(mbs))
 
 
-def plan_run(job: Job, scfg, say):
-    """The planner's plan for an embedded run (None when the placement pins every kind), told in a few lines."""
+def plan_run(job: Job, scfg, say, hbm_state: bool = True):
+    """The planner's plan for an embedded run (None when the placement pins every kind), told in a few lines
+    (``hbm_state`` False: no state in HBM, as several ranks' shared store)."""
     device = compute_device(scfg)
     machine = run_plan.machine_for(scfg, device)
     budgets = run_plan.local_budgets(scfg, job.mcfg, job.dtype, job.out, saves(job.cfg))
     plan = run_plan.make(job.mcfg, job.dtype, scfg, step_shape(job), machine, device, job.cfg.loss_chunk_tokens,
-                         budgets=budgets, keep=job.cfg.tiermem_keep_activations)
+                         budgets=budgets, hbm_state=hbm_state, keep=job.cfg.tiermem_keep_activations)
     if plan is not None:
         run_plan.keep_activations(plan, job.cfg.tiermem_keep_activations, job.mcfg)
         lines = run_plan.lines(plan)
@@ -215,6 +284,15 @@ def load_weights(job: Job, session: Session, console: Console, say) -> int:
         return start
     kinds = {"param": job.dtype, **({"master": torch.float32} if cfg.bf16 else {})}
     start = 0
+    world = job.world
+    if world.several and world.local_rank != 0:  # (the host's first rank fills the shared store)
+        start = world.broadcast_json(None)
+        if job.resume is not None:
+            ckpt.set_rng_state(ckpt.tiermem_state(job.resume).get("rng", {}))
+        from trainer.dp_session import loaded
+
+        loaded(session, start, group_order(job.mcfg))
+        return start
     with _bar(console) as bar:
         what = "resuming" if job.resume else "initialising" if cfg.tiermem_init == "random" else "loading"
         task = bar.add_task(f"{what} weights", total=job.n_params)
@@ -227,6 +305,11 @@ def load_weights(job: Job, session: Session, console: Console, say) -> int:
         else:
             import_weights(store, job.mcfg, job.model_dir, kinds, adv)
     session.loaded(start)
+    if world.several:
+        from trainer.dp_session import loaded
+
+        world.broadcast_json(start)
+        loaded(session, start, group_order(job.mcfg))
     if job.resume is not None:
         say(f"resumed from {job.resume} at step {start} (epoch {plan.epoch_of(start):.2f})")
     return start
@@ -239,12 +322,18 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
     active = job.mcfg.num_params(active=True)  # what a token computes with (a sparse model's top-k experts)
     rows, dtype, model_dir = job.rows, job.dtype, job.model_dir
     scfg = store.cfg
+    world = job.world
+    lead = world.lead
+    if not lead:  # (what the other ranks would write goes to a scratch folder, removed at the end)
+        import tempfile
+
+        out = Path(tempfile.mkdtemp(prefix=f"tiermem-rank{world.rank}-"))
     executor = saver = stats = tb = None
     try:
         out.mkdir(parents=True, exist_ok=True)
         ckpt.remove_partial(out)
         budget = activation_budget(cfg, store, job.store_plan)
-        tb = open_writer(cfg, out)  # report_to: tensorboard (sets cfg.logging_dir to where it writes)
+        tb = open_writer(cfg, out) if lead else None  # report_to: tensorboard (sets cfg.logging_dir)
         keep = cfg.tiermem_keep_activations  # (auto: the plan's choice; without a plan, none)
         if keep == "auto":
             keep = len(getattr(job.store_plan, "keep", ()) or ())
@@ -252,10 +341,16 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                     tiermem_model_path="generic" if getattr(mcfg, "generic", False) else "template",
                     torch_compile=mcfg.compile is not None, tiermem_keep_activations=keep)
         (out / "training_args.yaml").write_text(yaml.safe_dump(args, sort_keys=False))
-        executor = Executor(store, mcfg, dtype, optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens, budget, keep)
+        executor = Executor(store, mcfg, dtype, optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens, budget, keep,
+                            reducer=getattr(session, "reducer", None))
+        sync = None  # several hosts: their stores kept in step (trainer.dp_hosts)
+        if world.nodes > 1:
+            from trainer.dp_hosts import HostSync
+
+            sync = HostSync(world, session, cfg.bf16)
         report = Reporter(out, total, active, say, resume_step=start, sink=tb.record if tb else None,
                           first_step=cfg.logging_first_step)
-        watch = PlanWatch(job.store_plan, start) if job.store_plan is not None else None
+        watch = PlanWatch(job.store_plan, start) if getattr(job.store_plan, "prediction", None) is not None else None
         if watch is not None:
             report.predicted = watch.predicted
         saved: dict[int, str] = {}  # checkpoints written, for trainer_state.json's best_model_checkpoint
@@ -270,9 +365,11 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                         plan=watch.live() if watch is not None else None)
 
         stats = StatsFile(out / "tiermem_stats.json", store, live, sink=session.progress_sink)
-        if saves(cfg):
+        if saves(cfg) and lead:
             saver = ckpt.Saver(store, mcfg, out, model_dir, dtype, cfg.bf16, cfg.save_only_model,
                                cfg.save_total_limit, say)
+            if world.several:  # (the owners of the other groups wait for the saver to have read them)
+                saver.on_released = session.host.publish_saved
             optimizer.set_gate(saver.gate)
         t0 = time.perf_counter()
         rows_seen = 0
@@ -284,10 +381,15 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
             task = bar.add_task("training", total=total, completed=start)
             for step in range(start, total):
                 batches = []
-                for idx in plan.rows_of_step(step):
+                mbs = plan.rows_of_step(step)
+                rows_seen += sum(len(idx) for idx in mbs)
+                if world.several:  # (this rank's rows of each micro-batch)
+                    from trainer.dp import my_rows
+
+                    mbs = my_rows(mbs, world.rank, cfg.per_device_train_batch_size)
+                for idx in mbs:
                     batches.append(collate([rows.input_ids[i] for i in idx], [rows.labels[i] for i in idx],
                                            _pad_id(mcfg)))
-                    rows_seen += len(idx)
                 lr = cfg.learning_rate * lr_factor(cfg.lr_scheduler_type, step, total, job.warmup)
                 try:
                     result = executor.step(batches, step, lr)
@@ -304,6 +406,8 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                         "per_device_train_batch_size or cutoff_len, tiermem_activation_budget (a step then runs as "
                         "several layer-major passes)" + (", tiermem_keep_activations" if executor.last_kept
                                                          else "") + " or tiers.gpu.budget") from None
+                if sync is not None:  # (every host's next forward reads the new weights)
+                    sync.compute_copies(step + 1)
                 if step == start and cfg.tiermem_keep_activations not in (0, "auto"):  # (auto: the plan says)
                     asked = f"the {cfg.tiermem_keep_activations}"
                     say(f"note: the activations of {executor.last_kept} layers are kept ({asked} "
@@ -326,9 +430,14 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                 done, per_epoch = step + 1, plan.steps_per_epoch
                 if eval_due(cfg, done, per_epoch, total):  # (before the save: its trainer_state holds it)
                     t_eval = time.perf_counter()
-                    loss = evaluate(executor, job.eval_rows, cfg, mcfg, done)
+                    loss = evaluate(executor, job.eval_rows, cfg, mcfg, done, world)
                     last_eval = (done, loss, time.perf_counter() - t_eval)
                     report.eval(done, loss, plan.epoch_of(done), time.perf_counter() - t0)
+                if sync is not None and saves(cfg) and save_due(cfg, done, per_epoch, total):
+                    sync.to_lead(done)  # (the other hosts' groups' state, to the store the lead saves from)
+                if saver is None and world.node == 0 and world.several and saves(cfg) \
+                        and save_due(cfg, done, per_epoch, total):
+                    optimizer.expect_save(done)  # (the lead saves: update done + 1 waits for its reading)
                 if saver is not None and save_due(cfg, done, per_epoch, total):
                     session.refresh_layout()
                     saved[done] = str(out / f"checkpoint-{done}")
@@ -339,6 +448,10 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                     saver.begin(done, {"trainer_state.json": hf_state, "tiermem_state.json": own})
                 bar.advance(task)
             optimizer.wait()
+            if sync is not None:
+                sync.to_lead(total)
+            if world.several and lead:  # (every other rank's last update too, whole: the export reads it)
+                optimizer.wait_all(total)
             if saver is not None:
                 saver.wait()
         runtime = time.perf_counter() - t0
@@ -346,12 +459,15 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
         if cfg.do_eval:  # (HF: trainer.evaluate() after training; the last step's when it was just evaluated)
             if last_eval is None or last_eval[0] != total:
                 t_eval = time.perf_counter()
-                loss = evaluate(executor, job.eval_rows, cfg, mcfg, total)
+                loss = evaluate(executor, job.eval_rows, cfg, mcfg, total, world)
                 last_eval = (total, loss, time.perf_counter() - t_eval)
                 report.eval(total, loss, plan.epoch_of(total), time.perf_counter() - t0)
             final_eval = hf.eval_metrics(last_eval[1], last_eval[2], len(job.eval_rows),
                                          -(-len(job.eval_rows) // cfg.per_device_eval_batch_size),
                                          plan.epoch_of(total), cfg.stage)
+        if not lead:  # (the lead exports; this rank is done: its going away is no loss)
+            session.host.finished(world.local_rank)
+            return {}
         session.refresh_layout()
         if session.attached is None:  # (the service keeps its state) the disk's room goes to the export
             store.discard_on_nvme(DISCARDED_AT_END)
@@ -391,6 +507,10 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
             executor.close()
         if tb is not None:
             tb.close()
+        if not lead:
+            import shutil
+
+            shutil.rmtree(out, ignore_errors=True)
 
 
 def model_config(model_dir: Path, cfg: TrainConfig | None = None):
@@ -436,7 +556,7 @@ NOT_IDENTITY = {"logging_steps", "save_steps", "save_only_model", "save_total_li
                 "overwrite_output_dir", "overwrite_cache", "preprocessing_num_workers", "tiermem_server",
                 "tiermem_cache_dir", "resume_from_checkpoint", "eval_strategy", "eval_steps",
                 "per_device_eval_batch_size", "eval_dataset", "save_strategy", "logging_first_step", "logging_dir",
-                "do_eval", "metric_for_best_model",
+                "do_eval", "metric_for_best_model", "tiermem_dist_timeout",
                 # how the layers are computed, not what: the same math (kept graphs bit for bit; compiled kernels
                 # to rounding)
                 "tiermem_keep_activations", "torch_compile", "torch_compile_backend", "torch_compile_mode"}
@@ -579,17 +699,22 @@ def show_example(rows: Rows, model_dir: Path, say) -> None:
     say(f"example trained part ({len(trained)} tokens):\n{tok.decode(trained)}")
 
 
-def evaluate(executor: Executor, rows: Rows, cfg: TrainConfig, mcfg, version: int) -> float:
+def evaluate(executor: Executor, rows: Rows, cfg: TrainConfig, mcfg, version: int, world: World | None = None) -> float:
     """Mean loss over every trained token of ``rows``, with the weights after ``version`` updates; the
-    micro-batches go layer-major in groups of gradient_accumulation_steps (the activations of a step)."""
+    micro-batches go layer-major in groups of gradient_accumulation_steps (the activations of a step). Several
+    ranks take every world-size-th micro-batch each and add up their sums."""
     bs, group = cfg.per_device_eval_batch_size, cfg.gradient_accumulation_steps
     mbs = [list(range(i, min(i + bs, len(rows)))) for i in range(0, len(rows), bs)]
+    if world is not None and world.several:
+        mbs = mbs[world.rank::world.size]
     total, count = 0.0, 0
     for g in range(0, len(mbs), group):
         batches = [collate([rows.input_ids[i] for i in idx], [rows.labels[i] for i in idx], _pad_id(mcfg))
                    for idx in mbs[g: g + group]]
         s, n = executor.evaluate(batches, version)
         total, count = total + s, count + n
+    if world is not None and world.several:
+        total, count = world.sum([total, count])
     return total / max(count, 1)
 
 

@@ -142,6 +142,9 @@ class StoreAdamW:
         # group updates the CPU worker made in place for want of room out of place (a group the GPU worker
         # found no room for is counted there, if it finds none either)
         self.no_room = 0
+        # on_state_home(group, update): called once all of an update's new state of the group is home (its
+        # NVMe write-backs too); another process of the host may then read it (tiermem.store.shared)
+        self.on_state_home = None
 
     def set_gate(self, gate: Gate | None) -> None:
         self.gate = gate
@@ -395,7 +398,14 @@ class StoreAdamW:
             self.guard.done(g, step)
             writebacks = []
         self.store.catalog.bump(g, to=step)
-        return all_of(writebacks)
+        return self._home(g, step, all_of(writebacks))
+
+    def _home(self, g: Group, step: int, fut: cf.Future) -> cf.Future:
+        """``fut`` (the group's last write-backs of update ``step``), telling ``on_state_home`` when it is done."""
+        if self.on_state_home is not None:
+            hook = self.on_state_home
+            fut.add_done_callback(lambda f: f.exception() is None and hook(g, step))
+        return fut
 
     # -- the GPU worker ------------------------------------------------------------------------------
     def _run_gpu(self, groups: list[Group], step: int, lr: float, grad_scale: float | None) -> None:
@@ -463,6 +473,7 @@ class StoreAdamW:
             if k in views:
                 store.mark_valid(g, k)
         cat.bump(g, to=step)
+        self._home(g, step, done_future())
 
     def _fetch_state(self, g: Group):
         store, dev = self.store, self.store.gpu.device
@@ -518,4 +529,4 @@ class StoreAdamW:
                                   bulk=True) for k in (pk, *MOMENTS)]
         (home if self.has_master else back[0]).result()
         cat.bump(g, to=step)
-        return all_of(back)
+        return self._home(g, step, all_of(back))

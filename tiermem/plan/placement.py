@@ -22,6 +22,7 @@ import torch
 
 from tiermem.config import KINDS, StoreConfig
 from tiermem.errors import BudgetError
+from tiermem.plan.hostmem import available_memory
 from tiermem.plan.resolve import compute_device
 from tiermem.sizes import align_up, format_size
 from tiermem.store.catalog import Group, TensorSpec
@@ -73,12 +74,13 @@ def default_budgets(cfg: StoreConfig) -> dict[str, int | None]:
     elif gpu is None:  # the CPU stand-in is host memory: a quarter of what is available
         gpu = psutil.virtual_memory().available // 4
     dram = t.dram.budget
-    if dram is None:
+    if dram is None:  # (the host's memory: the cgroup's limit where there is one, tiermem.plan.hostmem)
+        mem = available_memory()
         if t.dram.path == "anonymous":
-            shm = psutil.virtual_memory().available
+            shm = mem
         else:
             shm = shutil.disk_usage(t.dram.path).free if os.path.isdir(t.dram.path) else 0
-        dram = int(min(shm, psutil.virtual_memory().available) * 0.9)
+        dram = int(min(shm, mem) * 0.9)
     nvme = None
     if t.nvme is not None:
         nvme = t.nvme.budget

@@ -151,6 +151,7 @@ class DramArena:
         self._mm = mm
         self._base = torch.frombuffer(mm, dtype=torch.uint8)
         self.allocator = ExtentAllocator(size - HEADER, 4096, base=HEADER) if owner else None
+        self.region: Extent | None = None  # (an attached mapping) the part of the arena it may allocate in
         self.register_seconds = 0.0
         self.pinned = False
         self.touch_seconds = 0.0
@@ -277,9 +278,15 @@ class DramArena:
         return self.size - HEADER
 
     def allocate(self, nbytes: int) -> Extent:
-        if not self.owner:  # its free space is the owner's: a place taken here may hold the owner's data
+        if not self.owner and self.region is None:  # its free space is the owner's: a place taken here may hold
             raise RuntimeError(f"arena {self.name} is mapped from another process, which alone allocates in it")
         return self.allocator.allocate(nbytes)
+
+    def use_region(self, extent: Extent) -> None:
+        """An attached mapping allocates from now on only inside ``extent``, a part of the arena its owner
+        allocated for this process alone (a data-parallel rank stages NVMe-resident state there)."""
+        self.region = extent
+        self.allocator = ExtentAllocator(extent.nbytes, 4096, base=extent.offset)
 
     def free(self, extent: Extent) -> None:
         self.allocator.free(extent)

@@ -1,0 +1,213 @@
+"""Data parallelism within a step: which rank owns each group, which rows each rank takes, the gradients
+reduced to their owners, the exact global norm, and the optimizer of the groups a rank owns.
+
+- **Owners.** Every group (embed, each layer, head) has one owning rank, chosen by bytes of state (the largest
+  group first, to the rank with the fewest bytes so far): the owner alone adds the group's gradient to the store
+  and updates it, on its share of the host's CPU cores.
+- **Rows.** A step takes the rows one process with ``per_device_train_batch_size x world size`` rows a
+  micro-batch would take (the seeded order); rank r takes rows ``r*b .. (r+1)*b - 1`` of each micro-batch, as
+  the Hugging Face Trainer shards a global batch. A rank may get no rows of a short last micro-batch.
+- **Gradients.** As soon as a layer's backward over all of a rank's micro-batches is done, its gradient (one
+  flat fp32 buffer) is reduced (summed) to the owner through torch.distributed, asynchronously: the next
+  layer's backward runs meanwhile (two reductions in flight at most). The owner hands the sum to the store and
+  takes its squared norm; the norm is summed over the ranks in one process's order (exact clipping).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+
+import torch
+
+from tiermem.store.catalog import Group
+from tiermem.store.shared import PeerLost
+
+
+def owners(groups: list[Group], specs, size: int) -> dict[Group, int]:
+    """Each group's owning rank: groups by bytes of state, largest first, each to the least loaded rank."""
+    nbytes: dict[Group, int] = collections.defaultdict(int)
+    for s in specs:
+        nbytes[s.group] += s.nbytes
+    load = [0] * size
+    out: dict[Group, int] = {}
+    for g in sorted(groups, key=lambda g: (-nbytes[g], groups.index(g))):
+        r = min(range(size), key=lambda r: (load[r], r))
+        out[g] = r
+        load[r] += nbytes[g]
+    return out
+
+
+def my_rows(micro_batches: list[list[int]], rank: int, per_device: int) -> list[list[int]]:
+    """This rank's rows of each global micro-batch (the empty ones left out)."""
+    out = [idx[rank * per_device: (rank + 1) * per_device] for idx in micro_batches]
+    return [idx for idx in out if idx]
+
+
+def optimizer_threads(local_size: int) -> int:
+    """CPU AdamW threads of one rank: TIERMEM_OPTIM_THREADS, else its share of the host's cores (all but two of
+    the share when it has more than four)."""
+    env = os.environ.get("TIERMEM_OPTIM_THREADS")
+    if env:
+        return max(1, int(env))
+    share = max(1, (os.cpu_count() or 1) // max(local_size, 1))
+    return share - 2 if share > 4 else share
+
+
+class GradReducer:
+    """The executor's gradients of one step, reduced to their owners (see the module)."""
+
+    IN_FLIGHT = 2
+
+    def __init__(self, world, owner: dict[Group, int], catalog, device: torch.device):
+        self.world, self.owner, self.catalog, self.device = world, owner, catalog, device
+        self.hand = None  # hand(group, grads): the executor's, to the store (set by the executor)
+        self._pending: collections.deque = collections.deque()
+        self._sq: dict[Group, torch.Tensor] = {}
+        self._order: list[Group] = []
+
+    def names(self, group: Group) -> list[str]:
+        return [e.spec.name for e in self.catalog.group_entries(group, "param")]
+
+    def reduce(self, group: Group, grads: dict[str, torch.Tensor] | None) -> None:
+        """Start reducing ``group``'s gradient (None: this rank had no rows: zeros) to its owner."""
+        import torch.distributed as dist
+
+        names = self.names(group)
+        if grads is None:
+            n = sum(math.prod(self.catalog[x].spec.shape) for x in names)
+            buf = torch.zeros(n, dtype=torch.float32, device=self.device)
+        else:
+            buf = torch.cat([grads[x].reshape(-1).float() for x in names])
+        work = self.world.call(dist.reduce, buf, dst=self.owner[group], op=dist.ReduceOp.SUM, async_op=True)
+        self._order.append(group)
+        self._pending.append((group, names, buf, work))
+        while len(self._pending) > self.IN_FLIGHT:
+            self._complete()
+
+    def _complete(self) -> None:
+        group, names, buf, work = self._pending.popleft()
+        self.world.call(work.wait)
+        if self.owner[group] != self.world.rank:
+            return
+        grads, off = {}, 0
+        for x in names:
+            shape = self.catalog[x].spec.shape
+            k = math.prod(shape)
+            grads[x] = buf[off: off + k].view(shape)
+            off += k
+        self.hand(group, grads)
+        self._sq[group] = sum(g.pow(2).sum() for g in grads.values())
+
+    def finish(self) -> float:
+        """Wait for the step's reductions; the squared global norm (every owner's part, summed in the order the
+        groups were reduced, as one process sums them)."""
+        while self._pending:
+            self._complete()
+        zero = torch.zeros((), dtype=torch.float32, device=self.device)
+        vec = torch.stack([self._sq.get(g, zero).float() for g in self._order]).cpu()
+        parts = torch.tensor(self.world.sum(vec.tolist()), dtype=torch.float64).to(torch.float32)
+        self._sq, self._order = {}, []
+        return float(sum(parts[i] for i in range(len(parts))))
+
+    def abandon(self) -> None:
+        self._pending.clear()
+        self._sq, self._order = {}, []
+
+
+class OwnerOptimizer:
+    """What the executor and the saver call an optimizer, on one rank: ``local`` (a ``StoreAdamW`` over the groups
+    this rank owns) updates them; every other group's new version comes from its owner through the host's
+    counters (``tiermem.store.shared``). A save of another rank waits through ``expect_save``."""
+
+    def __init__(self, local, owned: set, host, world):
+        self.local, self.owned, self.host, self.world = local, set(owned), host, world
+        self._save_step: int | None = None
+        self._gate = None
+
+    @property
+    def gpu_share(self) -> float:
+        return self.local.gpu_share
+
+    @property
+    def last_step_seconds(self) -> float:
+        return self.local.last_step_seconds
+
+    @property
+    def last_split(self) -> dict:
+        return self.local.last_split
+
+    @property
+    def groups(self) -> list:
+        return self.local.groups
+
+    def step(self, step: int, lr: float, grad_scale: float | None = None):
+        self.check()
+        return self.local.step(step, lr, grad_scale)
+
+    def wait(self) -> None:
+        self.local.wait()
+        self.check()
+
+    def wait_group(self, g: Group, version: int) -> None:
+        """Until this rank's group ``g`` holds update ``version`` whole."""
+        while True:
+            self.check()
+            try:
+                self.host.store.catalog.wait_version(g, version, timeout=0.2)
+                return
+            except TimeoutError:
+                continue
+
+    def wait_all(self, version: int) -> None:
+        """Until every group, this rank's or another's, holds update ``version`` whole (before the export)."""
+        cat = self.host.store.catalog
+        for g in self.host.groups:
+            while True:
+                self.check()
+                try:
+                    cat.wait_version(g, version, timeout=0.2)
+                    break
+                except TimeoutError:
+                    continue
+
+    def check(self) -> None:
+        try:
+            self.host.check()
+        except PeerLost as e:
+            raise self.world.lost([e.local_rank]) from None
+        if self.local.failure is not None:
+            cause = self.local.failure
+            if isinstance(cause, PeerLost):
+                raise self.world.lost([cause.local_rank]) from None
+            if hasattr(cause, "quiet"):  # (a RankLost from the worker)
+                raise cause
+            self.local.check()
+
+    def close(self) -> None:
+        self.local.close()
+
+    def grads_on_gpu(self, g: Group) -> bool:
+        return g in self.owned and self.local.grads_on_gpu(g)
+
+    def grads_home(self, g: Group) -> bool:
+        return g in self.owned and self.local.grads_home(g)
+
+    def set_gate(self, gate) -> None:
+        """The lead's saver's gate (its own groups: the saver is in this process)."""
+        self._gate = gate
+        self.local.set_gate(self._wait)
+
+    def expect_save(self, step: int) -> None:
+        """Another rank saves checkpoint-``step``: update ``step + 1`` of a group waits until it has read it."""
+        self._save_step = step
+        self.local.set_gate(self._wait)
+
+    def _wait(self, g: Group, update: int) -> float:
+        if self._gate is not None:
+            return self._gate(g, update)
+        s = self._save_step
+        if s is None or update <= s:
+            return 0.0
+        return self.host.wait_saved(g, s)

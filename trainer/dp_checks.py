@@ -1,0 +1,67 @@
+"""What a run of several ranks does not support yet, refused in one line (exit code 2) before anything starts,
+and the store config of one rank.
+
+Several ranks share one store per host (``trainer.dp_session``): its state lives in the DRAM arena and on
+NVMe, never in one rank's HBM (sharding HBM-resident state by owner is not built yet); an attached run
+(``tiermem_server``), several hosts, a load-balancing loss (whose statistics are a micro-batch's, which
+several ranks split) and kept activations (which need weights in HBM) are refused.
+"""
+
+from __future__ import annotations
+
+from tiermem.errors import ConfigError
+from trainer.state import _raw, store_config
+
+NOT_YET = "is not supported yet with several ranks"
+
+
+def check_supported(cfg, world, mcfg=None) -> None:
+    """Refuse (ConfigError, one line) what ``world`` (several ranks) cannot run; nothing when it is one rank."""
+    if not world.several:
+        return
+    n = f"{world.size} ranks"
+    if world.size % max(world.local_size, 1):
+        raise ConfigError(f"hosts with different numbers of ranks are {NOT_YET[3:]} ({n}, {world.local_size} on "
+                          "this host): start the same --nproc-per-node on every host")
+    if cfg.tiermem_server:
+        raise ConfigError(f"tiermem_server {NOT_YET} ({n}): drop tiermem_server (the ranks of a host then share "
+                          "one embedded store) or run one process")
+    raw = _raw(cfg.tiermem)
+    placement = raw.get("placement")
+    if isinstance(placement, dict):
+        on_gpu = sorted(k for k, t in placement.items() if t == "gpu")
+        if on_gpu:
+            raise ConfigError(f"placement pins {', '.join(on_gpu)} to gpu: state in HBM {NOT_YET} ({n}); pin it to "
+                              "dram or nvme")
+    tiers = raw.get("tiers") or {}
+    dram = tiers.get("dram") or {}
+    if isinstance(dram, dict) and str(dram.get("path")) == "anonymous" and world.local_size > 1:
+        raise ConfigError(f"tiers.dram.path: anonymous cannot be shared by the {world.local_size} ranks of this host; "
+                          "set it to a tmpfs directory such as /dev/shm (the default with several ranks)")
+    gpu = tiers.get("gpu") or {}
+    device = str(gpu.get("device", "auto")) if isinstance(gpu, dict) else "auto"
+    if device.startswith("cuda:"):
+        raise ConfigError(f"tiers.gpu.device: {device} names one GPU, but each of the {n} computes on its own "
+                          "(cuda:LOCAL_RANK): set device to auto or cuda")
+    keep = cfg.tiermem_keep_activations
+    if keep not in ("auto", 0):
+        raise ConfigError(f"tiermem_keep_activations: {keep} {NOT_YET} ({n}): it needs weights in HBM, which the "
+                          "ranks' shared store does not keep; set it to 0 or auto")
+    moe = getattr(mcfg, "moe", None) if mcfg is not None else None
+    if moe is not None and moe.aux_loss_coef:
+        raise ConfigError(f"the router's load-balancing loss {NOT_YET} ({n}): its statistics are a micro-batch's, "
+                          "which the ranks split; set moe_aux_loss_coef: 0 or run one process")
+
+
+def rank_store_config(cfg, world):
+    """The store config of one rank: with several ranks on a host the arena is a file under /dev/shm unless the
+    config names another directory (the ranks map it by name), and each rank computes on cuda:LOCAL_RANK."""
+    scfg = store_config(cfg.tiermem)
+    if not world.several:
+        return scfg
+    tiers = _raw(cfg.tiermem).get("tiers") or {}
+    if not (isinstance(tiers.get("dram"), dict) and tiers["dram"].get("path")):
+        scfg.tiers.dram.path = "/dev/shm"
+    if scfg.tiers.gpu.device.startswith("cuda"):
+        scfg.tiers.gpu.device = f"cuda:{world.local_rank}"
+    return scfg
