@@ -156,6 +156,32 @@ def test_owners_are_balanced_by_bytes_and_rows_split_as_hugging_face_shards():
     assert optimizer_threads(2) == max(1, (os.cpu_count() or 1) // 2) - (2 if (os.cpu_count() or 1) // 2 > 4 else 0)
 
 
+def test_the_plan_leaves_hbm_for_the_gradients_in_flight_to_their_owners():
+    """Several ranks: three flat fp32 buffers of the largest group's gradient are in flight at most; the
+    planner takes them from the HBM it places activations and slots in."""
+    from tiermem.plan.machine import Machine
+    from tiermem.plan.planner import plan_step
+    from tiermem.plan.workload import Workload
+    from tiermem.store.catalog import TensorSpec, state_name
+    from trainer.dp import reduction_bytes
+    from trainer.state import store_config
+
+    specs = []
+    for g, n in [("embed", 3000), (0, 1000), (1, 1000), ("head", 3000)]:
+        specs.append(TensorSpec(f"w{g}", (n,), torch.bfloat16, "param", g))
+        specs += [TensorSpec(state_name(f"w{g}", k), (n,), torch.float32, k, g)
+                  for k in ("master", "grad", "exp_avg", "exp_avg_sq")]
+    assert reduction_bytes(specs) == 3 * 4 * 3000
+    w = Workload([0, 1], "embed", "head", {0: .1, 1: .1, "embed": 0., "head": .1},
+                 {0: .3, 1: .3, "embed": 0., "head": .2}, 4096, 2, 64, 1 << 20, 6e9)
+    scfg = store_config({"tiers": {"gpu": {"device": "cpu"}}})
+    m = Machine.h200("synthetic")
+    budgets = {"gpu": 1 << 30, "dram": 1 << 30, "nvme": None}
+    plain = plan_step(specs, scfg, w, m, budgets, cuda=True, hbm_state=False)
+    taken = plan_step(specs, scfg, w, m, budgets, cuda=True, hbm_state=False, hbm_taken=reduction_bytes(specs))
+    assert plain.hbm_room - taken.hbm_room == 3 * 4 * 3000
+
+
 def test_a_second_process_attaches_to_the_host_store(make_cfg):
     """The host's store mapped twice: a tensor written through one is read through the other, the counters go
     from the writer to the follower's catalog, and each attached mapping allocates only in its region."""

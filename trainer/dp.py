@@ -55,6 +55,16 @@ def optimizer_threads(local_size: int) -> int:
     return share - 2 if share > 4 else share
 
 
+def reduction_bytes(specs) -> int:
+    """HBM a rank's gradient reductions take at most: ``GradReducer.IN_FLIGHT`` + 1 flat fp32 buffers of the
+    largest group (the planner leaves it beside the activations and slots)."""
+    per_group: dict[Group, int] = collections.defaultdict(int)
+    for s in specs:
+        if s.kind == "param":
+            per_group[s.group] += math.prod(s.shape)
+    return (GradReducer.IN_FLIGHT + 1) * 4 * max(per_group.values(), default=0)
+
+
 class GradReducer:
     """The executor's gradients of one step, reduced to their owners (see the module)."""
 

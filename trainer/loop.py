@@ -213,7 +213,9 @@ def _open_rank_session(job: Job, world: World, specs, settings, say) -> Session:
     scfg = rank_store_config(job.cfg, world)
     plan = None
     if world.local_rank == 0:
-        plan = job.store_plan = plan_run(job, scfg, say, hbm_state=False)
+        from trainer.dp import reduction_bytes
+
+        plan = job.store_plan = plan_run(job, scfg, say, hbm_state=False, hbm_taken=reduction_bytes(specs))
         if plan is None:  # (every kind pinned: the fixed rule places)
             plan = make_plan(specs, scfg, streamed_kinds=("param",))
     session = open_rank_session(world, specs, settings, scfg, plan)
@@ -243,8 +245,16 @@ def check_placement(cfg: TrainConfig, mcfg, dtype: torch.dtype, world: World | N
     shape = run_plan.Shape(cfg.per_device_train_batch_size, cfg.cutoff_len, cfg.gradient_accumulation_steps)
     budgets = run_plan.local_budgets(scfg, mcfg, dtype, cfg.output_dir, saves(cfg))
     if run_plan.make(mcfg, dtype, scfg, shape, machine, device, cfg.loss_chunk_tokens, time_it=False,
-                     budgets=budgets, hbm_state=not several) is None:
+                     budgets=budgets, hbm_state=not several,
+                     hbm_taken=_reductions(mcfg, dtype) if several else 0) is None:
         make_plan(state_specs(mcfg, dtype), scfg, streamed_kinds=("param",))  # every kind pinned
+
+
+def _reductions(mcfg, dtype: torch.dtype) -> int:
+    """HBM several ranks' gradient reductions take (trainer.dp.reduction_bytes)."""
+    from trainer.dp import reduction_bytes
+
+    return reduction_bytes(state_specs(mcfg, dtype))
 
 
 def step_shape(job: Job) -> run_plan.Shape:
@@ -255,14 +265,16 @@ def step_shape(job: Job) -> run_plan.Shape:
     return run_plan.Shape(cfg.per_device_train_batch_size, seq, len(mbs))
 
 
-def plan_run(job: Job, scfg, say, hbm_state: bool = True):
+def plan_run(job: Job, scfg, say, hbm_state: bool = True, hbm_taken: int = 0):
     """The planner's plan for an embedded run (None when the placement pins every kind), told in a few lines
-    (``hbm_state`` False: no state in HBM, as several ranks' shared store)."""
+    (``hbm_state`` False: no state in HBM, as several ranks' shared store; ``hbm_taken``: HBM taken besides,
+    as several ranks' gradients in flight)."""
     device = compute_device(scfg)
     machine = run_plan.machine_for(scfg, device)
     budgets = run_plan.local_budgets(scfg, job.mcfg, job.dtype, job.out, saves(job.cfg))
     plan = run_plan.make(job.mcfg, job.dtype, scfg, step_shape(job), machine, device, job.cfg.loss_chunk_tokens,
-                         budgets=budgets, hbm_state=hbm_state, keep=job.cfg.tiermem_keep_activations)
+                         budgets=budgets, hbm_state=hbm_state, keep=job.cfg.tiermem_keep_activations,
+                         hbm_taken=hbm_taken)
     if plan is not None:
         run_plan.keep_activations(plan, job.cfg.tiermem_keep_activations, job.mcfg)
         lines = run_plan.lines(plan)

@@ -75,23 +75,25 @@ def pass_counts(micro_batches: int) -> list[int]:
 
 def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine,
               budgets: dict | None = None, cuda: bool = True, fixed_passes: int | None = None,
-              hbm_state: bool = True, gpu_worker: bool = True, keep_auto: bool = False) -> Plan:
+              hbm_state: bool = True, gpu_worker: bool = True, keep_auto: bool = False,
+              hbm_taken: int = 0) -> Plan:
     """The fastest predicted placement of ``specs`` for steps of ``w`` on machine ``m`` (see the module).
     ``hbm_state`` False: no state in HBM (a service's run: the state outlives the trainer's GPU); HBM holds
     the activations, the slots and the GPU worker's copies. ``gpu_worker`` False: the CPU updates every
-    group that does not live in HBM (a service without CUDA). ``keep_auto`` (tiermem_keep_activations: auto):
-    the layers that keep their forward's activations, and skip the recompute, are chosen with the placement:
-    HBM given to a layer's kept graph is HBM taken from state, so several numbers of kept layers are tried,
-    each with the state placed in what they leave, and every layout keeps as many more as its leftover HBM
-    holds. Kept graphs are weighed at the number of passes chosen without them: they never add passes (each
-    pass moves the streamed groups' partial gradients both ways, which the GPU runs have shown costs more
-    than the cost model counts)."""
+    group that does not live in HBM (a service without CUDA). ``hbm_taken``: bytes of HBM the run takes for
+    something else the whole step (several ranks: the gradients in flight to their owners). ``keep_auto``
+    (tiermem_keep_activations: auto): the layers that keep their forward's activations, and skip the
+    recompute, are chosen with the placement: HBM given to a layer's kept graph is HBM taken from state, so
+    several numbers of kept layers are tried, each with the state placed in what they leave, and every
+    layout keeps as many more as its leftover HBM holds. Kept graphs are weighed at the number of passes
+    chosen without them: they never add passes (each pass moves the streamed groups' partial gradients both
+    ways, which the GPU runs have shown costs more than the cost model counts)."""
     if budgets is None:  # (the GPU's: tiers.gpu.budget or, unset, all of its HBM, activations included)
         budgets = {**default_budgets(cfg), "gpu": cfg.tiers.gpu.budget}
     budgets = dict(budgets)
     group_bytes, params = sizes(specs)
     pins = cfg.pins()
-    room = hbm_room(m, budgets, cuda)
+    room = hbm_room(m, budgets, cuda) - hbm_taken
     need_total = sum(group_bytes.values())
     best: tuple | None = None
     short = None
