@@ -260,11 +260,11 @@ def keep_activations(plan: Plan, n, mcfg) -> None:
     HBM (the executor picks the same), their recompute gone from the prediction (none while a load-balancing
     loss is on). ``auto`` was the planner's to choose (``make(keep="auto")``): nothing to do here."""
     from tiermem.plan.costmodel import SLOTS, Layout, predict
+    from tiermem.plan.planner import kept_layers
 
     if not n or n == "auto" or not keeps_activations(mcfg):
         return
-    resident = [g for g in plan.workload.layers if plan.where.get((g, "param")) == "gpu"]
-    plan.keep = frozenset(resident[:n])
+    plan.keep = kept_layers(plan.where, plan.workload.layers, n)
     if not plan.keep:
         return
     layout = Layout(plan.where, plan.gpu_updates or set(), plan.passes, plan.n_slots or SLOTS, plan.keep)

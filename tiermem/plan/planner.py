@@ -139,7 +139,7 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
                                         "raise tiers.gpu.budget, or pin fewer kinds off the GPU")
                     continue
                 fits = True
-                kept = _kept(where, w, k, (free - need) // per_kept if more and per_kept else 0)
+                kept = kept_layers(where, w.layers, k + ((free - need) // per_kept if more and per_kept else 0))
                 layout = Layout(where, gpu_updates, p, cfg.tiers.gpu.slots, kept)
                 pred = predict(layout, w, m, group_bytes, params)
                 # (state moved off HBM for kept graphs must earn its keep)
@@ -175,13 +175,10 @@ def keep_counts(w: Workload, search: bool) -> list[int]:
     return out + [n]
 
 
-def _kept(where: dict, w: Workload, k: int, more: int) -> frozenset:
-    """The layers that keep their graphs: the first ``k + more`` whose weights live in HBM (a streamed
-    layer's weights are gone before its backward); none unless ``k + more`` is positive."""
-    n = k + max(more, 0)
-    if n <= 0:
-        return frozenset()
-    return frozenset([g for g in w.layers if where.get((g, "param")) == "gpu"][:n])
+def kept_layers(where: dict, layers: list, n: int) -> frozenset:
+    """The layers that keep their graphs: the first ``n`` whose weights live in HBM (a streamed layer's weights
+    are gone before its backward; the executor picks the same)."""
+    return frozenset([g for g in layers if where.get((g, "param")) == "gpu"][:max(n, 0)])
 
 
 def gpu_update_bytes(where: dict, group_bytes: dict, gpu_updates: set) -> int:

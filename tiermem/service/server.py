@@ -59,7 +59,7 @@ from tiermem.service.requests import RequestError, field_of, is_key, object_of
 from tiermem.service.runs import Client, Run, label_of, newest_checkpoint, no_room_note, room_for_new_state
 from tiermem.service.updates import UpdateRequests
 from tiermem.store.catalog import TensorSpec
-from tiermem.store.layout import create_store, layout_of, reopen_store, spec_from_json, spec_to_json
+from tiermem.store.layout import create_store, layout_of, nvme_description, reopen_store, spec_from_json, spec_to_json
 from tiermem.store.stats import snapshot
 from tiermem.tiers.dram import on_disk
 from tiermem.tiers.extents import Extent
@@ -308,10 +308,7 @@ class Service(UpdateRequests, Replacement):
                     "versions": [[g, run.store.catalog.version(g)] for g in run.optimizer.groups],
                     "layout": layout_of(run.store), "specs": run.record["specs"],
                     "arena": {"name": cfg.store_name(), "dir": cfg.tiers.dram.path},
-                    "nvme": None if nvme is None else {
-                        "dir": cfg.tiers.nvme.path, "capacity": nvme.capacity, "backend": cfg.tiers.nvme.backend,
-                        "threads": cfg.tiers.nvme.threads, "io_chunk": cfg.tiers.nvme.io_chunk,
-                        "direct": cfg.tiers.nvme.direct},
+                    "nvme": nvme_description(nvme, cfg.tiers.nvme),
                     "config": to_plain(cfg), "gpu_share": run.record["gpu_share"], "plan": run.record.get("plan"),
                     "trainer_groups": [g for g in run.optimizer.groups if g in run.optimizer.on_gpu]}
 

@@ -66,6 +66,17 @@ def layout_of(store: Store, group=None) -> dict[str, list]:
     return {e.spec.name: [e.tier, e.extent.offset, e.extent.nbytes] for e in entries}
 
 
+def nvme_description(nvme: NvmeTier | None, tier_cfg, chosen: bool = False) -> dict | None:
+    """What another process needs to map an NVMe tier's file (``attach_store``'s ``nvme``), from the tier and
+    its config (``tiers.nvme``); the backend as configured, or (``chosen``) the one the tier chose. None
+    without an NVMe tier."""
+    if nvme is None:
+        return None
+    return {"dir": str(tier_cfg.path), "capacity": nvme.capacity,
+            "backend": nvme.backend_name if chosen else tier_cfg.backend, "threads": tier_cfg.threads,
+            "io_chunk": tier_cfg.io_chunk, "direct": tier_cfg.direct}
+
+
 def apply_layout(catalog, layout: dict[str, list]) -> None:
     """Point the catalog's entries at the places ``layout`` gives (names it lacks are left alone): a trainer
     following the service's out-of-place updates and re-placements."""

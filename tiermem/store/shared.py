@@ -33,7 +33,7 @@ import torch
 from tiermem.config import KINDS
 from tiermem.sizes import align_up
 from tiermem.store.catalog import Group, TensorSpec
-from tiermem.store.layout import attach_store, layout_of
+from tiermem.store.layout import attach_store, layout_of, nvme_description
 from tiermem.store.store import Store
 from tiermem.tiers.extents import Extent
 
@@ -84,11 +84,7 @@ class HostStore:
     def describe(self) -> dict:
         """What another process needs to attach (JSON)."""
         store, cfg = self.store, self.store.cfg
-        nvme = None
-        if store.nvme is not None:
-            t = cfg.tiers.nvme
-            nvme = {"dir": str(t.path), "capacity": store.nvme.capacity, "backend": store.nvme.backend_name,
-                    "threads": t.threads, "io_chunk": t.io_chunk, "direct": t.direct}
+        nvme = nvme_description(store.nvme, cfg.tiers.nvme, chosen=True)
         return {"layout": layout_of(store), "arena": {"name": store.dram.name, "dir": str(cfg.tiers.dram.path)},
                 "nvme": nvme, "groups": self.groups, "processes": self.processes,
                 "counters": [self.counters.offset, self.counters.nbytes],
@@ -193,12 +189,11 @@ class HostStore:
             now = time.monotonic()
             if self.lost is None and now - last_watch > WATCH_S:
                 last_watch = now
-                for r, pid in peers.items():
-                    if self._get(3 * len(self.groups) + r) == 0 and not alive(pid):
-                        self.lost = PeerLost(r, pid)
-                        for g in self.groups:  # wake whoever waits on a version
-                            cat.bump(g, to=cat.version(g))
-                        break
+                dead = self.dead_peers(peers)
+                if dead:
+                    self.lost = PeerLost(dead[0], peers[dead[0]])
+                    for g in self.groups:  # wake whoever waits on a version
+                        cat.bump(g, to=cat.version(g))
 
     def dead_peers(self, pids: dict[int, int]) -> list[int]:
         """The local ranks among ``pids`` that are gone without having finished."""
