@@ -233,3 +233,35 @@ def test_every_flipped_byte_in_a_checkpoint_is_refused_before_training(setup, ca
         err = capsys.readouterr().err
         assert rc == 2 and err.count("\n") == 1 and str(ck) in err, f"{rel} flipped at {at}: rc {rc}: {err}"
         assert not (out / "trainer_log.jsonl").exists(), f"{rel} flipped at {at}: a step was trained"
+
+
+def test_a_flipped_model_shard_checked_in_the_background_stops_the_resume_before_any_step(setup, capsys,
+                                                                                          monkeypatch):
+    """Files above ``SMALL`` (a real model's shards) are checked on a thread from the moment the checkpoint is
+    picked, while the run tokenizes, opens the store and plans: a flip there still stops the resume with one
+    line before a step, and an intact checkpoint resumes through the same path."""
+    import shutil
+
+    from trainer import checkpoint as ckpt
+
+    tmp, _, cfg = setup
+    assert run(tmp, dict(cfg, save_steps=1, max_steps=1)) == 0
+    ck = tmp / "out" / "checkpoint-1"
+    monkeypatch.setattr(ckpt, "SMALL", 0)  # every file counts as large here
+    started = []  # whether the large files' check was under way when the load began
+    real = ckpt.load
+    monkeypatch.setattr(ckpt, "load", lambda store, path, *a: started.append(Path(path).resolve() in ckpt._checks)
+                        or real(store, path, *a))
+    out = tmp / "resumed"
+    assert run(tmp, dict(cfg, resume_from_checkpoint=str(ck), output_dir=str(out), max_steps=2)) == 0
+    assert started == [True] and not ckpt._checks  # started by the check, taken by the load
+    shard = ck / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    shutil.rmtree(out)
+    capsys.readouterr()
+    rc = run(tmp, dict(cfg, resume_from_checkpoint=str(ck), output_dir=str(out), max_steps=2))
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "model.safetensors does not match its checksum" in err, err
+    assert not (out / "trainer_log.jsonl").exists()

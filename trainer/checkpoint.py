@@ -80,8 +80,11 @@ _checker = cf.ThreadPoolExecutor(1, thread_name_prefix="tiermem-ckpt-verify")
 _checks: dict[Path, cf.Future] = {}
 
 
-def check(path: str | Path, mcfg, model_dir) -> dict:
-    """The checkpoint's manifest, after checking it is whole and belongs to this model and tokenizer."""
+def check(path: str | Path, mcfg, model_dir, background: bool = False) -> dict:
+    """The checkpoint's manifest, after checking it is whole and belongs to this model and tokenizer: its
+    small files' checksums here; the large files' (the model's shards, which a resume does not read) on a
+    thread from now on when ``background`` (the process that loads it: ``load`` waits for that check before
+    it returns), else in ``load``."""
     path = Path(path)
     mpath = path / "checkpoint.json"
     if not path.is_dir():
@@ -120,6 +123,8 @@ def check(path: str | Path, mcfg, model_dir) -> dict:
                 json.loads((path / name).read_text())
         except (OSError, ValueError):
             raise ConfigError(f"{path} is damaged: {name} is not readable JSON{hint}") from None
+    if background and path.resolve() not in _checks:  # (read while the run tokenizes, opens the store, plans)
+        _checks[path.resolve()] = _checker.submit(verify, path, manifest, True)
     return manifest
 
 

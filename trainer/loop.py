@@ -133,7 +133,8 @@ def prepare(cfg: TrainConfig, console: Console, say, world: World | None = None)
                           "sliding-window attention is not supported yet: lower cutoff_len")
     out = Path(cfg.output_dir)
     # an attached run picks its checkpoint once the service has said whether it holds the run
-    resume = None if cfg.tiermem_server else _checked_resume(cfg, out, mcfg, model_dir)
+    resume = None if cfg.tiermem_server else _checked_resume(cfg, out, mcfg, model_dir,
+                                                             loads=not (world.several and world.local_rank))
     if cfg.plot_loss:
         try:
             import matplotlib  # noqa: F401
@@ -552,12 +553,13 @@ def compile_choice(cfg: TrainConfig, mcfg):
 
 
 def _checked_resume(cfg: TrainConfig, out: Path, mcfg, model_dir: Path, named: dict | None = None,
-                    say=None) -> Path | None:
+                    say=None, loads: bool = True) -> Path | None:
     """The checkpoint to resume from (checked whole and this model's) and, for a fresh start from
-    pretrained weights, that the weight files are there: before anything is touched."""
+    pretrained weights, that the weight files are there: before anything is touched. ``loads``: this process
+    loads the checkpoint (the check of its large files starts now, in the background)."""
     resume = find_resume(cfg, out, named, say)
     if resume is not None:
-        ckpt.check(resume, mcfg, model_dir)
+        ckpt.check(resume, mcfg, model_dir, background=loads)
     if cfg.tiermem_init == "pretrained" and resume is None:
         check_weight_files(mcfg, model_dir)
     return resume
