@@ -4,9 +4,10 @@
 
 Fills a store (bf16 compute copy, fp32 master and moments, all in the DRAM arena) with random state,
 then: raw disk write (64 MiB blocks, fsync) and read (page cache evicted first) of --raw-size; the
-checkpoint save (trainer.checkpoint.Saver: HF safetensors + zarr state, fsynced, renamed); the
-checkpoint load into the store (page cache evicted first), each once without checksums and once with the
-CRC32Cs tiermem writes. Prints GB/s of each, the ratios to the raw disk, and what the checksums cost. When
+checkpoint save (trainer.checkpoint.Saver: HF safetensors + zarr state, fsynced, renamed); a resume as
+tiermem-train runs it (page cache evicted first): the checkpoint checked, its large files on a thread from
+then on, while a new store opens, then the state loaded into it; each once without checksums and once with
+the CRC32Cs tiermem writes. Prints GB/s of each, the ratios to the raw disk, and what the checksums cost. When
 the disk cannot hold a 3B checkpoint, fewer layers are used and the table says so.
 """
 
@@ -94,7 +95,11 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     scfg = store_config({"placement": {k: "dram" for k in ("param", "grad", "master", "exp_avg", "exp_avg_sq")},
                          "tiers": {"gpu": {"device": "cuda" if cuda else "cpu"}}})
-    store = Store.open(scfg, state_specs(mcfg, torch.bfloat16), streamed_kinds=("param",))
+
+    def open_store():
+        return Store.open(scfg, state_specs(mcfg, torch.bfloat16), streamed_kinds=("param",))
+
+    store = open_store()
     dev = torch.device("cuda" if cuda else "cpu")
     gen = torch.Generator(dev).manual_seed(0)
     for w in all_weights(mcfg):
@@ -117,11 +122,16 @@ def main() -> None:
         t_save = time.perf_counter() - t0
         path = d / "checkpoint-1"
         state_bytes = sum(p.stat().st_size for p in (path / "state.zarr").rglob("*") if p.is_file())
+        store.close()
         evict(path)
+        # a resume as tiermem-train runs it: the checkpoint checked (its large files on a thread from then on),
+        # a new store opened (the trainer also tokenizes and plans there), the state loaded
         t0 = time.perf_counter()
-        ckpt.check(path, mcfg, model_dir)
+        ckpt.check(path, mcfg, model_dir, background=True)
+        store = open_store()
+        t1 = time.perf_counter()
         ckpt.load(store, path, mcfg, torch.bfloat16, True)
-        t_load = time.perf_counter() - t0
+        t_load, t_resume = time.perf_counter() - t1, time.perf_counter() - t0
         if checksums:  # what reading the model's shards to check them costs alone (the load overlaps it)
             import google_crc32c
 
@@ -131,20 +141,21 @@ def main() -> None:
             print(f"the model's shards checked alone: {time.perf_counter() - t0:.1f} s "
                   f"(google_crc32c: {google_crc32c.implementation})", flush=True)
         shutil.rmtree(path)
-        rows[checksums] = (last["bytes"], t_save, state_bytes, t_load)
+        rows[checksums] = (last["bytes"], t_save, state_bytes, t_load, t_resume)
     store.close()
     print(f"\n{'':34} {'GB':>7} {'s':>7} {'GB/s':>6} {'vs raw':>7}")
     print(f"{'raw disk write (fsync)':34} {'':>7} {'':>7} {w_raw:6.2f}")
     print(f"{'raw disk read':34} {'':>7} {'':>7} {r_raw:6.2f}")
-    for checksums, (nbytes, t_save, state_bytes, t_load) in rows.items():
+    for checksums, (nbytes, t_save, state_bytes, t_load, t_resume) in rows.items():
         what = "with CRC32C" if checksums else "without checksums"
         save_gbs, load_gbs = nbytes / t_save / 1e9, state_bytes / t_load / 1e9
         print(f"{'checkpoint save, ' + what:34} {nbytes / 1e9:7.1f} {t_save:7.1f} {save_gbs:6.2f} "
               f"{save_gbs / w_raw:7.2f}")
         print(f"{'checkpoint load (state), ' + what:34} {state_bytes / 1e9:7.1f} {t_load:7.1f} {load_gbs:6.2f} "
               f"{load_gbs / r_raw:7.2f}")
-    (_, s0, _, l0), (_, s1, _, l1) = rows[False], rows[True]
-    print(f"checksums cost: save {s1 / s0:.3f}x, load {l1 / l0:.3f}x")
+        print(f"{'resume, ' + what:34} {'':>7} {t_resume:7.1f}")
+    (_, s0, _, l0, r0), (_, s1, _, l1, r1) = rows[False], rows[True]
+    print(f"checksums cost: save {s1 / s0:.3f}x, load {l1 / l0:.3f}x, resume {r1 / r0:.3f}x")
 
 
 if __name__ == "__main__":
