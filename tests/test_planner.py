@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from tiermem.config import load_store_config
 from tiermem.errors import BudgetError
-from tiermem.plan.costmodel import Layout, predict
+from tiermem.plan.costmodel import COPY_DRAG, DUPLEX, Layout, predict
 from tiermem.plan.machine import Machine
 from tiermem.plan.planner import gpu_update_bytes, plan_step, sizes
 from tiermem.plan.workload import Workload
@@ -247,7 +247,8 @@ def test_keep_auto_gives_hbm_from_state_to_kept_graphs_where_the_step_is_compute
     assert kept.keep and any(t == "dram" for t in kept.where.values())
     assert all(kept.where[(g, "param")] == "gpu" for g in kept.keep)
     assert kept.prediction.step < plain.prediction.step * (1 - 0.005)
-    assert kept.prediction.compute == pytest.approx(plain.prediction.compute - len(kept.keep) * 0.1)
+    drag = COPY_DRAG * min(kept.prediction.busy["h2d"], kept.prediction.busy["d2h"])  # (beside copies both ways)
+    assert kept.prediction.compute == pytest.approx(plain.prediction.compute - len(kept.keep) * 0.1 + drag)
     slow = dataclasses.replace(m, cpu_adamw=0.005e9, h2d=0.1e9, d2h=0.1e9)
     assert not planned(slow, True).keep
     free = planned(slow, True, passes=None)  # (more passes would leave the graphs room: not taken for them)
@@ -275,7 +276,9 @@ def simulate_streamed_cpu(w: Workload, m: Machine, gb: dict, params: dict, slots
     """The schedule of an all-DRAM, CPU-updated, one-pass step, followed process by process: the CPU updates
     groups in order from t=0; the forward fetches each group's weights once its update is done and a slot
     is free (a slot frees when the compute that used it ends); the backward fetches them again and sends
-    each gradient home. The PCIe link each way serves transfers in the order they become ready."""
+    each gradient home. The PCIe link each way serves transfers in the order they become ready, at DUPLEX of
+    its rate alone; the compute stretches by COPY_DRAG of the time both ways are busy (taken as the lesser)."""
+    m = dataclasses.replace(m, h2d=m.h2d * DUPLEX, d2h=m.d2h * DUPLEX)
     order = w.groups
     done, t = {}, 0.0
     for g in order:
@@ -312,7 +315,8 @@ def simulate_streamed_cpu(w: Workload, m: Machine, gb: dict, params: dict, slots
             d2h_free = s + gb[(g, "grad")] / m.d2h
             d2h_busy += gb[(g, "grad")] / m.d2h
             grads.append(d2h_free)
-    return {"end": max(gpu, *grads), "h2d": h2d_busy, "d2h": d2h_busy, "cpu": t, "wait": wait}
+    drag = COPY_DRAG * min(h2d_busy, d2h_busy)
+    return {"end": max(gpu + drag, *grads), "h2d": h2d_busy, "d2h": d2h_busy, "cpu": t, "wait": wait, "drag": drag}
 
 
 @pytest.mark.parametrize("cpu_rate,h2d", [(4e9, 55e9), (0.5e9, 55e9), (4e9, 2e9), (0.2e9, 1e9)])
@@ -328,7 +332,7 @@ def test_the_cost_model_agrees_with_a_simulation_of_the_schedule(cpu_rate, h2d):
     assert p.busy["h2d"] == pytest.approx(ref["h2d"])
     assert p.busy["d2h"] == pytest.approx(ref["d2h"])
     assert p.busy["cpu"] == pytest.approx(ref["cpu"] + sum(params.values()) / 12e9)  # + the compute copy
-    assert p.busy["gpu"] == pytest.approx(w.compute_seconds())
+    assert p.busy["gpu"] == pytest.approx(w.compute_seconds() + ref["drag"])
     assert p.details["finish"] == pytest.approx(ref["end"], rel=0.02) or cpu_rate != 4e9
 
 
@@ -416,6 +420,31 @@ def test_plan_overrides_are_a_what_if(plan_yaml, capsys):
     small = json.loads(js)
     assert small["tiers"]["nvme"]["need"] > 0  # the state spilled to the disk
     assert small["tiers"]["gpu"]["need"] <= 80 * GiB and small["tiers"]["dram"]["need"] <= 40 * GiB
+
+
+def test_plan_with_a_step_measured_elsewhere(plan_yaml, capsys, tmp_path):
+    """--workload: the step of a `tiermem plan --json` file (as made on the GPU machine) is planned with as it
+    is, not estimated again; a slower measured layer gives a slower prediction; another shape is refused."""
+    probe = "tests/golden/probe_h200.json"
+    _, js, _ = run_plan([plan_yaml, "--probe", probe, "--json"], capsys)
+    first = json.loads(js)
+    saved = tmp_path / "gpu_plan.json"
+    slow = dict(first["workload"])
+    slow["fwd"] = {g: 1.5 * t for g, t in slow["fwd"].items()}
+    slow["bwd"] = {g: 1.5 * t for g, t in slow["bwd"].items()}
+    saved.write_text(json.dumps(dict(first, workload=slow)))
+    rc, js, err = run_plan([plan_yaml, "--probe", probe, "--json", "--workload", saved], capsys)
+    assert rc == 0, err
+    again = json.loads(js)
+    assert again["workload"] == slow
+    assert again["prediction"]["compute_seconds"] == pytest.approx(1.5 * first["prediction"]["compute_seconds"],
+                                                                   rel=0.02)
+    rc, _, err = run_plan([plan_yaml, "--probe", probe, "--workload", saved, "gradient_accumulation_steps=16"],
+                          capsys)
+    assert rc == 2 and err.count("\n") == 1 and "this run has 32 layers in 16" in err, err
+    saved.write_text("[]")
+    rc, _, err = run_plan([plan_yaml, "--probe", probe, "--workload", saved], capsys)
+    assert rc == 2 and err.count("\n") == 1 and "not a `tiermem plan --json` file" in err, err
 
 
 @pytest.mark.parametrize("extra,needle", [

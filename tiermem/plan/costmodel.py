@@ -31,6 +31,12 @@ from tiermem.store.catalog import Group
 RESOURCES = ("gpu", "gpu_adamw", "h2d", "d2h", "nvme", "cpu")
 CPU_COPY_RATE = 12e9  # params/s: the fp32 -> bf16 compute copy after a CPU update (measured ~10-25 G/s)
 SLOTS = 3
+# The link both ways at once, and the compute beside it (tools/probe_duplex.py on the H200 machine, 2 GiB copies):
+# each direction gives 0.92 of its rate alone while the other runs (0.89-0.93 beside matmuls), and bf16 matmuls
+# run 0.94 as fast while both directions copy (1.00 beside one direction). The step's copies are taken at the
+# DUPLEX rate, and the compute is stretched by COPY_DRAG of the time both directions are busy.
+DUPLEX = 0.92
+COPY_DRAG = 0.06
 
 
 @dataclass
@@ -131,11 +137,11 @@ def predict(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_pa
 
     def h2d(n, deps=(), tag=""):
         moved["h2d"] += n
-        return sim.op("h2d", n / m.h2d, deps, tag)
+        return sim.op("h2d", n / (m.h2d * DUPLEX), deps, tag)
 
     def d2h(n, deps=(), tag=""):
         moved["d2h"] += n
-        return sim.op("d2h", n / m.d2h, deps, tag)
+        return sim.op("d2h", n / (m.d2h * DUPLEX), deps, tag)
 
     def nvme(n, write: bool, deps=(), tag=""):
         moved["nvme_write" if write else "nvme_read"] += n
@@ -243,7 +249,9 @@ def predict(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_pa
                     partial_home[g] = d2h(nbytes(g, "grad"), [c], f"partial home {g}")
 
     start, end, busy = sim.run()
-    finish = max([end[last_compute], *(end[i] for i in last_grad)])
+    drag = COPY_DRAG * min(busy["h2d"], busy["d2h"])  # (the compute beside copies both ways)
+    busy["gpu"] += drag
+    finish = max([end[last_compute] + drag, *(end[i] for i in last_grad)])
     compute = busy["gpu"]
     wait_opt = wait_xfer = 0.0
     prev_end = 0.0
