@@ -37,6 +37,17 @@ def test_quickstart_trains_and_saves(tmp_path, capsys, monkeypatch):
     assert args["max_steps"] == 40 and args["tiermem"]["tiers"]["dram"]["path"] == "anonymous"
     printed = capsys.readouterr().out
     assert "step 40/40 | loss" in printed and "tok/s" in printed and "wait transfer" in printed
+    # the run's plan, as `tiermem plan --json` gives it: planned again from the step it measured, the same
+    ran = json.loads((out / "tiermem_plan.json").read_text())
+    from trainer.plan_cli import main as plan_main
+
+    assert plan_main(["configs/quickstart.yaml", f"output_dir={out}", "--json", "--workload",
+                      str(out / "tiermem_plan.json")]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["workload"] == ran["workload"]
+    assert {t: (v["kinds"], v["need"]) for t, v in again["tiers"].items()} == \
+        {t: (v["kinds"], v["need"]) for t, v in ran["tiers"].items()}
+    assert again["prediction"]["step_seconds"] == pytest.approx(ran["prediction"]["step_seconds"])
 
 
 @pytest.mark.slow

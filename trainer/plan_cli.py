@@ -32,6 +32,9 @@ def _args(argv):
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--probe", help="a `tiermem probe --save` file to plan with (default: the config's "
                                    "tiermem.probe, else a quick probe of this machine's GPU, else assumed figures)")
+    p.add_argument("--workload", help="a `tiermem plan --json` file, or a run's output_dir/tiermem_plan.json, of "
+                                      "the same model and micro-batches: plan with the step measured there (its "
+                                      "tokens, layer timings, kept graphs) instead of timing or estimating one")
     return p.parse_intermixed_args(argv)
 
 
@@ -60,6 +63,7 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
     device = compute_device(scfg)
     machine = run_plan.machine_for(scfg, device, args.probe)
     shape = run_plan.Shape(cfg.per_device_train_batch_size, cfg.cutoff_len, cfg.gradient_accumulation_steps)
+    measured = _workload(args.workload, mcfg, shape) if args.workload else None
     elsewhere = device.type != "cuda" and wants_cuda(cfg.tiermem)
     if elsewhere:
         # no GPU here: plan for the GPU machine the figures describe (what the run would do there)
@@ -68,12 +72,12 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
             raise ConfigError(f"tiers.dram.budget {format_size(budgets['dram'])} is larger than the planned "
                               f"machine's memory ({format_size(machine.ram)})")
         p = run_plan.make(mcfg, dtype, scfg, shape, machine, device, cfg.loss_chunk_tokens, time_it=False,
-                          budgets=budgets, cuda=True, keep=cfg.tiermem_keep_activations)
+                          budgets=budgets, cuda=True, keep=cfg.tiermem_keep_activations, workload=measured)
     else:
         store_config(cfg.tiermem)  # (the DRAM budget against this machine's memory)
         budgets = run_plan.local_budgets(scfg, mcfg, dtype, cfg.output_dir, saves(cfg))
         p = run_plan.make(mcfg, dtype, scfg, shape, machine, device, cfg.loss_chunk_tokens, budgets=budgets,
-                          keep=cfg.tiermem_keep_activations)
+                          keep=cfg.tiermem_keep_activations, workload=measured)
     if p is None:
         raise ConfigError("the placement pins every kind to a tier: nothing to plan (leave some kind to auto)")
     run_plan.keep_activations(p, cfg.tiermem_keep_activations, mcfg)
@@ -110,6 +114,24 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
     if data["advice"]:
         text.append(f"advice: {data['advice']}")
     return data, text
+
+
+def _workload(path: str, mcfg, shape):
+    """The step measured in a ``tiermem plan --json`` file (or a run's tiermem_plan.json), if it is this model's
+    in as many micro-batches (one line otherwise)."""
+    from tiermem.plan.workload import Workload
+
+    try:
+        data = json.loads(Path(path).read_text())
+        w = Workload.from_json(data["workload"] if isinstance(data, dict) and "workload" in data else data)
+    except OSError as e:
+        raise ConfigError(f"--workload {path}: {e.strerror or e}") from None
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"--workload {path}: not a `tiermem plan --json` file ({e})") from None
+    if len(w.layers) != mcfg.num_layers or w.micro_batches != shape.micro_batches:
+        raise ConfigError(f"--workload {path} measured {len(w.layers)} layers in {w.micro_batches} micro-batches a "
+                          f"step; this run has {mcfg.num_layers} layers in {shape.micro_batches}")
+    return w  # (its tokens as measured: a run's packed rows may hold fewer than cutoff_len)
 
 
 def _bound(p) -> str:

@@ -17,6 +17,7 @@ from tiermem.plan.costmodel import describe_bound
 from tiermem.plan.machine import Machine, machine_for  # noqa: F401 - (machine_for: the callers' name)
 from tiermem.plan.placement import Plan
 from tiermem.plan.planner import compute_bound_at, plan_step, tflops
+from tiermem.plan.workload import Workload
 from tiermem.sizes import format_size
 from trainer import plan_workload
 from trainer.state import state_specs
@@ -35,18 +36,19 @@ class Shape:
 
 def make(mcfg, dtype: torch.dtype, scfg: StoreConfig, shape: Shape, machine: Machine, device: torch.device,
          loss_chunk: int, time_it: bool = True, budgets: dict | None = None, cuda: bool | None = None,
-         keep=0, hbm_state: bool = True, hbm_taken: int = 0) -> Plan | None:
+         keep=0, hbm_state: bool = True, hbm_taken: int = 0, workload: Workload | None = None) -> Plan | None:
     """The planner's plan for this run, or None when the placement pins every kind (the fixed rule then
     places; nothing to decide). ``cuda``: plan for a CUDA GPU of ``machine``'s figures (default: whether
     ``device`` is one). ``keep``: tiermem_keep_activations (auto: the planner chooses the kept layers with
     the placement, for a dense model: the kept graphs of expert layers are not yet measured on the GPU; a
     number: ``keep_activations`` takes them after). ``hbm_state`` False: no state in HBM (several ranks share
-    the host's store); ``hbm_taken``: HBM the run takes besides (several ranks' gradients in flight)."""
+    the host's store); ``hbm_taken``: HBM the run takes besides (several ranks' gradients in flight);
+    ``workload``: the step as measured before (``tiermem plan --workload``), not timed here."""
     specs = state_specs(mcfg, dtype)
     if all(s.kind in scfg.pins() for s in specs):
         return None
-    w = plan_workload.build(mcfg, dtype, shape.rows, shape.seq, shape.micro_batches, machine, device, loss_chunk,
-                            time_it=time_it)
+    w = workload or plan_workload.build(mcfg, dtype, shape.rows, shape.seq, shape.micro_batches, machine, device,
+                                        loss_chunk, time_it=time_it)
     return plan_step(specs, scfg, w, machine, budgets, cuda=device.type == "cuda" if cuda is None else cuda,
                      hbm_state=hbm_state, hbm_taken=hbm_taken,
                      keep_auto=keep == "auto" and keeps_activations(mcfg) and getattr(mcfg, "moe", None) is None)
@@ -191,7 +193,7 @@ def report(plan: Plan, ga: int) -> dict:
            "hbm_usable": plan.hbm_room, "passes": plan.passes,
            "gpu_updates": [str(g) for g in w.groups if g in plan.gpu_updates],
            "prediction": {**p.to_json(), "tokens_per_s": w.tokens / p.step, "tflops": tflops(w, p.step)},
-           "tokens_per_step": w.tokens, "compute": w.timed, "machine": m.to_json(),
+           "tokens_per_step": w.tokens, "compute": w.timed, "machine": m.to_json(), "workload": w.to_json(),
            "compute_bound": None, "advice": advice(plan, ga, bound_at)}
     if bound_at is not None:
         k, pr = bound_at
