@@ -191,7 +191,7 @@ def report(plan: Plan, ga: int) -> dict:
     bound_at = compute_bound_at(plan, ga)
     out = {"state_bytes": by_kind, "tiers": tiers, "activation_bytes": plan.activation_bytes,
            "hbm_usable": plan.hbm_room, "passes": plan.passes,
-           "gpu_updates": [str(g) for g in w.groups if g in plan.gpu_updates],
+           "gpu_updates": None if plan.gpu_updates is None else [str(g) for g in w.groups if g in plan.gpu_updates],
            "prediction": {**p.to_json(), "tokens_per_s": w.tokens / p.step, "tflops": tflops(w, p.step)},
            "tokens_per_step": w.tokens, "compute": w.timed, "machine": m.to_json(), "workload": w.to_json(),
            "compute_bound": None, "advice": advice(plan, ga, bound_at)}
