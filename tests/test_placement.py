@@ -74,3 +74,48 @@ def test_the_cpu_workers_groups_spread_or_last(make_cfg, how, gpu):
             assert opt.on_gpu == gpu
         finally:
             opt.close()
+
+
+def test_an_update_is_done_only_when_its_last_nvme_write_back_is(make_cfg):
+    """The future of ``StoreAdamW.step`` stands for the whole update: the moments the CPU worker staged from
+    NVMe are written back (here slowly) before it completes, the last group's too."""
+    import threading
+    import time
+
+    from tiermem.optim import AdamWConfig, StoreAdamW
+
+    cfg = make_cfg(placement={"param": "dram", "grad": "dram", "master": "dram", "exp_avg": "nvme",
+                              "exp_avg_sq": "nvme"}, optimizer={"gpu_share": 0.0})
+    from tiermem.store.catalog import state_name
+
+    specs = [TensorSpec(state_name(f"layers.{i}.w", kind), (MiB // 4,), torch.float32, kind, i)
+             for i in range(4) for kind in ("param", "grad", "master", "exp_avg", "exp_avg_sq")]
+    with Store.open(cfg, specs) as store:
+        landed, real = [], store.store_group
+
+        def slow(group, kind, tensors, bulk=False):
+            fut = real(group, kind, tensors, bulk)
+            if kind not in ("exp_avg", "exp_avg_sq"):
+                return fut
+            import concurrent.futures as cf
+
+            late = cf.Future()
+
+            def finish():
+                time.sleep(0.2)
+                fut.result()
+                landed.append((group, kind))
+                late.set_result(None)
+
+            threading.Thread(target=finish, daemon=True).start()
+            return late
+
+        store.store_group = slow
+        for e in specs:
+            store.write(e.name, torch.ones(e.shape)).result()
+        opt = StoreAdamW(store, [0, 1, 2, 3], {}, AdamWConfig(), has_master=True)
+        try:
+            opt.step(1, 1e-3).result()
+            assert (3, "exp_avg_sq") in landed and len(landed) == 2 * 4
+        finally:
+            opt.close()

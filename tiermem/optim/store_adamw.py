@@ -297,6 +297,7 @@ class StoreAdamW:
                 self._split["undo_copy"] = self._split.get("undo_copy", 0.0) + time.perf_counter() - t0
             self._update_in_place(g, views, step, lr, grad_scale)
             prev_writeback = self._finish(g, views, step)
+        prev_writeback.result()  # (the step's future stands for every write-back, the last group's too)
 
     def _stage(self, g: Group, kinds) -> dict[str, cf.Future]:
         out: dict[str, cf.Future] = {}
