@@ -169,7 +169,7 @@ def load(store, path: str | Path, mcfg, dtype: torch.dtype, has_master: bool, pr
     manifest = json.loads((path / "checkpoint.json").read_text())
     step = int(manifest["step"])
     try:
-        reader = StateReader(path / "state.zarr")
+        reader = StateReader(path / "state.zarr", order=("master", *MOMENTS))
     except StorageError as e:
         raise ConfigError(f"{path} is damaged: {e}{_other_checkpoint(path)}") from None
     pending: list = []

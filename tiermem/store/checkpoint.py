@@ -125,7 +125,11 @@ class StateWriter:
 
 
 class StateReader:
-    def __init__(self, path: str | Path):
+    """A checkpoint's training state, read a tensor at a time in the order written. Whole shards are read,
+    one ahead of the one in use — across kinds too, in ``order`` (the order the caller reads the kinds in) —
+    and each shard's CRC32C is checked on another thread before any of it is used."""
+
+    def __init__(self, path: str | Path, order: tuple[str, ...] = ()):
         import zarr
 
         self.path = Path(path)
@@ -139,6 +143,7 @@ class StateReader:
             arr = self._group[kind]
             self.index[kind] = {n: (off, tuple(shape)) for n, off, shape in arr.attrs["tensors"]}
             self.crcs[kind] = arr.attrs.get("crc32c")  # (none in checkpoints written before checksums)
+        self.order = [k for k in order if k in self.index] + sorted(k for k in self.index if k not in order)
         self._cache: dict[str, tuple[int, np.ndarray]] = {}
         self._ahead: dict[str, tuple[int, cf.Future]] = {}
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="tiermem-ckpt-read")
@@ -176,6 +181,9 @@ class StateReader:
                 data, check = ahead[1].result() if ahead is not None and ahead[0] == s0 else self._read_shard(kind, s0)
                 if s0 + shard < arr.shape[0]:
                     self._ahead[kind] = (s0 + shard, self._pool.submit(self._read_shard, kind, s0 + shard))
+                elif kind in self.order and self.order.index(kind) + 1 < len(self.order):  # the next kind's first
+                    after = self.order[self.order.index(kind) + 1]
+                    self._ahead.setdefault(after, (0, self._pool.submit(self._read_shard, after, 0)))
                 check.result()  # refused before use
                 cached = self._cache[kind] = (s0, data)
             take = min(n - i, s0 + cached[1].size - (off + i))
