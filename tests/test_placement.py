@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -117,5 +119,41 @@ def test_an_update_is_done_only_when_its_last_nvme_write_back_is(make_cfg):
         try:
             opt.step(1, 1e-3).result()
             assert (3, "exp_avg_sq") in landed and len(landed) == 2 * 4
+        finally:
+            opt.close()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread priorities from Linux's /proc")
+def test_the_cpu_workers_threads_yield_and_the_stores_threads_do_not(make_cfg):
+    """The CPU worker runs at a lower priority (nice 10), so the trainer's thread gets a core when it wakes;
+    the store's I/O and copy threads, which the worker also submits to, keep the normal one (they are started
+    when the store opens, not on demand from the worker, whose priority a new thread would inherit)."""
+    import threading
+
+    from tiermem.optim import AdamWConfig, StoreAdamW
+    from tiermem.store.catalog import state_name
+
+    def nice(tid: int) -> int:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[16])
+
+    cfg = make_cfg(placement={"param": "dram", "grad": "dram", "master": "dram", "exp_avg": "nvme",
+                              "exp_avg_sq": "nvme"}, optimizer={"gpu_share": 0.0})
+    specs = [TensorSpec(state_name(f"layers.{i}.w", kind), (MiB // 4,), torch.float32, kind, i)
+             for i in range(2) for kind in ("param", "grad", "master", "exp_avg", "exp_avg_sq")]
+    with Store.open(cfg, specs) as store:
+        for e in specs:
+            store.write(e.name, torch.ones(e.shape)).result()
+        opt = StoreAdamW(store, [0, 1], {}, AdamWConfig(), has_master=True)
+        try:
+            opt.step(1, 1e-3).result()
+            opt.step(2, 1e-3).result()
+            threads = {t.name: t.native_id for t in threading.enumerate()}
+            worker = [tid for name, tid in threads.items() if name.startswith("tiermem-optim-cpu")]
+            store_threads = [tid for name, tid in threads.items() if name.startswith(("tiermem-nvme", "tiermem-copy"))]
+            base = nice(threading.get_native_id())  # (this process's: a test run may itself be niced)
+            assert worker and all(nice(t) == max(base, 10) for t in worker)
+            assert store_threads and all(nice(t) == base for t in store_threads), \
+                {n: nice(t) for n, t in threads.items() if t in store_threads}
         finally:
             opt.close()

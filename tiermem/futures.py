@@ -8,6 +8,23 @@ from collections.abc import Callable
 from typing import Any
 
 
+def started(pool: cf.ThreadPoolExecutor, n: int) -> cf.ThreadPoolExecutor:
+    """``pool`` with ``n`` of its worker threads started now, by the calling thread. A pool otherwise starts its
+    threads on demand, from whichever thread submits, and on Linux a new thread inherits its creator's
+    priority: a store's I/O and copy threads must not inherit the CPU worker's lowered one."""
+    barrier = threading.Barrier(n)
+
+    def meet() -> None:
+        try:
+            barrier.wait(timeout=30)
+        except threading.BrokenBarrierError:
+            pass
+
+    for f in [pool.submit(meet) for _ in range(n)]:
+        f.result()
+    return pool
+
+
 def done_future(value: Any = None) -> cf.Future:
     f: cf.Future = cf.Future()
     f.set_result(value)

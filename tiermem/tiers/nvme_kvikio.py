@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from tiermem.errors import StorageError
+from tiermem.futures import started
 
 
 def kvikio_usable(directory: Path) -> tuple[bool, str]:
@@ -73,7 +74,7 @@ class KvikioBackend:
         self.path = path
         self.io_chunk = io_chunk
         self._file = kvikio.CuFile(path, "r+")
-        self._waiters = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="tiermem-kvikio")
+        self._waiters = started(cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="tiermem-kvikio"), 8)
         self.reason = _mode()
         self.direct = direct
 

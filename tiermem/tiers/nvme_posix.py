@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from tiermem.errors import StorageError
-from tiermem.futures import all_of
+from tiermem.futures import all_of, started
 
 log = logging.getLogger(__name__)
 ALIGN = 4096
@@ -44,7 +44,7 @@ class PosixBackend:
         self.direct = self._dfd is not None
         if direct and not self.direct:
             log.warning("NVMe tier: %s does not allow O_DIRECT; using buffered I/O", path.parent)
-        self._pool = cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tiermem-nvme")
+        self._pool = started(cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tiermem-nvme"), threads)
         self.reason = "O_DIRECT" if self.direct else "buffered I/O (no O_DIRECT on this filesystem)"
 
     def _fd_for(self, addr: int, offset: int, length: int) -> int:

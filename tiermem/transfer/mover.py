@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from tiermem.errors import BudgetError
-from tiermem.futures import forward, then
+from tiermem.futures import forward, started, then
 from tiermem.tiers.dram import DramArena
 from tiermem.tiers.extents import Extent, OutOfSpace
 from tiermem.tiers.gpu import GpuTier, host_sync
@@ -105,7 +105,7 @@ class Mover:
         # GPU is waiting for never queues behind them (they share the link's bandwidth instead)
         self._h2d_bulk = _StreamLane("h2d-bulk", dev, self.links["dram->gpu bulk"])
         self._d2h_bulk = _StreamLane("d2h-bulk", dev, self.links["gpu->dram bulk"])
-        self._local = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tiermem-copy")
+        self._local = started(cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tiermem-copy"), 2)
 
     # -- endpoints ---------------------------------------------------------------------------
     # An endpoint is a Location in a tier, or a plain tensor (on the GPU, or in host memory).
