@@ -209,5 +209,5 @@ def machine_for(scfg, device: torch.device, probe: str | None = None) -> Machine
         return m
     if device.type == "cuda":
         return Machine.measure(scfg.tiers.nvme.path if scfg.tiers.nvme else None, device)
-    return Machine.h200("assumed: the H200 machine's figures (no GPU here and no probe file: "
+    return Machine.h200("the H200 machine's figures (no GPU here and no probe file: "
                         "`tiermem probe --save FILE` on the GPU machine, then --probe FILE)")
