@@ -442,6 +442,15 @@ def test_plan_with_a_step_measured_elsewhere(plan_yaml, capsys, tmp_path):
     rc, _, err = run_plan([plan_yaml, "--probe", probe, "--workload", saved, "gradient_accumulation_steps=16"],
                           capsys)
     assert rc == 2 and err.count("\n") == 1 and "this run has 32 layers in 16" in err, err
+    # without --probe, the figures of the machine the file was planned with
+    rc, js, err = run_plan([plan_yaml, "--json", "--workload", saved], capsys)
+    assert rc == 0, err
+    there = json.loads(js)["machine"]
+    assert there.pop("source").startswith(str(saved)) and there == {k: v for k, v in first["machine"].items()
+                                                                   if k != "source"}
+    saved.write_text(json.dumps(dict(first, machine=dict(first["machine"], h2d="fast"))))
+    rc, _, err = run_plan([plan_yaml, "--workload", saved], capsys)
+    assert rc == 2 and err.count("\n") == 1 and "machine figures" in err, err
     saved.write_text("[]")
     rc, _, err = run_plan([plan_yaml, "--probe", probe, "--workload", saved], capsys)
     assert rc == 2 and err.count("\n") == 1 and "not a `tiermem plan --json` file" in err, err

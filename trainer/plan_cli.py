@@ -34,7 +34,8 @@ def _args(argv):
                                    "tiermem.probe, else a quick probe of this machine's GPU, else assumed figures)")
     p.add_argument("--workload", help="a `tiermem plan --json` file, or a run's output_dir/tiermem_plan.json, of "
                                       "the same model and micro-batches: plan with the step measured there (its "
-                                      "tokens, layer timings, kept graphs) instead of timing or estimating one")
+                                      "tokens, layer timings, kept graphs) and, unless --probe is given, the "
+                                      "machine's figures it was planned with")
     return p.parse_intermixed_args(argv)
 
 
@@ -61,9 +62,11 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     scfg = store_config(cfg.tiermem, here=False)
     device = compute_device(scfg)
-    machine = run_plan.machine_for(scfg, device, args.probe)
     shape = run_plan.Shape(cfg.per_device_train_batch_size, cfg.cutoff_len, cfg.gradient_accumulation_steps)
-    measured = _workload(args.workload, mcfg, shape) if args.workload else None
+    measured, there = _workload(args.workload, mcfg, shape) if args.workload else (None, None)
+    # (a run's plan replayed: the figures of the machine it ran on, unless a probe file is named)
+    machine = there if there is not None and not (args.probe or scfg.probe) else \
+        run_plan.machine_for(scfg, device, args.probe)
     elsewhere = device.type != "cuda" and wants_cuda(cfg.tiermem)
     if elsewhere:
         # no GPU here: plan for the GPU machine the figures describe (what the run would do there)
@@ -117,8 +120,11 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
 
 
 def _workload(path: str, mcfg, shape):
-    """The step measured in a ``tiermem plan --json`` file (or a run's tiermem_plan.json), if it is this model's
-    in as many micro-batches (one line otherwise)."""
+    """(the step measured, the machine's figures) of a ``tiermem plan --json`` file or a run's tiermem_plan.json,
+    if it is this model's in as many micro-batches (one line otherwise; the figures None when absent)."""
+    import dataclasses
+
+    from tiermem.plan.machine import Machine
     from tiermem.plan.workload import Workload
 
     try:
@@ -131,7 +137,16 @@ def _workload(path: str, mcfg, shape):
     if len(w.layers) != mcfg.num_layers or w.micro_batches != shape.micro_batches:
         raise ConfigError(f"--workload {path} measured {len(w.layers)} layers in {w.micro_batches} micro-batches a "
                           f"step; this run has {mcfg.num_layers} layers in {shape.micro_batches}")
-    return w  # (its tokens as measured: a run's packed rows may hold fewer than cutoff_len)
+    m = data.get("machine")
+    if not isinstance(m, dict):
+        return w, None  # (its tokens as measured: a run's packed rows may hold fewer than cutoff_len)
+    rates = [f.name for f in dataclasses.fields(Machine) if f.name not in ("disk_free", "source", "assumed")]
+    if set(m) != {f.name for f in dataclasses.fields(Machine)} or not all(
+            isinstance(m[k], (int, float)) and not isinstance(m[k], bool) and 0 < m[k] < 1e18 for k in rates):
+        raise ConfigError(f"--workload {path}: its machine figures are not a tiermem plan's")
+    there = str(m["source"])
+    there = there if len(there) <= 200 else there[:199] + "…"
+    return w, dataclasses.replace(Machine.from_json(m), source=f"{path} (there: {there})")
 
 
 def _bound(p) -> str:
