@@ -290,12 +290,15 @@ def _rest_fits(groups, g, group_bytes, kinds_of, used, room) -> bool:
 def _update_splits(where: dict, w: Workload, gpu_worker: bool = True):
     """Candidate sets of GPU-updated groups: the groups with state in HBM always (updated there, in place
     when all of it is); of the others, the CPU takes the last ones (a share of them; all of them without a
-    ``gpu_worker``), the GPU the first."""
+    ``gpu_worker``), the GPU the first. The CPU's largest share comes first, so that of near-equal predictions
+    the layout streaming the least state through the GPU worker is kept: on the H200 machine such streaming
+    cost more beside the forward than the cost model counts (8B, 16 x 4096 tokens: 19 streamed groups measured
+    7.14 s a step where the CPU-updated layout measured 6.99)."""
     groups = w.groups
     up = [g for g in groups if any(t == "gpu" for (h, k), t in where.items() if h == g and k != "param")]
     streamed = [g for g in groups if g not in up]
     seen = set()
-    for share in CPU_SHARES if gpu_worker else (1.0,):
+    for share in reversed(CPU_SHARES) if gpu_worker else (1.0,):
         n_cpu = round(share * len(streamed))
         gpu = frozenset(up + streamed[: len(streamed) - n_cpu])
         if gpu not in seen:
