@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from tiermem.config import load_store_config
 from tiermem.errors import BudgetError
-from tiermem.plan.costmodel import COPY_DRAG, DUPLEX, Layout, predict
+from tiermem.plan.costmodel import Layout, predict
 from tiermem.plan.machine import Machine
 from tiermem.plan.planner import gpu_update_bytes, plan_step, sizes
 from tiermem.plan.workload import Workload
@@ -247,7 +247,7 @@ def test_keep_auto_gives_hbm_from_state_to_kept_graphs_where_the_step_is_compute
     assert kept.keep and any(t == "dram" for t in kept.where.values())
     assert all(kept.where[(g, "param")] == "gpu" for g in kept.keep)
     assert kept.prediction.step < plain.prediction.step * (1 - 0.005)
-    drag = COPY_DRAG * min(kept.prediction.busy["h2d"], kept.prediction.busy["d2h"])  # (beside copies both ways)
+    drag = m.copy_drag * min(kept.prediction.busy["h2d"], kept.prediction.busy["d2h"])  # (beside copies both ways)
     assert kept.prediction.compute == pytest.approx(plain.prediction.compute - len(kept.keep) * 0.1 + drag)
     slow = dataclasses.replace(m, cpu_adamw=0.005e9, h2d=0.1e9, d2h=0.1e9)
     assert not planned(slow, True).keep
@@ -276,9 +276,11 @@ def simulate_streamed_cpu(w: Workload, m: Machine, gb: dict, params: dict, slots
     """The schedule of an all-DRAM, CPU-updated, one-pass step, followed process by process: the CPU updates
     groups in order from t=0; the forward fetches each group's weights once its update is done and a slot
     is free (a slot frees when the compute that used it ends); the backward fetches them again and sends
-    each gradient home. The PCIe link each way serves transfers in the order they become ready, at DUPLEX of
-    its rate alone; the compute stretches by COPY_DRAG of the time both ways are busy (taken as the lesser)."""
-    m = dataclasses.replace(m, h2d=m.h2d * DUPLEX, d2h=m.d2h * DUPLEX)
+    each gradient home. The PCIe link each way serves transfers in the order they become ready, at the
+    machine's duplex share of its rate alone; the compute stretches by its copy drag of the time both ways are
+    busy (taken as the lesser)."""
+    drag_share = m.copy_drag
+    m = dataclasses.replace(m, h2d=m.h2d * m.duplex, d2h=m.d2h * m.duplex)
     order = w.groups
     done, t = {}, 0.0
     for g in order:
@@ -315,7 +317,7 @@ def simulate_streamed_cpu(w: Workload, m: Machine, gb: dict, params: dict, slots
             d2h_free = s + gb[(g, "grad")] / m.d2h
             d2h_busy += gb[(g, "grad")] / m.d2h
             grads.append(d2h_free)
-    drag = COPY_DRAG * min(h2d_busy, d2h_busy)
+    drag = drag_share * min(h2d_busy, d2h_busy)
     return {"end": max(gpu + drag, *grads), "h2d": h2d_busy, "d2h": d2h_busy, "cpu": t, "wait": wait, "drag": drag}
 
 
@@ -346,6 +348,30 @@ def test_all_resident_is_compute_plus_the_gpu_update():
     assert p.bytes == {"h2d": 0, "d2h": 0, "nvme_read": 0, "nvme_write": 0}
     assert p.step == pytest.approx(w.compute_seconds() + sum(params.values()) / m.gpu_adamw)
     assert p.bound == "gpu"
+
+
+def test_the_link_both_ways_comes_from_the_machines_figures(tmp_path):
+    """The copies run at the machine's duplex share of the link's rate and the compute stretches by its copy
+    drag of the time both ways copy; a probe file's rows give both (a file without them: the H200's, said to
+    be assumed)."""
+    layers = 4
+    specs = specs_for(layers, 10_000_000, 20_000_000)
+    gb, params = sizes(specs)
+    w = workload(layers)
+    where = {key: "dram" for key in gb}
+    ideal = predict(Layout(where, set(), 1), w, machine(duplex=1.0, copy_drag=0.0), gb, params)
+    real = predict(Layout(where, set(), 1), w, machine(duplex=0.8, copy_drag=0.1), gb, params)
+    assert real.busy["h2d"] == pytest.approx(ideal.busy["h2d"] / 0.8)
+    assert real.busy["d2h"] == pytest.approx(ideal.busy["d2h"] / 0.8)
+    assert real.compute == pytest.approx(ideal.compute + 0.1 * min(real.busy["h2d"], real.busy["d2h"]))
+    probe = json.loads(Path("tests/golden/probe_h200.json").read_text())
+    old = Machine.from_probe("tests/golden/probe_h200.json")
+    assert "duplex" in old.assumed and old.duplex == 0.92 and old.copy_drag == 0.06
+    probe["rows"] += [{"link": "arena <-> GPU, both ways at once", "tiermem": 0.85},
+                      {"link": "matmuls beside copies both ways", "tiermem": 0.9}]
+    (tmp_path / "p.json").write_text(json.dumps(probe))
+    new = Machine.from_probe(tmp_path / "p.json")
+    assert new.duplex == 0.85 and new.copy_drag == pytest.approx(0.1) and "duplex" not in new.assumed
 
 
 def test_nvme_traffic_is_each_resident_byte_read_and_written_once():

@@ -1,6 +1,7 @@
 """``tiermem probe``: measure every link of this machine, through tiermem and raw, in the same run.
 
-Rows: arena -> GPU and GPU -> arena (against a plain pinned torch copy), NVMe tier -> arena and arena
+Rows: arena -> GPU and GPU -> arena (against a plain pinned torch copy), the link both ways at once and
+matmuls beside it (ratios to the rates alone: the cost model's duplex and copy drag), NVMe tier -> arena and arena
 -> NVMe tier for each usable backend (against plain O_DIRECT ``os.preadv``/``os.pwritev`` on the same
 file), NVMe -> GPU through kvikio, arena setup (create + cudaHostRegister) against a ``pin_memory=True``
 allocation, and the CPU AdamW rate (torch fused AdamW, all cores). The planner reads the saved JSON.
@@ -92,6 +93,23 @@ def probe_gpu(arena: DramArena, size: int, reps: int) -> list[dict]:
     gpu.close()
     return [_row("arena -> GPU", h2d, rh, raw_what="pinned torch copy"),
             _row("GPU -> arena", d2h, rd, raw_what="pinned torch copy")]
+
+
+def probe_link_both_ways(size: int, reps: int) -> list[dict]:
+    """The link both ways at once, against each way alone, and bf16 matmuls beside copies both ways (the cost
+    model's ``duplex`` and ``copy_drag``): ratios to the rates alone."""
+    names = ("arena <-> GPU, both ways at once", "matmuls beside copies both ways")
+    if not torch.cuda.is_available():
+        return [_row(n, None, None, unit="x alone", note="no CUDA on this machine") for n in names]
+    from tiermem.plan.machine import link_both_ways
+
+    r = link_both_ways(torch.device("cuda"), size, reps, matmuls=True)
+    share = min(r["up2"] / r["up"], r["down2"] / r["down"])
+    return [_row(names[0], share, None, unit="x alone",
+                 note=f"to the GPU {r['up2']:.1f} of {r['up']:.1f} GB/s, from it {r['down2']:.1f} of {r['down']:.1f}"),
+            _row(names[1], r["mm3"] / r["mm"], None, unit="x alone",
+                 note=f"bf16 matmuls {r['mm3']:.0f} of {r['mm']:.0f} TFLOP/s beside copies at {r['up3']:.1f} and "
+                      f"{r['down3']:.1f} GB/s")]
 
 
 def _drop_cache(path: Path) -> None:
@@ -244,6 +262,7 @@ def run_probe(size: int, nvme_path: str | None, arena_dir: str = "/dev/shm", rep
     arena = DramArena.create(name, 2 * size + (8 << 20), arena_dir, pin=pin)
     try:
         rows += probe_gpu(arena, size, reps)
+        rows += probe_link_both_ways(size, reps)
         if nvme_path:
             d = Path(nvme_path)
             rows += probe_nvme(arena, d, size, reps, name)

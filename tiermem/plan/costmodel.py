@@ -12,7 +12,10 @@ reverse order, each group's gradient copied home when the CPU updates it; with s
 gradients go home and come back between passes. Every operation takes one resource for bytes / rate
 seconds: ``gpu`` (the compute stream), ``gpu_adamw`` (the optimizer's stream), the PCIe link each way
 (``h2d``, ``d2h``), the disk (``nvme``: reads and writes share it) and the CPU's AdamW (``cpu``). A resource
-serves the ready operation that became ready first (a list schedule).
+serves the ready operation that became ready first (a list schedule). The link's copies run at the
+machine's ``duplex`` share of its rate alone (both directions copy through most of a step), and the compute
+is stretched by ``copy_drag`` of the time both directions are busy (on the H200 machine: 0.92, and matmuls
+at 0.94 beside copies both ways; one direction costs them nothing).
 
 The step's time is the later of the last backward's end and the busiest resource's total (a resource busier
 than the step delays the next one: steady state). The bound is that resource, or the wait that stretched
@@ -31,12 +34,6 @@ from tiermem.store.catalog import Group
 RESOURCES = ("gpu", "gpu_adamw", "h2d", "d2h", "nvme", "cpu")
 CPU_COPY_RATE = 12e9  # params/s: the fp32 -> bf16 compute copy after a CPU update (measured ~10-25 G/s)
 SLOTS = 3
-# The link both ways at once, and the compute beside it (tools/probe_duplex.py on the H200 machine, 2 GiB copies):
-# each direction gives 0.92 of its rate alone while the other runs (0.89-0.93 beside matmuls), and bf16 matmuls
-# run 0.94 as fast while both directions copy (1.00 beside one direction). The step's copies are taken at the
-# DUPLEX rate, and the compute is stretched by COPY_DRAG of the time both directions are busy.
-DUPLEX = 0.92
-COPY_DRAG = 0.06
 
 
 @dataclass
@@ -137,11 +134,11 @@ def predict(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_pa
 
     def h2d(n, deps=(), tag=""):
         moved["h2d"] += n
-        return sim.op("h2d", n / (m.h2d * DUPLEX), deps, tag)
+        return sim.op("h2d", n / (m.h2d * m.duplex), deps, tag)
 
     def d2h(n, deps=(), tag=""):
         moved["d2h"] += n
-        return sim.op("d2h", n / (m.d2h * DUPLEX), deps, tag)
+        return sim.op("d2h", n / (m.d2h * m.duplex), deps, tag)
 
     def nvme(n, write: bool, deps=(), tag=""):
         moved["nvme_write" if write else "nvme_read"] += n
@@ -249,7 +246,7 @@ def predict(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_pa
                     partial_home[g] = d2h(nbytes(g, "grad"), [c], f"partial home {g}")
 
     start, end, busy = sim.run()
-    drag = COPY_DRAG * min(busy["h2d"], busy["d2h"])  # (the compute beside copies both ways)
+    drag = m.copy_drag * min(busy["h2d"], busy["d2h"])  # (the compute beside copies both ways)
     busy["gpu"] += drag
     finish = max([end[last_compute] + drag, *(end[i] for i in last_grad)])
     compute = busy["gpu"]

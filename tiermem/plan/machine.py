@@ -33,6 +33,9 @@ H200 = {
     "gpu_adamw": 1.0e11,  # params/s of torch's fused AdamW on the GPU (memory-bound: ~28 B a param at ~3 TB/s)
     "gpu_tflops": 520e12,  # FLOP/s of a streamed step counting its recompute (389 TFLOP/s by the 6·N count)
     "gpu_memory": 143_771 << 20, "ram": 125 << 30,
+    # the link both ways at once: each direction's share of its rate alone, and the compute's slowdown while
+    # both copy (tools/probe_duplex.py, `tiermem probe`: 0.92, and matmuls at 0.94)
+    "duplex": 0.92, "copy_drag": 0.06,
 }
 
 
@@ -47,6 +50,8 @@ class Machine:
     gpu_tflops: float  # dense compute a streamed layer reaches (FLOP/s), when it is not timed
     gpu_memory: int  # bytes of HBM
     ram: int  # bytes of host memory
+    duplex: float = H200["duplex"]  # each direction's rate while the other copies, of its rate alone
+    copy_drag: float = H200["copy_drag"]  # the compute's slowdown while the link copies both ways
     disk_free: int | None = None  # bytes free on the NVMe tier's disk, where the probe saw it
     source: str = "assumed"
     assumed: list[str] = field(default_factory=list)
@@ -89,6 +94,12 @@ class Machine:
         for k, v in pairs.items():
             if v is not None:
                 got[k] = v
+        share = rate("arena <-> GPU, both ways at once", 1.0)  # (ratios to the rates alone)
+        if share is not None and share <= 1.5:
+            got["duplex"] = share
+        beside = rate("matmuls beside copies both ways", 1.0)
+        if beside is not None and beside <= 1.5:
+            got["copy_drag"] = max(0.0, 1.0 - beside)
         for k in ("gpu_memory", "ram"):
             if isinstance(machine.get(k), int) and machine[k] > 0:
                 got[k] = machine[k]
@@ -108,6 +119,8 @@ class Machine:
             figures.update(_pcie(device))
         if nvme_dir:
             figures.update(_disk(nvme_dir))
+        if device is not None and device.type == "cuda":
+            figures["duplex"] = duplex_share(device)
         figures["cpu_adamw"] = _adamw_rate()
         merged = {**H200, **figures}
         return cls(**merged, source="measured at start (a quick probe; `tiermem probe --save` for a full one)",
@@ -129,6 +142,61 @@ def _pcie(device: torch.device, size: int = 256 << 20) -> dict:
             best = min(best, time.perf_counter() - t0)
         out[key] = size / best
     return out
+
+
+def link_both_ways(device: torch.device, size: int, reps: int, matmuls: bool = False) -> dict:
+    """GB/s of the PCIe link each way alone and both ways at once (pinned torch copies on their own streams,
+    timed by CUDA events); with ``matmuls``, also both ways beside bf16 8192² matmuls on a third stream, and
+    the matmuls' TFLOP/s alone and beside them. Keys: up, down (alone); up2, down2 (at once); up3, down3, mm,
+    mm3 (beside matmuls)."""
+    host_in = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    host_out = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    dev_in = torch.empty(size, dtype=torch.uint8, device=device)
+    dev_out = torch.empty(size, dtype=torch.uint8, device=device)
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) if matmuls else None
+    streams = {k: torch.cuda.Stream(device) for k in ("up", "down", "mm")}
+
+    def run(up: bool, down: bool, mm: bool) -> dict:
+        torch.cuda.synchronize(device)
+        ev = {k: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for k in streams}
+        n_mm = 0
+        for key, on in (("up", up), ("down", down), ("mm", mm)):
+            if not on:
+                continue
+            with torch.cuda.stream(streams[key]):
+                ev[key][0].record()
+                if key == "mm":  # (for about as long as the copies take)
+                    n_mm = max(1, int(40 * reps * size / (1 << 30)))
+                    for _ in range(n_mm):
+                        a @ a
+                else:
+                    for _ in range(reps):
+                        (dev_in.copy_(host_in, non_blocking=True) if key == "up"
+                         else host_out.copy_(dev_out, non_blocking=True))
+                ev[key][1].record()
+        torch.cuda.synchronize(device)
+        secs = {k: ev[k][0].elapsed_time(ev[k][1]) / 1e3 for k, on in (("up", up), ("down", down), ("mm", mm))
+                if on}
+        out = {k: size * reps / secs[k] / 1e9 for k in ("up", "down") if k in secs}
+        if "mm" in secs:
+            out["mm"] = n_mm * 2 * 8192 ** 3 / secs["mm"] / 1e12
+        return out
+
+    run(True, True, matmuls)  # (warm-up)
+    got = {"up": run(True, False, False)["up"], "down": run(False, True, False)["down"]}
+    both = run(True, True, False)
+    got.update(up2=both["up"], down2=both["down"])
+    if matmuls:
+        got["mm"] = run(False, False, True)["mm"]
+        beside = run(True, True, True)
+        got.update(up3=beside["up"], down3=beside["down"], mm3=beside["mm"])
+    return got
+
+
+def duplex_share(device: torch.device, size: int = 256 << 20) -> float:
+    """Each direction's share of its rate alone while the other copies (the lesser of the two)."""
+    r = link_both_ways(device, size, 2)
+    return min(r["up2"] / r["up"], r["down2"] / r["down"])
 
 
 def _disk(directory: str, size: int = 256 << 20, block: int = 16 << 20) -> dict:
