@@ -350,6 +350,20 @@ def test_all_resident_is_compute_plus_the_gpu_update():
     assert p.bound == "gpu"
 
 
+def test_near_equal_splits_keep_the_cpus_largest_share():
+    """The update splits are tried with the CPU's largest share first, so that of near-equal predictions (the
+    planner keeps the first) the one streaming the least state through the GPU worker is kept; the groups with
+    state in HBM are always the GPU's."""
+    from tiermem.plan.planner import _update_splits
+
+    w = workload(8)
+    where = {(g, k): ("gpu" if g in ("embed", 0, 1) else "dram") for g in w.groups for k in KINDS5}
+    splits = list(_update_splits(where, w))
+    assert splits[0] == {"embed", 0, 1} and splits[-1] == set(w.groups)
+    assert [len(s) for s in splits] == sorted(len(s) for s in splits)
+    assert list(_update_splits(where, w, gpu_worker=False)) == [{"embed", 0, 1}]
+
+
 def test_the_link_both_ways_comes_from_the_machines_figures(tmp_path):
     """The copies run at the machine's duplex share of the link's rate and the compute stretches by its copy
     drag of the time both ways copy; a probe file's rows give both (a file without them: the H200's, said to
