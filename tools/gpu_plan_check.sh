@@ -77,7 +77,8 @@ $(python3 -c "import json; print(json.load(open('/tmp/run8b/out/store_stats.json
   python3 -m trainer.plan_cli /tmp/run14b/train.yaml > "$OUT/plan14b.txt" 2>&1; cat "$OUT/plan14b.txt"
   python3 -m trainer.cli /tmp/run14b/train.yaml > "$OUT/train14b.txt" 2>&1; rc=$?
   grep -vE "^(example|Human|Assistant)" "$OUT/train14b.txt" | tail -20
-  cp /tmp/run14b/out/trainer_log.jsonl /tmp/run14b/out/store_stats.json "$OUT/" 2>/dev/null
+  cp /tmp/run14b/out/trainer_log.jsonl /tmp/run14b/out/store_stats.json /tmp/run14b/out/tiermem_plan.json "$OUT/" \
+    2>/dev/null
   [ -f "$OUT/store_stats.json" ] || python3 -c "import json, sys; json.dump(json.load(open(sys.argv[1]))['store'], \
 open(sys.argv[2], 'w'))" /tmp/run14b/out/tiermem_stats.json "$OUT/store_stats.json"  # (the live one)
   ls -la /tmp/run14b/out | tail -8; df -h /tmp | tail -1
@@ -135,6 +136,7 @@ $(grep -E "^step compute" "$OUT/prof3b_$keep.txt" | sed 's/.*s; standalone/stand
   python3 -m trainer.cli /tmp/run8k/train.yaml > "$OUT/train8k.txt" 2>&1; rc=$?
   grep -vE "^(example|Human|Assistant)" "$OUT/train8k.txt" | tail -24
   cp /tmp/run8k/out/trainer_log.jsonl "$OUT/log8k.jsonl" 2>/dev/null
+  cp /tmp/run8k/out/tiermem_plan.json "$OUT/plan8k.json" 2>/dev/null
   summary+=("8B 16x4096 keep ${KEEP8:-auto} torch_compile ${COMPILE8:-auto} ${MODE8:-} (rc $rc): $(steps_of /tmp/run8k/out/trainer_log.jsonl)")
   rm -rf /tmp/run8k/out
   ;;
