@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from tiermem.plan.machine import adamw_rate, link_both_ways
 from tiermem.sizes import format_size
 from tiermem.tiers.dram import DramArena
 from tiermem.tiers.gpu import GpuTier
@@ -101,8 +102,6 @@ def probe_link_both_ways(size: int, reps: int) -> list[dict]:
     names = ("arena <-> GPU, both ways at once", "matmuls beside copies both ways")
     if not torch.cuda.is_available():
         return [_row(n, None, None, unit="x alone", note="no CUDA on this machine") for n in names]
-    from tiermem.plan.machine import link_both_ways
-
     r = link_both_ways(torch.device("cuda"), size, reps, matmuls=True)
     share = min(r["up2"] / r["up"], r["down2"] / r["down"])
     return [_row(names[0], share, None, unit="x alone",
@@ -216,22 +215,12 @@ def probe_arena_setup(directory: Path | str, size: int, name: str, raw: float | 
 
 
 def probe_adamw(n_params: int = 1 << 26, steps: int = 5) -> list[dict]:
-    p = torch.nn.Parameter(torch.randn(n_params))
-    p.grad = torch.randn(n_params)
-    try:
-        opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
-        opt.step()
-        what = "fused"
-    except (RuntimeError, TypeError):
-        opt = torch.optim.AdamW([p], lr=1e-3, foreach=True)
-        opt.step()
+    """CPU AdamW as a run's quick probe measures it (``tiermem.plan.machine.adamw_rate``), over more steps."""
+    rate, what, threads = adamw_rate(n_params, steps)
+    if what == "foreach":
         what = "foreach (fused not available on CPU in this torch)"
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        opt.step()
-    rate = n_params * steps / (time.perf_counter() - t0) / 1e9
-    return [_row("CPU AdamW", rate, None, unit="G params/s",
-                 note=f"torch {what}, {torch.get_num_threads()} threads, {n_params / 1e6:.0f}M params")]
+    return [_row("CPU AdamW", rate / 1e9, None, unit="G params/s",
+                 note=f"torch {what}, {threads} threads, {n_params / 1e6:.0f}M params, median of {steps} steps")]
 
 
 def probe_gpu_adamw(n_params: int = 1 << 28, steps: int = 5) -> list[dict]:

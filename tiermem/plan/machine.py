@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -121,7 +122,7 @@ class Machine:
             figures.update(_disk(nvme_dir))
         if device is not None and device.type == "cuda":
             figures["duplex"] = duplex_share(device)
-        figures["cpu_adamw"] = _adamw_rate()
+        figures["cpu_adamw"] = adamw_rate()[0]
         merged = {**H200, **figures}
         return cls(**merged, source="measured at start (a quick probe; `tiermem probe --save` for a full one)",
                    assumed=sorted(k for k in H200 if k not in figures))
@@ -237,30 +238,33 @@ def _disk(directory: str, size: int = 256 << 20, block: int = 16 << 20) -> dict:
     return {"nvme_read": r, "nvme_write": w}
 
 
-def _adamw_rate(n: int = 1 << 24, reps: int = 5) -> float:
-    """Parameters a second torch's fused AdamW updates on this CPU (the optimizer's own threads: all cores
-    but two, as ``tiermem.optim`` takes them): the fastest of ``reps`` steps, as a run's start may have other
-    work on the cores (the compile's workers, the data's tokenizers). The 8B plan at 16 x 4096 tokens turns on
-    this figure: replayed at 1.8 G params/s instead of the 3.8 measured, the planner gives the CPU worker 9
-    fewer groups and keeps 1 layer's activations instead of 3 (a layout measured 1.7% slower)."""
+def adamw_rate(n: int = 1 << 26, reps: int = 5) -> tuple[float, str, int]:
+    """Parameters a second torch's AdamW updates on this CPU, on the optimizer's own threads (all cores but two,
+    as ``tiermem.optim`` takes them): the median of ``reps`` steps over ``n`` parameters. Returns (rate, "fused"
+    or "foreach", threads). ``n`` is large (64M params: 1 GiB of fp32 state) so the state does not fit in
+    the CPU's caches: at 16M params the H200 host's quick probe read 8.9 G params/s, its full probe 3.97, and the
+    8B plan built on the first waited 0.6-1.7 s a step for the CPU worker. The median rather than the fastest
+    step, so a start with other work on the cores (the compile's workers) reads neither best nor worst."""
     cores = os.cpu_count() or 1
     threads, keep = (cores - 2 if cores > 4 else cores), torch.get_num_threads()
-    p = torch.nn.Parameter(torch.randn(n))
-    p.grad = torch.randn(n)
+    p = torch.nn.Parameter(torch.full((n,), 0.5))
+    p.grad = torch.full((n,), 1e-3)
     torch.set_num_threads(threads)
     try:
         try:
             opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
             opt.step()
+            what = "fused"
         except (RuntimeError, TypeError):
             opt = torch.optim.AdamW([p], lr=1e-4, foreach=True)
             opt.step()
-        best = math.inf
+            what = "foreach"
+        times = []
         for _ in range(reps):
             t0 = time.perf_counter()
             opt.step()
-            best = min(best, time.perf_counter() - t0)
-        return n / best
+            times.append(time.perf_counter() - t0)
+        return n / statistics.median(times), what, threads
     finally:
         torch.set_num_threads(keep)
 
