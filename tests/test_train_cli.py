@@ -3,6 +3,7 @@ exit code 2, nothing written to output_dir)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -29,6 +30,8 @@ def test_quickstart_trains_and_saves(tmp_path, capsys, monkeypatch):
     assert [r["current_steps"] for r in log if "eval_loss" in r] == [40]  # do_eval: the final evaluation
     train = [r for r in log if "loss" in r]
     assert train[-1]["loss"] < train[0]["loss"] - 1.0, "the loss should fall"
+    assert all(r["gc_seconds"] >= 0 for r in train)  # the garbage collector's pauses, a step
+    assert gc.get_freeze_count() == 0  # (what the run froze after its first step went back to the collector)
     for f in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "training_args.yaml",
               "training_loss.png", "train_results.json", "eval_results.json", "all_results.json",
               "trainer_state.json"):

@@ -40,6 +40,7 @@ from trainer.data.prepare import Rows, load_rows, split_eval
 from trainer.data.registry import resolve
 from trainer.dist import World
 from trainer.executor import Executor, NonFiniteStep
+from trainer.gc_pauses import GcPauses
 from trainer.model.config import ModelConfigError, load_balancing_coef
 from trainer.model.select import load_model
 from trainer.model.weights import all_weights, group_order
@@ -342,6 +343,7 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
 
         out = Path(tempfile.mkdtemp(prefix=f"tiermem-rank{world.rank}-"))
     executor = saver = stats = tb = None
+    pauses = GcPauses()
     try:
         out.mkdir(parents=True, exist_ok=True)
         ckpt.remove_partial(out)
@@ -366,6 +368,7 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
             sync = HostSync(world, session, cfg.bf16)
         report = Reporter(out, total, active, say, resume_step=start, sink=tb.record if tb else None,
                           first_step=cfg.logging_first_step)
+        report.pauses = pauses
         watch = PlanWatch(job.store_plan, start) if getattr(job.store_plan, "prediction", None) is not None else None
         if watch is not None:
             report.predicted = watch.predicted
@@ -439,6 +442,8 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                     report.predicted = watch.predicted
                 report.step(step + 1, result, lr, plan.epoch_of(step + 1), time.perf_counter() - t0,
                             step + 1 == total, cfg.logging_steps)
+                if step == start:  # (the setup's and the compile's objects: out of later collections' walk)
+                    pauses.freeze()
                 now = _link_bytes(store)  # what each link carried this step: top's predicted step time
                 report.live["link_bytes_per_step"] = {k: n - link_bytes.get(k, 0) for k, n in now.items()
                                                       if n > link_bytes.get(k, 0)}
@@ -517,6 +522,7 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
             saver.settle()  # a checkpoint already read out of the store is still worth writing
         raise
     finally:
+        pauses.close()
         if stats is not None:
             stats.close()
         if executor is not None:

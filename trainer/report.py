@@ -53,6 +53,8 @@ class Reporter:
         self._kept = backlog  # what the pending file holds
         self._backlog = list(backlog)  # for replay
         self.window: list = []
+        self.pauses = None  # a trainer.gc_pauses.GcPauses: the collector's pauses, logged a step
+        self._gc_logged = 0.0
         self.losses: list[tuple[int, float]] = [(r["current_steps"], r["loss"]) for r in rows if "loss" in r]
         self.eval_losses: list[tuple[int, float]] = [(r["current_steps"], r["eval_loss"]) for r in rows
                                                      if "eval_loss" in r]
@@ -130,6 +132,9 @@ class Reporter:
                   "wait_optimizer_seconds": round(opt, 4)}
         if self.predicted is not None:
             record["predicted_step_seconds"] = round(self.predicted, 4)
+        if self.pauses is not None:  # (the garbage collector's pauses since the line before, a step)
+            record["gc_seconds"] = round((self.pauses.total - self._gc_logged) / len(w), 4)
+            self._gc_logged = self.pauses.total
         self._append(record)
         self._kept = [r for r in self._kept if r["step"] > step]  # the line covers the others
         self.pending_path.write_text("".join(json.dumps(r) + "\n" for r in self._kept))
