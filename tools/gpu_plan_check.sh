@@ -34,7 +34,8 @@ pred = rows[-1].get("predicted_step_seconds")
 tf = statistics.median(r["tflops"] for r in rows[2:] or rows)
 print(f"steps {' '.join(f'{x:.2f}' for x in t)}; steady median {statistics.median(steady):.2f} s, {tf:.0f} TFLOP/s; "
       f"predicted {pred:.2f} s (measured/predicted {statistics.median(steady) / pred:.3f}); "
-      f"grad norms {' '.join('%.3f' % r['grad_norm'] for r in rows)}")
+      f"grad norms {' '.join('%.3f' % r['grad_norm'] for r in rows)}; "
+      f"collector pauses {' '.join('%.2f' % r.get('gc_seconds', float('nan')) for r in rows)} s")
 PY
 }
 case "${1:-small}" in
