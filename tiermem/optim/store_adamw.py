@@ -56,7 +56,11 @@ def default_threads() -> int:
     return n - 2 if n > 4 else n
 
 
-CPU_WORKER_NICE = 10  # the CPU worker's threads yield the cores to the trainer's (see _cpu_worker_thread)
+def worker_nice() -> int:
+    """The CPU worker's nice value: env TIERMEM_OPTIM_NICE, else 10 (its threads yield the cores to the trainer's;
+    see _cpu_worker_thread)."""
+    env = os.environ.get("TIERMEM_OPTIM_NICE")
+    return int(env) if env else 10
 
 
 def _cpu_worker_thread(threads: int) -> None:
@@ -68,7 +72,9 @@ def _cpu_worker_thread(threads: int) -> None:
     (Linux: the nice value is per thread; elsewhere nothing changes.)"""
     torch.set_num_threads(threads)
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), CPU_WORKER_NICE)
+        nice = worker_nice()
+        if nice:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
     except (AttributeError, OSError):
         pass
 
