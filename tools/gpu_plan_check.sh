@@ -138,6 +138,7 @@ $(grep -E "^step compute" "$OUT/prof3b_$keep.txt" | sed 's/.*s; standalone/stand
   grep -vE "^(example|Human|Assistant)" "$OUT/train8k.txt" | tail -24
   cp /tmp/run8k/out/trainer_log.jsonl "$OUT/log8k.jsonl" 2>/dev/null
   cp /tmp/run8k/out/tiermem_plan.json "$OUT/plan8k.json" 2>/dev/null
+  cp /tmp/run8k/out/tiermem_stats.json "$OUT/stats8k.json" 2>/dev/null  # (the optimizer's split of its last update)
   summary+=("8B 16x4096 keep ${KEEP8:-auto} torch_compile ${COMPILE8:-auto} ${MODE8:-} (rc $rc): $(steps_of /tmp/run8k/out/trainer_log.jsonl)")
   rm -rf /tmp/run8k/out
   ;;
