@@ -25,7 +25,7 @@ def test_probe_json(tmp_path):
     rows = {row["link"]: row for row in result["rows"]}
     assert rows["arena -> NVMe (posix)"]["tiermem"] > 0 and rows["arena -> NVMe (posix)"]["ratio"] > 0
     assert rows["NVMe -> arena (posix)"]["raw"] > 0
-    assert rows["CPU AdamW"]["tiermem"] > 0
+    assert rows["CPU AdamW"]["tiermem"] > 0 and rows["CPU compute copy"]["tiermem"] > 0
     if not torch.cuda.is_available():
         assert rows["arena -> GPU"]["note"] == "no CUDA on this machine"
     assert disk.is_dir() and not list(disk.glob("*.nvme"))  # the probe cleans up

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -333,7 +334,7 @@ def test_the_cost_model_agrees_with_a_simulation_of_the_schedule(cpu_rate, h2d):
     ref = simulate_streamed_cpu(w, m, gb, params, 3)
     assert p.busy["h2d"] == pytest.approx(ref["h2d"])
     assert p.busy["d2h"] == pytest.approx(ref["d2h"])
-    assert p.busy["cpu"] == pytest.approx(ref["cpu"] + sum(params.values()) / 12e9)  # + the compute copy
+    assert p.busy["cpu"] == pytest.approx(ref["cpu"] + sum(params.values()) / m.cpu_copy)  # + the compute copy
     assert p.busy["gpu"] == pytest.approx(w.compute_seconds() + ref["drag"])
     assert p.details["finish"] == pytest.approx(ref["end"], rel=0.02) or cpu_rate != 4e9
 
@@ -386,6 +387,32 @@ def test_the_link_both_ways_comes_from_the_machines_figures(tmp_path):
     (tmp_path / "p.json").write_text(json.dumps(probe))
     new = Machine.from_probe(tmp_path / "p.json")
     assert new.duplex == 0.85 and new.copy_drag == pytest.approx(0.1) and "duplex" not in new.assumed
+
+
+def test_the_cpu_workers_compute_copy_is_a_machine_figure():
+    """The fp32 -> bf16 copy after each CPU update costs params / cpu_copy of the CPU (with master weights); the
+    probe's "CPU compute copy" row sets it; a plan written before it had the figure replays with the H200's,
+    said to be assumed."""
+    layers = 4
+    specs = specs_for(layers, 10_000_000, 20_000_000)
+    gb, params = sizes(specs)
+    where = {key: "dram" for key in gb}
+    w = workload(layers)
+    fast = predict(Layout(where, set(), 1), w, machine(cpu_copy=1e12), gb, params)
+    slow = predict(Layout(where, set(), 1), w, machine(cpu_copy=1e9), gb, params)
+    assert slow.busy["cpu"] - fast.busy["cpu"] == pytest.approx(sum(params.values()) * (1 / 1e9 - 1 / 1e12))
+    probe = json.loads(Path("tests/golden/probe_h200.json").read_text())
+    assert "cpu_copy" in Machine.from_probe("tests/golden/probe_h200.json").assumed
+    probe["rows"] += [{"link": "CPU compute copy", "tiermem": 9.5}]
+    path = Path(tempfile.mkdtemp()) / "p.json"
+    path.write_text(json.dumps(probe))
+    m = Machine.from_probe(path)
+    assert m.cpu_copy == 9.5e9 and "cpu_copy" not in m.assumed
+    old = m.to_json()
+    del old["cpu_copy"]
+    old["assumed"] = []
+    again = Machine.from_json(old)
+    assert again.cpu_copy == 8.0e9 and again.assumed == ["cpu_copy"]
 
 
 def test_nvme_traffic_is_each_resident_byte_read_and_written_once():

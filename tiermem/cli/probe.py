@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from tiermem.plan.machine import adamw_rate, link_both_ways
+from tiermem.plan.machine import adamw_rate, copy_rate, link_both_ways
 from tiermem.sizes import format_size
 from tiermem.tiers.dram import DramArena
 from tiermem.tiers.gpu import GpuTier
@@ -215,12 +215,15 @@ def probe_arena_setup(directory: Path | str, size: int, name: str, raw: float | 
 
 
 def probe_adamw(n_params: int = 1 << 26, steps: int = 5) -> list[dict]:
-    """CPU AdamW as a run's quick probe measures it (``tiermem.plan.machine.adamw_rate``), over more steps."""
+    """CPU AdamW and its compute copy as a run's quick probe measures them (``tiermem.plan.machine``)."""
     rate, what, threads = adamw_rate(n_params, steps)
     if what == "foreach":
         what = "foreach (fused not available on CPU in this torch)"
+    copy = copy_rate(n_params, steps)
     return [_row("CPU AdamW", rate / 1e9, None, unit="G params/s",
-                 note=f"torch {what}, {threads} threads, {n_params / 1e6:.0f}M params, median of {steps} steps")]
+                 note=f"torch {what}, {threads} threads, {n_params / 1e6:.0f}M params, median of {steps} steps"),
+            _row("CPU compute copy", copy / 1e9, None, unit="G params/s",
+                 note=f"fp32 -> bf16 after each CPU update (master weights), {threads} threads")]
 
 
 def probe_gpu_adamw(n_params: int = 1 << 28, steps: int = 5) -> list[dict]:

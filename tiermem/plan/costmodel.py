@@ -32,7 +32,6 @@ from tiermem.plan.workload import Workload
 from tiermem.store.catalog import Group
 
 RESOURCES = ("gpu", "gpu_adamw", "h2d", "d2h", "nvme", "cpu")
-CPU_COPY_RATE = 12e9  # params/s: the fp32 -> bf16 compute copy after a CPU update (measured ~10-25 G/s)
 SLOTS = 3
 
 
@@ -186,7 +185,7 @@ def predict(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_pa
         else:
             stage = [nvme(nbytes(g, k), False, [cpu_stage_prev]) for k in (*state_kinds, "grad", "param")
                      if tier(g, k) == "nvme"]
-            seconds = params / m.cpu_adamw + (params / CPU_COPY_RATE if has_master else 0.0)
+            seconds = params / m.cpu_adamw + (params / m.cpu_copy if has_master else 0.0)
             upd = sim.op("cpu", seconds, [*stage, cpu_prev], f"cpu adam {g}")
             cpu_stage_prev = cpu_prev
             for k in state_kinds:

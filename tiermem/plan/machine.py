@@ -31,6 +31,9 @@ H200 = {
     "h2d": 54.6 * GB, "d2h": 54.6 * GB,  # arena <-> GPU, pinned
     "nvme_read": 1.74 * GB, "nvme_write": 2.48 * GB,  # O_DIRECT, posix backend, 64 MiB blocks
     "cpu_adamw": 4.0e9,  # params/s, torch fused AdamW on 14 threads
+    # params/s of the CPU worker's compute copy after an update (fp32 master -> bf16 params): the 8B run's
+    # worker copied 4.2 G params in 0.52 s on 12 threads
+    "cpu_copy": 8.0e9,
     "gpu_adamw": 1.0e11,  # params/s of torch's fused AdamW on the GPU (memory-bound: ~28 B a param at ~3 TB/s)
     "gpu_tflops": 520e12,  # FLOP/s of a streamed step counting its recompute (389 TFLOP/s by the 6·N count)
     "gpu_memory": 143_771 << 20, "ram": 125 << 30,
@@ -51,6 +54,7 @@ class Machine:
     gpu_tflops: float  # dense compute a streamed layer reaches (FLOP/s), when it is not timed
     gpu_memory: int  # bytes of HBM
     ram: int  # bytes of host memory
+    cpu_copy: float = H200["cpu_copy"]  # params/s of the CPU worker's fp32 -> bf16 compute copy
     duplex: float = H200["duplex"]  # each direction's rate while the other copies, of its rate alone
     copy_drag: float = H200["copy_drag"]  # the compute's slowdown while the link copies both ways
     disk_free: int | None = None  # bytes free on the NVMe tier's disk, where the probe saw it
@@ -62,7 +66,13 @@ class Machine:
 
     @classmethod
     def from_json(cls, o: dict) -> Machine:
-        """The figures ``to_json`` wrote (the service's, sent to its trainer)."""
+        """The figures ``to_json`` wrote (the service's, sent to its trainer; a run's tiermem_plan.json). A figure
+        an earlier version did not write is the H200's, said to be assumed."""
+        o = dict(o)
+        missing = [k for k in H200 if k not in o]
+        for k in missing:
+            o[k] = H200[k]
+        o["assumed"] = sorted({*o.get("assumed", []), *missing})
         return cls(**o)
 
     @classmethod
@@ -91,7 +101,8 @@ class Machine:
         pairs = {"h2d": rate("arena -> GPU", GB), "d2h": rate("GPU -> arena", GB),
                  "nvme_read": rate("NVMe -> arena (kvikio)", GB) or rate("NVMe -> arena (posix)", GB),
                  "nvme_write": rate("arena -> NVMe (kvikio)", GB) or rate("arena -> NVMe (posix)", GB),
-                 "cpu_adamw": rate("CPU AdamW", 1e9), "gpu_adamw": rate("GPU AdamW", 1e9)}
+                 "cpu_adamw": rate("CPU AdamW", 1e9), "cpu_copy": rate("CPU compute copy", 1e9),
+                 "gpu_adamw": rate("GPU AdamW", 1e9)}
         for k, v in pairs.items():
             if v is not None:
                 got[k] = v
@@ -112,8 +123,8 @@ class Machine:
     @classmethod
     def measure(cls, nvme_dir: str | None = None, device: torch.device | None = None) -> Machine:
         """A quick probe of this machine (a few seconds): the PCIe link each way, the disk under
-        ``nvme_dir`` (when given) each way, CPU AdamW, the memory sizes. Without CUDA the GPU's figures
-        are assumed."""
+        ``nvme_dir`` (when given) each way, CPU AdamW and its compute copy, the memory sizes. Without CUDA the
+        GPU's figures are assumed."""
         figures: dict = {"ram": psutil.virtual_memory().total}
         if device is not None and device.type == "cuda":
             figures["gpu_memory"] = torch.cuda.get_device_properties(device).total_memory
@@ -123,6 +134,7 @@ class Machine:
         if device is not None and device.type == "cuda":
             figures["duplex"] = duplex_share(device)
         figures["cpu_adamw"] = adamw_rate()[0]
+        figures["cpu_copy"] = copy_rate()
         merged = {**H200, **figures}
         return cls(**merged, source="measured at start (a quick probe; `tiermem probe --save` for a full one)",
                    assumed=sorted(k for k in H200 if k not in figures))
@@ -238,6 +250,14 @@ def _disk(directory: str, size: int = 256 << 20, block: int = 16 << 20) -> dict:
     return {"nvme_read": r, "nvme_write": w}
 
 
+def worker_threads() -> int:
+    """The CPU worker's threads, as ``tiermem.optim`` takes them (env TIERMEM_OPTIM_THREADS, else all cores but
+    two): the CPU figures are measured on as many."""
+    from tiermem.optim.store_adamw import default_threads
+
+    return default_threads()
+
+
 def adamw_rate(n: int = 1 << 26, reps: int = 5) -> tuple[float, str, int]:
     """Parameters a second torch's AdamW updates on this CPU, on the optimizer's own threads (all cores but two,
     as ``tiermem.optim`` takes them): the median of ``reps`` steps over ``n`` parameters. Returns (rate, "fused"
@@ -245,8 +265,7 @@ def adamw_rate(n: int = 1 << 26, reps: int = 5) -> tuple[float, str, int]:
     the CPU's caches: at 16M params the H200 host's quick probe read 8.9 G params/s, its full probe 3.97, and the
     8B plan built on the first waited 0.6-1.7 s a step for the CPU worker. The median rather than the fastest
     step, so a start with other work on the cores (the compile's workers) reads neither best nor worst."""
-    cores = os.cpu_count() or 1
-    threads, keep = (cores - 2 if cores > 4 else cores), torch.get_num_threads()
+    threads, keep = worker_threads(), torch.get_num_threads()
     p = torch.nn.Parameter(torch.full((n,), 0.5))
     p.grad = torch.full((n,), 1e-3)
     torch.set_num_threads(threads)
@@ -265,6 +284,24 @@ def adamw_rate(n: int = 1 << 26, reps: int = 5) -> tuple[float, str, int]:
             opt.step()
             times.append(time.perf_counter() - t0)
         return n / statistics.median(times), what, threads
+    finally:
+        torch.set_num_threads(keep)
+
+
+def copy_rate(n: int = 1 << 26, reps: int = 5) -> float:
+    """Parameters a second the CPU worker's compute copy takes (an fp32 tensor into a bf16 one, as after each CPU
+    update of a run with master weights), on the worker's threads: the median of ``reps`` copies of ``n``."""
+    threads, keep = worker_threads(), torch.get_num_threads()
+    src, dst = torch.full((n,), 0.5), torch.empty(n, dtype=torch.bfloat16)
+    torch.set_num_threads(threads)
+    try:
+        dst.copy_(src)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+        return n / statistics.median(times)
     finally:
         torch.set_num_threads(keep)
 
