@@ -558,6 +558,29 @@ def test_the_run_corrects_its_prediction_and_names_what_was_off():
     assert len(lines) == 1 and "waiting for the optimizer" in lines[0] and "+" in lines[0]
 
 
+def test_the_run_corrects_the_cpu_workers_rate_from_its_updates():
+    """The CPU worker's seconds of AdamW and compute copy an update, as the optimizer's split says, against the
+    plan's: the prediction again at the rates measured, said in the correction's line and kept as ``measured``."""
+    from trainer.executor import StepResult
+    from trainer.plan_watch import PlanWatch
+
+    p = plan(layers=6, gpu=6 * GiB, w=workload(6, fwd=0.05))
+    planned = p.prediction.busy["cpu"]
+    assert planned > 0, "the plan should give the CPU worker some groups"
+    watch = PlanWatch(p)
+    step = StepResult(1.0, 1.0, 100, p.prediction.compute, 0.0, 0.0, {})
+    split = {"cpu_adamw": planned * 1.5, "cpu_compute_copy": planned * 0.5, "gpu_path": 9.0}
+    said = [line for n in range(3) for line in watch.observe(n, step, split)]
+    assert len(said) == 1 and "the CPU worker by its updates (x2.00" in said[0], said
+    assert watch.prediction.busy["cpu"] == pytest.approx(2 * planned)
+    m = watch.measured
+    assert m["cpu_factor"] == pytest.approx(2.0) and m["cpu_adamw"] == pytest.approx(p.machine.cpu_adamw / 2)
+    assert m["compute_factor"] == pytest.approx(1.0) and m["predicted_step_seconds"] == watch.predicted
+    unsplit = PlanWatch(p)  # (an optimizer that does not say: the CPU figures stay)
+    assert [line for n in range(3) for line in unsplit.observe(n, step, {})] and \
+        unsplit.prediction.busy["cpu"] == pytest.approx(planned)
+
+
 def test_steps_that_grow_are_reported_once():
     from trainer.executor import StepResult
     from trainer.plan_watch import PlanWatch

@@ -42,6 +42,7 @@ def test_quickstart_trains_and_saves(tmp_path, capsys, monkeypatch):
     assert "step 40/40 | loss" in printed and "tok/s" in printed and "wait transfer" in printed
     # the run's plan, as `tiermem plan --json` gives it: planned again from the step it measured, the same
     ran = json.loads((out / "tiermem_plan.json").read_text())
+    assert ran["run"]["compute_factor"] > 0 and ran["run"]["predicted_step_seconds"] > 0  # (what the run measured)
     from trainer.plan_cli import main as plan_main
 
     assert plan_main(["configs/quickstart.yaml", f"output_dir={out}", "--json", "--workload",

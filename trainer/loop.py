@@ -437,9 +437,12 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                         f"({format_size(executor.activation_budget)}): each step runs as {executor.last_passes} "
                         "layer-major passes, gradients adding up in the store between them")
                 if watch is not None:
-                    for line in watch.observe(step - start, result):
+                    corrected = watch.measured
+                    for line in watch.observe(step - start, result, optimizer.last_split):
                         say(line)
                     report.predicted = watch.predicted
+                    if corrected is None and watch.measured is not None and lead:
+                        _plan_measured(out / "tiermem_plan.json", watch.measured)
                 report.step(step + 1, result, lr, plan.epoch_of(step + 1), time.perf_counter() - t0,
                             step + 1 == total, cfg.logging_steps)
                 if step == start:  # (the setup's and the compile's objects: out of later collections' walk)
@@ -547,6 +550,19 @@ def model_config(model_dir: Path, cfg: TrainConfig | None = None):
         return mcfg
     mcfg.compile = compile_choice(cfg, mcfg)
     return load_balancing_coef(mcfg, cfg.moe_aux_loss_coef)
+
+
+def _plan_measured(path: Path, measured: dict) -> None:
+    """Add what the run measured against its plan (the compute's and the CPU worker's factors, the CPU rates in
+    the run, the corrected prediction) to its tiermem_plan.json, as "run"."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    data["run"] = measured
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
 
 
 def compile_choice(cfg: TrainConfig, mcfg):

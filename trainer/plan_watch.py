@@ -1,14 +1,18 @@
-"""The plan against the run: the predicted step beside each measured one, the compute corrected from the
-first steps, and one line naming the resource that was off when the steady step misses the prediction.
+"""The plan against the run: the predicted step beside each measured one, the compute and the CPU worker's
+rate corrected from the first steps, and one line naming the resource that was off when the steady step misses
+the prediction.
 
     watch = PlanWatch(plan)
-    for each step: notes = watch.observe(step_index, result)   # lines to print (rarely any): the compute
-                                                               # corrected, the prediction missed, steps growing
-    watch.predicted                                            # the current prediction's step seconds
+    for each step: notes = watch.observe(step_index, result, optimizer.last_split)
+                                      # lines to print (rarely any): the compute and the CPU worker corrected,
+                                      # the prediction missed, steps growing
+    watch.predicted                   # the current prediction's step seconds
+    watch.measured                    # what the correction measured (None before): tiermem_plan.json's "run"
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 from tiermem.plan.costmodel import Layout, predict
@@ -27,6 +31,8 @@ class PlanWatch:
         self.warned = False
         self.growing_said = False
         self.seen: list = []
+        self.cpu_seen: list[float] = []  # the CPU worker's seconds of AdamW and compute copy, an update
+        self.measured: dict | None = None
 
     @property
     def predicted(self) -> float:
@@ -37,9 +43,13 @@ class PlanWatch:
         return {"predicted_step_s": p.step, "busy": dict(p.busy), "bound": p.bound, "compute": p.compute,
                 "wait_optimizer": p.wait_optimizer, "wait_transfer": p.wait_transfer, "bytes": dict(p.bytes)}
 
-    def observe(self, n: int, result) -> list[str]:
-        """Take the ``n``-th step of this run (0-based); lines to print."""
+    def observe(self, n: int, result, split: dict | None = None) -> list[str]:
+        """Take the ``n``-th step of this run (0-based) and the optimizer's split of its last finished update
+        (``last_split``: seconds by part); lines to print."""
         self.seen.append(result)
+        cpu = sum((split or {}).get(k, 0.0) for k in ("cpu_adamw", "cpu_compute_copy"))
+        if cpu > 0:
+            self.cpu_seen.append(cpu)
         out = []
         if n == STEADY_FROM and not self.corrected:
             out += self._correct()
@@ -86,10 +96,21 @@ class PlanWatch:
         w2 = w.scaled(w.tokens, w.micro_batches)
         w2.fwd = {g: s * factor for g, s in w.fwd.items()}
         w2.bwd = {g: s * factor for g, s in w.bwd.items()}
+        m = self.plan.machine
+        cpu_planned = self.prediction.busy.get("cpu", 0.0)
+        cpu = statistics.median(self.cpu_seen[-STEADY_FROM:]) if self.cpu_seen else 0.0
+        slower = cpu / cpu_planned if cpu > 0 and cpu_planned > 0 else 1.0
+        # (the CPU worker's rates in the run: AdamW and the compute copy share its cores, its memory bandwidth with
+        # the link's copies; measured alone at the start, they were 0.7-0.8 of that in the 8B run)
+        m2 = dataclasses.replace(m, cpu_adamw=m.cpu_adamw / slower, cpu_copy=m.cpu_copy / slower)
         layout = Layout(self.plan.where, self.plan.gpu_updates, self.plan.passes,
                         keep=getattr(self.plan, "keep", frozenset()))
-        self.prediction = predict(layout, w2, self.plan.machine, self.plan.group_bytes, self.plan.params)
-        return [f"plan: compute corrected by the first steps (x{factor:.3f}): predicted step "
+        self.prediction = predict(layout, w2, m2, self.plan.group_bytes, self.plan.params)
+        self.measured = {"compute_factor": factor, "cpu_factor": slower, "cpu_adamw": m2.cpu_adamw,
+                         "cpu_copy": m2.cpu_copy, "predicted_step_seconds": self.prediction.step}
+        cpu_note = (f", the CPU worker by its updates (x{slower:.2f}: {cpu:.2f}s an update, {cpu_planned:.2f}s "
+                    "planned)") if slower != 1.0 else ""
+        return [f"plan: compute corrected by the first steps (x{factor:.3f}){cpu_note}: predicted step "
                 f"{self.prediction.step:.2f}s"]
 
     def _which(self, steady: list, measured: float, off: float) -> str:
