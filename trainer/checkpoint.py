@@ -80,6 +80,14 @@ _checker = cf.ThreadPoolExecutor(1, thread_name_prefix="tiermem-ckpt-verify")
 _checks: dict[Path, cf.Future] = {}
 
 
+def wait_checked(path: str | Path) -> None:
+    """Wait for the check of the large files that ``check(..., background=True)`` started (its mismatch is raised
+    here); ``load`` then does not check them again."""
+    fut = _checks.get(Path(path).resolve())
+    if fut is not None:
+        fut.result()
+
+
 def check(path: str | Path, mcfg, model_dir, background: bool = False) -> dict:
     """The checkpoint's manifest, after checking it is whole and belongs to this model and tokenizer: its
     small files' checksums here; the large files' (the model's shards, which a resume does not read) on a
