@@ -20,7 +20,7 @@ from tiermem.config import load_store_config
 from tiermem.errors import BudgetError
 from tiermem.plan.costmodel import Layout, predict
 from tiermem.plan.machine import Machine
-from tiermem.plan.planner import gpu_update_bytes, plan_step, sizes
+from tiermem.plan.planner import gpu_update_bytes, plan_step, resplit, sizes
 from tiermem.plan.workload import Workload
 from tiermem.store.catalog import TensorSpec, state_name
 
@@ -579,6 +579,43 @@ def test_the_run_corrects_the_cpu_workers_rate_from_its_updates():
     unsplit = PlanWatch(p)  # (an optimizer that does not say: the CPU figures stay)
     assert [line for n in range(3) for line in unsplit.observe(n, step, {})] and \
         unsplit.prediction.busy["cpu"] == pytest.approx(planned)
+
+
+def test_a_run_whose_cpu_worker_is_slow_splits_its_updates_again_within_the_hbm_it_has():
+    """``resplit``: for the plan's placement as it is, the split the figures measured in the run predict fastest,
+    among those whose GPU worker's HBM fits beside what the plan placed; the run's watch takes it when the CPU
+    worker measured slower than planned and it predicts at least 2% faster (never when not allowed to)."""
+    from trainer.executor import StepResult
+    from trainer.plan_watch import PlanWatch
+
+    p = plan(layers=6, gpu=8 * GiB, w=workload(6, fwd=0.05))
+    p = dataclasses.replace(p, hbm_room=p.hbm_room + 6 * GiB)  # (room the plan left, for the GPU worker)
+    base = set(p.gpu_updates)
+    assert len(base) < len(p.workload.groups)
+    slow_cpu = dataclasses.replace(p.machine, cpu_adamw=p.machine.cpu_adamw / 20, cpu_copy=p.machine.cpu_copy / 20)
+    gpu, pred = resplit(p, p.workload, slow_cpu)
+    at_plan = predict(Layout(p.where, base, p.passes, keep=p.keep), p.workload, slow_cpu, p.group_bytes, p.params)
+    assert len(gpu) > len(base) and base <= gpu and pred.step < at_plan.step
+    per_kept = p.workload.kept_bytes * -(-p.workload.micro_batches // p.passes)
+    used = (p.activation_bytes + sum(b for k, b in p.group_bytes.items() if p.where[k] == "gpu")
+            + p.slot_bytes * p.n_slots + len(p.keep) * per_kept)
+    assert used + gpu_update_bytes(p.where, p.group_bytes, gpu) <= p.hbm_room
+    assert used + gpu_update_bytes(p.where, p.group_bytes, base) <= p.hbm_room  # (the plan's own fits too)
+    tight = dataclasses.replace(p, hbm_room=used + gpu_update_bytes(p.where, p.group_bytes, base))
+    found = resplit(tight, p.workload, slow_cpu)
+    assert found is not None and gpu_update_bytes(p.where, p.group_bytes, found[0]) <= \
+        gpu_update_bytes(p.where, p.group_bytes, base)
+    step = StepResult(1.0, 1.0, 100, p.prediction.compute, 0.0, 0.0, {})
+    split = {"cpu_adamw": p.prediction.busy["cpu"] * 20}
+    for may in (True, False):
+        q = dataclasses.replace(p, gpu_updates=set(base))
+        watch = PlanWatch(q, may_resplit=may)
+        said = [line for n in range(3) for line in watch.observe(n, step, split)]
+        if may:
+            assert watch.resplit_to == gpu and q.gpu_updates == gpu and "split again" in said[-1], said
+            assert watch.predicted == pytest.approx(pred.step) and watch.measured["gpu_updates"]
+        else:
+            assert watch.resplit_to is None and q.gpu_updates == base and len(said) == 1
 
 
 def test_steps_that_grow_are_reported_once():

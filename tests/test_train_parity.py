@@ -320,3 +320,40 @@ def test_planner_layouts_match_plain_pytorch(tmp_path, case):
     else:  # some groups in HBM, the others streamed from DRAM
         assert set(placement["master" if "master" in placement else "param"]) == {"gpu", "dram"}, placement
     assert_same_weights(tmp_path / "out", ref, tied=False)
+
+
+def test_updates_split_again_mid_run_train_as_plain_pytorch(tmp_path, capsys, monkeypatch):
+    """A run that splits its updates again after its first steps (as one on CUDA does when its CPU worker
+    measures slower than planned) hands groups from one worker to the other between steps: the weights are
+    still plain PyTorch's. (The split is forced here: every streamed group to the other worker.)"""
+    import dataclasses
+
+    from tiermem.plan.costmodel import Layout, predict
+    from trainer import loop, plan_watch
+
+    model_dir = save_tiny_model("llama", tmp_path / "model")
+    data_dir = tmp_path / "data"
+    name = write_tokenized_dataset(data_dir)
+    ref = reference_training(model_dir, data_dir, name, [])
+    tiermem = {"tiers": {"gpu": {"device": "cpu", "budget": "800KiB"}, "dram": {"budget": "64MiB"},
+                         "nvme": {"path": str(tmp_path / "nvme"), "budget": "64MiB", "backend": "posix"}}}
+    before = {}
+
+    def flipped(plan, w, m):
+        up = {g for g in w.groups if any(t == "gpu" for (h, k), t in plan.where.items() if h == g and k != "param")}
+        streamed = set(w.groups) - up
+        before["gpu"] = set(plan.gpu_updates)
+        gpu = up | (streamed - plan.gpu_updates)  # (each streamed group to the worker it did not have)
+        pred = predict(Layout(plan.where, gpu, plan.passes, keep=plan.keep), w, m, plan.group_bytes, plan.params)
+        return gpu, dataclasses.replace(pred, step=pred.step * 0.5)
+
+    real = plan_watch.PlanWatch
+    monkeypatch.setattr(loop, "PlanWatch", lambda plan, start, may: real(plan, start, True))
+    monkeypatch.setattr(plan_watch, "resplit", flipped)
+    monkeypatch.setattr(plan_watch, "RESPLIT_CPU", 0.0)
+    assert run_cli(tmp_path, model_dir, data_dir, name, tiermem) == 0
+    printed = capsys.readouterr().out
+    assert "the updates split again" in printed, printed
+    after = set(json.loads((tmp_path / "out" / "tiermem_plan.json").read_text())["run"]["gpu_updates"])
+    assert before["gpu"] and {str(g) for g in before["gpu"]} != after, (before, after)
+    assert_same_weights(tmp_path / "out", ref, tied=False)

@@ -369,7 +369,12 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
         report = Reporter(out, total, active, say, resume_step=start, sink=tb.record if tb else None,
                           first_step=cfg.logging_first_step)
         report.pauses = pauses
-        watch = PlanWatch(job.store_plan, start) if getattr(job.store_plan, "prediction", None) is not None else None
+        # (the updates may be split again by what the first steps measure: one process, its own store, on CUDA, and
+        # the split the planner's, not optimizer.gpu_share's)
+        may_resplit = (store.gpu.is_cuda and not world.several and session.attached is None
+                       and getattr(job.store_plan, "gpu_updates", None) is not None and hasattr(optimizer, "resplit"))
+        watch = PlanWatch(job.store_plan, start, may_resplit) \
+            if getattr(job.store_plan, "prediction", None) is not None else None
         if watch is not None:
             report.predicted = watch.predicted
         saved: dict[int, str] = {}  # checkpoints written, for trainer_state.json's best_model_checkpoint
@@ -443,6 +448,8 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                     report.predicted = watch.predicted
                     if corrected is None and watch.measured is not None and lead:
                         _plan_measured(out / "tiermem_plan.json", watch.measured)
+                        if watch.resplit_to is not None:  # (from the next step's backward on)
+                            optimizer.resplit(watch.resplit_to)
                 report.step(step + 1, result, lr, plan.epoch_of(step + 1), time.perf_counter() - t0,
                             step + 1 == total, cfg.logging_steps)
                 if step == start:  # (the setup's and the compile's objects: out of later collections' walk)

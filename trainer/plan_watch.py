@@ -16,16 +16,23 @@ import dataclasses
 import statistics
 
 from tiermem.plan.costmodel import Layout, predict
+from tiermem.plan.planner import resplit
 
 STEADY_FROM = 2  # steps before this (0-based, since the start or a resume) fill the pipeline
 TOLERANCE = 0.15
 FLAT = 0.05  # steady steps stay within this of each other; steps that grow are a defect to report
 NOISE_S = 0.5  # shorter steps (tiny models, the CPU stand-in) vary more than any of this says
+RESPLIT_CPU = 1.1  # the CPU worker this much slower than planned: try the other splits of the updates
+RESPLIT_GAIN = 0.02  # ... and take one predicted this much faster
 
 
 class PlanWatch:
-    def __init__(self, plan, start: int = 0):
-        self.plan, self.start = plan, start
+    def __init__(self, plan, start: int = 0, may_resplit: bool = False):
+        """``may_resplit``: when the CPU worker measures slower than planned, the correction may also choose
+        another split of the updates for the same placement (``resplit_to``; the run hands it to its
+        optimizer): a single process's run on CUDA."""
+        self.plan, self.start, self.may_resplit = plan, start, may_resplit
+        self.resplit_to: set | None = None
         self.prediction = plan.prediction
         self.corrected = False
         self.warned = False
@@ -110,8 +117,21 @@ class PlanWatch:
                          "cpu_copy": m2.cpu_copy, "predicted_step_seconds": self.prediction.step}
         cpu_note = (f", the CPU worker by its updates (x{slower:.2f}: {cpu:.2f}s an update, {cpu_planned:.2f}s "
                     "planned)") if slower != 1.0 else ""
-        return [f"plan: compute corrected by the first steps (x{factor:.3f}){cpu_note}: predicted step "
-                f"{self.prediction.step:.2f}s"]
+        out = [f"plan: compute corrected by the first steps (x{factor:.3f}){cpu_note}: predicted step "
+               f"{self.prediction.step:.2f}s"]
+        if self.may_resplit and slower > RESPLIT_CPU:
+            found = resplit(self.plan, w2, m2)
+            if found is not None and found[0] != set(self.plan.gpu_updates or ()) \
+                    and found[1].step < self.prediction.step * (1 - RESPLIT_GAIN):
+                was = self.prediction.step
+                self.resplit_to, self.prediction = found
+                self.plan.gpu_updates = set(found[0])
+                n_gpu = len(found[0] & set(w.groups))
+                self.measured.update(predicted_step_seconds=self.prediction.step,
+                                     gpu_updates=[str(g) for g in w.groups if g in found[0]])
+                out.append(f"plan: the updates split again for the CPU worker's measured rate: GPU {n_gpu} groups, "
+                           f"CPU {len(w.groups) - n_gpu}; predicted step {self.prediction.step:.2f}s (was {was:.2f}s)")
+        return out
 
     def _which(self, steady: list, measured: float, off: float) -> str:
         p = self.prediction

@@ -173,6 +173,14 @@ class StoreAdamW:
     def set_gate(self, gate: Gate | None) -> None:
         self.gate = gate
 
+    def resplit(self, on_gpu) -> None:
+        """From the next step on, the GPU worker updates the groups in ``on_gpu`` (those whose state lives in
+        HBM always), the CPU worker the others. Called between steps: the update just submitted keeps the split
+        it started with, and each group's next backward, which decides where its gradient goes (kept on the GPU
+        or sent home), runs after that update of the group is done."""
+        self.on_gpu = set(on_gpu) | self.resident
+        self.gpu_share = len(self.on_gpu & set(self.groups)) / len(self.groups) if self.groups else 0.0
+
     def update_figures(self) -> tuple[float, dict[str, float]]:
         """The update just finished (the service calls this when its part ends): its seconds from start to
         end and where they went, kept as ``last_step_seconds`` and ``last_split``."""

@@ -25,7 +25,7 @@ import psutil
 
 from tiermem.config import StoreConfig
 from tiermem.errors import BudgetError
-from tiermem.plan.costmodel import Layout, Prediction, predict
+from tiermem.plan.costmodel import SLOTS, Layout, Prediction, predict
 from tiermem.plan.machine import Machine
 from tiermem.plan.placement import ALIGN, Plan, check_budgets, default_budgets
 from tiermem.plan.workload import Workload
@@ -304,6 +304,28 @@ def _update_splits(where: dict, w: Workload, gpu_worker: bool = True):
         if gpu not in seen:
             seen.add(gpu)
             yield set(gpu)
+
+
+def resplit(plan: Plan, w: Workload, m: Machine) -> tuple[set, Prediction] | None:
+    """The fastest update split for ``plan``'s placement as it is (its tiers, passes and kept layers) on the
+    figures ``w`` and ``m`` — a run's, corrected by what its first steps measured: the CPU takes the last n of
+    the streamed groups, for every n from all of them down, where the GPU worker's HBM for the others (their
+    gradients, three groups' state in flight) fits beside what the plan put there. None when none fits."""
+    where, gb = plan.where, plan.group_bytes
+    up = [g for g in w.groups if any(t == "gpu" for (h, k), t in where.items() if h == g and k != "param")]
+    streamed = [g for g in w.groups if g not in up]
+    per_kept = w.kept_bytes * -(-w.micro_batches // max(plan.passes, 1))
+    used = (plan.activation_bytes + sum(b for key, b in gb.items() if where[key] == "gpu")
+            + plan.slot_bytes * plan.n_slots + len(plan.keep) * per_kept)
+    best = None
+    for n_cpu in range(len(streamed), -1, -1):  # (the CPU's largest share first: it wins near-equal ones)
+        gpu = set(up + streamed[: len(streamed) - n_cpu])
+        if used + gpu_update_bytes(where, gb, gpu) > plan.hbm_room:
+            continue
+        pred = predict(Layout(where, gpu, plan.passes, plan.n_slots or SLOTS, plan.keep), w, m, gb, plan.params)
+        if best is None or pred.step < best[1].step * (1 - TIE):
+            best = (gpu, pred)
+    return best
 
 
 def _short_line(group_bytes: dict, budgets: dict, state_room: int, tier: str, short: int = 0) -> str:
