@@ -293,18 +293,25 @@ def test_compiled_layers_train_as_plain_pytorch(tmp_path, capsys):
     assert err.count("\n") == 1 and "torch_compile: true is not supported yet for mixture-of-experts" in err, err
 
 
-@pytest.mark.parametrize("case", ["resident+streamed", "cpu worker", "pinned on nvme", "two passes"])
-def test_planner_layouts_match_plain_pytorch(tmp_path, case):
-    """The planner's layouts on a (CPU stand-in) GPU too small for the whole state: groups that live in HBM
-    (updated in place), a streamed group, an explicit gpu_share (the CPU worker takes the resident groups
-    too), a pinned kind on NVMe beside kinds in HBM (the GPU worker reads and writes it through the store),
-    and two passes a step: each ends with plain PyTorch's weights."""
+def small_gpu_run(tmp_path):
+    """A tiny Llama, its data, plain PyTorch's weights after training on it, and a tiermem config whose (CPU
+    stand-in) GPU is too small for the whole state."""
     model_dir = save_tiny_model("llama", tmp_path / "model")
     data_dir = tmp_path / "data"
     name = write_tokenized_dataset(data_dir)
     ref = reference_training(model_dir, data_dir, name, [])
     tiermem = {"tiers": {"gpu": {"device": "cpu", "budget": "800KiB"}, "dram": {"budget": "64MiB"},
                          "nvme": {"path": str(tmp_path / "nvme"), "budget": "64MiB", "backend": "posix"}}}
+    return model_dir, data_dir, name, ref, tiermem
+
+
+@pytest.mark.parametrize("case", ["resident+streamed", "cpu worker", "pinned on nvme", "two passes"])
+def test_planner_layouts_match_plain_pytorch(tmp_path, case):
+    """The planner's layouts on a (CPU stand-in) GPU too small for the whole state: groups that live in HBM
+    (updated in place), a streamed group, an explicit gpu_share (the CPU worker takes the resident groups
+    too), a pinned kind on NVMe beside kinds in HBM (the GPU worker reads and writes it through the store),
+    and two passes a step: each ends with plain PyTorch's weights."""
+    model_dir, data_dir, name, ref, tiermem = small_gpu_run(tmp_path)
     over = {}
     if case == "cpu worker":
         tiermem["optimizer"] = {"gpu_share": 0.0}
@@ -331,12 +338,7 @@ def test_updates_split_again_mid_run_train_as_plain_pytorch(tmp_path, capsys, mo
     from tiermem.plan.costmodel import Layout, predict
     from trainer import loop, plan_watch
 
-    model_dir = save_tiny_model("llama", tmp_path / "model")
-    data_dir = tmp_path / "data"
-    name = write_tokenized_dataset(data_dir)
-    ref = reference_training(model_dir, data_dir, name, [])
-    tiermem = {"tiers": {"gpu": {"device": "cpu", "budget": "800KiB"}, "dram": {"budget": "64MiB"},
-                         "nvme": {"path": str(tmp_path / "nvme"), "budget": "64MiB", "backend": "posix"}}}
+    model_dir, data_dir, name, ref, tiermem = small_gpu_run(tmp_path)
     before = {}
 
     def flipped(plan, w, m):
