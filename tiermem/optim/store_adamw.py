@@ -59,8 +59,8 @@ def default_threads() -> int:
 def worker_nice() -> int:
     """The CPU worker's nice value: env TIERMEM_OPTIM_NICE, else 10 (its threads yield the cores to the trainer's;
     see _cpu_worker_thread)."""
-    env = os.environ.get("TIERMEM_OPTIM_NICE")
-    return int(env) if env else 10
+    env = os.environ.get("TIERMEM_OPTIM_NICE", "").strip()
+    return int(env) if env.lstrip("-").isdigit() else 10
 
 
 def _cpu_worker_thread(threads: int) -> None:
