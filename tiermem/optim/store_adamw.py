@@ -40,20 +40,13 @@ from tiermem.errors import BudgetError
 from tiermem.futures import all_of, done_future
 from tiermem.optim.interface import Gate
 from tiermem.optim.kernels import adamw_out_of_place, fused_adamw
+from tiermem.plan.machine import worker_threads
 from tiermem.plan.resolve import resolve_auto
 from tiermem.store.catalog import Group, state_name
 from tiermem.tiers.extents import OutOfSpace
 from tiermem.tiers.gpu import host_sync
 
-
-def default_threads() -> int:
-    """CPU AdamW threads: env TIERMEM_OPTIM_THREADS, else all cores but two (for the trainer's thread
-    and the copy lanes; a preempted thread stalls the whole parallel update)."""
-    env = os.environ.get("TIERMEM_OPTIM_THREADS")
-    if env:
-        return max(1, int(env))
-    n = os.cpu_count() or 1
-    return n - 2 if n > 4 else n
+default_threads = worker_threads  # CPU AdamW's threads (tiermem.plan.machine: the probe measures on as many)
 
 
 def worker_nice() -> int:

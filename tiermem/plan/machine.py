@@ -251,11 +251,14 @@ def _disk(directory: str, size: int = 256 << 20, block: int = 16 << 20) -> dict:
 
 
 def worker_threads() -> int:
-    """The CPU worker's threads, as ``tiermem.optim`` takes them (env TIERMEM_OPTIM_THREADS, else all cores but
-    two): the CPU figures are measured on as many."""
-    from tiermem.optim.store_adamw import default_threads
-
-    return default_threads()
+    """The CPU worker's threads (``tiermem.optim`` takes as many; the CPU figures are measured on as many): env
+    TIERMEM_OPTIM_THREADS, else all cores but two (for the trainer's thread and the copy lanes; a preempted
+    thread stalls the whole parallel update)."""
+    env = os.environ.get("TIERMEM_OPTIM_THREADS")
+    if env:
+        return max(1, int(env))
+    n = os.cpu_count() or 1
+    return n - 2 if n > 4 else n
 
 
 def adamw_rate(n: int = 1 << 26, reps: int = 5) -> tuple[float, str, int]:
