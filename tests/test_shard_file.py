@@ -1,6 +1,6 @@
-"""Checkpoint state read in one piece a shard (tiermem.store.shard_file) equals what zarr reads, for any layout
-of tensors over chunks and shards; a damaged shard file is an error naming it; layouts it does not know go to
-zarr."""
+"""Checkpoint state written and read in one piece a shard (tiermem.store.shard_file): the files are the bytes
+zarr writes, zarr reads them, and the one-piece read equals zarr's for any layout of tensors over chunks and
+shards; a damaged shard file is an error naming it; layouts it does not know go to zarr."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from tiermem.errors import StorageError
 from tiermem.store import checkpoint as sc
-from tiermem.store.shard_file import direct_layout, read_shard
+from tiermem.store.shard_file import direct_layout, read_shard, write_shard
 
 
 def _write(path, sizes, seed=0):
@@ -89,3 +89,17 @@ def test_other_layouts_are_left_to_zarr(tmp_path):
     zarr.create_array(str(path), shape=(100,), chunks=(10,), shards=(50,), dtype="float32")  # compressed
     assert direct_layout(json.loads((path / "zarr.json").read_text())) is None
     assert direct_layout({"codecs": "garbled"}) is None
+
+
+@pytest.mark.parametrize("total,chunk,shard", [(256, 64, 256), (300, 64, 256), (1000, 64, 128), (7, 4, 16)])
+def test_a_shard_written_in_one_piece_is_the_bytes_zarr_writes(tmp_path, total, chunk, shard):
+    """Full shards, the last one cut short, its last chunk padded, chunks past the array's end absent."""
+    path = tmp_path / "z.zarr"
+    arr = zarr.create_array(str(path), shape=(total,), chunks=(chunk,), shards=(shard,), dtype="float32",
+                            compressors=None, fill_value=0.0, config={"write_empty_chunks": True})
+    data = np.arange(total, dtype=np.float32) + 1
+    arr[:] = data
+    assert direct_layout(json.loads((path / "zarr.json").read_text())) == (shard, chunk)
+    for s0 in range(0, total, shard):
+        write_shard(tmp_path / "mine", data[s0: s0 + shard], shard, chunk)
+        assert (tmp_path / "mine").read_bytes() == (path / "c" / str(s0 // shard)).read_bytes()

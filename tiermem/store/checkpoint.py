@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from tiermem.errors import StorageError
-from tiermem.store.shard_file import direct_layout, read_shard
+from tiermem.store.shard_file import direct_layout, read_shard, write_shard
 
 CHUNK_ELEMS = 1 << 22  # 16 MiB of fp32
 SHARD_CHUNKS = 64  # 1 GiB shards
@@ -88,10 +88,16 @@ class StateWriter:
                 entries.append([name, off, list(shape)])
                 off += math.prod(shape)
             arr.attrs["tensors"] = entries
-            self._kinds[kind] = {"arr": arr, "order": [e[0] for e in entries], "next": 0, "pos": 0,
+            try:  # (a layout write_shard writes, as this zarr laid the array out; else zarr writes the shards)
+                direct = direct_layout(json.loads((self.path / kind / "zarr.json").read_bytes()))
+            except (OSError, ValueError):
+                direct = None
+            self._kinds[kind] = {"arr": arr, "kind": kind, "chunk": chunk, "direct": direct,
+                                 "order": [e[0] for e in entries],
+                                 "next": 0, "pos": 0,
                                  "buf": np.empty(shard, dtype=np.float32), "fill": 0, "shard": shard, "total": total,
                                  "crc": [] if checksums else None}
-        # each shard's CRC32C is taken on a thread of its own while zarr writes the same buffer
+        # each shard's CRC32C is taken on a thread of its own while the same buffer is written
         self._crc = cf.ThreadPoolExecutor(1, thread_name_prefix="tiermem-ckpt-crc") if checksums else None
 
     def put(self, kind: str, name: str, tensor: torch.Tensor) -> None:
@@ -114,7 +120,12 @@ class StateWriter:
         if k["fill"]:
             data = k["buf"][: k["fill"]]
             crc = self._crc.submit(crc32c_of, data) if self._crc is not None else None
-            k["arr"][k["pos"]: k["pos"] + k["fill"]] = data
+            if k["direct"] == (k["shard"], k["chunk"]):
+                folder = self.path / k["kind"] / "c"
+                folder.mkdir(parents=True, exist_ok=True)
+                write_shard(folder / str(k["pos"] // k["shard"]), data, k["shard"], k["chunk"])
+            else:
+                k["arr"][k["pos"]: k["pos"] + k["fill"]] = data
             if crc is not None:
                 k["crc"].append(crc.result())
             k["pos"] += k["fill"]

@@ -1,4 +1,4 @@
-"""One shard file of a checkpoint's training state, read in one piece without zarr's per-chunk path.
+"""One shard file of a checkpoint's training state, written and read in one piece without zarr's per-chunk path.
 
 The state is a zarr v3 array per kind (``tiermem.store.checkpoint``); zarr writes it, and reads any layout. But
 zarr reads a shard chunk by chunk through its event loop at a quarter of the disk's speed (0.36-0.45 GB/s
@@ -8,6 +8,9 @@ them — float32, one sharding codec, chunks of raw little-endian bytes, the ind
 closed by its CRC32C (the zarr v3 sharding spec) — are read here instead: the whole file into one buffer
 (the GIL released throughout), the index checked against its CRC32C, the chunks placed by the index (a view of
 the buffer when they lie in order, as written). Any other layout is left to zarr (``direct_layout`` None).
+Writing is the same in reverse (zarr wrote a shard at a third of the speed of one write of its bytes on the CPU
+machine, and the GPU machine's 3B checkpoint saved at 0.56 of the disk's fsynced write): the chunks in order,
+the last one padded with the fill value, then the index and its CRC32C — the bytes zarr writes for it.
 """
 
 from __future__ import annotations
@@ -40,6 +43,30 @@ def direct_layout(meta: dict) -> tuple[int, int] | None:
     except (KeyError, TypeError, ValueError):
         return None
     return (int(shard), int(chunk)) if shard > 0 and chunk > 0 and shard % chunk == 0 else None
+
+
+def write_shard(path: os.PathLike | str, data: np.ndarray, shard: int, chunk: int) -> None:
+    """Write ``data`` (float32, at most ``shard`` elements: a shard, or the array's last one cut short) as the
+    shard file at ``path``, laid out as ``direct_layout`` describes; chunks past its end are absent."""
+    import google_crc32c
+
+    n = shard // chunk
+    data = np.ascontiguousarray(data, dtype="<f4").reshape(-1)
+    present = -(-data.size // chunk)
+    index = np.full((n, 2), EMPTY, dtype="<u8")
+    index[:present, 0] = np.arange(present, dtype=np.uint64) * np.uint64(chunk * 4)
+    index[:present, 1] = chunk * 4
+    tail = index.tobytes()
+    tail += google_crc32c.value(tail).to_bytes(4, "little")
+    pad = bytes(4 * (present * chunk - data.size))  # (the last chunk, full: the fill value 0.0 after the data)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for part in (memoryview(data.view(np.uint8)), memoryview(pad + tail)):
+            done = 0
+            while done < len(part):
+                done += os.write(fd, part[done: done + _READ])
+    finally:
+        os.close(fd)
 
 
 def read_file(path: os.PathLike | str) -> np.ndarray:
