@@ -27,6 +27,7 @@ def test_profile_step_splits_a_step_by_kind_and_sets_it_against_the_ceiling(tmp_
     res = json.loads(out.read_text())
     assert res["kinds_ms"]["matmul"] > 0 and abs(sum(res["kinds_ms"].values()) - res["total_ms"]) < 1e-6
     assert res["compute_s"] > 0 and res["ceiling_s"] > 0
+    assert res["ceiling_before_s"] > 0 and "timed before the run's steps" in run.stdout
     assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
 
 
