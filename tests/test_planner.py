@@ -618,6 +618,23 @@ def test_a_run_whose_cpu_worker_is_slow_splits_its_updates_again_within_the_hbm_
             assert watch.resplit_to is None and q.gpu_updates == base and len(said) == 1
 
 
+@pytest.mark.parametrize("passes", [9, 24, 60])
+def test_a_step_of_many_passes_extends_the_last_simulated_pass(passes):
+    """The compute-bound search's steps of many passes (planner._many_passes: 7 and 8 passes simulated, the rest
+    extended by the last one's share) predict what the whole simulation does: every pass after the first runs
+    alike."""
+    from tiermem.plan.planner import _many_passes
+
+    p = plan(layers=6, gpu=8 * GiB, w=workload(6, fwd=0.05), nvme=200 * GiB, dram=4 * GiB)
+    w = p.workload
+    wk = w.scaled(w.tokens * passes * 2 // w.micro_batches, passes * 2)
+    whole = predict(Layout(p.where, p.gpu_updates, passes), wk, p.machine, p.group_bytes, p.params)
+    ext = _many_passes(p, wk, passes)
+    assert ext.step == pytest.approx(whole.step, rel=1e-6) and ext.bound == whole.bound
+    assert ext.wait_transfer == pytest.approx(whole.wait_transfer, rel=1e-6, abs=1e-9)
+    assert all(ext.busy[r] == pytest.approx(whole.busy[r], rel=1e-6, abs=1e-9) for r in whole.busy)
+
+
 def test_steps_that_grow_are_reported_once():
     from trainer.executor import StepResult
     from trainer.plan_watch import PlanWatch
