@@ -15,7 +15,6 @@ back: a flipped byte is an error, never a wrong number. ``file_crc32c`` checksum
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import math
 import os
 import re
@@ -25,7 +24,7 @@ import numpy as np
 import torch
 
 from tiermem.errors import StorageError
-from tiermem.store.shard_file import direct_layout, read_shard, write_shard
+from tiermem.store.shard_file import layout_at, read_shard, write_shard
 
 CHUNK_ELEMS = 1 << 22  # 16 MiB of fp32
 SHARD_CHUNKS = 64  # 1 GiB shards
@@ -88,10 +87,7 @@ class StateWriter:
                 entries.append([name, off, list(shape)])
                 off += math.prod(shape)
             arr.attrs["tensors"] = entries
-            try:  # (a layout write_shard writes, as this zarr laid the array out; else zarr writes the shards)
-                direct = direct_layout(json.loads((self.path / kind / "zarr.json").read_bytes()))
-            except (OSError, ValueError):
-                direct = None
+            direct = layout_at(self.path / kind)  # (as this zarr laid the array out; else zarr writes the shards)
             self._kinds[kind] = {"arr": arr, "kind": kind, "chunk": chunk, "direct": direct,
                                  "order": [e[0] for e in entries],
                                  "next": 0, "pos": 0,
@@ -161,10 +157,7 @@ class StateReader:
         self._direct: dict[str, tuple[int, int] | None] = {}  # kinds whose shard files are read in one piece
         for kind in self._group.array_keys():
             arr = self._group[kind]
-            try:
-                self._direct[kind] = direct_layout(json.loads((self.path / kind / "zarr.json").read_bytes()))
-            except (OSError, ValueError):
-                self._direct[kind] = None
+            self._direct[kind] = layout_at(self.path / kind)
             self.index[kind] = {n: (off, tuple(shape)) for n, off, shape in arr.attrs["tensors"]}
             self.crcs[kind] = arr.attrs.get("crc32c")  # (none in checkpoints written before checksums)
         self.order = [k for k in order if k in self.index] + sorted(k for k in self.index if k not in order)

@@ -15,6 +15,7 @@ the last one padded with the fill value, then the index and its CRC32C — the b
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -67,6 +68,15 @@ def write_shard(path: os.PathLike | str, data: np.ndarray, shard: int, chunk: in
                 done += os.write(fd, part[done: done + _READ])
     finally:
         os.close(fd)
+
+
+def layout_at(array_dir: os.PathLike | str) -> tuple[int, int] | None:
+    """``direct_layout`` of the zarr array stored in ``array_dir`` (its zarr.json); None when unreadable."""
+    try:
+        with open(os.path.join(array_dir, "zarr.json"), "rb") as f:
+            return direct_layout(json.loads(f.read()))
+    except (OSError, ValueError):
+        return None
 
 
 def read_file(path: os.PathLike | str) -> np.ndarray:
