@@ -288,6 +288,12 @@ def _rest_fits(groups, g, group_bytes, kinds_of, used, room) -> bool:
     return used + rest <= room
 
 
+def _up_and_streamed(where: dict, groups: list) -> tuple[list, list]:
+    """The groups with state in HBM (the GPU always updates them), and the others, in the forward's order."""
+    up = [g for g in groups if any(t == "gpu" for (h, k), t in where.items() if h == g and k != "param")]
+    return up, [g for g in groups if g not in up]
+
+
 def _update_splits(where: dict, w: Workload, gpu_worker: bool = True):
     """Candidate sets of GPU-updated groups: the groups with state in HBM always (updated there, in place
     when all of it is); of the others, the CPU takes the last ones (a share of them; all of them without a
@@ -295,9 +301,7 @@ def _update_splits(where: dict, w: Workload, gpu_worker: bool = True):
     the layout streaming the least state through the GPU worker is kept: on the H200 machine such streaming
     cost more beside the forward than the cost model counts (8B, 16 x 4096 tokens: 19 streamed groups measured
     7.14 s a step where the CPU-updated layout measured 6.99)."""
-    groups = w.groups
-    up = [g for g in groups if any(t == "gpu" for (h, k), t in where.items() if h == g and k != "param")]
-    streamed = [g for g in groups if g not in up]
+    up, streamed = _up_and_streamed(where, w.groups)
     seen = set()
     for share in reversed(CPU_SHARES) if gpu_worker else (1.0,):
         n_cpu = round(share * len(streamed))
@@ -313,8 +317,7 @@ def resplit(plan: Plan, w: Workload, m: Machine) -> tuple[set, Prediction] | Non
     the streamed groups, for every n from all of them down, where the GPU worker's HBM for the others (their
     gradients, three groups' state in flight) fits beside what the plan put there. None when none fits."""
     where, gb = plan.where, plan.group_bytes
-    up = [g for g in w.groups if any(t == "gpu" for (h, k), t in where.items() if h == g and k != "param")]
-    streamed = [g for g in w.groups if g not in up]
+    up, streamed = _up_and_streamed(where, w.groups)
     per_kept = w.kept_bytes * -(-w.micro_batches // max(plan.passes, 1))
     used = (plan.activation_bytes + sum(b for key, b in gb.items() if where[key] == "gpu")
             + plan.slot_bytes * plan.n_slots + len(plan.keep) * per_kept)
