@@ -568,8 +568,11 @@ def _plan_measured(path: Path, measured: dict) -> None:
         return
     data["run"] = measured
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+        os.replace(tmp, path)
+    except OSError:  # (a report: a full disk leaves the plan as the run started with it, and no temp file)
+        tmp.unlink(missing_ok=True)
 
 
 def compile_choice(cfg: TrainConfig, mcfg):
