@@ -157,3 +157,13 @@ def test_the_cpu_workers_threads_yield_and_the_stores_threads_do_not(make_cfg):
                 {n: nice(t) for n, t in threads.items() if t in store_threads}
         finally:
             opt.close()
+
+
+def test_the_cpu_workers_nice_value_comes_from_the_environment(monkeypatch):
+    from tiermem.optim.store_adamw import worker_nice
+
+    for value, nice in (("0", 0), ("5", 5), (" 15 ", 15), ("", 10), ("high", 10)):
+        monkeypatch.setenv("TIERMEM_OPTIM_NICE", value)
+        assert worker_nice() == nice, value
+    monkeypatch.delenv("TIERMEM_OPTIM_NICE")
+    assert worker_nice() == 10

@@ -349,6 +349,12 @@ def test_updates_split_again_mid_run_train_as_plain_pytorch(tmp_path, capsys, mo
         pred = predict(Layout(plan.where, gpu, plan.passes, keep=plan.keep), w, m, plan.group_bytes, plan.params)
         return gpu, dataclasses.replace(pred, step=pred.step * 0.5)
 
+    from tiermem.optim.store_adamw import StoreAdamW
+
+    on_gpu_worker = []  # the groups the GPU worker updated, update by update
+    run_gpu = StoreAdamW._run_gpu
+    monkeypatch.setattr(StoreAdamW, "_run_gpu", lambda self, groups, step, *a: on_gpu_worker.append(
+        (step, {str(g) for g in groups})) or run_gpu(self, groups, step, *a))
     real = plan_watch.PlanWatch
     monkeypatch.setattr(loop, "PlanWatch", lambda plan, start, may: real(plan, start, True))
     monkeypatch.setattr(plan_watch, "resplit", flipped)
@@ -358,4 +364,6 @@ def test_updates_split_again_mid_run_train_as_plain_pytorch(tmp_path, capsys, mo
     assert "the updates split again" in printed, printed
     after = set(json.loads((tmp_path / "out" / "tiermem_plan.json").read_text())["run"]["gpu_updates"])
     assert before["gpu"] and {str(g) for g in before["gpu"]} != after, (before, after)
+    updates = dict(on_gpu_worker)  # (updates 1-3 with the plan's split, 4-5 with the new one)
+    assert updates[1] == updates[3] != updates[4] == updates[5] and updates[4] <= after, updates
     assert_same_weights(tmp_path / "out", ref, tied=False)
