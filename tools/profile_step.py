@@ -69,7 +69,7 @@ def by_kind(prof, cuda: bool) -> tuple[dict, float, float, list]:
     alloc = 0.0
     top = []
     for e in prof.key_averages():
-        if re.search(r"cudaMalloc|cudaFree", e.key):
+        if re.search(r"cudaMalloc|cudaFree|cuMem(Create|Map|Unmap|Release|SetAccess)", e.key):
             alloc += e.cpu_time_total / 1e3
         if cuda:
             if getattr(e, "device_type", None) != DeviceType.CUDA:
@@ -85,14 +85,28 @@ def by_kind(prof, cuda: bool) -> tuple[dict, float, float, list]:
     return dict(out), sum(out.values()), alloc, sorted(top, reverse=True)[:TOP]
 
 
-def ceiling(mcfg, args, device: torch.device, kept: int) -> float:
+def ceiling(mcfg, args, device: torch.device, kept: int, parts: dict | None = None) -> float:
     """Seconds of the step's compute with every part timed alone at the step's micro-batch shape (``kept``
-    layers without their recompute, as the step ran them)."""
+    layers without their recompute, as the step ran them); ``parts`` gets each part's seconds and the
+    caching allocator's device allocations and frees while they were timed."""
     from trainer.plan_workload import _time
 
+    before = _device_allocs(device)
     t_f, t_b, t_h, t_g, t_e, _, _ = _time(mcfg, torch.bfloat16, args.batch, args.seq, device, args.loss_chunk)
+    if parts is not None:
+        parts.update(forward=t_f, backward=t_b, loss=t_h, grad=t_g, embed=t_e,
+                     device_allocs=_device_allocs(device) - before)
     layers = mcfg.num_layers
     return layers * args.accum * (t_f + t_b) - kept * args.accum * t_f + args.accum * t_h + layers * t_g + t_e
+
+
+def _device_allocs(device: torch.device) -> int:
+    """The caching allocator's device allocations and frees so far (cudaMalloc/cudaFree, or the segments an
+    expandable pool mapped and unmapped): each one is the host waiting on the driver."""
+    if device.type != "cuda":
+        return 0
+    st = torch.cuda.memory_stats(device)
+    return int(st.get("num_device_alloc", 0) + st.get("num_device_free", 0))
 
 
 def main() -> None:
@@ -147,17 +161,21 @@ def main() -> None:
                                loss_chunk=args.loss_chunk, gpu_share="auto", passes=0, keep=args.keep,
                                compile=args.compile)
     device = torch.device("cuda" if cuda else "cpu")
-    ceil_first = ceiling(mcfg, args, device, 0)  # (the same timing before any step: as a run's plan times it)
+    first: dict = {}
+    ceil_first = ceiling(mcfg, args, device, 0, first)  # (the same timing before any step: as a run's plan times it)
     if cuda:
         torch.cuda.empty_cache()
+    allocs = _device_allocs(device)
     res = run_tiermem(bench, raw, d, around=around)
+    allocs = _device_allocs(device) - allocs
     prof = holder["prof"]
     if args.trace:
         prof.export_chrome_trace(args.trace)
     kinds, total, alloc, top = by_kind(prof, cuda)
     compute = res["compute_s"]
     ceil = ceiling(mcfg, args, device, res["kept_layers"])
-    ceil_after0 = ceiling(mcfg, args, device, 0) if res["kept_layers"] else ceil
+    after: dict = {}
+    ceil_after0 = ceiling(mcfg, args, device, 0, after)
     tokens = args.batch * args.accum * args.seq
     n_active = mcfg.num_params(active=True)
     print(f"{args.shape} shape ({mcfg.num_params() / 1e9:.2f} B params, {raw['num_hidden_layers']} layers), bf16, "
@@ -176,12 +194,17 @@ def main() -> None:
           f"ceiling / compute = {ceil / compute:.3f}" + ("  (CPU: a smoke run)" if not cuda else ""))
     print(f"the same parts timed before the run's steps (nothing kept) {ceil_first:.3f} s, after them "
           f"{ceil_after0:.3f} s (a run's plan times them before)")
+    for k in ("forward", "backward", "loss", "grad", "embed"):
+        print(f"  {k:10} before {first[k] * 1e3:9.2f} ms  after {after[k] * 1e3:9.2f} ms  ({after[k] / first[k]:.2f}x)")
+    print(f"device allocations + frees: while timing before {first['device_allocs']}, in the run "
+          f"({args.warmup + 1} steps) {allocs}, while timing after {after['device_allocs']}")
     print(f"step split: compute {compute:.3f} s + waiting for transfers {res['wait_transfer_s']:.3f} s + for the "
           f"optimizer {res['wait_optimizer_s']:.3f} s; allocator retries {res['alloc_retries']}")
     if args.json:
         Path(args.json).write_text(json.dumps({"kinds_ms": kinds, "top": top, "total_ms": total,
                                                "allocator_host_ms": alloc, "compute_s": compute, "ceiling_s": ceil,
                                                "ceiling_before_s": ceil_first, "ceiling_after_unkept_s": ceil_after0,
+                                               "parts_before": first, "parts_after": after, "run_device_allocs": allocs,
                                                "run": res}, default=str,
                                               indent=1))
 
