@@ -50,6 +50,7 @@ def workload(layers: int, fwd: float = 0.1, tokens: int = 65536, micro_batches: 
 
 def machine(**kw) -> Machine:
     m = Machine.h200("synthetic")
+    kw.setdefault("cpu_in_run", 1.0)  # (the CPU worker at its probed rates unless a test says otherwise)
     return dataclasses.replace(m, **kw)
 
 
@@ -94,9 +95,27 @@ def test_budgets_are_never_exceeded(gpu, dram, layers, nvme_read, cpu, kept_mib)
     assert (need["gpu"] + p.activation_bytes + gpu_update_bytes(p.where, p.group_bytes, p.gpu_updates) + kept
             <= p.hbm_room)
     assert all(p.where[(g, "param")] == "gpu" for g in p.keep)
+    if p.passes > 1:  # (beside the activations: the largest group's gradient partials read back on later passes)
+        largest = max(b for (_, k), b in p.group_bytes.items() if k == "grad")
+        assert p.activation_bytes == w.activation_bytes(p.passes) + largest
+        assert p.activation_budget == w.activation_bytes(p.passes) - w.working_bytes
     assert need["dram"] <= dram * GiB
     assert need["nvme"] <= 200 * GiB
     assert p.prediction.step > 0
+
+
+def test_several_passes_leave_hbm_for_the_largest_groups_gradient_partials():
+    """On a pass after the first, a group's gradient partial sums come back into a buffer beside its new
+    gradient: the planner leaves the largest group's (fp32) room, so a step that needs several passes takes one
+    more or less state in HBM than the activations alone would (the 14B run planned without it ran out of
+    memory)."""
+    w = workload(8, micro_batches=64, boundary=8 << 20, working=2 * GiB)  # (boundaries of 64 micro-batches: 32 GiB)
+    p = plan(layers=8, layer_params=100_000_000, embed=400_000_000, gpu=24 * GiB, w=w, m=machine(gpu_memory=24 * GiB))
+    largest = max(b for (_, k), b in p.group_bytes.items() if k == "grad")
+    assert largest >= 1.6e9 and p.passes > 1  # (the embedding's fp32 gradient)
+    assert p.activation_bytes == w.activation_bytes(p.passes) + largest
+    assert p.need()["gpu"] + p.activation_bytes <= p.hbm_room
+    assert w.activation_bytes(p.passes - 1) + largest > p.hbm_room - p.need()["gpu"]  # (no fewer passes fit)
 
 
 @pytest.mark.parametrize("tier", ["gpu", "dram"])
@@ -413,6 +432,32 @@ def test_the_cpu_workers_compute_copy_is_a_machine_figure():
     old["assumed"] = []
     again = Machine.from_json(old)
     assert again.cpu_copy == 8.0e9 and again.assumed == ["cpu_copy"]
+
+
+def test_the_cpu_workers_rate_beside_the_links_copies_is_a_machine_figure():
+    """A CPU update costs 1 / cpu_in_run of its time alone (the link's copies share the host's memory); the
+    probe's "CPU update beside copies both ways" row sets the figure, else it is the H200's 0.75, said to be
+    assumed; a slower worker moves updates from the CPU to the GPU where HBM allows."""
+    layers = 4
+    specs = specs_for(layers, 10_000_000, 20_000_000)
+    gb, params = sizes(specs)
+    where = {key: "dram" for key in gb}
+    w = workload(layers)
+    alone = predict(Layout(where, set(), 1), w, machine(cpu_in_run=1.0), gb, params)
+    beside = predict(Layout(where, set(), 1), w, machine(cpu_in_run=0.5), gb, params)
+    assert beside.busy["cpu"] == pytest.approx(2 * alone.busy["cpu"])
+    assert Machine.from_probe("tests/golden/probe_h200.json").cpu_in_run == 0.75
+    assert "cpu_in_run" in Machine.from_probe("tests/golden/probe_h200.json").assumed
+    probe = json.loads(Path("tests/golden/probe_h200.json").read_text())
+    probe["rows"] += [{"link": "CPU update beside copies both ways", "tiermem": 0.6}]
+    path = Path(tempfile.mkdtemp()) / "p.json"
+    path.write_text(json.dumps(probe))
+    m = Machine.from_probe(path)
+    assert m.cpu_in_run == 0.6 and "cpu_in_run" not in m.assumed
+    fast = plan(layers=8, gpu=None, dram=40 * GiB, m=machine(cpu_in_run=1.0))
+    slow = plan(layers=8, gpu=None, dram=40 * GiB, m=machine(cpu_in_run=0.2))
+    assert len(slow.gpu_updates) >= len(fast.gpu_updates)
+    assert slow.prediction.busy["cpu"] <= fast.prediction.busy["cpu"] / 0.2
 
 
 def test_nvme_traffic_is_each_resident_byte_read_and_written_once():

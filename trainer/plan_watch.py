@@ -107,8 +107,8 @@ class PlanWatch:
         cpu_planned = self.prediction.busy.get("cpu", 0.0)
         cpu = statistics.median(self.cpu_seen[-STEADY_FROM:]) if self.cpu_seen else 0.0
         slower = cpu / cpu_planned if cpu > 0 and cpu_planned > 0 else 1.0
-        # (the CPU worker's rates in the run: AdamW and the compute copy share its cores, its memory bandwidth with
-        # the link's copies; measured alone at the start, they were 0.7-0.8 of that in the 8B run)
+        # (the CPU worker's rates in the run, beside whatever the plan's cpu_in_run did not foresee: the main
+        # thread, the link's copies of this step's layout)
         m2 = dataclasses.replace(m, cpu_adamw=m.cpu_adamw / slower, cpu_copy=m.cpu_copy / slower)
         layout = Layout(self.plan.where, self.plan.gpu_updates, self.plan.passes,
                         keep=getattr(self.plan, "keep", frozenset()))

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from tiermem.plan.machine import adamw_rate, copy_rate, link_both_ways
+from tiermem.plan.machine import adamw_rate, copy_rate, cpu_share_beside_copies, link_both_ways
 from tiermem.sizes import format_size
 from tiermem.tiers.dram import DramArena
 from tiermem.tiers.gpu import GpuTier
@@ -220,10 +220,15 @@ def probe_adamw(n_params: int = 1 << 26, steps: int = 5) -> list[dict]:
     if what == "foreach":
         what = "foreach (fused not available on CPU in this torch)"
     copy = copy_rate(n_params, steps)
-    return [_row("CPU AdamW", rate / 1e9, None, unit="G params/s",
+    rows = [_row("CPU AdamW", rate / 1e9, None, unit="G params/s",
                  note=f"torch {what}, {threads} threads, {n_params / 1e6:.0f}M params, median of {steps} steps"),
             _row("CPU compute copy", copy / 1e9, None, unit="G params/s",
                  note=f"fp32 -> bf16 after each CPU update (master weights), {threads} threads")]
+    if torch.cuda.is_available():
+        share = cpu_share_beside_copies(torch.device("cuda"), n_params, steps)
+        rows.append(_row("CPU update beside copies both ways", share, None, unit="x alone",
+                         note="AdamW + compute copy while pinned copies run to and from the GPU (a run's cpu_in_run)"))
+    return rows
 
 
 def probe_gpu_adamw(n_params: int = 1 << 28, steps: int = 5) -> list[dict]:

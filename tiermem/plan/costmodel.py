@@ -185,7 +185,8 @@ def predict(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_pa
         else:
             stage = [nvme(nbytes(g, k), False, [cpu_stage_prev]) for k in (*state_kinds, "grad", "param")
                      if tier(g, k) == "nvme"]
-            seconds = params / m.cpu_adamw + (params / m.cpu_copy if has_master else 0.0)
+            # (at the worker's rates beside the link's copies, which the step runs alongside)
+            seconds = (params / m.cpu_adamw + (params / m.cpu_copy if has_master else 0.0)) / m.cpu_in_run
             upd = sim.op("cpu", seconds, [*stage, cpu_prev], f"cpu adam {g}")
             cpu_stage_prev = cpu_prev
             for k in state_kinds:

@@ -34,6 +34,10 @@ H200 = {
     # params/s of the CPU worker's compute copy after an update (fp32 master -> bf16 params): the 8B run's
     # worker copied 4.2 G params in 0.52 s on 12 threads
     "cpu_copy": 8.0e9,
+    # the CPU worker's rates while the PCIe link copies both ways (as in a run, where the link moves the streamed
+    # groups' weights and gradients beside its updates), of its rates alone: the 8B runs' CPU worker updated at
+    # 0.71 and 0.78 of the probe's figures
+    "cpu_in_run": 0.75,
     "gpu_adamw": 1.0e11,  # params/s of torch's fused AdamW on the GPU (memory-bound: ~28 B a param at ~3 TB/s)
     "gpu_tflops": 520e12,  # FLOP/s of a streamed step counting its recompute (389 TFLOP/s by the 6·N count)
     "gpu_memory": 143_771 << 20, "ram": 125 << 30,
@@ -55,6 +59,7 @@ class Machine:
     gpu_memory: int  # bytes of HBM
     ram: int  # bytes of host memory
     cpu_copy: float = H200["cpu_copy"]  # params/s of the CPU worker's fp32 -> bf16 compute copy
+    cpu_in_run: float = H200["cpu_in_run"]  # its rates beside the link's copies, of its rates alone
     duplex: float = H200["duplex"]  # each direction's rate while the other copies, of its rate alone
     copy_drag: float = H200["copy_drag"]  # the compute's slowdown while the link copies both ways
     disk_free: int | None = None  # bytes free on the NVMe tier's disk, where the probe saw it
@@ -112,6 +117,9 @@ class Machine:
         beside = rate("matmuls beside copies both ways", 1.0)
         if beside is not None and beside <= 1.5:
             got["copy_drag"] = max(0.0, 1.0 - beside)
+        cpu_beside = rate("CPU update beside copies both ways", 1.0)
+        if cpu_beside is not None and cpu_beside <= 1.5:
+            got["cpu_in_run"] = min(cpu_beside, 1.0)
         for k in ("gpu_memory", "ram"):
             if isinstance(machine.get(k), int) and machine[k] > 0:
                 got[k] = machine[k]
@@ -133,6 +141,7 @@ class Machine:
             figures.update(_disk(nvme_dir))
         if device is not None and device.type == "cuda":
             figures["duplex"] = duplex_share(device)
+            figures["cpu_in_run"] = cpu_share_beside_copies(device)
         figures["cpu_adamw"] = adamw_rate()[0]
         figures["cpu_copy"] = copy_rate()
         merged = {**H200, **figures}
@@ -305,6 +314,48 @@ def copy_rate(n: int = 1 << 26, reps: int = 5) -> float:
             dst.copy_(src)
             times.append(time.perf_counter() - t0)
         return n / statistics.median(times)
+    finally:
+        torch.set_num_threads(keep)
+
+
+def cpu_share_beside_copies(device: torch.device, n: int = 1 << 26, reps: int = 5, size: int = 512 << 20) -> float:
+    """The CPU worker's update (AdamW and the compute copy over ``n`` parameters, on its threads) while the PCIe
+    link copies both ways, as its rate alone: the median of ``reps`` updates each way. The link's copies take
+    the host's memory bandwidth that the update runs on."""
+    threads, keep = worker_threads(), torch.get_num_threads()
+    p = torch.nn.Parameter(torch.full((n,), 0.5))
+    p.grad = torch.full((n,), 1e-3)
+    low = torch.empty(n, dtype=torch.bfloat16)
+    hosts = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    devs = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
+    streams = [torch.cuda.Stream(device) for _ in range(2)]
+    torch.set_num_threads(threads)
+    try:
+        try:
+            opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+            opt.step()
+        except (RuntimeError, TypeError):
+            opt = torch.optim.AdamW([p], lr=1e-4, foreach=True)
+            opt.step()
+
+        def update(copies: bool) -> float:
+            torch.cuda.synchronize(device)
+            if copies:  # (queued for longer than the update takes: 4 x 512 MiB each way is ~40 ms at 50 GB/s)
+                for _ in range(4):
+                    with torch.cuda.stream(streams[0]):
+                        devs[0].copy_(hosts[0], non_blocking=True)
+                    with torch.cuda.stream(streams[1]):
+                        hosts[1].copy_(devs[1], non_blocking=True)
+            t0 = time.perf_counter()
+            opt.step()
+            low.copy_(p.detach())
+            seconds = time.perf_counter() - t0
+            torch.cuda.synchronize(device)
+            return seconds
+
+        alone = statistics.median(update(False) for _ in range(reps))
+        beside = statistics.median(update(True) for _ in range(reps))
+        return min(alone / beside, 1.0) if beside > 0 else 1.0
     finally:
         torch.set_num_threads(keep)
 
