@@ -126,3 +126,15 @@ def test_a_resumed_run_logs_the_steps_its_killed_trainer_took_but_did_not_log(tm
     run(killed, range(resume + 1, total + 1), resume_step=resume)
     assert lines(killed) == lines(straight)
     assert (killed / "trainer_log.pending.jsonl").read_text() == ""
+
+
+def test_an_out_of_memory_line_says_where_in_the_step():
+    """The GPU's out-of-memory line names the phase, the layer and the pass it ran out in (the 14B run's said
+    only "in step 1")."""
+    from types import SimpleNamespace
+
+    from trainer.loop import _where
+
+    assert _where(SimpleNamespace(layer=7, at_pass=2, last_passes=13)) == " of layer 7, pass 2 of 13"
+    assert _where(SimpleNamespace(layer="head", at_pass=1, last_passes=1)) == " (head)"
+    assert _where(SimpleNamespace(layer=None, at_pass=1, last_passes=1)) == ""

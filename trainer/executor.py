@@ -81,6 +81,7 @@ class Executor:
         self._waits = [0.0, 0.0]
         self._phase_waits: dict = {}
         self.phase, self.layer = "starting", None  # what the GPU is doing now (for tiermem top)
+        self.at_pass = 0  # the pass of the step running now (1, 2, ...)
         self.activation_budget = activation_budget  # bytes of boundary activations a pass may keep; None: any
         self.last_passes = 1
         # decoder layers (the first ones whose weights live in HBM) whose forward keeps its activations, so that
@@ -205,6 +206,7 @@ class Executor:
         scale = 1.0 / max(trained, 1)
         loss = sumsq = None
         for p, group in enumerate(groups):
+            self.at_pass = p + 1
             part, sq = self._pass(group, step, scale, p == 0, p == len(groups) - 1, len(batches))
             loss = part if loss is None else loss + part
             sumsq = sq if sq is not None else sumsq

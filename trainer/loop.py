@@ -259,6 +259,14 @@ def _reductions(mcfg, dtype: torch.dtype) -> int:
     return reduction_bytes(state_specs(mcfg, dtype))
 
 
+def _where(executor: Executor) -> str:
+    """Where in a step the executor is (for an out-of-memory line): " of layer 7, pass 2 of 13"."""
+    layer = "" if executor.layer is None else (f" of layer {executor.layer}" if isinstance(executor.layer, int)
+                                                else f" ({executor.layer})")
+    passes = f", pass {executor.at_pass} of {executor.last_passes}" if (executor.last_passes or 1) > 1 else ""
+    return layer + passes
+
+
 def step_shape(job: Job) -> run_plan.Shape:
     """The first step's micro-batches as the planner sees them: rows x padded tokens, and how many."""
     cfg = job.cfg
@@ -426,7 +434,8 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                     raise BudgetError(
                         f"the GPU ran out of memory in step {step + 1} ({len(batches)} micro-batches of "
                         f"{cfg.per_device_train_batch_size} rows x up to {cfg.cutoff_len} tokens, as "
-                        f"{executor.last_passes or 1} layer-major passes, beside the state kept in HBM); lower "
+                        f"{executor.last_passes or 1} layer-major passes, beside the state kept in HBM; in the "
+                        f"{executor.phase}{_where(executor)}); lower "
                         "per_device_train_batch_size or cutoff_len, tiermem_activation_budget (a step then runs as "
                         "several layer-major passes)" + (", tiermem_keep_activations" if executor.last_kept
                                                          else "") + " or tiers.gpu.budget") from None

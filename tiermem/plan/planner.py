@@ -63,6 +63,14 @@ def hbm_room(machine: Machine, budgets: dict, cuda: bool) -> int:
     return total if budgets.get("gpu") is None else min(total, int(budgets["gpu"]))
 
 
+def _partials_bytes(group_bytes: dict) -> int:
+    """HBM a step of several passes needs beside the activations: on each pass after the first, a group's
+    gradient partial sums of the earlier passes come back into a buffer beside its new gradient (the largest
+    group's: the LM head's or the embedding's, read back while the loss's working set is held). The 14B run
+    planned 0.1 GiB short of its HBM without it ran out of memory in its first step."""
+    return max((b for (_, kind), b in group_bytes.items() if kind == "grad"), default=0)
+
+
 def pass_counts(micro_batches: int) -> list[int]:
     """Numbers of passes that differ in the micro-batches a pass holds."""
     out, seen = [], set()
@@ -105,8 +113,9 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
             for k in keep_counts(w, True):
                 yield best[1].passes, k, True
 
+    partials = _partials_bytes(group_bytes)
     for p, k, more in candidates():
-        act = w.activation_bytes(p)
+        act = w.activation_bytes(p) + (partials if p > 1 else 0)
         per_kept = w.kept_bytes * -(-w.micro_batches // p)  # (a kept layer's graph: every micro-batch of a pass)
         state_room = room - act - k * per_kept
         if state_room < 0:
@@ -156,7 +165,7 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
     plan.prediction, plan.passes, plan.gpu_updates = pred, layout.passes, set(layout.gpu_updates)
     plan.activation_bytes = act
     plan.keep = layout.keep
-    plan.activation_budget = (act - w.working_bytes) if layout.passes > 1 else None
+    plan.activation_budget = (act - partials - w.working_bytes) if layout.passes > 1 else None
     plan.machine, plan.workload, plan.params = m, w, params
     plan.hbm_room = room
     check_budgets(plan)
@@ -369,8 +378,8 @@ def compute_bound_at(plan: Plan, ga: int, max_ga: int = 4096) -> tuple[int, Pred
         wk = w.scaled(w.tokens * k // ga, mb)
         act_room = plan.hbm_room - sum(b for key, b in plan.group_bytes.items() if plan.where[key] == "gpu") \
             - plan.slot_bytes * plan.n_slots
-        p = 1
-        while wk.activation_bytes(p) > act_room and p < mb:
+        p, partials = 1, _partials_bytes(plan.group_bytes)
+        while wk.activation_bytes(p) + (partials if p > 1 else 0) > act_room and p < mb:
             p += 1
         if p <= SIM_PASSES:
             return predict(Layout(plan.where, plan.gpu_updates, p), wk, plan.machine, plan.group_bytes, plan.params)
