@@ -167,3 +167,44 @@ def test_the_cpu_workers_nice_value_comes_from_the_environment(monkeypatch):
         assert worker_nice() == nice, value
     monkeypatch.delenv("TIERMEM_OPTIM_NICE")
     assert worker_nice() == 10
+
+
+def test_the_gpu_workers_kept_views_follow_a_tensor_that_moves_in_hbm(make_cfg):
+    """A group living in HBM is updated in place through views the GPU worker builds once and keeps (a
+    mixture-of-experts layer has hundreds of tensors); when one of its tensors gets a new home in HBM the views
+    are built again: three updates, one tensor moved between the second and the third, end as torch's AdamW."""
+    from tiermem.optim import AdamWConfig, StoreAdamW
+    from tiermem.store.catalog import state_name
+
+    kinds = ("param", "grad", "exp_avg", "exp_avg_sq")
+    cfg = make_cfg(placement={k: "gpu" for k in kinds}, gpu_budget="16MiB")
+    names = [f"layers.{i}.w{j}" for i in range(2) for j in range(3)]
+    specs = [TensorSpec(state_name(n, k), (1000 + 8 * j,), torch.float32, k, i)
+             for i in range(2) for j, n in enumerate(names[3 * i: 3 * i + 3]) for k in kinds]
+    gen = torch.Generator().manual_seed(0)
+    ref = {n: torch.nn.Parameter(torch.randn(s.shape, generator=gen)) for n, s in
+           ((s.name, s) for s in specs if s.kind == "param")}
+    grads = [{n: torch.randn(p.shape, generator=gen) for n, p in ref.items()} for _ in range(3)]
+    torch_opt = torch.optim.AdamW(ref.values(), lr=1e-2, weight_decay=0.1)
+    with Store.open(cfg, specs) as store:
+        for n, p in ref.items():
+            store.write(n, p.detach().clone()).result()
+        opt = StoreAdamW(store, [0, 1], {}, AdamWConfig(weight_decay=0.1), has_master=False, on_gpu={0, 1})
+        try:
+            assert opt.resident == {0, 1}
+            for step, g in enumerate(grads, 1):
+                for n, t in g.items():
+                    store.write(state_name(n, "grad"), t.clone()).result()
+                    ref[n].grad = t.clone()
+                if step == 3:  # (a moment of layer 1 moves within HBM)
+                    name = state_name(names[4], "exp_avg")
+                    store.rehome(name, store.copy_to(name, "gpu").result())
+                opt.step(step, 1e-2).result()
+                torch_opt.step()
+            for n, p in ref.items():
+                torch.testing.assert_close(store.read(n).result(), p.detach(), rtol=1e-6, atol=1e-7)
+                for k in ("exp_avg", "exp_avg_sq"):  # (the moved moment's new home holds the third update's)
+                    torch.testing.assert_close(store.read(state_name(n, k)).result(), torch_opt.state[p][k],
+                                               rtol=1e-6, atol=1e-9)
+        finally:
+            opt.close()

@@ -142,6 +142,7 @@ class StoreAdamW:
             self.gpu_share = len(self.on_gpu & set(self.groups)) / len(self.groups)
         # groups whose whole state lives in HBM: the GPU worker updates them there, in place
         self.resident = {g for g in self.groups if self._all_on_gpu(g)}
+        self._resident: dict = {}  # group -> (where its tensors are, what its update computes on)
         self.guard, self.offer_params, self.cpu_takes_over = guard, offer_params, cpu_takes_over
         self._cpu = cf.ThreadPoolExecutor(1, "tiermem-optim-cpu", initializer=_cpu_worker_thread,
                                           initargs=(self.threads,))
@@ -476,30 +477,55 @@ class StoreAdamW:
         """AdamW of a group whose whole state lives in HBM, in place on the optimizer's stream; its version
         moves on once the kernels have run."""
         store, cat, pk = self.store, self.store.catalog, self.p_kind
-        views = {k: store.gpu_views(g, k) for k in (pk, "grad", *MOMENTS, "param")
-                 if cat.group_entries(g, k)}
+        lists, params, masters, moments, kinds = self._resident_work(g)
+        for e, t in moments:
+            if not e.valid:
+                t.zero_()
+        self._adamw(lists, step, lr, grad_scale, store.gpu.device)
+        if self.has_master:
+            torch._foreach_copy_(params, masters)
+        if self._stream is not None:
+            host_sync(self._stream)
+        for k in (pk, *MOMENTS, "param"):
+            if k in kinds:
+                store.mark_valid(g, k)
+        cat.bump(g, to=step)
+        self._home(g, step, done_future())
+
+    def _resident_work(self, g: Group):
+        """What an update of a group living in HBM computes on: the fused AdamW's lists by weight decay, the
+        compute copy's params and masters, each moment's (entry, view), and the kinds. Built from the store's
+        views once and kept while the tensors stay where they are: a mixture-of-experts layer has hundreds of
+        tensors, and building their views each step held the interpreter for tens of milliseconds a group
+        beside the next forward's kernel launches."""
+        store, cat, pk = self.store, self.store.catalog, self.p_kind
+        kinds = [k for k in (pk, "grad", *MOMENTS, "param") if cat.group_entries(g, k)]
+        where = tuple((e.tier, e.extent.offset) for k in kinds for e in cat.group_entries(g, k))
+        kept = self._resident.get(g)
+        if kept is not None and kept[0] == where:
+            for k in kinds:
+                store.settle(g, k)
+            return kept[1]
+        views = {k: store.gpu_views(g, k) for k in kinds}
         lists = {True: ([], [], [], []), False: ([], [], [], [])}
+        moments = []
         for e in cat.group_entries(g, pk):
             base = self._base(e.spec.name)
             row = [views[pk][e.spec.name], views["grad"][state_name(base, "grad")]]
             for k in MOMENTS:
                 name = state_name(base, k)
-                if not cat[name].valid:
-                    views[k][name].zero_()
+                moments.append((cat[name], views[k][name]))
                 row.append(views[k][name])
             for lst, t in zip(lists[self.decay.get(base, True)], row):
                 lst.append(t)
-        self._adamw(lists, step, lr, grad_scale, store.gpu.device)
+        params, masters = [], []
         if self.has_master:
             for e in cat.group_entries(g, "param"):
-                views["param"][e.spec.name].copy_(views["master"][state_name(e.spec.name, "master")])
-        if self._stream is not None:
-            host_sync(self._stream)
-        for k in (pk, *MOMENTS, "param"):
-            if k in views:
-                store.mark_valid(g, k)
-        cat.bump(g, to=step)
-        self._home(g, step, done_future())
+                params.append(views["param"][e.spec.name])
+                masters.append(views["master"][state_name(e.spec.name, "master")])
+        work = (lists, params, masters, moments, set(kinds))
+        self._resident[g] = (where, work)
+        return work
 
     def _fetch_state(self, g: Group):
         store, dev = self.store, self.store.gpu.device

@@ -289,13 +289,18 @@ class Store:
         view = GroupView(group, kind, views, release)
         return then(self._ordered((group, kind), run), lambda _: done_future(view))
 
-    def gpu_views(self, group: Group, kind: str) -> dict[str, torch.Tensor]:
-        """The group's ``kind`` tensors that live in HBM, as views to compute on in place, once every earlier
-        operation on them (a gradient being copied home) is done."""
+    def settle(self, group: Group, kind: str) -> None:
+        """Wait until every earlier operation on the group's ``kind`` tensors (a gradient being copied home) is
+        done: views of them taken before (``gpu_views``) may then be computed on."""
         with self._tail_lock:
             tail = self._tails.get((group, kind))
         if tail is not None:
             tail.result()
+
+    def gpu_views(self, group: Group, kind: str) -> dict[str, torch.Tensor]:
+        """The group's ``kind`` tensors that live in HBM, as views to compute on in place, once every earlier
+        operation on them (a gradient being copied home) is done."""
+        self.settle(group, kind)
         entries = self.catalog.group_entries(group, kind)
         if any(e.tier != "gpu" for e in entries):
             raise ValueError(f"group {group!r} {kind} does not live in HBM")
