@@ -112,3 +112,28 @@ def test_a_process_attached_to_the_arena_never_allocates_in_it(store_name, nvme_
             mover.close()
             attached.close()
     nvme.close()
+
+
+def test_a_read_tensor_is_not_kept_alive_by_the_store(store_name):
+    """The store orders operations per group and kind through the last one's future; that future must not hold
+    a read's tensor (the 14B export read each group once and kept one tensor of every group alive, until the
+    host ran out of memory)."""
+    import gc
+    import weakref
+
+    from tiermem.config import load_store_config
+    from tiermem.store.catalog import TensorSpec
+    from tiermem.store.store import Store
+
+    cfg = load_store_config({"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}},
+                             "placement": {"param": "dram"}, "name": store_name})
+    specs = [TensorSpec(f"w{i}", (1000,), torch.float32, "param", 0) for i in range(2)]
+    with Store.open(cfg, specs) as store:
+        for s in specs:
+            store.write(s.name, torch.ones(1000)).result()
+        t = store.read("w1").result()
+        alive = weakref.ref(t)
+        del t
+        gc.collect()
+        assert alive() is None
+        store.flush("param")  # (the tail still orders and reports)

@@ -23,7 +23,7 @@ import torch
 
 from tiermem.config import KINDS, TIERS, StoreConfig
 from tiermem.errors import BudgetError
-from tiermem.futures import all_of, done_future, then
+from tiermem.futures import all_of, done_future, forward, then
 from tiermem.plan.placement import Plan, make_plan
 from tiermem.plan.resolve import arena_pinned, compute_device
 from tiermem.sizes import align_up, format_size
@@ -164,7 +164,12 @@ class Store:
         with self._tail_lock:
             prev = self._tails.get(key) or done_future()
             fut = then(prev, fn, run_on_error=True)
-            self._tails[key] = fut
+            # (the tail orders and reports; it must not hold the result: a read's tensor would stay alive
+            # until the next operation on its group and kind — the 14B export, reading each group once,
+            # kept one tensor of every group it had read, until the host ran out of memory)
+            tail: cf.Future = cf.Future()
+            forward(fut, tail, None, use_value=True)
+            self._tails[key] = tail
         return fut
 
     def write(self, name: str, tensor: torch.Tensor) -> cf.Future:
