@@ -125,6 +125,11 @@ def init_weights(store, cfg: ModelConfig, kinds: dict[str, torch.dtype], seed: i
             progress(t.numel())
 
 
+# bytes of an exported shard written between flushes to the disk: the page cache then holds little of the export
+# unwritten (the 14B run's host, its RAM taken by the DRAM tier, was killed for memory while exporting)
+WRITE_THROUGH = 256 << 20
+
+
 class _ShardWriter:
     """Writes one safetensors file: the header (all names, dtypes, shapes, offsets), then the bytes in order."""
 
@@ -141,16 +146,25 @@ class _ShardWriter:
         raw += b" " * (-len(raw) % 8)
         self.path, self.tmp = path, path.with_name(path.name + ".tmp")
         self.f = self.tmp.open("wb")
+        self._dirty = 0
         self.crc = google_crc32c.Checksum()  # of the file's bytes, taken as they are written
         self._put(struct.pack("<Q", len(raw)) + raw)
         self.size = off
 
-    def _put(self, b: bytes) -> None:
+    def _put(self, b) -> None:
         self.f.write(b)
         self.crc.update(b)
+        self._dirty += len(b)
+        if self._dirty >= WRITE_THROUGH:  # (the page cache holds at most this much of the export unwritten)
+            self.f.flush()
+            os.fdatasync(self.f.fileno())
+            os.posix_fadvise(self.f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            self._dirty = 0
 
     def write(self, t: torch.Tensor) -> None:
-        self._put(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        data = t.contiguous().view(-1).view(torch.uint8).numpy()  # (written and checksummed without a copy)
+        for a in range(0, len(data), WRITE_THROUGH):
+            self._put(data[a: a + WRITE_THROUGH])
 
     def close(self) -> None:
         self.f.flush()
