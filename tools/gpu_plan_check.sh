@@ -7,7 +7,8 @@
 #                                        # placement with only an NVMe path set (STEPS, default 6)
 #   bash tools/gpu_plan_check.sh 14b     # tiermem-train on the Qwen2.5-14B shape across HBM, DRAM and NVMe,
 #                                        # after a full `tiermem probe` (ACCUM, default 64; STEPS, default 4;
-#                                        # PROBE=FILE: a saved full probe of the machine instead)
+#                                        # PROBE=FILE: a saved full probe of the machine instead; SKIP_PLAN=1:
+#                                        # no separate `tiermem plan` first; host memory sampled to mem14b.txt)
 #   bash tools/gpu_plan_check.sh moe     # the MoE tests on CUDA; tiermem-train on Qwen3-30B-A3B's dimensions
 #                                        # with LAYERS (default 20) layers, auto placement over the three tiers
 #                                        # (ACCUM, default 4, of 4 rows; STEPS, default 6); `tiermem plan` of
@@ -75,8 +76,15 @@ $(python3 -c "import json; print(json.load(open('/tmp/run8b/out/store_stats.json
   fi
   python3 tools/make_shape_run.py --shape 14b --dir /tmp/run14b --accum "${ACCUM:-64}" --steps "${STEPS:-4}" \
     --nvme /tmp/nvme --set "tiermem={tiers: {nvme: {path: /tmp/nvme}}, probe: $OUT/probe.json}" >/dev/null
-  python3 -m trainer.plan_cli /tmp/run14b/train.yaml > "$OUT/plan14b.txt" 2>&1; cat "$OUT/plan14b.txt"
+  if [ -z "${SKIP_PLAN:-}" ]; then  # (the run prints the same plan at its start)
+    python3 -m trainer.plan_cli /tmp/run14b/train.yaml > "$OUT/plan14b.txt" 2>&1; cat "$OUT/plan14b.txt"
+  fi
+  # host memory every 2 s while it trains and exports (used, free, shared; dirty and writeback page cache)
+  (while sleep 2; do echo "$(date +%T) $(free -m | awk 'NR==2{print "used", $3, "free", $4, "shared", $5}') \
+$(grep -E '^(Dirty|Writeback):' /proc/meminfo | tr -s ' ' | tr '\n' ' ') rss_mb $(ps -o rss= -C python3 | sort -n | tail -1 | awk '{print int($1/1024)}')"; done) > "$OUT/mem14b.txt" &
+  sampler=$!
   python3 -m trainer.cli /tmp/run14b/train.yaml > "$OUT/train14b.txt" 2>&1; rc=$?
+  kill $sampler; tail -4 "$OUT/mem14b.txt"; dmesg 2>/dev/null | grep -iE "killed process|out of memory" | tail -3
   grep -vE "^(example|Human|Assistant)" "$OUT/train14b.txt" | tail -20
   cp /tmp/run14b/out/trainer_log.jsonl /tmp/run14b/out/store_stats.json /tmp/run14b/out/tiermem_plan.json "$OUT/" \
     2>/dev/null
