@@ -281,7 +281,7 @@ def test_compiled_layers_train_as_plain_pytorch(tmp_path, capsys):
     data_dir = tmp_path / "data"
     name = write_tokenized_dataset(data_dir)
     ref = reference_training(model_dir, data_dir, name, [])
-    tiermem = {"tiers": {"gpu": {"device": "cpu", "budget": "800KiB"}, "dram": {"budget": "64MiB"}}}
+    tiermem = {"tiers": {"gpu": {"device": "cpu", "budget": "960KiB"}, "dram": {"budget": "64MiB"}}}
     assert run_cli(tmp_path, model_dir, data_dir, name, tiermem, torch_compile=True,
                    torch_compile_backend="aot_eager", tiermem_keep_activations=2) == 0
     assert_same_weights(tmp_path / "out", ref, tied=False)
@@ -302,7 +302,7 @@ def small_gpu_run(tmp_path):
     data_dir = tmp_path / "data"
     name = write_tokenized_dataset(data_dir)
     ref = reference_training(model_dir, data_dir, name, [])
-    tiermem = {"tiers": {"gpu": {"device": "cpu", "budget": "800KiB"}, "dram": {"budget": "64MiB"},
+    tiermem = {"tiers": {"gpu": {"device": "cpu", "budget": "960KiB"}, "dram": {"budget": "64MiB"},
                          "nvme": {"path": str(tmp_path / "nvme"), "budget": "64MiB", "backend": "posix"}}}
     return model_dir, data_dir, name, ref, tiermem
 
