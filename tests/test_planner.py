@@ -470,7 +470,35 @@ def test_nvme_traffic_is_each_resident_byte_read_and_written_once():
     for gpu_updates in (set(), {"embed", 0, 1}):
         p = predict(Layout(where, gpu_updates, 1), w, m, gb, params)
         assert p.bytes["nvme_read"] == moments and p.bytes["nvme_write"] == moments
-        assert p.busy["nvme"] == pytest.approx(moments / m.nvme_read + moments / m.nvme_write)
+        # (reads and writes at once, each at its share beside the other: the disk's busier direction)
+        read = moments / (m.nvme_read * m.nvme_read_beside)
+        write = moments / (m.nvme_write * m.nvme_write_beside)
+        assert p.nvme_read == pytest.approx(read) and p.nvme_write == pytest.approx(write)
+        assert p.busy["nvme"] == pytest.approx(max(read, write))
+
+
+def test_the_disk_reads_and_writes_at_once_at_the_machines_shares():
+    """The disk's reads and writes are two resources, each at its rate times its share beside the other
+    (`nvme_read_beside`, `nvme_write_beside`: the full probe's "disk ... beside ..." rows, else the H200's,
+    said to be assumed); a disk-bound step is as long as its busier direction, not their sum."""
+    layers = 4
+    specs = specs_for(layers, 50_000_000, 20_000_000)
+    gb, params = sizes(specs)
+    where = {k: ("nvme" if k[1] in ("exp_avg", "exp_avg_sq") else "dram") for k in gb}
+    w = workload(layers, fwd=0.001)  # (little compute: the disk bounds the step)
+    both = predict(Layout(where, set(), 1), w, machine(nvme_read_beside=1.0, nvme_write_beside=1.0), gb, params)
+    half = predict(Layout(where, set(), 1), w, machine(nvme_read_beside=0.5, nvme_write_beside=0.5), gb, params)
+    assert both.busy["nvme"] == pytest.approx(max(both.nvme_read, both.nvme_write))
+    assert half.nvme_read == pytest.approx(2 * both.nvme_read) and half.nvme_write == pytest.approx(2 * both.nvme_write)
+    assert both.step < both.nvme_read + both.nvme_write and half.step > both.step
+    assert Machine.from_probe("tests/golden/probe_h200.json").nvme_write_beside == 0.64
+    probe = json.loads(Path("tests/golden/probe_h200.json").read_text())
+    probe["rows"] += [{"link": "disk read beside writes", "tiermem": 0.7},
+                      {"link": "disk write beside reads", "tiermem": 0.8}]
+    path = Path(tempfile.mkdtemp()) / "p.json"
+    path.write_text(json.dumps(probe))
+    m = Machine.from_probe(path)
+    assert (m.nvme_read_beside, m.nvme_write_beside) == (0.7, 0.8) and "nvme_read_beside" not in m.assumed
 
 
 # -- `tiermem plan` ----------------------------------------------------------------------------------------

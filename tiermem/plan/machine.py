@@ -38,6 +38,9 @@ H200 = {
     # groups' weights and gradients beside its updates), of its rates alone: the 8B runs' CPU worker updated at
     # 0.71 and 0.78 of the probe's figures
     "cpu_in_run": 0.75,
+    # the disk's reads and writes at once, each direction's rate of its rate alone: the 14B run's store read
+    # at 1.61-1.75 GB/s and wrote at 1.39-1.41 while both ran (the probe: 1.71 and 2.19 alone)
+    "nvme_read_beside": 1.0, "nvme_write_beside": 0.64,
     "gpu_adamw": 1.0e11,  # params/s of torch's fused AdamW on the GPU (memory-bound: ~28 B a param at ~3 TB/s)
     "gpu_tflops": 520e12,  # FLOP/s of a streamed step counting its recompute (389 TFLOP/s by the 6·N count)
     "gpu_memory": 143_771 << 20, "ram": 125 << 30,
@@ -60,6 +63,8 @@ class Machine:
     ram: int  # bytes of host memory
     cpu_copy: float = H200["cpu_copy"]  # params/s of the CPU worker's fp32 -> bf16 compute copy
     cpu_in_run: float = H200["cpu_in_run"]  # its rates beside the link's copies, of its rates alone
+    nvme_read_beside: float = H200["nvme_read_beside"]  # the disk's reads while it writes, of their rate alone
+    nvme_write_beside: float = H200["nvme_write_beside"]  # its writes while it reads, of their rate alone
     duplex: float = H200["duplex"]  # each direction's rate while the other copies, of its rate alone
     copy_drag: float = H200["copy_drag"]  # the compute's slowdown while the link copies both ways
     disk_free: int | None = None  # bytes free on the NVMe tier's disk, where the probe saw it
@@ -117,6 +122,11 @@ class Machine:
         beside = rate("matmuls beside copies both ways", 1.0)
         if beside is not None and beside <= 1.5:
             got["copy_drag"] = max(0.0, 1.0 - beside)
+        for key, row in (("nvme_read_beside", "disk read beside writes"),
+                         ("nvme_write_beside", "disk write beside reads")):
+            share = rate(row, 1.0)
+            if share is not None and share <= 1.5:
+                got[key] = min(share, 1.0)
         cpu_beside = rate("CPU update beside copies both ways", 1.0)
         if cpu_beside is not None and cpu_beside <= 1.5:
             got["cpu_in_run"] = min(cpu_beside, 1.0)
@@ -139,6 +149,7 @@ class Machine:
             figures.update(_pcie(device))
         if nvme_dir:
             figures.update(_disk(nvme_dir))
+            figures.update(disk_both_ways(nvme_dir))
         if device is not None and device.type == "cuda":
             figures["duplex"] = duplex_share(device)
             figures["cpu_in_run"] = cpu_share_beside_copies(device)
@@ -257,6 +268,63 @@ def _disk(directory: str, size: int = 256 << 20, block: int = 16 << 20) -> dict:
         except OSError:
             pass
     return {"nvme_read": r, "nvme_write": w}
+
+
+def disk_both_ways(directory: str, size: int = 256 << 20, block: int = 16 << 20) -> dict:
+    """The disk's reads and writes at once (O_DIRECT, a thread each, ``size`` bytes each way in ``block``
+    pieces, in a temporary file under ``directory``): each direction's rate as a share of its rate alone
+    (``nvme_read_beside``, ``nvme_write_beside``), as the optimizer's staging reads and write-backs run in a step.
+    Empty where the directory cannot be written."""
+    import mmap
+    import threading
+
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f".tiermem-plan-duplex-{os.getpid()}")
+    bufs = [mmap.mmap(-1, block) for _ in range(2)]  # (page-aligned, as O_DIRECT needs)
+    for b in bufs:
+        b.write(os.urandom(block))
+    try:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600)
+        except OSError:  # no O_DIRECT on this filesystem
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            for off in range(0, size, block):  # (the half to read back)
+                os.pwritev(fd, [bufs[0]], off)
+            os.fsync(fd)
+
+            def read() -> float:
+                os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)
+                t0 = time.perf_counter()
+                for off in range(0, size, block):
+                    os.preadv(fd, [bufs[0]], off)
+                return size / (time.perf_counter() - t0)
+
+            def write() -> float:
+                t0 = time.perf_counter()
+                for off in range(size, 2 * size, block):
+                    os.pwritev(fd, [bufs[1]], off)
+                os.fdatasync(fd)
+                return size / (time.perf_counter() - t0)
+
+            r_alone, w_alone = read(), write()
+            got: dict = {}
+            t = threading.Thread(target=lambda: got.update(w=write()))
+            t.start()
+            got["r"] = read()
+            t.join()
+        finally:
+            os.close(fd)
+    except OSError:
+        return {}
+    finally:
+        for b in bufs:
+            b.close()
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return {"nvme_read_beside": min(got["r"] / r_alone, 1.0), "nvme_write_beside": min(got["w"] / w_alone, 1.0)}
 
 
 def worker_threads() -> int:
