@@ -69,6 +69,15 @@ def plan(layers=8, layer_params=50_000_000, embed=100_000_000, gpu=None, dram=40
                      {"gpu": gpu, "dram": dram, "nvme": nvme}, cuda=True, keep_auto=keep_auto)
 
 
+def probe_with(rows: dict) -> Path:
+    """The H200 machine's probe file (tests/golden) with ``rows`` (link -> figure) added, written anew."""
+    probe = json.loads(Path("tests/golden/probe_h200.json").read_text())
+    probe["rows"] += [{"link": link, "tiermem": v} for link, v in rows.items()]
+    path = Path(tempfile.mkdtemp()) / "p.json"
+    path.write_text(json.dumps(probe))
+    return path
+
+
 def tier_bytes(p) -> dict:
     out = {"gpu": 0, "dram": 0, "nvme": 0}
     for key, t in p.where.items():
@@ -408,24 +417,24 @@ def test_the_link_both_ways_comes_from_the_machines_figures(tmp_path):
     assert new.duplex == 0.85 and new.copy_drag == pytest.approx(0.1) and "duplex" not in new.assumed
 
 
+def all_in_dram(**machine_kw):
+    """The prediction of four layers' state all in DRAM, updated by the CPU worker, on the H200's figures with
+    ``machine_kw``; and the groups' parameters."""
+    specs = specs_for(4, 10_000_000, 20_000_000)
+    gb, params = sizes(specs)
+    where = {key: "dram" for key in gb}
+    return predict(Layout(where, set(), 1), workload(4), machine(**machine_kw), gb, params), params
+
+
 def test_the_cpu_workers_compute_copy_is_a_machine_figure():
     """The fp32 -> bf16 copy after each CPU update costs params / cpu_copy of the CPU (with master weights); the
     probe's "CPU compute copy" row sets it; a plan written before it had the figure replays with the H200's,
     said to be assumed."""
-    layers = 4
-    specs = specs_for(layers, 10_000_000, 20_000_000)
-    gb, params = sizes(specs)
-    where = {key: "dram" for key in gb}
-    w = workload(layers)
-    fast = predict(Layout(where, set(), 1), w, machine(cpu_copy=1e12), gb, params)
-    slow = predict(Layout(where, set(), 1), w, machine(cpu_copy=1e9), gb, params)
+    fast, params = all_in_dram(cpu_copy=1e12)
+    slow, _ = all_in_dram(cpu_copy=1e9)
     assert slow.busy["cpu"] - fast.busy["cpu"] == pytest.approx(sum(params.values()) * (1 / 1e9 - 1 / 1e12))
-    probe = json.loads(Path("tests/golden/probe_h200.json").read_text())
     assert "cpu_copy" in Machine.from_probe("tests/golden/probe_h200.json").assumed
-    probe["rows"] += [{"link": "CPU compute copy", "tiermem": 9.5}]
-    path = Path(tempfile.mkdtemp()) / "p.json"
-    path.write_text(json.dumps(probe))
-    m = Machine.from_probe(path)
+    m = Machine.from_probe(probe_with({"CPU compute copy": 9.5}))
     assert m.cpu_copy == 9.5e9 and "cpu_copy" not in m.assumed
     old = m.to_json()
     del old["cpu_copy"]
@@ -438,21 +447,12 @@ def test_the_cpu_workers_rate_beside_the_links_copies_is_a_machine_figure():
     """A CPU update costs 1 / cpu_in_run of its time alone (the link's copies share the host's memory); the
     probe's "CPU update beside copies both ways" row sets the figure, else it is the H200's 0.75, said to be
     assumed; a slower worker moves updates from the CPU to the GPU where HBM allows."""
-    layers = 4
-    specs = specs_for(layers, 10_000_000, 20_000_000)
-    gb, params = sizes(specs)
-    where = {key: "dram" for key in gb}
-    w = workload(layers)
-    alone = predict(Layout(where, set(), 1), w, machine(cpu_in_run=1.0), gb, params)
-    beside = predict(Layout(where, set(), 1), w, machine(cpu_in_run=0.5), gb, params)
+    alone, _ = all_in_dram(cpu_in_run=1.0)
+    beside, _ = all_in_dram(cpu_in_run=0.5)
     assert beside.busy["cpu"] == pytest.approx(2 * alone.busy["cpu"])
     assert Machine.from_probe("tests/golden/probe_h200.json").cpu_in_run == 0.75
     assert "cpu_in_run" in Machine.from_probe("tests/golden/probe_h200.json").assumed
-    probe = json.loads(Path("tests/golden/probe_h200.json").read_text())
-    probe["rows"] += [{"link": "CPU update beside copies both ways", "tiermem": 0.6}]
-    path = Path(tempfile.mkdtemp()) / "p.json"
-    path.write_text(json.dumps(probe))
-    m = Machine.from_probe(path)
+    m = Machine.from_probe(probe_with({"CPU update beside copies both ways": 0.6}))
     assert m.cpu_in_run == 0.6 and "cpu_in_run" not in m.assumed
     fast = plan(layers=8, gpu=None, dram=40 * GiB, m=machine(cpu_in_run=1.0))
     slow = plan(layers=8, gpu=None, dram=40 * GiB, m=machine(cpu_in_run=0.2))
@@ -492,12 +492,7 @@ def test_the_disk_reads_and_writes_at_once_at_the_machines_shares():
     assert half.nvme_read == pytest.approx(2 * both.nvme_read) and half.nvme_write == pytest.approx(2 * both.nvme_write)
     assert both.step < both.nvme_read + both.nvme_write and half.step > both.step
     assert Machine.from_probe("tests/golden/probe_h200.json").nvme_write_beside == 0.64
-    probe = json.loads(Path("tests/golden/probe_h200.json").read_text())
-    probe["rows"] += [{"link": "disk read beside writes", "tiermem": 0.7},
-                      {"link": "disk write beside reads", "tiermem": 0.8}]
-    path = Path(tempfile.mkdtemp()) / "p.json"
-    path.write_text(json.dumps(probe))
-    m = Machine.from_probe(path)
+    m = Machine.from_probe(probe_with({"disk read beside writes": 0.7, "disk write beside reads": 0.8}))
     assert (m.nvme_read_beside, m.nvme_write_beside) == (0.7, 0.8) and "nvme_read_beside" not in m.assumed
 
 
