@@ -386,7 +386,7 @@ def copy_rate(n: int = 1 << 26, reps: int = 5) -> float:
         torch.set_num_threads(keep)
 
 
-def cpu_share_beside_copies(device: torch.device, n: int = 1 << 26, reps: int = 5, size: int = 512 << 20) -> float:
+def cpu_share_beside_copies(device: torch.device, n: int = 1 << 26, reps: int = 5, size: int = 256 << 20) -> float:
     """The CPU worker's update (AdamW and the compute copy over ``n`` parameters, on its threads) while the PCIe
     link copies both ways, as its rate alone: the median of ``reps`` updates each way. The link's copies take
     the host's memory bandwidth that the update runs on."""
@@ -408,8 +408,8 @@ def cpu_share_beside_copies(device: torch.device, n: int = 1 << 26, reps: int = 
 
         def update(copies: bool) -> float:
             torch.cuda.synchronize(device)
-            if copies:  # (queued for longer than the update takes: 4 x 512 MiB each way is ~40 ms at 50 GB/s)
-                for _ in range(4):
+            if copies:  # (queued for longer than the update takes: 8 x 256 MiB each way is ~40 ms at 50 GB/s;
+                for _ in range(8):  # the pinned buffers small, as torch's host allocator keeps them for the run)
                     with torch.cuda.stream(streams[0]):
                         devs[0].copy_(hosts[0], non_blocking=True)
                     with torch.cuda.stream(streams[1]):
