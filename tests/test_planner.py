@@ -496,6 +496,16 @@ def test_the_disk_reads_and_writes_at_once_at_the_machines_shares():
     assert (m.nvme_read_beside, m.nvme_write_beside) == (0.7, 0.8) and "nvme_read_beside" not in m.assumed
 
 
+def test_the_quick_probe_times_the_disk_each_way_alone_and_both_at_once(tmp_path):
+    """`disk_rates`: the disk's rates alone and each direction's share beside the other, on one file it removes."""
+    from tiermem.plan.machine import disk_rates
+
+    got = disk_rates(str(tmp_path), size=8 << 20, block=1 << 20)
+    assert got["nvme_read"] > 0 and got["nvme_write"] > 0
+    assert 0 < got["nvme_read_beside"] <= 1 and 0 < got["nvme_write_beside"] <= 1
+    assert list(tmp_path.iterdir()) == []
+
+
 # -- `tiermem plan` ----------------------------------------------------------------------------------------
 
 GOLDEN = Path(__file__).parent / "golden"

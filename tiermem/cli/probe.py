@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from tiermem.plan.machine import adamw_rate, copy_rate, cpu_share_beside_copies, disk_both_ways, link_both_ways
+from tiermem.plan.machine import adamw_rate, copy_rate, cpu_share_beside_copies, disk_rates, link_both_ways
 from tiermem.sizes import format_size
 from tiermem.tiers.dram import DramArena
 from tiermem.tiers.gpu import GpuTier
@@ -180,7 +180,7 @@ def probe_nvme(arena: DramArena, directory: Path, size: int, reps: int, name: st
     if not usable:
         rows.append(_row("NVMe (kvikio)", None, None, note=why))
     arena.free(buf_loc.extent)
-    both = disk_both_ways(str(directory))
+    both = disk_rates(str(directory))  # (its shares; the rates alone are the rows above)
     note = "O_DIRECT, 256 MiB each way at once (a thread each), of each direction's rate alone"
     rows += [_row("disk read beside writes", both.get("nvme_read_beside"), None, unit="x alone", note=note),
              _row("disk write beside reads", both.get("nvme_write_beside"), None, unit="x alone", note=note)]

@@ -148,8 +148,7 @@ class Machine:
             figures["gpu_memory"] = torch.cuda.get_device_properties(device).total_memory
             figures.update(_pcie(device))
         if nvme_dir:
-            figures.update(_disk(nvme_dir))
-            figures.update(disk_both_ways(nvme_dir))
+            figures.update(disk_rates(nvme_dir))
         if device is not None and device.type == "cuda":
             figures["duplex"] = duplex_share(device)
             figures["cpu_in_run"] = cpu_share_beside_copies(device)
@@ -232,54 +231,16 @@ def duplex_share(device: torch.device, size: int = 256 << 20) -> float:
     return min(r["up2"] / r["up"], r["down2"] / r["down"], 1.0)
 
 
-def _disk(directory: str, size: int = 256 << 20, block: int = 16 << 20) -> dict:
-    """O_DIRECT write then read of ``size`` bytes in a temporary file under ``directory``."""
-    import mmap
-
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f".tiermem-plan-probe-{os.getpid()}")
-    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
-    buf.write(os.urandom(block))
-    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0)
-    try:
-        try:
-            fd = os.open(path, flags, 0o600)
-        except OSError:  # no O_DIRECT on this filesystem
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            t0 = time.perf_counter()
-            for off in range(0, size, block):
-                os.pwritev(fd, [buf], off)
-            os.fsync(fd)
-            w = size / (time.perf_counter() - t0)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            t0 = time.perf_counter()
-            for off in range(0, size, block):
-                os.preadv(fd, [buf], off)
-            r = size / (time.perf_counter() - t0)
-        finally:
-            os.close(fd)
-    except OSError:
-        return {}
-    finally:
-        buf.close()
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-    return {"nvme_read": r, "nvme_write": w}
-
-
-def disk_both_ways(directory: str, size: int = 256 << 20, block: int = 16 << 20) -> dict:
-    """The disk's reads and writes at once (O_DIRECT, a thread each, ``size`` bytes each way in ``block``
-    pieces, in a temporary file under ``directory``): each direction's rate as a share of its rate alone
-    (``nvme_read_beside``, ``nvme_write_beside``), as the optimizer's staging reads and write-backs run in a step.
-    Empty where the directory cannot be written."""
+def disk_rates(directory: str, size: int = 256 << 20, block: int = 16 << 20) -> dict:
+    """The disk under ``directory`` (O_DIRECT where allowed, ``size`` bytes each way in ``block`` pieces, in a
+    temporary file): its write and read rates alone (``nvme_write``, ``nvme_read``), then both at once, a thread
+    each, as the optimizer's staging reads and write-backs run in a step: each direction's rate as a share of
+    its rate alone (``nvme_read_beside``, ``nvme_write_beside``). Empty where the directory cannot be written."""
     import mmap
     import threading
 
     os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f".tiermem-plan-duplex-{os.getpid()}")
+    path = os.path.join(directory, f".tiermem-plan-probe-{os.getpid()}")
     bufs = [mmap.mmap(-1, block) for _ in range(2)]  # (page-aligned, as O_DIRECT needs)
     for b in bufs:
         b.write(os.urandom(block))
@@ -289,9 +250,12 @@ def disk_both_ways(directory: str, size: int = 256 << 20, block: int = 16 << 20)
         except OSError:  # no O_DIRECT on this filesystem
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            for off in range(0, size, block):  # (the half to read back)
-                os.pwritev(fd, [bufs[0]], off)
-            os.fsync(fd)
+            def write(start: int) -> float:
+                t0 = time.perf_counter()
+                for off in range(start, start + size, block):
+                    os.pwritev(fd, [bufs[1]], off)
+                os.fdatasync(fd)
+                return size / (time.perf_counter() - t0)
 
             def read() -> float:
                 os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)
@@ -300,16 +264,10 @@ def disk_both_ways(directory: str, size: int = 256 << 20, block: int = 16 << 20)
                     os.preadv(fd, [bufs[0]], off)
                 return size / (time.perf_counter() - t0)
 
-            def write() -> float:
-                t0 = time.perf_counter()
-                for off in range(size, 2 * size, block):
-                    os.pwritev(fd, [bufs[1]], off)
-                os.fdatasync(fd)
-                return size / (time.perf_counter() - t0)
-
-            r_alone, w_alone = read(), write()
+            w_alone = write(0)  # (the first half, read back below)
+            r_alone = read()
             got: dict = {}
-            t = threading.Thread(target=lambda: got.update(w=write()))
+            t = threading.Thread(target=lambda: got.update(w=write(size)))
             t.start()
             got["r"] = read()
             t.join()
@@ -324,7 +282,8 @@ def disk_both_ways(directory: str, size: int = 256 << 20, block: int = 16 << 20)
             os.unlink(path)
         except OSError:
             pass
-    return {"nvme_read_beside": min(got["r"] / r_alone, 1.0), "nvme_write_beside": min(got["w"] / w_alone, 1.0)}
+    return {"nvme_read": r_alone, "nvme_write": w_alone,
+            "nvme_read_beside": min(got["r"] / r_alone, 1.0), "nvme_write_beside": min(got["w"] / w_alone, 1.0)}
 
 
 def worker_threads() -> int:
