@@ -305,18 +305,9 @@ def adamw_rate(n: int = 1 << 26, reps: int = 5) -> tuple[float, str, int]:
     8B plan built on the first waited 0.6-1.7 s a step for the CPU worker. The median rather than the fastest
     step, so a start with other work on the cores (the compile's workers) reads neither best nor worst."""
     threads, keep = worker_threads(), torch.get_num_threads()
-    p = torch.nn.Parameter(torch.full((n,), 0.5))
-    p.grad = torch.full((n,), 1e-3)
     torch.set_num_threads(threads)
     try:
-        try:
-            opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
-            opt.step()
-            what = "fused"
-        except (RuntimeError, TypeError):
-            opt = torch.optim.AdamW([p], lr=1e-4, foreach=True)
-            opt.step()
-            what = "foreach"
+        opt, _, what = _cpu_adamw(n)
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
@@ -325,6 +316,21 @@ def adamw_rate(n: int = 1 << 26, reps: int = 5) -> tuple[float, str, int]:
         return n / statistics.median(times), what, threads
     finally:
         torch.set_num_threads(keep)
+
+
+def _cpu_adamw(n: int):
+    """torch's AdamW over one CPU parameter of ``n`` elements with its gradient, stepped once (its state made):
+    (optimizer, parameter, "fused" or "foreach": fused where this torch has it on the CPU)."""
+    p = torch.nn.Parameter(torch.full((n,), 0.5))
+    p.grad = torch.full((n,), 1e-3)
+    try:
+        opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+        opt.step()
+        return opt, p, "fused"
+    except (RuntimeError, TypeError):
+        opt = torch.optim.AdamW([p], lr=1e-4, foreach=True)
+        opt.step()
+        return opt, p, "foreach"
 
 
 def copy_rate(n: int = 1 << 26, reps: int = 5) -> float:
@@ -350,20 +356,13 @@ def cpu_share_beside_copies(device: torch.device, n: int = 1 << 26, reps: int = 
     link copies both ways, as its rate alone: the median of ``reps`` updates each way. The link's copies take
     the host's memory bandwidth that the update runs on."""
     threads, keep = worker_threads(), torch.get_num_threads()
-    p = torch.nn.Parameter(torch.full((n,), 0.5))
-    p.grad = torch.full((n,), 1e-3)
     low = torch.empty(n, dtype=torch.bfloat16)
     hosts = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
     devs = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
     streams = [torch.cuda.Stream(device) for _ in range(2)]
     torch.set_num_threads(threads)
     try:
-        try:
-            opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
-            opt.step()
-        except (RuntimeError, TypeError):
-            opt = torch.optim.AdamW([p], lr=1e-4, foreach=True)
-            opt.step()
+        opt, p, _ = _cpu_adamw(n)
 
         def update(copies: bool) -> float:
             torch.cuda.synchronize(device)
