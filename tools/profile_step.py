@@ -85,19 +85,23 @@ def by_kind(prof, cuda: bool) -> tuple[dict, float, float, list]:
     return dict(out), sum(out.values()), alloc, sorted(top, reverse=True)[:TOP]
 
 
-def ceiling(mcfg, args, device: torch.device, kept: int, parts: dict | None = None) -> float:
-    """Seconds of the step's compute with every part timed alone at the step's micro-batch shape (``kept``
-    layers without their recompute, as the step ran them); ``parts`` gets each part's seconds and the
-    caching allocator's device allocations and frees while they were timed."""
+def time_parts(mcfg, args, device: torch.device) -> dict:
+    """Each part of the step's schedule timed alone at its micro-batch shape (a layer's forward, its backward
+    with recompute, the loss, a layer's gradient handling, the embedding's gradient: seconds), and the caching
+    allocator's device allocations and frees while they were timed."""
     from trainer.plan_workload import _time
 
     before = _device_allocs(device)
     t_f, t_b, t_h, t_g, t_e, _, _ = _time(mcfg, torch.bfloat16, args.batch, args.seq, device, args.loss_chunk)
-    if parts is not None:
-        parts.update(forward=t_f, backward=t_b, loss=t_h, grad=t_g, embed=t_e,
-                     device_allocs=_device_allocs(device) - before)
-    layers = mcfg.num_layers
-    return layers * args.accum * (t_f + t_b) - kept * args.accum * t_f + args.accum * t_h + layers * t_g + t_e
+    return dict(forward=t_f, backward=t_b, loss=t_h, grad=t_g, embed=t_e, device_allocs=_device_allocs(device) - before)
+
+
+def ceiling(parts: dict, mcfg, args, kept: int) -> float:
+    """Seconds of the step's compute with every part as ``parts`` timed it alone (``kept`` layers without their
+    recompute, as the step ran them)."""
+    layers, accum = mcfg.num_layers, args.accum
+    return (layers * accum * (parts["forward"] + parts["backward"]) - kept * accum * parts["forward"]
+            + accum * parts["loss"] + layers * parts["grad"] + parts["embed"])
 
 
 def _device_allocs(device: torch.device) -> int:
@@ -161,8 +165,8 @@ def main() -> None:
                                loss_chunk=args.loss_chunk, gpu_share="auto", passes=0, keep=args.keep,
                                compile=args.compile)
     device = torch.device("cuda" if cuda else "cpu")
-    first: dict = {}
-    ceil_first = ceiling(mcfg, args, device, 0, first)  # (the same timing before any step: as a run's plan times it)
+    first = time_parts(mcfg, args, device)  # (the same timing before any step: as a run's plan times it)
+    ceil_first = ceiling(first, mcfg, args, 0)
     if cuda:
         torch.cuda.empty_cache()
     allocs = _device_allocs(device)
@@ -173,9 +177,9 @@ def main() -> None:
         prof.export_chrome_trace(args.trace)
     kinds, total, alloc, top = by_kind(prof, cuda)
     compute = res["compute_s"]
-    ceil = ceiling(mcfg, args, device, res["kept_layers"])
-    after: dict = {}
-    ceil_after0 = ceiling(mcfg, args, device, 0, after)
+    after = time_parts(mcfg, args, device)
+    ceil = ceiling(after, mcfg, args, res["kept_layers"])
+    ceil_after0 = ceiling(after, mcfg, args, 0)
     tokens = args.batch * args.accum * args.seq
     n_active = mcfg.num_params(active=True)
     print(f"{args.shape} shape ({mcfg.num_params() / 1e9:.2f} B params, {raw['num_hidden_layers']} layers), bf16, "

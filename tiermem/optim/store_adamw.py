@@ -142,7 +142,7 @@ class StoreAdamW:
             self.gpu_share = len(self.on_gpu & set(self.groups)) / len(self.groups)
         # groups whose whole state lives in HBM: the GPU worker updates them there, in place
         self.resident = {g for g in self.groups if self._all_on_gpu(g)}
-        self._resident: dict = {}  # group -> (where its tensors are, what its update computes on)
+        self._resident_work_of: dict = {}  # group -> (where its tensors are, what its update computes on)
         self.guard, self.offer_params, self.cpu_takes_over = guard, offer_params, cpu_takes_over
         self._cpu = cf.ThreadPoolExecutor(1, "tiermem-optim-cpu", initializer=_cpu_worker_thread,
                                           initargs=(self.threads,))
@@ -501,7 +501,7 @@ class StoreAdamW:
         store, cat, pk = self.store, self.store.catalog, self.p_kind
         kinds = [k for k in (pk, "grad", *MOMENTS, "param") if cat.group_entries(g, k)]
         where = tuple((e.tier, e.extent.offset) for k in kinds for e in cat.group_entries(g, k))
-        kept = self._resident.get(g)
+        kept = self._resident_work_of.get(g)
         if kept is not None and kept[0] == where:
             for k in kinds:
                 store.settle(g, k)
@@ -524,7 +524,7 @@ class StoreAdamW:
                 params.append(views["param"][e.spec.name])
                 masters.append(views["master"][state_name(e.spec.name, "master")])
         work = (lists, params, masters, moments, set(kinds))
-        self._resident[g] = (where, work)
+        self._resident_work_of[g] = (where, work)
         return work
 
     def _fetch_state(self, g: Group):
