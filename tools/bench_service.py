@@ -3,6 +3,7 @@
     python3 tools/bench_service.py [--batch 4] [--accum 4] [--seq 4096] [--steps 6] [--layers 28] [--json FILE]
                                    [--share S] [--attached-share S1,S2,...]  # one attached run per share
                                    [--attached-cpu-groups spread,last]  # ... per share and cpu_groups
+                                   [--planned]  # both runs placed by the planner (the service plans the attached one)
                                    [--small]   # a small model: a smoke test that runs on a CPU
 
 Both runs are `tiermem-train` on a random-init Llama-3B shape (bf16, tiermem_init: random) over random
@@ -15,6 +16,9 @@ out of place: CPU AdamW chunk by chunk, the trainer's GPU worker to places the s
 The embedded run keeps the store in the trainer's process; the attached one starts `tiermem serve` with
 that config and sets tiermem_server. Prints the median step time of the steps after the first two, the
 step split and the ratio attached / embedded. Layers are reduced when /dev/shm cannot hold the state.
+--planned leaves placement and the optimizer's split to the planner in both runs (`placement: auto`): the
+embedded run may keep state in HBM, the service plans the attached run with none there; each row then also
+shows the plan's predicted step and measured / predicted.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ def step_times(out: Path, skip: int = 2) -> dict:
     med = lambda k: statistics.median(r[k] for r in rows)
     return {"step_s": med("step_seconds"), "tokens_per_s": med("throughput"), "compute_s": med("compute_seconds"),
             "wait_transfer_s": med("wait_transfer_seconds"), "wait_optimizer_s": med("wait_optimizer_seconds"),
-            "steps": len(rows)}
+            "steps": len(rows), "predicted_s": rows[-1].get("predicted_step_seconds")}
 
 
 def attach(work: Path, svc_store: dict, run, env: dict) -> dict:
@@ -105,8 +109,13 @@ def main() -> int:
     ap.add_argument("--attached-cpu-groups", default=None,
                     help="comma-separated optimizer.cpu_groups values of the service (spread, last), one attached "
                          "run each per share (default: the config's default, spread)")
+    ap.add_argument("--planned", action="store_true",
+                    help="placement and the optimizer's split from the planner in both runs (the service plans one)")
     ap.add_argument("--small", action="store_true", help="a small model (hidden 256, vocab 1024): a smoke test")
     args = ap.parse_args()
+    if args.planned and (args.share != "auto" or args.attached_share or args.attached_cpu_groups):
+        ap.error("--planned leaves the optimizer's split to the planner: no --share, --attached-share or "
+                 "--attached-cpu-groups with it")
 
     work = Path(tempfile.mkdtemp(prefix="bench-service-"))
     shape = dict(SHAPE)
@@ -126,9 +135,11 @@ def main() -> int:
             f.write(json.dumps({"input_ids": [rng.randrange(shape["vocab_size"]) for _ in range(args.seq)]}) + "\n")
     (data / "dataset_info.json").write_text(json.dumps({"rows": {"file_name": "rows.jsonl",
                                                                  "formatting": "tokenized"}}))
-    store = {"tiers": {"gpu": {"device": "cuda"}, "dram": {"path": args.shm}},
+    store = {"tiers": {"gpu": {"device": "auto"}, "dram": {"path": args.shm}},
              "placement": {k: "dram" for k in ("param", "grad", "master", "exp_avg", "exp_avg_sq")},
              "optimizer": {"gpu_share": args.share}}
+    if args.planned:
+        store = {"tiers": store["tiers"], "placement": "auto"}
     train = {"model_name_or_path": str(model), "tiermem_init": "random", "dataset": "rows", "dataset_dir": str(data),
              "cutoff_len": args.seq, "per_device_train_batch_size": args.batch,
              "gradient_accumulation_steps": args.accum, "max_steps": args.steps, "learning_rate": 1e-5,
@@ -164,20 +175,25 @@ def main() -> int:
     for share, how in [(s, h) for s in shares for h in hows]:
         name = "attached" + ("" if share == "auto" else f" {share}") + (f" {how}" if how else "")
         optimizer = {"gpu_share": share, **({"cpu_groups": how} if how else {})}
-        svc_store = dict(store, name="bench-service", optimizer=optimizer)
+        svc_store = dict(store, name="bench-service", **({} if args.planned else {"optimizer": optimizer}))
         results[name] = attach(work, svc_store, lambda: trainer("attached", {"tiermem_server": str(work / "s.sock")}),
                                env)
         print(f"{name}: {results[name]}", flush=True)
         results[name]["ratio_step_time"] = results[name]["step_s"] / results["embedded"]["step_s"]
         runs.append(name)
     print(f"\n{'run':22} {'step s':>8} {'tok/s':>9} {'compute':>8} {'wait xfer':>9} {'wait opt':>9} {'wall s':>7}"
-          f" {'/ embedded':>10}")
+          f" {'/ embedded':>10} {'predicted':>9} {'/ predicted':>11}")
     for name in runs:
         r = results[name]
+        pred = r.get("predicted_s")
         print(f"{name:22} {r['step_s']:8.3f} {r['tokens_per_s']:9,.0f} {r['compute_s']:8.3f} "
               f"{r['wait_transfer_s']:9.3f} {r['wait_optimizer_s']:9.3f} {r['wall_s']:7.1f}"
-              f" {r.get('ratio_step_time', 1.0):10.3f}")
-    print(f"embedded gpu_share {args.share}; attached / embedded step time target 0.95-1.05")
+              f" {r.get('ratio_step_time', 1.0):10.3f}"
+              + (f" {pred:9.3f} {r['step_s'] / pred:11.3f}" if pred else f" {'-':>9} {'-':>11}"))
+    if args.planned:
+        print("placement auto in both runs (the service planned the attached run, with no state in HBM)")
+    else:
+        print(f"embedded gpu_share {args.share}; attached / embedded step time target 0.95-1.05")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     shutil.rmtree(work, ignore_errors=True)
