@@ -7,8 +7,10 @@
 #                                        # placement with only an NVMe path set (STEPS, default 6)
 #   bash tools/gpu_plan_check.sh 14b     # tiermem-train on the Qwen2.5-14B shape across HBM, DRAM and NVMe,
 #                                        # after a full `tiermem probe` (ACCUM, default 64; STEPS, default 4;
-#                                        # PROBE=FILE: a saved full probe of the machine instead; SKIP_PLAN=1:
-#                                        # no separate `tiermem plan` first; host memory sampled to mem14b.txt)
+#                                        # PROBE=FILE: a saved full probe of the machine instead; PROBE=run: the
+#                                        # run's own quick probe, as a user's run without a probe file; SKIP_PLAN=1:
+#                                        # no separate `tiermem plan` first; host memory and the disk's links
+#                                        # sampled every 2 s to mem14b.txt)
 #   bash tools/gpu_plan_check.sh moe     # the MoE tests on CUDA; tiermem-train on Qwen3-30B-A3B's dimensions
 #                                        # with LAYERS (default 20) layers, auto placement over the three tiers
 #                                        # (ACCUM, default 4, of 4 rows; STEPS, default 6); `tiermem plan` of
@@ -69,19 +71,24 @@ small)
 $(python3 -c "import json; print(json.load(open('/tmp/run8b/out/store_stats.json'))['alloc_retries'])")")
   ;;
 14b)
-  if [ -n "${PROBE:-}" ]; then cp "$PROBE" "$OUT/probe.json"  # (a full probe of this machine, saved before)
+  probe_set=", probe: $OUT/probe.json"
+  if [ "${PROBE:-}" = run ]; then probe_set=""  # (the run's quick probe: its figures land in tiermem_plan.json)
+  elif [ -n "${PROBE:-}" ]; then cp "$PROBE" "$OUT/probe.json"  # (a full probe of this machine, saved before)
   else
     python3 -m tiermem.cli probe --size 2GiB --nvme-path /tmp/nvme --save "$OUT/probe.json" --reps 2 > "$OUT/probe.txt" 2>&1
     cat "$OUT/probe.txt"
   fi
   python3 tools/make_shape_run.py --shape 14b --dir /tmp/run14b --accum "${ACCUM:-64}" --steps "${STEPS:-4}" \
-    --nvme /tmp/nvme --set "tiermem={tiers: {nvme: {path: /tmp/nvme}}, probe: $OUT/probe.json}" >/dev/null
+    --nvme /tmp/nvme --set "tiermem={tiers: {nvme: {path: /tmp/nvme}}$probe_set}" >/dev/null
   if [ -z "${SKIP_PLAN:-}" ]; then  # (the run prints the same plan at its start)
     python3 -m trainer.plan_cli /tmp/run14b/train.yaml > "$OUT/plan14b.txt" 2>&1; cat "$OUT/plan14b.txt"
   fi
   # host memory every 2 s while it trains and exports (used, free, shared; dirty and writeback page cache)
   (while sleep 2; do echo "$(date +%T) $(free -m | awk 'NR==2{print "used", $3, "free", $4, "shared", $5}') \
-$(grep -E '^(Dirty|Writeback):' /proc/meminfo | tr -s ' ' | tr '\n' ' ') rss_mb $(ps -o rss= -C python3 | sort -n | tail -1 | awk '{print int($1/1024)}')"; done) > "$OUT/mem14b.txt" &
+$(grep -E '^(Dirty|Writeback):' /proc/meminfo | tr -s ' ' | tr '\n' ' ') rss_mb $(ps -o rss= -C python3 | sort -n | tail -1 | awk '{print int($1/1024)}') \
+$(python3 -c "import json; l = json.load(open('/tmp/run14b/out/tiermem_stats.json'))['store']['links']; \
+print(*(f\"{k} {l[k]['bytes'] / 1e9:.2f} GB {l[k]['busy_s']:.2f} s\" for k in ('nvme->dram', 'dram->nvme')))" 2>/dev/null)"
+  done) > "$OUT/mem14b.txt" &
   sampler=$!
   python3 -m trainer.cli /tmp/run14b/train.yaml > "$OUT/train14b.txt" 2>&1; rc=$?
   kill $sampler; tail -4 "$OUT/mem14b.txt"; dmesg 2>/dev/null | grep -iE "killed process|out of memory" | tail -3
@@ -92,14 +99,23 @@ $(grep -E '^(Dirty|Writeback):' /proc/meminfo | tr -s ' ' | tr '\n' ' ') rss_mb 
 open(sys.argv[2], 'w'))" /tmp/run14b/out/tiermem_stats.json "$OUT/store_stats.json"  # (the live one)
   ls -la /tmp/run14b/out | tail -8; df -h /tmp | tail -1
   summary+=("14B auto (rc $rc): $(steps_of /tmp/run14b/out/trainer_log.jsonl)")
-  summary+=("$(python3 - "$OUT/store_stats.json" "$OUT/probe.json" <<'PY'
-import json, sys
+  summary+=("$(python3 - "$OUT/store_stats.json" "$OUT/probe.json" "$OUT/tiermem_plan.json" <<'PY'
+import json, os, sys
 links = json.load(open(sys.argv[1]))["links"]
-raw = {r["link"].split(" (")[0]: r["raw"] for r in json.load(open(sys.argv[2]))["rows"]}
-for name, probe in (("nvme->dram", "NVMe -> arena"), ("dram->nvme", "arena -> NVMe")):
+if os.path.exists(sys.argv[2]):  # a full probe: its raw O_DIRECT rates alone
+    raw = {r["link"].split(" (")[0]: r["raw"] for r in json.load(open(sys.argv[2]))["rows"]}
+    raw, beside, src = {"r": raw["NVMe -> arena"], "w": raw["arena -> NVMe"]}, {}, "the full probe's"
+else:  # the run's quick probe (tiermem_plan.json): raw O_DIRECT alone, and each way beside the other
+    m = json.load(open(sys.argv[3]))["machine"]
+    raw = {"r": m["nvme_read"] / 1e9, "w": m["nvme_write"] / 1e9}
+    beside = {"r": m.get("nvme_read_beside"), "w": m.get("nvme_write_beside")}
+    src = "the run's quick probe's"
+for name, k in (("nvme->dram", "r"), ("dram->nvme", "w")):
     l = links[name]
+    extra = (f", {l['gbps_avg'] / (raw[k] * beside[k]):.2f} of its raw both ways {raw[k] * beside[k]:.2f}"
+             if beside.get(k) else "")
     print(f"{name}: {l['bytes'] / 1e9:.1f} GB in {l['busy_s']:.1f} s busy = {l['gbps_avg']:.2f} GB/s, "
-          f"{l['gbps_avg'] / raw[probe]:.2f} of the probe's raw {raw[probe]:.2f} GB/s;", end=" ")
+          f"{l['gbps_avg'] / raw[k]:.2f} of {src} raw {raw[k]:.2f} GB/s alone{extra};", end=" ")
 PY
 )")
   ;;
