@@ -38,3 +38,36 @@ def test_a_param_request_starts_once_the_params_are_home_before_the_version(make
             assert cat.params_version(1) == 2
         finally:
             pre.close()
+
+
+def test_a_group_laid_out_end_to_end_comes_to_the_gpu_in_one_copy(make_cfg):
+    """A streamed group whose tensors lie end to end in DRAM (as the store lays a group out) is fetched into its
+    slot by one copy of the span, each tensor's view at its place in it (a mixture-of-experts layer has hundreds
+    of tensors: a copy each held the interpreter); when they do not, a copy each."""
+    sizes = [256, 1000, 4096, 3, 1024]  # (elements: extents 4 KiB-aligned, some with padding after them)
+    specs = [TensorSpec(f"l0.w{i}", (n,), torch.float32, "param", 0) for i, n in enumerate(sizes)]
+    with Store.open(make_cfg(placement={"param": "dram"}, nvme=False), specs) as store:
+        values = {s.name: torch.randn(s.shape) for s in specs}
+        for name, t in values.items():
+            store.write(name, t).result()
+        calls, real = [], store.mover.copy
+
+        def counted(src, dst, *a, **k):
+            calls.append(store.mover.nbytes(src))
+            return real(src, dst, *a, **k)
+
+        store.mover.copy = counted
+        view = store.fetch(0).result()
+        assert len(calls) == 1 and calls[0] >= sum(4 * n for n in sizes)
+        assert all(torch.equal(view.tensors[n].cpu(), t) for n, t in values.items())
+        view.release()
+        # two tensors' places swapped (both one 4 KiB extent): not in order any more, a copy each
+        e0, e3 = store.catalog["l0.w0"], store.catalog["l0.w3"]
+        e0.extent, e3.extent = e3.extent, e0.extent
+        for name in ("l0.w0", "l0.w3"):
+            store.write(name, values[name]).result()
+        calls.clear()
+        view = store.fetch(0).result()
+        assert len(calls) == len(sizes)
+        assert all(torch.equal(view.tensors[n].cpu(), t) for n, t in values.items())
+        view.release()

@@ -50,6 +50,22 @@ class GroupView:
         return fn(write_back) if fn is not None else done_future()
 
 
+def _span(entries: list[Entry]) -> Location | None:
+    """The place that holds ``entries`` end to end, in order (off HBM: one tier, each one starting where the
+    last one's extent ends), so one copy brings them all; None when they are not laid out so."""
+    first, tier = entries[0], entries[0].tier
+    if tier == "gpu" or first.extent is None:
+        return None
+    end = first.extent.end
+    for e in entries[1:]:
+        if e.tier != tier or e.extent is None or e.extent.offset != end:
+            return None
+        end = e.extent.end
+    last = entries[-1]
+    n = last.extent.offset + last.spec.nbytes - first.extent.offset
+    return Location(tier, Extent(first.extent.offset, n), n)
+
+
 def _typed(raw: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     """A typed tensor over ``raw``'s bytes. It aliases the tier's memory without being an autograd view
     of the tier's buffer, so in-place writes elsewhere in the buffer do not bump its version counter."""
@@ -274,8 +290,12 @@ class Store:
         slot = self.gpu.acquire_slot()
         self.waits["gpu_slot"] += time.perf_counter() - t0
         views, copies, off = {}, [], 0
+        span = _span(entries)
+        whole = span is not None and span.nbytes <= slot.extent.nbytes
+        base = self.gpu.view(slot.extent)
         for e in entries:
-            raw = self.gpu.view(slot.extent)[off: off + e.spec.nbytes]
+            at = e.extent.offset - span.extent.offset if whole else off
+            raw = base[at: at + e.spec.nbytes]
             off += align_up(e.spec.nbytes, GPU_ALIGN)
             views[e.spec.name] = _typed(raw, e.spec)
             copies.append((e, raw))
@@ -284,6 +304,8 @@ class Store:
             offered, ready = self._offered.pop((group, kind), (None, None))
             if offered is not None and all(e.spec.name in offered for e, _ in copies):
                 return all_of([self.mover.copy(offered[e.spec.name], raw, ready) for e, raw in copies])
+            if whole:  # (one copy of the span: a mixture-of-experts layer has hundreds of tensors)
+                return self.mover.copy(span, base[: span.nbytes], slot.free_event)
             return all_of([self.mover.copy(self.location(e), raw, slot.free_event) for e, raw in copies])
 
         def release(write_back: bool) -> cf.Future:
