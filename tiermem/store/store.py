@@ -92,6 +92,7 @@ class Store:
             self._make_tiers(device, capacity, slot_bytes, n_slots, pin)
         self.mover = Mover(self.gpu, self.dram, self.nvme)
         self._tails: dict[tuple[Group, str], cf.Future] = {}
+        self._views: dict[tuple[Group, str], tuple] = {}  # (group, kind) -> (offsets, views) of HBM tensors
         self._tail_lock = threading.Lock()
         self.waits: dict[str, float] = defaultdict(float)
         self._offered: dict[tuple[Group, str], tuple[dict[str, torch.Tensor], object]] = {}
@@ -284,8 +285,7 @@ class Store:
         if not entries:
             raise KeyError(f"no {kind} tensors in group {group!r}")
         if all(e.tier == "gpu" for e in entries):
-            return done_future(GroupView(group, kind, {e.spec.name: _typed(self.gpu.view(e.extent), e.spec)
-                                                       for e in entries}))
+            return done_future(GroupView(group, kind, self._hbm_views(group, kind, entries)))
         t0 = time.perf_counter()
         slot = self.gpu.acquire_slot()
         self.waits["gpu_slot"] += time.perf_counter() - t0
@@ -331,7 +331,18 @@ class Store:
         entries = self.catalog.group_entries(group, kind)
         if any(e.tier != "gpu" for e in entries):
             raise ValueError(f"group {group!r} {kind} does not live in HBM")
-        return {e.spec.name: _typed(self.gpu.view(e.extent), e.spec) for e in entries}
+        return self._hbm_views(group, kind, entries)
+
+    def _hbm_views(self, group: Group, kind: str, entries: list[Entry]) -> dict[str, torch.Tensor]:
+        """Typed views of tensors that live in HBM, made once and kept while they stay where they are (a
+        mixture-of-experts layer has hundreds of tensors, and the trainer takes each group's weights several
+        times a step)."""
+        where = tuple(e.extent.offset for e in entries)
+        kept = self._views.get((group, kind))
+        if kept is None or kept[0] != where:
+            kept = (where, {e.spec.name: _typed(self.gpu.view(e.extent), e.spec) for e in entries})
+            self._views[(group, kind)] = kept
+        return dict(kept[1])
 
     def offer(self, group: Group, kind: str, tensors: dict[str, torch.Tensor]) -> None:
         """Say that ``tensors`` (GPU memory) hold the current bytes of the group's ``kind`` tensors, so the
