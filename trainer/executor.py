@@ -119,6 +119,18 @@ class Executor:
         if self.optimizer.grads_on_gpu(group):  # updated on the GPU: no round trip through DRAM
             self.store.offer(group, "grad", named)
 
+    def _grad_home(self, group, weights: dict) -> list[torch.Tensor] | None:
+        """The group's gradient tensors in their home, in ``weights``' order, when that home is in HBM and the
+        step's one pass hands the gradient there (a group that lives in HBM, updated from it): the backward
+        sums each micro-batch's gradient into them directly. None otherwise."""
+        if self.reducer is not None or not self.optimizer.grads_home(group) or self.optimizer.grads_on_gpu(group):
+            return None
+        entries = self.store.catalog.group_entries(group, "grad")
+        if not entries or any(e.tier != "gpu" for e in entries):
+            return None
+        views = self.store.gpu_views(group, "grad")
+        return [views[state_name(n, "grad")] for n in weights]
+
     def _partials(self, group, first: bool):
         """On a pass after the first, start reading back the group's gradient partial sums of the earlier
         passes into fresh GPU buffers: (name -> buffer, future), or None on the first pass. Started before
@@ -317,6 +329,7 @@ class Executor:
             view = self._take(r_bwd[n], "backward")
             w = self._weights(view)
             acc: list[torch.Tensor] | None = None
+            home = self._grad_home(i, view.tensors) if first and last else None
             for mb in range(len(ids)):
                 if i in keep:  # (no recompute: the forward kept the layer's graph)
                     grads_y[mb], g_w = model.graph_backward(graphs[i][mb], grads_y[mb])
@@ -324,11 +337,13 @@ class Executor:
                 else:
                     grads_y[mb], g_w = model.layer_backward(i, w, acts[i][mb], grads_y[mb], ctx[mb])
                 acts[i][mb] = None
-                if acc is None:
+                if acc is None and home is not None:  # (summed where the optimizer reads it: no copy home)
+                    torch._foreach_copy_(home, g_w)
+                    acc = home
+                elif acc is None:
                     acc = [g.float() for g in g_w]
                 else:
-                    for a, g in zip(acc, g_w):
-                        a.add_(g)
+                    torch._foreach_add_(acc, g_w)
             view.release()
             sq.append(self._grads(i, dict(zip(view.tensors.keys(), acc)), partials, last))
             HOOKS.point("backward", step + 1)

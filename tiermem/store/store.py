@@ -406,8 +406,8 @@ class Store:
             futs = []
             for e, t in work:
                 same = (e.tier != "nvme" and self.mover.view(self.location(e)).data_ptr() == t.data_ptr())
-                if same:  # a view of its own home: nothing to copy
-                    futs.append(done_future())
+                if same:  # a view of its own home: nothing to copy, but the kernels that wrote it must have run
+                    futs.append(self.mover.after(wait) if wait is not None else done_future())
                     e.valid = True
                     continue
                 e.valid = False

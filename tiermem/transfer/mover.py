@@ -176,6 +176,10 @@ class Mover:
             return self._local.submit(local)
         raise ValueError(f"no link {key}")
 
+    def after(self, event) -> cf.Future:
+        """A future that completes once the work before ``event`` (a CUDA event) has run."""
+        return self._local.submit(event.synchronize)
+
     def _io(self, link: LinkStats, op, buf: torch.Tensor, extent: Extent) -> cf.Future:
         link.start()
         fut = op(buf, extent)
