@@ -23,6 +23,7 @@ import torch
 
 from tiermem.store.catalog import Group
 from tiermem.store.shared import PeerLost
+from trainer.executor import squared_norm
 
 
 def owners(groups: list[Group], specs, size: int) -> dict[Group, int]:
@@ -108,7 +109,7 @@ class GradReducer:
             grads[x] = buf[off: off + k].view(shape)
             off += k
         self.hand(group, grads)
-        self._sq[group] = sum(g.pow(2).sum() for g in grads.values())
+        self._sq[group] = squared_norm(list(grads.values()))
 
     def finish(self) -> float:
         """Wait for the step's reductions; the squared global norm (every owner's part, summed in the order the

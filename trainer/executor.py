@@ -61,6 +61,15 @@ class StepResult:
         return max(self.seconds - self.wait_transfer - self.wait_optimizer, 0.0)
 
 
+
+def squared_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The squared L2 norm of ``tensors`` together: each one's norm in one foreach call (as PyTorch's
+    clip_grad_norm_ takes them), squared and added (a mixture-of-experts layer has hundreds of tensors: a
+    reduction and an add each were hundreds of kernel launches a layer)."""
+    if not tensors:
+        return torch.zeros(())
+    return torch.stack(torch._foreach_norm(tensors, 2)).pow(2).sum()
+
 class Executor:
     def __init__(self, store, cfg, dtype: torch.dtype, optimizer, max_grad_norm: float,
                  loss_chunk_tokens: int, activation_budget: int | None = None, keep_layers: int = 0, reducer=None):
@@ -159,7 +168,7 @@ class Executor:
             return None
         if last:
             self._hand_grads(group, grads)
-            return sum(g.pow(2).sum() for g in grads.values())
+            return squared_norm(list(grads.values()))
         self.store.store_group(group, "grad", {state_name(n, "grad"): g for n, g in grads.items()})
         return None
 

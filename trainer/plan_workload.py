@@ -16,6 +16,7 @@ import torch
 
 from tiermem.plan.machine import Machine
 from tiermem.plan.workload import Workload
+from trainer.executor import squared_norm
 from trainer.model.select import model_stages
 from trainer.model.weights import all_weights, init_weight
 
@@ -150,7 +151,7 @@ def _time(cfg, dtype: torch.dtype, rows: int, seq: int, device: torch.device, lo
             a.add_(g)
 
     def grad_step():
-        sum(a.pow(2).sum() for a in acc.values())
+        squared_norm(list(acc.values()))
         for k, a in acc.items():
             home[k].copy_(a)
 
