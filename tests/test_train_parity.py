@@ -169,11 +169,12 @@ def test_the_pad_row_trains_as_in_hugging_face(tmp_path, family, tied):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("gpu_share,passes", [(0.0, 1), (0.5, 1), (1.0, 1), (0.0, 2), (0.5, 2)])
-def test_auto_placement_with_resident_shared_groups_matches(tmp_path, gpu_share, passes):
+def test_auto_placement_with_resident_shared_groups_matches(tmp_path, capsys, gpu_share, passes):
     """The planner's placement with an explicit optimizer.gpu_share (which wins over the planner's split): the
     state lives on the (CPU stand-in) GPU tier and the workers split the groups by the share; with a small
-    activation budget each step runs as one layer-major pass per micro-batch, gradients adding up in the
-    store between passes. (test_planner_layouts_match_plain_pytorch streams some groups.)"""
+    activation budget each step runs as one layer-major pass per micro-batch, every group's gradient summed
+    in its home in HBM over the passes (no partial sums go out and come back).
+    (test_planner_layouts_match_plain_pytorch streams some groups, whose partial sums do.)"""
     model_dir = save_tiny_model("llama", tmp_path / "model")
     data_dir = tmp_path / "data"
     name = write_tokenized_dataset(data_dir)
@@ -183,8 +184,9 @@ def test_auto_placement_with_resident_shared_groups_matches(tmp_path, gpu_share,
     budget = {"tiermem_activation_budget": "1KiB"} if passes > 1 else {}
     assert run_cli(tmp_path, model_dir, data_dir, name, tiermem, **budget) == 0
     stats = json.loads((tmp_path / "out" / "store_stats.json").read_text())
-    assert ("gradient_partials" in stats["waits_s"]) == (passes > 1)
-    assert stats  # the run left its store's final snapshot
+    assert ("each step runs as 2 layer-major passes" in capsys.readouterr().out) == (passes > 1)
+    assert "gradient_partials" not in stats["waits_s"]  # (summed at home: nothing read back between passes)
+    assert stats["links"]["gpu->gpu"]["bytes"] == 0
     assert_same_weights(tmp_path / "out", ref, tied=False)
 
 
@@ -312,7 +314,8 @@ def test_planner_layouts_match_plain_pytorch(tmp_path, case):
     """The planner's layouts on a (CPU stand-in) GPU too small for the whole state: groups that live in HBM
     (updated in place), a streamed group, an explicit gpu_share (the CPU worker takes the resident groups
     too), a pinned kind on NVMe beside kinds in HBM (the GPU worker reads and writes it through the store),
-    and two passes a step: each ends with plain PyTorch's weights."""
+    and two passes a step with the gradients pinned to DRAM (their partial sums go home and come back between
+    passes): each ends with plain PyTorch's weights."""
     model_dir, data_dir, name, ref, tiermem = small_gpu_run(tmp_path)
     over = {}
     if case == "cpu worker":
@@ -322,9 +325,13 @@ def test_planner_layouts_match_plain_pytorch(tmp_path, case):
         tiermem["tiers"]["gpu"]["budget"] = "1500KiB"  # (with the GPU optimizer's copies)
     elif case == "two passes":
         over["tiermem_activation_budget"] = "1KiB"
+        tiermem["placement"] = {"grad": "dram"}
     assert run_cli(tmp_path, model_dir, data_dir, name, tiermem, **over) == 0
     placement = yaml.safe_load((tmp_path / "out" / "training_args.yaml").read_text())["tiermem"]["placement"]
-    if case == "pinned on nvme":
+    if case == "two passes":
+        assert placement["grad"] == "dram", placement
+        assert "gradient_partials" in json.loads((tmp_path / "out" / "store_stats.json").read_text())["waits_s"]
+    elif case == "pinned on nvme":
         assert placement["exp_avg_sq"] == "nvme" and placement["exp_avg"] == "gpu", placement
     else:  # some groups in HBM, the others streamed from DRAM
         assert set(placement["master" if "master" in placement else "param"]) == {"gpu", "dram"}, placement

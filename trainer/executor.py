@@ -128,17 +128,29 @@ class Executor:
         if self.optimizer.grads_on_gpu(group):  # updated on the GPU: no round trip through DRAM
             self.store.offer(group, "grad", named)
 
-    def _grad_home(self, group, weights: dict) -> list[torch.Tensor] | None:
-        """The group's gradient tensors in their home, in ``weights``' order, when that home is in HBM and the
-        step's one pass hands the gradient there (a group that lives in HBM, updated from it): the backward
-        sums each micro-batch's gradient into them directly. None otherwise."""
+    def _sums_at_home(self, group) -> bool:
+        """Whether the group's gradient is summed where the optimizer reads it: its home is in HBM and the step
+        hands it there (a group that lives in HBM, updated from it). The backward then adds every micro-batch's
+        gradient, over all of a step's passes, into that home: no partial sums go out and come back between
+        passes (two copies of the group's fp32 gradient a pass), and the sum is added in the order one pass
+        adds it."""
         if self.reducer is not None or not self.optimizer.grads_home(group) or self.optimizer.grads_on_gpu(group):
-            return None
+            return False
         entries = self.store.catalog.group_entries(group, "grad")
-        if not entries or any(e.tier != "gpu" for e in entries):
-            return None
+        return bool(entries) and all(e.tier == "gpu" for e in entries)
+
+    def _grad_home(self, group, names) -> list[torch.Tensor]:
+        """The gradient tensors in HBM of a group that ``_sums_at_home``, in the order of the weights ``names``."""
         views = self.store.gpu_views(group, "grad")
-        return [views[state_name(n, "grad")] for n in weights]
+        return [views[state_name(n, "grad")] for n in names]
+
+    def _add_home(self, group, grads: dict[str, torch.Tensor], first: bool) -> dict[str, torch.Tensor]:
+        """A gradient computed apart (the LM head's, the embedding's) copied into its home on the step's first
+        pass and added to it on the others; the home's tensors by the same names."""
+        names = list(grads)
+        home = self._grad_home(group, names)
+        (torch._foreach_copy_ if first else torch._foreach_add_)(home, [grads[n] for n in names])
+        return dict(zip(names, home))
 
     def _partials(self, group, first: bool):
         """On a pass after the first, start reading back the group's gradient partial sums of the earlier
@@ -154,10 +166,13 @@ class Executor:
             futs.append(self.store.read(spec.name, out=bufs[n]))
         return bufs, all_of(futs)
 
-    def _grads(self, group, grads: dict[str, torch.Tensor], partials, last: bool):
+    def _grads(self, group, grads: dict[str, torch.Tensor], partials, last: bool, at_home: bool = False):
         """Hand a layer's gradient of this pass on: partial sums go to the store between passes and come
         back (``partials``, from ``_partials``) to be added; the last pass's sum is the gradient, whose
-        squared norm is returned."""
+        squared norm is returned. ``at_home``: ``grads`` are the group's home in HBM, summed there over the
+        passes so far (``_sums_at_home``): nothing goes anywhere before the last pass."""
+        if at_home and not last:
+            return None
         if partials is not None:
             prev, fut = partials
             self.store.wait(fut, "gradient_partials")
@@ -303,7 +318,8 @@ class Executor:
 
         # 2. loss + its backward, chunked over tokens
         self.phase, self.layer = "loss", "head"
-        head_partials = self._partials("head", first)
+        head_home = self._sums_at_home("head")
+        head_partials = None if head_home else self._partials("head", first)
         view = self._take(r_head, "loss")
         tied_view = self._take(r_tied, "loss") if tied else None
         loss = torch.zeros((), dtype=torch.float32, device=dev)
@@ -325,20 +341,24 @@ class Executor:
         view.release()
         if tied_view is not None:
             tied_view.release()
-        sq = [self._grads("head", head_grads, head_partials, last)]
+        if head_home:
+            head_grads = self._add_home("head", head_grads, first)
+        sq = [self._grads("head", head_grads, head_partials, last, head_home)]
 
         # 3. backward, layer-major, with recompute
         self.phase = "backward"
-        embed_partials = self._partials("embed", first) if L == 0 else None  # (else with layer 0, below)
+        embed_home = self._sums_at_home("embed")
+        embed_partials = self._partials("embed", first) if L == 0 and not embed_home else None  # (else with layer 0)
         for n, i in enumerate(reversed(range(L))):
             self.layer = i
-            partials = self._partials(i, first)
-            if i == 0:
+            at_home = self._sums_at_home(i)
+            partials = None if at_home else self._partials(i, first)
+            if i == 0 and not embed_home:
                 embed_partials = self._partials("embed", first)
             view = self._take(r_bwd[n], "backward")
             w = self._weights(view)
             acc: list[torch.Tensor] | None = None
-            home = self._grad_home(i, view.tensors) if first and last else None
+            home = self._grad_home(i, view.tensors) if at_home else None
             for mb in range(len(ids)):
                 if i in keep:  # (no recompute: the forward kept the layer's graph)
                     grads_y[mb], g_w = model.graph_backward(graphs[i][mb], grads_y[mb])
@@ -347,14 +367,14 @@ class Executor:
                     grads_y[mb], g_w = model.layer_backward(i, w, acts[i][mb], grads_y[mb], ctx[mb])
                 acts[i][mb] = None
                 if acc is None and home is not None:  # (summed where the optimizer reads it: no copy home)
-                    torch._foreach_copy_(home, g_w)
+                    (torch._foreach_copy_ if first else torch._foreach_add_)(home, g_w)
                     acc = home
                 elif acc is None:
                     acc = [g.float() for g in g_w]
                 else:
                     torch._foreach_add_(acc, g_w)
             view.release()
-            sq.append(self._grads(i, dict(zip(view.tensors.keys(), acc)), partials, last))
+            sq.append(self._grads(i, dict(zip(view.tensors.keys(), acc)), partials, last, at_home))
             HOOKS.point("backward", step + 1)
 
         # the embedding's gradient: every micro-batch's input gradient, plus the tied LM head's
@@ -363,7 +383,9 @@ class Executor:
         g_embed = model.embed_grads(view.tensors if view is not None else None, ids, grads_y, ctx, g_tied)
         if view is not None:
             view.release()
-        sq.append(self._grads("embed", g_embed, embed_partials, last))
+        if embed_home:
+            g_embed = self._add_home("embed", g_embed, first)
+        sq.append(self._grads("embed", g_embed, embed_partials, last, embed_home))
         del grads_y, acts
         if aux is not None:
             loss = loss + aux / scale  # (the caller scales the summed loss by scale)
