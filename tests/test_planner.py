@@ -470,39 +470,49 @@ def test_nvme_traffic_is_each_resident_byte_read_and_written_once():
     for gpu_updates in (set(), {"embed", 0, 1}):
         p = predict(Layout(where, gpu_updates, 1), w, m, gb, params)
         assert p.bytes["nvme_read"] == moments and p.bytes["nvme_write"] == moments
-        # (reads and writes at once, each at its share beside the other: the disk's busier direction)
-        read = moments / (m.nvme_read * m.nvme_read_beside)
-        write = moments / (m.nvme_write * m.nvme_write_beside)
+        # (one disk: its reads and writes one after the other, each at its rate alone times nvme_both)
+        read = moments / (m.nvme_read * m.nvme_both)
+        write = moments / (m.nvme_write * m.nvme_both)
         assert p.nvme_read == pytest.approx(read) and p.nvme_write == pytest.approx(write)
-        assert p.busy["nvme"] == pytest.approx(max(read, write))
+        assert p.busy["nvme"] == pytest.approx(read + write)
 
 
-def test_the_disk_reads_and_writes_at_once_at_the_machines_shares():
-    """The disk's reads and writes are two resources, each at its rate times its share beside the other
-    (`nvme_read_beside`, `nvme_write_beside`: the full probe's "disk ... beside ..." rows, else the H200's,
-    said to be assumed); a disk-bound step is as long as its busier direction, not their sum."""
+def test_the_disk_is_one_resource_its_gain_both_ways_a_machine_figure():
+    """The disk reads and writes as one resource, each operation at its direction's rate alone times
+    `nvme_both` (the full probe's "disk both ways" row, else the H200's, said to be assumed): a disk-bound step
+    is as long as its reads and writes one after the other, shorter as the disk gains more from both at once.
+    A probe of an earlier version, with each direction's share beside the other, gives the same figure."""
     layers = 4
     specs = specs_for(layers, 50_000_000, 20_000_000)
     gb, params = sizes(specs)
     where = {k: ("nvme" if k[1] in ("exp_avg", "exp_avg_sq") else "dram") for k in gb}
     w = workload(layers, fwd=0.001)  # (little compute: the disk bounds the step)
-    both = predict(Layout(where, set(), 1), w, machine(nvme_read_beside=1.0, nvme_write_beside=1.0), gb, params)
-    half = predict(Layout(where, set(), 1), w, machine(nvme_read_beside=0.5, nvme_write_beside=0.5), gb, params)
-    assert both.busy["nvme"] == pytest.approx(max(both.nvme_read, both.nvme_write))
-    assert half.nvme_read == pytest.approx(2 * both.nvme_read) and half.nvme_write == pytest.approx(2 * both.nvme_write)
-    assert both.step < both.nvme_read + both.nvme_write and half.step > both.step
-    assert Machine.from_probe("tests/golden/probe_h200.json").nvme_write_beside == 0.64
-    m = Machine.from_probe(probe_with({"disk read beside writes": 0.7, "disk write beside reads": 0.8}))
-    assert (m.nvme_read_beside, m.nvme_write_beside) == (0.7, 0.8) and "nvme_read_beside" not in m.assumed
+    one = predict(Layout(where, set(), 1), w, machine(nvme_both=1.0), gb, params)
+    two = predict(Layout(where, set(), 1), w, machine(nvme_both=2.0), gb, params)
+    assert one.busy["nvme"] == pytest.approx(one.nvme_read + one.nvme_write)
+    assert two.busy["nvme"] == pytest.approx(one.busy["nvme"] / 2)
+    assert one.step >= one.busy["nvme"] and two.step < one.step
+    h200 = Machine.from_probe("tests/golden/probe_h200.json")
+    assert h200.nvme_both == 0.95 and "nvme_both" in h200.assumed
+    m = Machine.from_probe(probe_with({"disk both ways": 1.3}))
+    assert m.nvme_both == 1.3 and "nvme_both" not in m.assumed
+    old = Machine.from_probe(probe_with({"disk read beside writes": 1.0, "disk write beside reads": 0.5}))
+    r, wr = old.nvme_read, old.nvme_write  # (equal bytes each way: 1/r + 1/w one after the other)
+    assert old.nvme_both == pytest.approx((1 / r + 1 / wr) / max(1 / r, 1 / (0.5 * wr)))
+    plan = Machine.h200("x").to_json()
+    del plan["nvme_both"]
+    plan.update(nvme_read_beside=1.0, nvme_write_beside=0.5)  # (a tiermem_plan.json of an earlier version)
+    r, wr = plan["nvme_read"], plan["nvme_write"]
+    assert Machine.from_json(plan).nvme_both == pytest.approx((1 / r + 1 / wr) / max(1 / r, 1 / (0.5 * wr)))
 
 
 def test_the_quick_probe_times_the_disk_each_way_alone_and_both_at_once(tmp_path):
-    """`disk_rates`: the disk's rates alone and each direction's share beside the other, on one file it removes."""
-    from tiermem.plan.machine import disk_rates
+    """`disk_rates`: the disk's rates alone and its gain both ways at once, on one file it removes."""
+    from tiermem.plan.machine import BOTH_RANGE, disk_rates
 
     got = disk_rates(str(tmp_path), size=8 << 20, block=1 << 20)
     assert got["nvme_read"] > 0 and got["nvme_write"] > 0
-    assert 0 < got["nvme_read_beside"] <= 1 and 0 < got["nvme_write_beside"] <= 1
+    assert BOTH_RANGE[0] <= got["nvme_both"] <= BOTH_RANGE[1]
     assert list(tmp_path.iterdir()) == []
 
 

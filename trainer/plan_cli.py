@@ -142,9 +142,10 @@ def _workload(path: str, mcfg, shape):
         return w, None  # (its tokens as measured: a run's packed rows may hold fewer than cutoff_len)
     names = {f.name for f in dataclasses.fields(Machine)}
     # (figures a plan of an earlier version did not carry: the H200's then)
-    later = {"duplex", "copy_drag", "cpu_copy", "cpu_in_run", "nvme_read_beside", "nvme_write_beside"}
-    rates = [k for k in names - {"disk_free", "source", "assumed"} if k in m]
-    if not (names - later <= set(m) <= names) or not all(
+    later = {"duplex", "copy_drag", "cpu_copy", "cpu_in_run", "nvme_both"}
+    earlier = {"nvme_read_beside", "nvme_write_beside"}  # (figures a plan of an earlier version carried)
+    rates = [k for k in (names | earlier) - {"disk_free", "source", "assumed"} if k in m]
+    if not (names - later <= set(m) <= names | earlier) or not all(
             isinstance(m[k], (int, float)) and not isinstance(m[k], bool) and 0 <= m[k] < 1e18 for k in rates):
         raise ConfigError(f"--workload {path}: its machine figures are not a tiermem plan's")
     there = str(m["source"])

@@ -157,7 +157,7 @@ def split_line(plan: Plan) -> str:
              "cpu": "CPU AdamW"}
     parts = [f"{names[r]} {p.busy[r]:.2f}s" for r in ("gpu", "gpu_adamw", "h2d", "d2h", "cpu") if p.busy[r] > 0]
     if p.busy["nvme"] > 0:
-        parts.append(f"NVMe {p.busy['nvme']:.2f}s (read {p.nvme_read:.2f} beside write {p.nvme_write:.2f})")
+        parts.append(f"NVMe {p.busy['nvme']:.2f}s (read {p.nvme_read:.2f} + write {p.nvme_write:.2f})")
     return ", ".join(parts)
 
 

@@ -1,7 +1,7 @@
 """The cost model: one steady training step, simulated on the machine's figures, per resource.
 
     p = predict(layout, workload, machine, group_bytes, group_params)
-    p.step, p.busy["nvme_read"], p.bound, p.waits
+    p.step, p.busy["nvme"], p.bound, p.waits
 
 The step is the schedule of DESIGN.md, as the trainer and the store run it: the previous step's update
 starts when its backward ends (t = 0) and runs group by group in forward order, on the GPU worker (state
@@ -11,13 +11,13 @@ state staged into DRAM one group ahead); the forward of a group waits for its up
 reverse order, each group's gradient copied home when the CPU updates it; with several passes the partial
 gradients go home and come back between passes. Every operation takes one resource for bytes / rate
 seconds: ``gpu`` (the compute stream), ``gpu_adamw`` (the optimizer's stream), the PCIe link each way
-(``h2d``, ``d2h``), the disk each way (its reads and its writes run at once, each at the machine's
-``nvme_read_beside`` / ``nvme_write_beside`` share of its rate alone; the H200 machine's virtio disk read at its
-full rate and wrote at 0.64 of it while both ran in the 14B run; ``nvme`` reports the busier direction) and the
-CPU's AdamW (``cpu``). A resource serves the ready operation that became ready first (a list schedule). The
-link's copies run at the machine's ``duplex`` share of its rate alone (both directions copy through most of a
-step), and the compute is stretched by ``copy_drag`` of the time both directions are busy (on the H200 machine:
-0.92, and matmuls at 0.94 beside copies both ways; one direction costs them nothing).
+(``h2d``, ``d2h``), the disk (``nvme``: one resource that reads and writes, each at its rate alone times the
+machine's ``nvme_both``, the gain of both directions at once: the H200 machine's virtio disk served one direction
+at a time in the 14B runs, 0.95) and the CPU's AdamW (``cpu``). A resource serves the ready operation that
+became ready first (a list schedule). The link's copies run at the machine's ``duplex`` share of its rate alone
+(both directions copy through most of a step), and the compute is stretched by ``copy_drag`` of the time both
+directions are busy (on the H200 machine: 0.92, and matmuls at 0.94 beside copies both ways; one direction costs
+them nothing).
 
 The step's time is the later of the last backward's end and the busiest resource's total (a resource busier
 than the step delays the next one: steady state). The bound is that resource, or the wait that stretched
@@ -33,8 +33,7 @@ from tiermem.plan.machine import Machine
 from tiermem.plan.workload import Workload
 from tiermem.store.catalog import Group
 
-RESOURCES = ("gpu", "gpu_adamw", "h2d", "d2h", "nvme", "cpu")  # (as a prediction reports them)
-_SIMULATED = ("gpu", "gpu_adamw", "h2d", "d2h", "nvme_read", "nvme_write", "cpu")
+RESOURCES = ("gpu", "gpu_adamw", "h2d", "d2h", "nvme", "cpu")
 SLOTS = 3
 
 
@@ -89,9 +88,9 @@ class _Sim:
             for d in deps:
                 users[d].append(i)
         ready_at = [0.0] * n
-        free = dict.fromkeys(_SIMULATED, 0.0)
-        busy = dict.fromkeys(_SIMULATED, 0.0)
-        queues: dict[str, list] = {r: [] for r in _SIMULATED}
+        free = dict.fromkeys(RESOURCES, 0.0)
+        busy = dict.fromkeys(RESOURCES, 0.0)
+        queues: dict[str, list] = {r: [] for r in RESOURCES}
         for i in range(n):
             if not waiting[i]:
                 heapq.heappush(queues[self.ops[i][0]], (0.0, i))
@@ -144,9 +143,9 @@ def predict(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_pa
 
     def nvme(n, write: bool, deps=(), tag=""):
         moved["nvme_write" if write else "nvme_read"] += n
-        s = n / (m.nvme_write * m.nvme_write_beside if write else m.nvme_read * m.nvme_read_beside)
+        s = n / ((m.nvme_write if write else m.nvme_read) * m.nvme_both)
         disk["write" if write else "read"] += s
-        return sim.op("nvme_write" if write else "nvme_read", s, deps, tag)
+        return sim.op("nvme", s, deps, tag)
 
     groups = w.groups
     has_master = any(k == "master" for (_, k) in group_bytes)
@@ -249,7 +248,6 @@ def predict(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_pa
                     partial_home[g] = d2h(nbytes(g, "grad"), [c], f"partial home {g}")
 
     start, end, busy = sim.run()
-    busy["nvme"] = max(busy.pop("nvme_read"), busy.pop("nvme_write"))  # (the disk's busier direction)
     drag = m.copy_drag * min(busy["h2d"], busy["d2h"])  # (the compute beside copies both ways)
     busy["gpu"] += drag
     finish = max([end[last_compute] + drag, *(end[i] for i in last_grad)])

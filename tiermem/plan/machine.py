@@ -38,9 +38,12 @@ H200 = {
     # groups' weights and gradients beside its updates), of its rates alone: the 8B runs' CPU worker updated at
     # 0.71 and 0.78 of the probe's figures
     "cpu_in_run": 0.75,
-    # the disk's reads and writes at once, each direction's rate of its rate alone: the 14B run's store read
-    # at 1.61-1.75 GB/s and wrote at 1.39-1.41 while both ran (the probe: 1.71 and 2.19 alone)
-    "nvme_read_beside": 1.0, "nvme_write_beside": 0.64,
+    # the disk's reads and writes at once: the time the same bytes take one direction after the other at the rates
+    # alone, over the time they take both ways at once (1: the disk serves one direction at a time; 2: both at
+    # their full rates). The H200 machine's virtio disk is one of the first kind: the 14B run's steady update read
+    # 60.2 GB and wrote 60.2 GB in about 66 s, which its quick probe's rates alone (1.80, 2.05 GB/s) move
+    # one direction after the other in 62.8 s
+    "nvme_both": 0.95,
     "gpu_adamw": 1.0e11,  # params/s of torch's fused AdamW on the GPU (memory-bound: ~28 B a param at ~3 TB/s)
     "gpu_tflops": 520e12,  # FLOP/s of a streamed step counting its recompute (389 TFLOP/s by the 6·N count)
     "gpu_memory": 143_771 << 20, "ram": 125 << 30,
@@ -63,8 +66,7 @@ class Machine:
     ram: int  # bytes of host memory
     cpu_copy: float = H200["cpu_copy"]  # params/s of the CPU worker's fp32 -> bf16 compute copy
     cpu_in_run: float = H200["cpu_in_run"]  # its rates beside the link's copies, of its rates alone
-    nvme_read_beside: float = H200["nvme_read_beside"]  # the disk's reads while it writes, of their rate alone
-    nvme_write_beside: float = H200["nvme_write_beside"]  # its writes while it reads, of their rate alone
+    nvme_both: float = H200["nvme_both"]  # the disk both ways at once, of one direction after the other
     duplex: float = H200["duplex"]  # each direction's rate while the other copies, of its rate alone
     copy_drag: float = H200["copy_drag"]  # the compute's slowdown while the link copies both ways
     disk_free: int | None = None  # bytes free on the NVMe tier's disk, where the probe saw it
@@ -79,6 +81,10 @@ class Machine:
         """The figures ``to_json`` wrote (the service's, sent to its trainer; a run's tiermem_plan.json). A figure
         an earlier version did not write is the H200's, said to be assumed."""
         o = dict(o)
+        shares = o.pop("nvme_read_beside", None), o.pop("nvme_write_beside", None)  # (a plan of an earlier version)
+        if "nvme_both" not in o and None not in shares and not set(shares) & set(o.get("assumed", [])):
+            o["nvme_both"] = both_from_shares(o["nvme_read"], o["nvme_write"], *shares)
+        o["assumed"] = [k for k in o.get("assumed", []) if k not in ("nvme_read_beside", "nvme_write_beside")]
         missing = [k for k in H200 if k not in o]
         for k in missing:
             o[k] = H200[k]
@@ -122,11 +128,12 @@ class Machine:
         beside = rate("matmuls beside copies both ways", 1.0)
         if beside is not None and beside <= 1.5:
             got["copy_drag"] = max(0.0, 1.0 - beside)
-        for key, row in (("nvme_read_beside", "disk read beside writes"),
-                         ("nvme_write_beside", "disk write beside reads")):
-            share = rate(row, 1.0)
-            if share is not None and share <= 1.5:
-                got[key] = min(share, 1.0)
+        both = rate("disk both ways", 1.0)
+        shares = rate("disk read beside writes", 1.0), rate("disk write beside reads", 1.0)  # (an earlier version's)
+        if both is None and None not in shares and "nvme_read" in got and "nvme_write" in got:
+            both = both_from_shares(got["nvme_read"], got["nvme_write"], *shares)
+        if both is not None:
+            got["nvme_both"] = min(max(both, BOTH_RANGE[0]), BOTH_RANGE[1])
         cpu_beside = rate("CPU update beside copies both ways", 1.0)
         if cpu_beside is not None and cpu_beside <= 1.5:
             got["cpu_in_run"] = min(cpu_beside, 1.0)
@@ -231,11 +238,22 @@ def duplex_share(device: torch.device, size: int = 256 << 20) -> float:
     return min(r["up2"] / r["up"], r["down2"] / r["down"], 1.0)
 
 
+def both_from_shares(read: float, write: float, read_share: float, write_share: float) -> float:
+    """``nvme_both`` from each direction's rate at once as a share of its rate alone (as earlier versions measured
+    the disk both ways): equal bytes each way take 1/read + 1/write one after the other, and as long as the
+    slower direction at once."""
+    return (1 / read + 1 / write) / max(1 / (read * read_share), 1 / (write * write_share))
+
+
+BOTH_RANGE = (0.5, 2.0)  # what ``nvme_both`` may be (beyond: the timing's noise)
+
+
 def disk_rates(directory: str, size: int = 256 << 20, block: int = 16 << 20) -> dict:
     """The disk under ``directory`` (O_DIRECT where allowed, ``size`` bytes each way in ``block`` pieces, in a
     temporary file): its write and read rates alone (``nvme_write``, ``nvme_read``), then both at once, a thread
-    each, as the optimizer's staging reads and write-backs run in a step: each direction's rate as a share of
-    its rate alone (``nvme_read_beside``, ``nvme_write_beside``). Empty where the directory cannot be written."""
+    each, as the optimizer's staging reads and write-backs run in a step: ``nvme_both``, the time the two take one
+    after the other at the rates alone over the time they took at once. Empty where the directory cannot be
+    written."""
     import mmap
     import threading
 
@@ -255,22 +273,23 @@ def disk_rates(directory: str, size: int = 256 << 20, block: int = 16 << 20) -> 
                 for off in range(start, start + size, block):
                     os.pwritev(fd, [bufs[1]], off)
                 os.fdatasync(fd)
-                return size / (time.perf_counter() - t0)
+                return time.perf_counter() - t0
 
             def read() -> float:
                 os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)
                 t0 = time.perf_counter()
                 for off in range(0, size, block):
                     os.preadv(fd, [bufs[0]], off)
-                return size / (time.perf_counter() - t0)
+                return time.perf_counter() - t0
 
             w_alone = write(0)  # (the first half, read back below)
             r_alone = read()
-            got: dict = {}
-            t = threading.Thread(target=lambda: got.update(w=write(size)))
+            t = threading.Thread(target=lambda: write(size))
+            t0 = time.perf_counter()
             t.start()
-            got["r"] = read()
+            read()
             t.join()
+            at_once = time.perf_counter() - t0
         finally:
             os.close(fd)
     except OSError:
@@ -282,8 +301,9 @@ def disk_rates(directory: str, size: int = 256 << 20, block: int = 16 << 20) -> 
             os.unlink(path)
         except OSError:
             pass
-    return {"nvme_read": r_alone, "nvme_write": w_alone,
-            "nvme_read_beside": min(got["r"] / r_alone, 1.0), "nvme_write_beside": min(got["w"] / w_alone, 1.0)}
+    both = (w_alone + r_alone) / at_once if at_once > 0 else 1.0
+    return {"nvme_read": size / r_alone, "nvme_write": size / w_alone,
+            "nvme_both": min(max(both, BOTH_RANGE[0]), BOTH_RANGE[1])}
 
 
 def worker_threads() -> int:

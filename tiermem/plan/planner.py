@@ -415,7 +415,6 @@ def _many_passes(plan: Plan, wk: Workload, p: int) -> Prediction:
     ext = lambda x, y: y + more * (y - x)  # noqa: E731
     busy = {r: ext(a.busy[r], b.busy[r]) for r in b.busy}
     read, write = ext(a.nvme_read, b.nvme_read), ext(a.nvme_write, b.nvme_write)
-    busy["nvme"] = max(read, write)  # (the disk's busier direction, as the cost model reports it)
     step = ext(a.step, b.step)
     wait_opt, wait_xfer = ext(a.wait_optimizer, b.wait_optimizer), ext(a.wait_transfer, b.wait_transfer)
     return Prediction(step, busy, {k: ext(a.bytes[k], b.bytes[k]) for k in b.bytes}, ext(a.compute, b.compute),
