@@ -1,16 +1,19 @@
 """Benchmark: save and load a checkpoint of a Llama-3B-shape model, against the raw disk, in one run.
 
-    python tools/bench_checkpoint.py [--layers 28] [--dir .ckpt-bench] [--raw-size 4GiB]
+    python tools/bench_checkpoint.py [--layers 28] [--dir .ckpt-bench] [--raw-size 4GiB] [--rounds 2]
 
 Fills a store (bf16 compute copy, fp32 master and moments, all in the DRAM arena) with random state,
 then: raw disk write (64 MiB blocks, fsync) and read (page cache evicted first) of --raw-size; the
-checkpoint save (trainer.checkpoint.Saver: HF safetensors + zarr state, fsynced, renamed); a resume as
-tiermem-train runs it (page cache evicted first): the checkpoint checked, its large files on a thread from
-then on, while a new store opens, then the state loaded into it; each once without checksums and once with
-the CRC32Cs tiermem writes; then once more with the model's shards checked before the load starts (as a
-trainer's start, which tokenizes, plans and times its layer in between, gives them time to be). Prints GB/s
-of each, the ratios to the raw disk, and what the checksums cost. When the disk cannot hold a 3B checkpoint,
-fewer layers are used and the table says so.
+checkpoint save (trainer.checkpoint.Saver: HF safetensors + zarr state, fsynced, renamed) without checksums,
+with the CRC32Cs tiermem writes, and without again (the disk's speed drifts within a run: the first and last
+are averaged); then, from the one checkpoint with checksums, --rounds rounds of three resumes in a rotating
+order, each after the page cache is evicted and into a new store: "unchecked" (the same files, every
+checksum check skipped: the baseline), "checked" (as tiermem-train resumes: the checkpoint checked, its
+large files — the model's shards — on a thread from then on while the store opens and the state loads, each
+state shard's CRC32C checked before use) and "model first" (the model's shards checked before the load
+starts, as a trainer's start — tokenizing, planning, timing its layer — gives them time to be). Prints each
+load, the medians, the ratios to the raw disk and what the checksums cost. When the disk cannot hold a 3B
+checkpoint, fewer layers are used and the table says so.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -70,6 +74,7 @@ def main() -> None:
     ap.add_argument("--dir", default=".ckpt-bench")
     ap.add_argument("--raw-size", default="4GiB")
     ap.add_argument("--vocab", type=int, default=SHAPE["vocab_size"], help="smaller for a quick check")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of the three resumes (medians are printed)")
     args = ap.parse_args()
     from tiermem.store.store import Store
     from trainer import checkpoint as ckpt
@@ -114,61 +119,75 @@ def main() -> None:
     for g in group_order(mcfg):
         store.catalog.bump(g, to=1)
 
-    rows = {}
-    for checksums in (False, True):  # the same save and load without CRC32Cs, then with them
+    def save(checksums: bool) -> tuple[float, int]:
         saver = ckpt.Saver(store, mcfg, d, model_dir, torch.bfloat16, True, False, None,
                            lambda s: print(s, flush=True), checksums=checksums)
         t0 = time.perf_counter()
         saver.begin(1, {"trainer_state.json": {"global_step": 1}})
         last = saver.wait()
-        t_save = time.perf_counter() - t0
-        path = d / "checkpoint-1"
-        state_bytes = sum(p.stat().st_size for p in (path / "state.zarr").rglob("*") if p.is_file())
+        return time.perf_counter() - t0, last["bytes"]
+
+    path = d / "checkpoint-1"
+    t_plain0, nbytes = save(False)
+    shutil.rmtree(path)
+    t_crc, _ = save(True)
+    state_bytes = sum(p.stat().st_size for p in (path / "state.zarr").rglob("*") if p.is_file())
+
+    from tiermem.store import checkpoint as state_ckpt
+
+    verify_state, verify_files = state_ckpt.StateReader._verify, ckpt.verify
+
+    def resume(how: str) -> tuple[float, float]:
+        """(seconds of the state's load, seconds of the whole resume) of one of the three resumes."""
+        nonlocal store
         store.close()
         evict(path)
-        # a resume as tiermem-train runs it: the checkpoint checked (its large files on a thread from then on),
-        # a new store opened (the trainer also tokenizes and plans there), the state loaded
-        t0 = time.perf_counter()
-        ckpt.check(path, mcfg, model_dir, background=True)
-        store = open_store()
-        t1 = time.perf_counter()
-        ckpt.load(store, path, mcfg, torch.bfloat16, True)
-        t_load, t_resume = time.perf_counter() - t1, time.perf_counter() - t0
-        rows[checksums] = (last["bytes"], t_save, state_bytes, t_load, t_resume)
-        if checksums:  # the model's shards checked first (a trainer's start gives them that time), then the load
-            import google_crc32c
-
-            store.close()
-            evict(path)
+        ckpt._checks.clear()  # (a process checks a checkpoint's large files once: each resume here anew)
+        skip = how == "unchecked"
+        state_ckpt.StateReader._verify = (lambda *a: None) if skip else verify_state
+        ckpt.verify = (lambda *a, **k: None) if skip else verify_files
+        try:
             t0 = time.perf_counter()
             ckpt.check(path, mcfg, model_dir, background=True)
-            ckpt.wait_checked(path)
-            t_model = time.perf_counter() - t0
+            if how == "model first":
+                ckpt.wait_checked(path)
             store = open_store()
             t1 = time.perf_counter()
             ckpt.load(store, path, mcfg, torch.bfloat16, True)
-            first = time.perf_counter() - t1
-            print(f"the model's shards checked alone: {t_model:.1f} s (google_crc32c: {google_crc32c.implementation}); "
-                  f"then the state loaded in {first:.1f} s", flush=True)
-            rows["model first"] = (last["bytes"], t_save, state_bytes, first, t_model + first)
-        shutil.rmtree(path)
+            end = time.perf_counter()
+        finally:
+            state_ckpt.StateReader._verify, ckpt.verify = verify_state, verify_files
+        return end - t1, end - t0
+
+    hows = ("unchecked", "checked", "model first")
+    loads: dict[str, list[tuple[float, float]]] = {h: [] for h in hows}
+    for r in range(args.rounds):
+        for how in hows[r % 3:] + hows[:r % 3]:  # (a rotating order: the disk drifts within a run)
+            loads[how].append(resume(how))
+            print(f"round {r + 1}: {how:12} state loaded in {loads[how][-1][0]:.1f} s, resumed in "
+                  f"{loads[how][-1][1]:.1f} s", flush=True)
+    shutil.rmtree(path)
+    t_plain1, _ = save(False)
+    shutil.rmtree(path)
     store.close()
-    print(f"\n{'':34} {'GB':>7} {'s':>7} {'GB/s':>6} {'vs raw':>7}")
-    print(f"{'raw disk write (fsync)':34} {'':>7} {'':>7} {w_raw:6.2f}")
-    print(f"{'raw disk read':34} {'':>7} {'':>7} {r_raw:6.2f}")
-    for checksums, (nbytes, t_save, state_bytes, t_load, t_resume) in rows.items():
-        what = {False: "without checksums", True: "with CRC32C",
-                "model first": "CRC32C, model checked first"}[checksums]
-        save_gbs, load_gbs = nbytes / t_save / 1e9, state_bytes / t_load / 1e9
-        if checksums != "model first":
-            print(f"{'checkpoint save, ' + what:34} {nbytes / 1e9:7.1f} {t_save:7.1f} {save_gbs:6.2f} "
-                  f"{save_gbs / w_raw:7.2f}")
-        print(f"{'checkpoint load (state), ' + what:34} {state_bytes / 1e9:7.1f} {t_load:7.1f} {load_gbs:6.2f} "
-              f"{load_gbs / r_raw:7.2f}")
-        print(f"{'resume, ' + what:34} {'':>7} {t_resume:7.1f}")
-    (_, s0, _, l0, r0), (_, s1, _, l1, r1), (_, _, _, l2, _) = rows[False], rows[True], rows["model first"]
-    print(f"checksums cost: save {s1 / s0:.3f}x, load {l1 / l0:.3f}x, resume {r1 / r0:.3f}x; "
-          f"the load after the model's shards were checked {l2 / l0:.3f}x")
+    t_plain = (t_plain0 + t_plain1) / 2
+    med = {h: (statistics.median(x for x, _ in v), statistics.median(y for _, y in v)) for h, v in loads.items()}
+    print(f"\n{'':40} {'GB':>7} {'s':>7} {'GB/s':>6} {'vs raw':>7}")
+    print(f"{'raw disk write (fsync)':40} {'':>7} {'':>7} {w_raw:6.2f}")
+    print(f"{'raw disk read':40} {'':>7} {'':>7} {r_raw:6.2f}")
+    for what, t in (("unchecked", t_plain), ("with CRC32C", t_crc)):
+        print(f"{'checkpoint save, ' + what:40} {nbytes / 1e9:7.1f} {t:7.1f} {nbytes / t / 1e9:6.2f} "
+              f"{nbytes / t / 1e9 / w_raw:7.2f}")
+    print(f"(the save without checksums: {t_plain0:.1f} s first, {t_plain1:.1f} s last; their mean above)")
+    for how in hows:
+        t_load, t_resume = med[how]
+        print(f"{'state load, ' + how:40} {state_bytes / 1e9:7.1f} {t_load:7.1f} {state_bytes / t_load / 1e9:6.2f} "
+              f"{state_bytes / t_load / 1e9 / r_raw:7.2f}")
+        print(f"{'resume (check, open, load), ' + how:40} {'':>7} {t_resume:7.1f}")
+    base = med["unchecked"]
+    print(f"(medians of {args.rounds} rounds) checksums cost: save {t_crc / t_plain:.3f}x, load "
+          f"{med['checked'][0] / base[0]:.3f}x, resume {med['checked'][1] / base[1]:.3f}x; with the model's shards "
+          f"checked first, the load {med['model first'][0] / base[0]:.3f}x")
 
 
 if __name__ == "__main__":
