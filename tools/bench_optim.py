@@ -6,8 +6,10 @@ over one Llama-3B-shaped decoder layer (100.7 M params, 12 tensors), in host mem
 Prints G params/s for: AdamW alone, the bf16 copy alone, and the two together (as StoreAdamW does
 them), for the given thread counts; the ceiling is a plain fp32 memcpy of the same bytes. Then the
 service's crash-safe variants (clipped gradients): AdamW in place behind an undo copy of the weights,
-moments and gradient (16 B/param copied first), and AdamW out of place (tiermem.optim.kernels: chunked, the old
-state and the gradient untouched; three chunk sizes), each as a ratio to AdamW in place in the same run.
+moments and gradient (16 B/param copied first), the same with the undo copy's CRC32C taken as the service's
+journal takes it (tiermem.store.checkpoint.crc32c_of, before the update), and AdamW out of place
+(tiermem.optim.kernels: chunked, the old state and the gradient untouched; three chunk sizes), each as a ratio
+to AdamW in place in the same run.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tiermem.optim.kernels import CHUNK, adamw_out_of_place  # noqa: E402
+from tiermem.store.checkpoint import crc32c_of  # noqa: E402
 
 SHAPES = [(3072, 3072), (1024, 3072), (1024, 3072), (3072, 3072), (8192, 3072), (8192, 3072), (3072, 8192),
           (3072,), (3072,)]
@@ -78,6 +81,13 @@ def main() -> None:
             dst.copy_(src)
         clipped()
 
+    def undo_crc_then_adam():
+        for dst, src in zip(undo, p + g + m + v):
+            dst.copy_(src)
+        for t in undo:
+            crc32c_of(t.numpy())
+        clipped()
+
     def out_of_place(chunk: int):
         return lambda: adamw_out_of_place(list(zip(p, g, m, v, *new)), 2, **hp, chunk=chunk)
 
@@ -88,7 +98,7 @@ def main() -> None:
         print(f"threads {th:2d}: " + ", ".join(f"{k} {r:.2f} G params/s" for k, r in res.items()))
         base = n / timed(clipped, args.reps) / 1e9
         safe = {k: n / timed(f, args.reps) / 1e9 for k, f in
-                (("undo copy + in place", undo_then_adam),
+                (("undo copy + in place", undo_then_adam), ("undo copy + its CRC32C + in place", undo_crc_then_adam),
                  *((f"out of place, chunk {c >> 10} Ki{' (default)' if c == CHUNK else ''}", out_of_place(c))
                    for c in (1 << 18, CHUNK, 1 << 22)))}
         print(f"threads {th:2d}: clipped adamw in place {base:.2f} G params/s; crash-safe: " +
