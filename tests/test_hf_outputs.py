@@ -195,3 +195,33 @@ def test_eta_after_a_resume_counts_the_steps_left_at_the_rate_since(tmp_path):
     report.step(101, result, 1e-3, 1.0, 2.0, False, 1)  # 1 step in 2 s since the resume: 99 left, 198 s
     assert report.live["eta_s"] == pytest.approx(198.0)
     assert lines[-1].endswith("ETA 0:03:18"), lines[-1]
+
+
+def test_the_export_converts_a_tensor_piece_by_piece_to_the_same_bytes(tmp_path, monkeypatch):
+    """A tensor exported in another dtype (a bf16 run's fp32 master) is converted a piece at a time, never
+    whole beside itself: the shards hold exactly the whole tensor's conversion, and their recorded CRC32C."""
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.tiny_models import save_tiny_model
+    from trainer import weights_io
+    from trainer.model.config import model_config_from_dict
+    from trainer.model.weights import all_weights
+
+    model_dir = save_tiny_model("llama", tmp_path / "model")
+    cfg = model_config_from_dict(json.loads((model_dir / "config.json").read_text()))
+    monkeypatch.setattr(weights_io, "WRITE_THROUGH", 96)  # (48 bf16 elements a piece)
+    writer = weights_io.ModelWriter(cfg, tmp_path / "out", torch.bfloat16, model_dir)
+    gen = torch.Generator().manual_seed(0)
+    want = {}
+    for w in all_weights(cfg):
+        t = torch.randn(w.shape, generator=gen)
+        want[w.name] = t.to(torch.bfloat16)
+        writer.put(w.name, t)
+    files = writer.close()
+    got = {}
+    for f in (tmp_path / "out").glob("*.safetensors"):
+        got.update(load_file(f))
+        assert writer.crc32c[f.name] == f"{google_crc32c.value(f.read_bytes()):08x}"
+    assert files and set(got) == set(want)
+    assert all(torch.equal(got[n], want[n]) for n in want)
