@@ -127,6 +127,18 @@ def test_several_passes_leave_hbm_for_the_largest_groups_gradient_partials():
     assert w.activation_bytes(p.passes - 1) + largest > p.hbm_room - p.need()["gpu"]  # (no fewer passes fit)
 
 
+def test_a_gpu_too_small_for_a_pass_and_its_partials_says_so():
+    """When one micro-batch's activations fit the GPU but not with the gradient partials a pass after the first
+    reads back, the refusal names those two, not the state (which DRAM would hold)."""
+    w = workload(8, micro_batches=4, working=64 << 20)
+    act = w.activation_bytes(w.micro_batches)
+    with pytest.raises(BudgetError) as e:
+        plan(layers=8, layer_params=100_000_000, embed=400_000_000, gpu=act + (64 << 20), w=w,
+             m=machine(gpu_memory=64 * GiB))
+    assert "a pass of one micro-batch needs" in str(e.value) and "gradient partial sums" in str(e.value), str(e.value)
+    assert "training state" not in str(e.value)
+
+
 @pytest.mark.parametrize("tier", ["gpu", "dram"])
 def test_more_room_on_a_faster_tier_never_predicts_a_slower_step(tier):
     steps = []

@@ -159,7 +159,7 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
                 if best is None or pred.step < best[0] * (1 - tie):  # (the first of near-equal layouts: fewer
                     best = (pred.step, layout, pred, state_room, act)  # passes, more state in HBM)
     if best is None:
-        raise short or BudgetError(_does_not_fit(need_total, room, w, budgets))
+        raise short or BudgetError(_does_not_fit(need_total, room, w, budgets, partials))
     _, layout, pred, state_room, act = best
     plan = _finish_plan(layout, group_bytes, cfg, {**budgets, "gpu": state_room})
     plan.prediction, plan.passes, plan.gpu_updates = pred, layout.passes, set(layout.gpu_updates)
@@ -358,11 +358,17 @@ def _short_line(group_bytes: dict, budgets: dict, state_room: int, tier: str, sh
             + (f"; {format_size(more)} more is needed" if more else "") + f": add {what}")
 
 
-def _does_not_fit(total: int, room: int, w: Workload, budgets: dict) -> str:
-    act = w.activation_bytes(w.micro_batches)
+def _does_not_fit(total: int, room: int, w: Workload, budgets: dict, partials: int = 0) -> str:
+    act = w.activation_bytes(w.micro_batches)  # (a pass of one micro-batch: the least a step may hold)
+    extra = partials if w.micro_batches > 1 else 0
     if act > room:
         return (f"one micro-batch's activations ({format_size(act)}) do not fit in the GPU's "
                 f"{format_size(max(room, 0))}: lower per_device_train_batch_size or cutoff_len")
+    if act + extra > room:
+        return (f"a pass of one micro-batch needs {format_size(act + extra)} of HBM (its activations "
+                f"{format_size(act)}, and the largest group's gradient partial sums {format_size(extra)}, read back "
+                f"on each pass after the first) and the GPU has {format_size(max(room, 0))}: raise tiers.gpu.budget, "
+                "or lower per_device_train_batch_size or cutoff_len")
     return (f"the training state ({format_size(total)}) does not fit in HBM, DRAM "
             f"({format_size(budgets.get('dram') or 0)}) and NVMe ({format_size(budgets.get('nvme') or 0)})")
 
