@@ -242,7 +242,7 @@ def test_kept_activations_train_exactly_as_the_recompute(tmp_path, family, capsy
     ref = reference_training(model_dir, data_dir, name, [])
     # some layers in HBM, the others streamed (beside the activations of several passes and the largest
     # group's gradient partials)
-    budget = {"llama": "960KiB", "qwen3": "1184KiB"}[family]
+    budget = {"llama": "880KiB", "qwen3": "1184KiB"}[family]
     tiermem = {"tiers": {"gpu": {"device": "cpu", "budget": budget}, "dram": {"budget": "64MiB"}}}
     weights = {}
     for keep, passes in ((0, False), (2, False), (5, False), (2, True)):
@@ -304,7 +304,9 @@ def small_gpu_run(tmp_path):
     data_dir = tmp_path / "data"
     name = write_tokenized_dataset(data_dir)
     ref = reference_training(model_dir, data_dir, name, [])
-    tiermem = {"tiers": {"gpu": {"device": "cpu", "budget": "960KiB"}, "dram": {"budget": "64MiB"},
+    # (880 KiB: the whole state, 688 KiB, and two passes' activations do not fit, so some group is streamed
+    # whatever the CPU's timings make of near-equal layouts; at 960 KiB they did, and the planner took either)
+    tiermem = {"tiers": {"gpu": {"device": "cpu", "budget": "880KiB"}, "dram": {"budget": "64MiB"},
                          "nvme": {"path": str(tmp_path / "nvme"), "budget": "64MiB", "backend": "posix"}}}
     return model_dir, data_dir, name, ref, tiermem
 
