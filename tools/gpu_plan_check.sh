@@ -99,23 +99,38 @@ print(*(f\"{k} {l[k]['bytes'] / 1e9:.2f} GB {l[k]['busy_s']:.2f} s\" for k in ('
 open(sys.argv[2], 'w'))" /tmp/run14b/out/tiermem_stats.json "$OUT/store_stats.json"  # (the live one)
   ls -la /tmp/run14b/out | tail -8; df -h /tmp | tail -1
   summary+=("14B auto (rc $rc): $(steps_of /tmp/run14b/out/trainer_log.jsonl)")
-  summary+=("$(python3 - "$OUT/store_stats.json" "$OUT/probe.json" "$OUT/tiermem_plan.json" <<'PY'
-import json, os, sys
+  summary+=("$(python3 - "$OUT/store_stats.json" "$OUT/probe.json" "$OUT/tiermem_plan.json" "$OUT/mem14b.txt" <<'PY'
+import json, os, re, sys
 links = json.load(open(sys.argv[1]))["links"]
 if os.path.exists(sys.argv[2]):  # a full probe: its raw O_DIRECT rates alone
-    raw = {r["link"].split(" (")[0]: r["raw"] for r in json.load(open(sys.argv[2]))["rows"]}
-    raw, beside, src = {"r": raw["NVMe -> arena"], "w": raw["arena -> NVMe"]}, {}, "the full probe's"
-else:  # the run's quick probe (tiermem_plan.json): raw O_DIRECT alone, and each way beside the other
+    rows = {r["link"].split(" (")[0]: r["raw"] for r in json.load(open(sys.argv[2]))["rows"]}
+    raw, src = {"r": rows["NVMe -> arena"], "w": rows["arena -> NVMe"]}, "the full probe's"
+else:  # the run's quick probe (tiermem_plan.json): raw O_DIRECT alone
     m = json.load(open(sys.argv[3]))["machine"]
-    raw = {"r": m["nvme_read"] / 1e9, "w": m["nvme_write"] / 1e9}
-    beside = {"r": m.get("nvme_read_beside"), "w": m.get("nvme_write_beside")}
-    src = "the run's quick probe's"
+    raw, src = {"r": m["nvme_read"] / 1e9, "w": m["nvme_write"] / 1e9}, "the run's quick probe's"
 for name, k in (("nvme->dram", "r"), ("dram->nvme", "w")):
     l = links[name]
-    extra = (f", {l['gbps_avg'] / (raw[k] * beside[k]):.2f} of its raw both ways {raw[k] * beside[k]:.2f}"
-             if beside.get(k) else "")
     print(f"{name}: {l['bytes'] / 1e9:.1f} GB in {l['busy_s']:.1f} s busy = {l['gbps_avg']:.2f} GB/s, "
-          f"{l['gbps_avg'] / raw[k]:.2f} of {src} raw {raw[k]:.2f} GB/s alone{extra};", end=" ")
+          f"{l['gbps_avg'] / raw[k]:.2f} of {src} raw {raw[k]:.2f} GB/s alone;", end=" ")
+# each stretch of disk traffic the 2 s samples saw: its bytes each way at the raw rates one after the other,
+# over the stretch's length (the disk both ways against the raw disk; +-2 s of sampling)
+samples = []
+for line in open(sys.argv[4]):
+    got = re.search(r"^(\d+):(\d+):(\d+) .*nvme->dram ([\d.]+) GB [\d.]+ s dram->nvme ([\d.]+) GB", line)
+    if got:
+        h, mi, se, r, w = got.groups()
+        samples.append((int(h) * 3600 + int(mi) * 60 + int(se), float(r), float(w)))
+runs, cur = [], None
+for (t0, r0, w0), (t1, r1, w1) in zip(samples, samples[1:]):
+    if (r1, w1) != (r0, w0):
+        cur = cur if cur is not None and t0 - cur[1] <= 6 else [t0, t1, 0.0, 0.0]
+        cur[1], cur[2], cur[3] = t1, cur[2] + r1 - r0, cur[3] + w1 - w0
+        if not runs or runs[-1] is not cur:
+            runs.append(cur)
+for t0, t1, r, w in runs:
+    serial = r / raw["r"] + w / raw["w"]
+    print(f"disk stretch of {t1 - t0} s: read {r:.1f} GB, wrote {w:.1f} GB = {serial:.1f} s at the raw rates one "
+          f"after the other ({serial / (t1 - t0):.2f});", end=" ")
 PY
 )")
   ;;
