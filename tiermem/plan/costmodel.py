@@ -13,7 +13,7 @@ gradients go home and come back between passes. Every operation takes one resour
 seconds: ``gpu`` (the compute stream), ``gpu_adamw`` (the optimizer's stream), the PCIe link each way
 (``h2d``, ``d2h``), the disk (``nvme``: one resource that reads and writes, each at its rate alone times the
 machine's ``nvme_both``, the gain of both directions at once: the H200 machine's virtio disk served one direction
-at a time in the 14B runs, 0.95) and the CPU's AdamW (``cpu``). A resource serves the ready operation that
+at a time in the 14B runs, 0.94) and the CPU's AdamW (``cpu``). A resource serves the ready operation that
 became ready first (a list schedule). The link's copies run at the machine's ``duplex`` share of its rate alone
 (both directions copy through most of a step), and the compute is stretched by ``copy_drag`` of the time both
 directions are busy (on the H200 machine: 0.92, and matmuls at 0.94 beside copies both ways; one direction costs

@@ -41,9 +41,9 @@ H200 = {
     # the disk's reads and writes at once: the time the same bytes take one direction after the other at the rates
     # alone, over the time they take both ways at once (1: the disk serves one direction at a time; 2: both at
     # their full rates). The H200 machine's virtio disk is one of the first kind: the 14B run's steady update read
-    # 60.2 GB and wrote 60.2 GB in about 66 s, which its quick probe's rates alone (1.80, 2.05 GB/s) move
-    # one direction after the other in 62.8 s
-    "nvme_both": 0.95,
+    # 60.2 GB and wrote 60.2 GB in 65-69 s (2 s samples), which its quick probe's rates alone (1.80, 2.05 GB/s)
+    # move one direction after the other in 62.8 s
+    "nvme_both": 0.94,
     "gpu_adamw": 1.0e11,  # params/s of torch's fused AdamW on the GPU (memory-bound: ~28 B a param at ~3 TB/s)
     "gpu_tflops": 520e12,  # FLOP/s of a streamed step counting its recompute (389 TFLOP/s by the 6·N count)
     "gpu_memory": 143_771 << 20, "ram": 125 << 30,
