@@ -516,6 +516,9 @@ def test_the_disk_is_one_resource_its_gain_both_ways_a_machine_figure():
     plan.update(nvme_read_beside=1.0, nvme_write_beside=0.5)  # (a tiermem_plan.json of an earlier version)
     r, wr = plan["nvme_read"], plan["nvme_write"]
     assert Machine.from_json(plan).nvme_both == pytest.approx((1 / r + 1 / wr) / max(1 / r, 1 / (0.5 * wr)))
+    plan["assumed"] = ["nvme_read_beside", "nvme_write_beside"]  # (shares it had assumed: nothing measured)
+    got = Machine.from_json(plan)
+    assert got.nvme_both == 0.94 and "nvme_both" in got.assumed and "nvme_read_beside" not in got.assumed
 
 
 def test_the_quick_probe_times_the_disk_each_way_alone_and_both_at_once(tmp_path):

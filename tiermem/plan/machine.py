@@ -81,10 +81,12 @@ class Machine:
         """The figures ``to_json`` wrote (the service's, sent to its trainer; a run's tiermem_plan.json). A figure
         an earlier version did not write is the H200's, said to be assumed."""
         o = dict(o)
-        shares = o.pop("nvme_read_beside", None), o.pop("nvme_write_beside", None)  # (a plan of an earlier version)
-        if "nvme_both" not in o and None not in shares and not set(shares) & set(o.get("assumed", [])):
+        earlier = ("nvme_read_beside", "nvme_write_beside")  # (the disk's figures of a plan of an earlier version)
+        shares = [o.pop(k, None) for k in earlier]
+        measured = not set(earlier) & set(o.get("assumed", []))
+        if "nvme_both" not in o and None not in shares and measured:
             o["nvme_both"] = both_from_shares(o["nvme_read"], o["nvme_write"], *shares)
-        o["assumed"] = [k for k in o.get("assumed", []) if k not in ("nvme_read_beside", "nvme_write_beside")]
+        o["assumed"] = [k for k in o.get("assumed", []) if k not in earlier]
         missing = [k for k in H200 if k not in o]
         for k in missing:
             o[k] = H200[k]
