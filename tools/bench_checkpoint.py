@@ -76,6 +76,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=SHAPE["vocab_size"], help="smaller for a quick check")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of the three resumes (medians are printed)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     from tiermem.store.store import Store
     from trainer import checkpoint as ckpt
     from trainer.model.config import model_config_from_dict
