@@ -6,8 +6,8 @@ over one Llama-3B-shaped decoder layer (100.7 M params, 12 tensors), in host mem
 Prints G params/s for: AdamW alone, the bf16 copy alone, and the two together (as StoreAdamW does
 them), for the given thread counts; the ceiling is a plain fp32 memcpy of the same bytes. Then the
 service's crash-safe variants (clipped gradients): AdamW in place behind an undo copy of the weights,
-moments and gradient (16 B/param copied first), the same with the undo copy's CRC32C taken as the service's
-journal takes it (tiermem.store.checkpoint.crc32c_of, before the update), and AdamW out of place
+moments and gradient (16 B/param copied first), the same with the undo copy's checksum taken as the service's
+journal takes it (tiermem.store.parallel_crc.piece_crcs of the whole extent, before the update), and AdamW out of place
 (tiermem.optim.kernels: chunked, the old state and the gradient untouched; three chunk sizes), each as a ratio
 to AdamW in place in the same run.
 """
@@ -19,11 +19,12 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tiermem.optim.kernels import CHUNK, adamw_out_of_place  # noqa: E402
-from tiermem.store.checkpoint import crc32c_of  # noqa: E402
+from tiermem.store.parallel_crc import piece_crcs  # noqa: E402
 
 SHAPES = [(3072, 3072), (1024, 3072), (1024, 3072), (3072, 3072), (8192, 3072), (8192, 3072), (3072, 8192),
           (3072,), (3072,)]
@@ -69,7 +70,12 @@ def main() -> None:
             dst.copy_(src)
 
     hp = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01, "grad_scale": 2.0}
-    undo = [mk(s) for s in SHAPES * 4]
+    flat = torch.zeros(4 * n, dtype=torch.float32)  # one extent, as the service's undo copy is
+    undo, at = [], 0
+    for s in SHAPES * 4:
+        k = int(np.prod(s))
+        undo.append(flat[at: at + k].view(s))
+        at += k
     new = [[mk(s) for s in SHAPES] for _ in range(3)]
 
     def clipped():
@@ -84,8 +90,7 @@ def main() -> None:
     def undo_crc_then_adam():
         for dst, src in zip(undo, p + g + m + v):
             dst.copy_(src)
-        for t in undo:
-            crc32c_of(t.numpy())
+        piece_crcs(flat.numpy())
         clipped()
 
     def out_of_place(chunk: int):
@@ -98,7 +103,7 @@ def main() -> None:
         print(f"threads {th:2d}: " + ", ".join(f"{k} {r:.2f} G params/s" for k, r in res.items()))
         base = n / timed(clipped, args.reps) / 1e9
         safe = {k: n / timed(f, args.reps) / 1e9 for k, f in
-                (("undo copy + in place", undo_then_adam), ("undo copy + its CRC32C + in place", undo_crc_then_adam),
+                (("undo copy + in place", undo_then_adam), ("undo copy + its CRCs + in place", undo_crc_then_adam),
                  *((f"out of place, chunk {c >> 10} Ki{' (default)' if c == CHUNK else ''}", out_of_place(c))
                    for c in (1 << 18, CHUNK, 1 << 22)))}
         print(f"threads {th:2d}: clipped adamw in place {base:.2f} G params/s; crash-safe: " +

@@ -13,7 +13,8 @@ being updated.
   crash ends the journal, a line whose bytes changed is refused (the run's state cannot be trusted).
 - The **undo copy**: before group g's update N changes anything, its weights, moments and gradient (fused
   AdamW unscales it in place) are copied to one spare arena extent; ``begin`` is journaled after the copy,
-  with the copy's CRC32C, checked before the copy is ever put back.
+  with the copy's checksum (the CRC32C of each 32 MiB, taken on several threads:
+  tiermem.store.parallel_crc), checked before the copy is ever put back.
   A service killed between ``begin`` and ``done`` is restarted by putting the undo copy back and running
   the update of that group again.
 
@@ -39,6 +40,7 @@ from tiermem.faults import HOOKS
 from tiermem.sizes import align_up
 from tiermem.store.catalog import Group
 from tiermem.store.checkpoint import crc32c_of
+from tiermem.store.parallel_crc import piece_crcs
 from tiermem.tiers.extents import Extent, OutOfSpace
 
 COMPACT_BYTES = 256 << 10
@@ -89,7 +91,7 @@ class RunState:
     commit_args: dict = field(default_factory=dict)  # lr, grad_scale of the last commit
     versions: dict = field(default_factory=dict)  # group -> the last update that is home
     inflight: tuple | None = None  # (group, step) begun and not done
-    undo_crc: str | None = None  # the undo copy's CRC32C, journaled with begin
+    undo_crc: str | list | None = None  # the undo copy's checksum, journaled with begin (a list: piece CRCs)
     finished: bool = False
     moves: dict = field(default_factory=dict)  # name -> [tier, offset, nbytes, epoch]: out-of-place updates
 
@@ -257,7 +259,7 @@ class UndoGuard:
             src = views[k].tensors[e.spec.name].detach().reshape(-1).view(torch.uint8)
             undo[off: off + e.spec.nbytes].copy_(src.cpu())
             end = off + e.spec.nbytes
-        self.journal.append("begin", group=g, step=step, undo_crc=crc32c_of(undo[:end].numpy()))
+        self.journal.append("begin", group=g, step=step, undo_crc=piece_crcs(undo[:end].numpy()))
         if self.slow:
             time.sleep(self.slow)
 
@@ -283,12 +285,13 @@ class UndoGuard:
         for name, ext in new.items():
             self.store.switch(name, ext)
 
-    def restore(self, g: Group, crc: str | None = None) -> None:
+    def restore(self, g: Group, crc: str | list | None = None) -> None:
         """Put the undo copy of group g back (recovery of an update cut short), after checking it against
-        ``crc`` (the CRC32C journaled with its begin)."""
+        ``crc`` (journaled with its begin: its pieces' CRCs, or one CRC32C from a journal of an earlier version)."""
         undo = self.store.dram.view(self.extent)
         end = max((off + e.spec.nbytes for _, e, off in self._pieces(g)), default=0)
-        if crc is not None and crc32c_of(undo[:end].numpy()) != crc:
+        data = undo[:end].numpy()
+        if crc is not None and (piece_crcs(data) if isinstance(crc, list) else crc32c_of(data)) != crc:
             raise StorageError(f"the undo copy of group {g} in the arena does not match its checksum: the run's "
                                "state cannot be trusted; start the service with --fresh and resume the trainer "
                                "from its newest checkpoint")
