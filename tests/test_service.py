@@ -842,11 +842,12 @@ def test_a_journal_line_whose_bytes_changed_is_refused(tmp_path):
 
 
 def test_the_undo_copy_is_checked_before_it_is_put_back(tmp_path):
-    """An update in place behind the undo copy journals the copy's CRC32C with its begin; recovery puts the
-    copy back only when it matches."""
+    """An update in place behind the undo copy journals the copy's CRC32Cs with its begin; recovery puts the
+    copy back only when it matches (an earlier version's one CRC32C as well)."""
     import torch
 
     from tiermem.errors import StorageError
+    from tiermem.store.checkpoint import crc32c_of
     from tiermem.tiers.extents import OutOfSpace
 
     svc, client, _, theirs, hello, _ = _unit_service(tmp_path, 0)
@@ -867,10 +868,15 @@ def test_the_undo_copy_is_checked_before_it_is_put_back(tmp_path):
     store.dram.allocate = real
     begin = next(json.loads(line) for line in svc.journal_path.read_text().splitlines() if '"begin"' in line)
     guard, group, crc = svc.run.guard, begin["group"], begin["undo_crc"]
+    assert isinstance(crc, list)  # the CRC32C of each piece
     guard.restore(group, crc)  # intact: w is back at its value before the update
     assert torch.equal(store.read("w").result(), w0)
+    end = max(off + e.spec.nbytes for _, e, off in guard._pieces(group))
+    earlier = crc32c_of(store.dram.view(guard.extent)[:end].numpy())  # one CRC32C: an earlier version's journal
+    guard.restore(group, earlier)
     store.dram.view(guard.extent)[5] ^= 0xFF
-    with pytest.raises(StorageError, match="does not match its checksum"):
-        guard.restore(group, crc)
+    for c in (crc, earlier):
+        with pytest.raises(StorageError, match="does not match its checksum"):
+            guard.restore(group, c)
     svc._close_run(keep=False)
     theirs.close()
