@@ -110,10 +110,10 @@ SHAPE_3B_8 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hid
 
 
 def multi_pass_runs(tmp_path, shape: dict, bf16: bool, rows: int, accum: int, seq: int, passes=(1, 2, 4),
-                    device: str = "cuda", steps: int = 2):
-    """``tiermem-train`` (random init, random tokenized rows, every kind in the DRAM arena) once per number of
-    layer-major passes a step, with an activation budget that holds ``accum / passes`` micro-batches'
-    boundaries: {passes: (trainer_log lines, output_dir)}."""
+                    device: str = "cuda", steps: int = 2, placement=None):
+    """``tiermem-train`` (random init, random tokenized rows, every kind in the DRAM arena unless ``placement``
+    says otherwise) once per number of layer-major passes a step, with an activation budget that holds
+    ``accum / passes`` micro-batches' boundaries: {passes: (trainer_log lines, output_dir)}."""
     import json
     import subprocess
     import sys
@@ -142,7 +142,8 @@ def multi_pass_runs(tmp_path, shape: dict, bf16: bool, rows: int, accum: int, se
                "lr_scheduler_type": "constant", "max_grad_norm": 1.0, "logging_steps": 1, "bf16": bf16, "seed": 3,
                "tiermem_activation_budget": per_mb * (accum // p),
                "tiermem": {"tiers": {"gpu": {"device": device}},
-                           "placement": {k: "dram" for k in ("param", "grad", "master", "exp_avg", "exp_avg_sq")}}}
+                           "placement": placement or {k: "dram" for k in ("param", "grad", "master", "exp_avg",
+                                                                           "exp_avg_sq")}}}
         path = tmp_path / f"train{p}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         r = subprocess.run([sys.executable, "-m", "trainer.cli", str(path)], capture_output=True, text=True)
@@ -188,6 +189,27 @@ def test_several_passes_a_step_match_one_pass_on_cuda(tmp_path, bf16):
                     f"{key} {got[key]} vs {want[key]}"
         errs = weight_errors(ref_dir, out)
         off = {k: f"{e:.1e}" for k, e in errs.items() if not e <= tol}
+        assert not off, f"{p} passes: {len(off)} tensors differ: {off}"
+
+
+def test_several_passes_with_the_state_in_hbm_match_one_pass_on_cuda(tmp_path):
+    """Placement auto puts the 8-layer 3B shape's whole state in HBM: a step of 2 or 4 passes sums each
+    group's gradient in its home in HBM over the passes (nothing goes out and comes back between them) and
+    gives the 1-pass run's losses, gradient norms and exported weights, in bf16 on CUDA."""
+    import json
+
+    runs = multi_pass_runs(tmp_path, SHAPE_3B_8, True, rows=4, accum=4, seq=4096, placement="auto")
+    ref_log, ref_dir = runs[1]
+    for p in (2, 4):
+        log, out = runs[p]
+        for want, got in zip(ref_log, log):
+            for key in ("loss", "grad_norm"):
+                assert abs(got[key] - want[key]) <= 1e-3 * abs(want[key]), \
+                    f"{p} passes, step {got['current_steps']}: {key} {got[key]} vs {want[key]}"
+        stats = json.loads((out / "store_stats.json").read_text())
+        assert "gradient_partials" not in stats["waits_s"] and stats["links"]["gpu->gpu"]["bytes"] == 0, stats
+        errs = weight_errors(ref_dir, out)
+        off = {k: f"{e:.1e}" for k, e in errs.items() if not e <= 1e-3}
         assert not off, f"{p} passes: {len(off)} tensors differ: {off}"
 
 
