@@ -138,10 +138,10 @@ def check(path: str | Path, mcfg, model_dir, background: bool = False) -> dict:
 
 def _manifest_crc(manifest: dict) -> str:
     """The CRC32C of the manifest's content (all but its own checksum), canonically serialised."""
-    import google_crc32c
+    import crc32c
 
     body = json.dumps({k: v for k, v in manifest.items() if k != "crc32c"}, sort_keys=True).encode()
-    return f"{google_crc32c.value(body):08x}"
+    return f"{crc32c.crc32c(body):08x}"
 
 
 def _files(manifest: dict) -> dict[str, dict]:

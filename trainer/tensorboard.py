@@ -5,7 +5,7 @@
 An event file is a sequence of TFRecords (length, masked CRC32C of the length, the bytes, their masked
 CRC32C), each an `Event` protocol buffer: the first names the file version, the others carry a wall time,
 a step and a `Summary` of simple scalar values. The few fields needed are encoded here, so nothing beyond
-google-crc32c (a dependency already) is needed to write them.
+crc32c (a dependency already) is needed to write them.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-import google_crc32c
+import crc32c
 
 
 def _varint(n: int) -> bytes:
@@ -39,7 +39,7 @@ def _bytes_field(number: int, data: bytes) -> bytes:
 
 
 def _masked_crc(data: bytes) -> int:
-    crc = google_crc32c.value(data)
+    crc = crc32c.crc32c(data)
     return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
 

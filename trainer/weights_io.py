@@ -15,7 +15,7 @@ import shutil
 import struct
 from pathlib import Path
 
-import google_crc32c
+import crc32c
 import torch
 
 from tiermem.errors import ConfigError, StorageError
@@ -147,13 +147,13 @@ class _ShardWriter:
         self.path, self.tmp = path, path.with_name(path.name + ".tmp")
         self.f = self.tmp.open("wb")
         self._dirty = 0
-        self.crc = google_crc32c.Checksum()  # of the file's bytes, taken as they are written
+        self.crc = 0  # the CRC32C of the file's bytes, taken as they are written
         self._put(struct.pack("<Q", len(raw)) + raw)
         self.size = off
 
     def _put(self, b) -> None:
         self.f.write(b)
-        self.crc.update(b)
+        self.crc = crc32c.crc32c(b, value=self.crc)
         self._dirty += len(b)
         if self._dirty >= WRITE_THROUGH:  # (the page cache holds at most this much of the export unwritten)
             self.f.flush()
@@ -226,7 +226,7 @@ class ModelWriter:
         self._next += 1
         if self._next == len(self._plan) or self._plan[self._next][0] != file:
             self._writer.close()
-            self.crc32c[file] = self._writer.crc.hexdigest().decode()
+            self.crc32c[file] = f"{self._writer.crc:08x}"
             self.total += self._writer.size
             self._writer = None
 

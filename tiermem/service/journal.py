@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import google_crc32c
+import crc32c
 import torch
 
 from tiermem.config import MOMENTS
@@ -40,7 +40,7 @@ from tiermem.faults import HOOKS
 from tiermem.sizes import align_up
 from tiermem.store.catalog import Group
 from tiermem.store.checkpoint import crc32c_of
-from tiermem.store.parallel_crc import piece_crcs
+from tiermem.store.parallel_crc import copy_with_crcs, piece_crcs
 from tiermem.tiers.extents import Extent, OutOfSpace
 
 COMPACT_BYTES = 256 << 10
@@ -143,13 +143,13 @@ class JournalDamaged(StorageError):
 def _line(rec: dict) -> bytes:
     """A journal line: the record with the CRC32C of its content."""
     body = json.dumps(rec)
-    return (json.dumps({**rec, "crc": f"{google_crc32c.value(body.encode()):08x}"}) + "\n").encode()
+    return (json.dumps({**rec, "crc": f"{crc32c.crc32c(body.encode()):08x}"}) + "\n").encode()
 
 
 def _checked(rec: dict, path: Path, n: int) -> dict:
     """``rec`` without its ``crc``, which must match (lines an older version wrote have none)."""
     crc = rec.pop("crc", None)
-    if crc is not None and crc != f"{google_crc32c.value(json.dumps(rec).encode()):08x}":
+    if crc is not None and crc != f"{crc32c.crc32c(json.dumps(rec).encode()):08x}":
         raise JournalDamaged(f"the service's journal {path} is damaged at line {n} (it does not match its checksum): "
                              "the run's state cannot be trusted; start the service with --fresh and resume the "
                              "trainer from its newest checkpoint")
@@ -254,12 +254,18 @@ class UndoGuard:
 
     def begin(self, g: Group, step: int, views) -> None:
         undo = self.store.dram.view(self.extent)
-        end = 0
+        end, segments = 0, []
         for k, e, off in self._pieces(g):
             src = views[k].tensors[e.spec.name].detach().reshape(-1).view(torch.uint8)
-            undo[off: off + e.spec.nbytes].copy_(src.cpu())
+            segments.append((src, off))
             end = off + e.spec.nbytes
-        self.journal.append("begin", group=g, step=step, undo_crc=piece_crcs(undo[:end].numpy()))
+        if all(not src.is_cuda for src, _ in segments):  # copied and checksummed in one pass, on several threads
+            crcs = copy_with_crcs([(src.numpy(), off) for src, off in segments], undo.numpy(), end)
+        else:
+            for src, off in segments:
+                undo[off: off + src.numel()].copy_(src.cpu())
+            crcs = piece_crcs(undo[:end].numpy())
+        self.journal.append("begin", group=g, step=step, undo_crc=crcs)
         if self.slow:
             time.sleep(self.slow)
 

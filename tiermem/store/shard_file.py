@@ -49,7 +49,7 @@ def direct_layout(meta: dict) -> tuple[int, int] | None:
 def write_shard(path: os.PathLike | str, data: np.ndarray, shard: int, chunk: int) -> None:
     """Write ``data`` (float32, at most ``shard`` elements: a shard, or the array's last one cut short) as the
     shard file at ``path``, laid out as ``direct_layout`` describes; chunks past its end are absent."""
-    import google_crc32c
+    import crc32c
 
     n = shard // chunk
     data = np.ascontiguousarray(data, dtype="<f4").reshape(-1)
@@ -58,7 +58,7 @@ def write_shard(path: os.PathLike | str, data: np.ndarray, shard: int, chunk: in
     index[:present, 0] = np.arange(present, dtype=np.uint64) * np.uint64(chunk * 4)
     index[:present, 1] = chunk * 4
     tail = index.tobytes()
-    tail += google_crc32c.value(tail).to_bytes(4, "little")
+    tail += crc32c.crc32c(tail).to_bytes(4, "little")
     pad = bytes(4 * (present * chunk - data.size))  # (the last chunk, full: the fill value 0.0 after the data)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -105,7 +105,7 @@ def read_file(path: os.PathLike | str) -> np.ndarray:
 def read_shard(path: os.PathLike | str, shard: int, chunk: int, length: int) -> np.ndarray:
     """The first ``length`` float32 elements of the shard file at ``path`` (a shard of ``shard`` elements in
     chunks of ``chunk``), as ``direct_layout`` describes it."""
-    import google_crc32c
+    import crc32c
 
     buf = read_file(path)
     n = shard // chunk
@@ -114,7 +114,7 @@ def read_shard(path: os.PathLike | str, shard: int, chunk: int, length: int) -> 
     if index_start < 0:
         raise StorageError(f"{path}: {buf.size} bytes cannot hold the index of {n} chunks")
     stored = int.from_bytes(buf[index_end:].tobytes(), "little")
-    if google_crc32c.value(buf[index_start:index_end]) != stored:
+    if crc32c.crc32c(buf[index_start:index_end]) != stored:
         raise StorageError(f"{path}: the shard's index does not match its checksum")
     index = buf[index_start:index_end].view("<u8").reshape(n, 2)
     needed = -(-length // chunk)
