@@ -7,7 +7,7 @@ Prints G params/s for: AdamW alone, the bf16 copy alone, and the two together (a
 them), for the given thread counts; the ceiling is a plain fp32 memcpy of the same bytes. Then the
 service's crash-safe variants (clipped gradients): AdamW in place behind an undo copy of the weights,
 moments and gradient (16 B/param copied first), the same with the undo copy's checksum taken as the service's
-journal takes it (tiermem.store.parallel_crc.copy_with_crcs: copied and checksummed in one pass, before the
+journal takes it (tiermem.store.parallel_crc.piece_crcs of the whole extent, on a pool of threads, before the
 update), and AdamW out of place (tiermem.optim.kernels: chunked, the old state and the gradient untouched;
 three chunk sizes), each as a ratio to AdamW in place in the same run.
 """
@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tiermem.optim.kernels import CHUNK, adamw_out_of_place  # noqa: E402
-from tiermem.store.parallel_crc import copy_with_crcs  # noqa: E402
+from tiermem.store.parallel_crc import piece_crcs  # noqa: E402
 
 SHAPES = [(3072, 3072), (1024, 3072), (1024, 3072), (3072, 3072), (8192, 3072), (8192, 3072), (3072, 8192),
           (3072,), (3072,)]
@@ -87,13 +87,10 @@ def main() -> None:
             dst.copy_(src)
         clipped()
 
-    segments, at = [], 0
-    for src in p + g + m + v:  # (the service's undo copy: each tensor's bytes at its offset in one extent)
-        segments.append((src.view(-1).view(torch.uint8).numpy(), at))
-        at += src.numel() * 4
-
     def undo_crc_then_adam():
-        copy_with_crcs(segments, flat.view(torch.uint8).numpy(), at)
+        for dst, src in zip(undo, p + g + m + v):
+            dst.copy_(src)
+        piece_crcs(flat.numpy())
         clipped()
 
     def out_of_place(chunk: int):

@@ -40,7 +40,7 @@ from tiermem.faults import HOOKS
 from tiermem.sizes import align_up
 from tiermem.store.catalog import Group
 from tiermem.store.checkpoint import crc32c_of
-from tiermem.store.parallel_crc import copy_with_crcs, piece_crcs
+from tiermem.store.parallel_crc import piece_crcs
 from tiermem.tiers.extents import Extent, OutOfSpace
 
 COMPACT_BYTES = 256 << 10
@@ -254,18 +254,12 @@ class UndoGuard:
 
     def begin(self, g: Group, step: int, views) -> None:
         undo = self.store.dram.view(self.extent)
-        end, segments = 0, []
+        end = 0
         for k, e, off in self._pieces(g):
             src = views[k].tensors[e.spec.name].detach().reshape(-1).view(torch.uint8)
-            segments.append((src, off))
+            undo[off: off + e.spec.nbytes].copy_(src.cpu())
             end = off + e.spec.nbytes
-        if all(not src.is_cuda for src, _ in segments):  # copied and checksummed in one pass, on several threads
-            crcs = copy_with_crcs([(src.numpy(), off) for src, off in segments], undo.numpy(), end)
-        else:
-            for src, off in segments:
-                undo[off: off + src.numel()].copy_(src.cpu())
-            crcs = piece_crcs(undo[:end].numpy())
-        self.journal.append("begin", group=g, step=step, undo_crc=crcs)
+        self.journal.append("begin", group=g, step=step, undo_crc=piece_crcs(undo[:end].numpy()))
         if self.slow:
             time.sleep(self.slow)
 
