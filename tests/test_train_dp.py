@@ -224,8 +224,8 @@ def test_a_second_process_attaches_to_the_host_store(make_cfg):
 
 @pytest.mark.parametrize("over,needle", [
     ({"tiermem_server": "default", "tiermem": None}, "tiermem_server is not supported yet with several ranks"),
-    ({"tiermem": {"tiers": {"gpu": {"device": "cpu"}}, "placement": {"exp_avg": "gpu"}}},
-     "placement pins exp_avg to gpu: state in HBM is not supported yet with several ranks"),
+    ({"tiermem": {"tiers": {"gpu": {"device": "cpu"}}, "placement": {"param": "gpu", "exp_avg": "gpu"}}},
+     "placement pins param to gpu: the compute copy in HBM is not supported yet with several ranks"),
     ({"tiermem": {"tiers": {"gpu": {"device": "cpu"}, "dram": {"path": "anonymous"}}}},
      "anonymous cannot be shared"),
     ({"tiermem_keep_activations": 2}, "tiermem_keep_activations: 2 is not supported yet with several ranks"),
@@ -243,6 +243,19 @@ def test_what_several_ranks_refuse(tmp_path, tiny, over, needle):
         check_supported(cfg, World(rank=0, size=4, local_rank=0, local_size=2))
     with pytest.raises(ConfigError, match="different numbers of ranks are not supported yet"):
         check_supported(cfg, World(rank=0, size=3, local_rank=0, local_size=2))
+
+
+def test_state_pinned_to_hbm_is_refused_with_several_hosts_only(tmp_path, tiny):
+    from tiermem.errors import ConfigError
+    from trainer.config import load_train_config
+    from trainer.dp_checks import check_supported
+
+    cfg = load_train_config(write_cfg(tmp_path, tiny, "x", 2, tiermem={"tiers": {"gpu": {"device": "cpu"}},
+                                                                       "placement": {"exp_avg": "gpu"}}))
+    check_supported(cfg, World(rank=0, size=2, local_rank=0, local_size=2))  # (one host: each owner's HBM)
+    with pytest.raises(ConfigError, match=re.escape("placement pins exp_avg to gpu: state in HBM is not supported "
+                                                    "yet with several hosts (4 ranks on 2 hosts)")):
+        check_supported(cfg, World(rank=0, size=4, local_rank=0, local_size=2))
 
 
 def test_force_torchrun_checks_the_config_before_it_starts(tmp_path, tiny):

@@ -4,6 +4,8 @@ the model in Hugging Face format; written while training goes on, visible only w
     checkpoint-N/
       model*.safetensors (+ index), config.json, tokenizer files   # loads for inference
       state.zarr/          master weights and both Adam moments, fp32 (tiermem.store.checkpoint)
+      state-rank*.zarr/    several ranks: the state that lived in that rank's HBM, written by that rank
+                           (trainer.checkpoint_part); state.zarr then holds the rest
       trainer_state.json   Hugging Face's TrainerState as of step N (trainer.hf_outputs)
       tiermem_state.json   step, epoch, RNG state, the resolved config
       checkpoint.json      written last: format, step, the model's tensor shapes, the tokenizer's digest,
@@ -62,9 +64,42 @@ def signature(mcfg) -> list:
 
 
 def _is_state_chunks(rel: str) -> bool:
-    """True for a data file of the state's zarr arrays (state.zarr/<kind>/c/...), not its metadata."""
+    """True for a data file of the state's zarr arrays (state*.zarr/<kind>/c/...), not its metadata."""
     parts = Path(rel).parts
-    return len(parts) > 3 and parts[0] == "state.zarr" and parts[2] == "c"
+    return len(parts) > 3 and parts[0].startswith("state") and parts[0].endswith(".zarr") and parts[2] == "c"
+
+
+def part_name(rank: int) -> str:
+    """The folder of a checkpoint holding the state a rank kept in its HBM."""
+    return f"state-rank{rank}.zarr"
+
+
+def part_tmp(out_dir: Path, step: int, rank: int) -> Path:
+    """Where a rank writes its part of checkpoint-``step`` before the saver moves it in (``remove_partial``
+    removes what a crash left there)."""
+    return Path(out_dir) / f".checkpoint-{step}.tmp-part{rank}"
+
+
+def state_readers(path: Path) -> list:
+    """The checkpoint's state stores: state.zarr, then each rank's part, as StateReaders."""
+    found = [path / "state.zarr"] + sorted(p for p in path.glob("state-rank*.zarr") if p.is_dir())
+    readers = []
+    try:
+        for p in found:
+            readers.append(StateReader(p, order=("master", *MOMENTS)))
+    except BaseException:
+        for r in readers:
+            r.close()
+        raise
+    return readers
+
+
+def _reader_of(readers: list, kind: str, name: str):
+    """The reader holding tensor ``name`` of ``kind``; StorageError when none does."""
+    for r in readers:
+        if name in r.index.get(kind, {}):
+            return r
+    raise StorageError(f"no {kind} of {name} in its state")
 
 
 def remove_partial(out_dir: str | Path) -> None:
@@ -171,30 +206,38 @@ def verify(path: Path, manifest: dict, large: bool) -> None:
             raise ConfigError(f"{path} is damaged: {rel} does not match its checksum{_other_checkpoint(path)}")
 
 
-def load(store, path: str | Path, mcfg, dtype: torch.dtype, has_master: bool, progress=None) -> int:
-    """Fill the store from a checked checkpoint; the groups' versions become its step. Returns the step."""
+def load(store, path: str | Path, mcfg, dtype: torch.dtype, has_master: bool, progress=None,
+         only: set | None = None) -> int:
+    """Fill the store from a checked checkpoint; the groups' versions become its step. Returns the step.
+    Store tensors the store does not hold (another rank's HBM) are left out; ``only``: just these store names
+    (a rank loading its own HBM-resident state, the versions left alone)."""
     path = Path(path)
     manifest = json.loads((path / "checkpoint.json").read_text())
     step = int(manifest["step"])
     try:
-        reader = StateReader(path / "state.zarr", order=("master", *MOMENTS))
+        readers = state_readers(path)
     except StorageError as e:
         raise ConfigError(f"{path} is damaged: {e}{_other_checkpoint(path)}") from None
     pending: list = []
     checked = _checks.pop(path.resolve(), None) or _checker.submit(verify, path, manifest, True)
+
+    def wanted(name: str) -> bool:
+        return name in store.catalog and (only is None or name in only)
+
     try:
         for kind in ("master", *MOMENTS):  # kind by kind: each array streams from disk in order
             for w in all_weights(mcfg):
+                names = ([state_name(w.name, "param")] + ([state_name(w.name, "master")] if has_master else [])
+                         if kind == "master" else [state_name(w.name, kind)])
+                names = [n for n in names if wanted(n)]
+                if not names:
+                    continue
                 try:
-                    t = torch.from_numpy(reader.get(kind, w.name))
+                    t = torch.from_numpy(_reader_of(readers, kind, w.name).get(kind, w.name))
                 except StorageError as e:
                     raise ConfigError(f"{path} is damaged: {e}{_other_checkpoint(path)}") from None
-                if kind == "master":
-                    pending.append(store.write(state_name(w.name, "param"), t.to(dtype)))
-                    if has_master:
-                        pending.append(store.write(state_name(w.name, "master"), t))
-                else:
-                    pending.append(store.write(state_name(w.name, kind), t))
+                for n in names:
+                    pending.append(store.write(n, t.to(dtype) if store.catalog[n].spec.kind == "param" else t))
                 while len(pending) > 8:  # a few copies in flight while the next tensor is read
                     pending.pop(0).result()
                 if progress:
@@ -203,9 +246,11 @@ def load(store, path: str | Path, mcfg, dtype: torch.dtype, has_master: bool, pr
             f.result()
         checked.result()
     finally:
-        reader.close()
-    for g in group_order(mcfg):
-        store.catalog.bump(g, to=step)
+        for r in readers:
+            r.close()
+    if only is None:
+        for g in group_order(mcfg):
+            store.catalog.bump(g, to=step)
     return step
 
 
@@ -231,6 +276,12 @@ class Saver:
         # on_released(group, step): the save of ``step`` has read the group (the ranks that update other groups
         # than this process's wait for it)
         self.on_released = None
+        # several ranks: the store names this process's store lacks (other ranks' HBM-resident state: the model's
+        # files then take the compute copy, of the same values in the model's dtype), and wait_part(rank, step),
+        # until rank ``rank`` has written its part of the state (``part_tmp``), for each rank in ``parts``
+        self.remote: set = set()
+        self.parts: list[int] = []
+        self.wait_part = None
         self.last: dict = {}
 
     # -- the optimizer's gate ----------------------------------------------------------------------
@@ -282,7 +333,10 @@ class Saver:
                     mib = min(max(1, nbytes >> 20), self._budget_mib)
                     for _ in range(mib):
                         room.acquire()
-                    row = {k: self.store.read(state_name(w.name, k)).result() for k in kinds}
+                    row = {k: self.store.read(state_name(w.name, k)).result() for k in kinds
+                           if state_name(w.name, k) not in self.remote}
+                    if self.src not in row:  # (its owner writes its state; the model's files: the compute copy)
+                        row["model"] = self.store.read(w.name).result()
                     q.put((w.name, row, mib))
                 self._released[g].set()
                 if self.on_released is not None:
@@ -312,18 +366,21 @@ class Saver:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             model = ModelWriter(self.mcfg, tmp, self.dtype, self.model_dir)
-            layout = {k: [(w.name, w.shape) for w in all_weights(self.mcfg)] for k in ("master", *MOMENTS)}
+            store_kind = {"master": self.src, **{k: k for k in MOMENTS}}
+            layout = {k: [(w.name, w.shape) for w in all_weights(self.mcfg)
+                          if state_name(w.name, store_kind[k]) not in self.remote] for k in ("master", *MOMENTS)}
+            layout = {k: v for k, v in layout.items() if v}
             state = None if self.model_only else StateWriter(tmp / "state.zarr", layout, self.checksums)
             while True:
                 item = q.get()
                 if item is None:
                     break
                 name, row, mib = item
-                model.put(name, row[self.src])
+                model.put(name, row.get("model", row.get(self.src)))
                 if state is not None:
-                    state.put("master", name, row[self.src])
-                    for k in MOMENTS:
-                        state.put(k, name, row[k])
+                    for k, sk in store_kind.items():
+                        if sk in row:
+                            state.put(k, name, row[sk])
                 del row
                 for _ in range(mib):
                     room.release()
@@ -334,6 +391,11 @@ class Saver:
             model.close()
             if state is not None:
                 state.close()
+                for r in self.parts:  # (each rank's part, written and synced by that rank, moved in)
+                    self.wait_part(r, step)
+                    part = part_tmp(self.out, step, r)
+                    os.replace(part / "state.zarr", tmp / part_name(r))
+                    shutil.rmtree(part, ignore_errors=True)
             for name, content in states.items():
                 (tmp / name).write_text(json.dumps(content, indent=1) + "\n")
             files = {}

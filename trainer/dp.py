@@ -136,6 +136,7 @@ class OwnerOptimizer:
         self.local, self.owned, self.host, self.world = local, set(owned), host, world
         self._save_step: int | None = None
         self._gate = None
+        self._part = None  # this rank's part of a checkpoint (its HBM's state): its gate
 
     @property
     def gpu_share(self) -> float:
@@ -215,10 +216,16 @@ class OwnerOptimizer:
         self._save_step = step
         self.local.set_gate(self._wait)
 
+    def set_part_gate(self, gate) -> None:
+        """This rank writes its part of the checkpoints (``trainer.checkpoint_part``): its gate too."""
+        self._part = gate
+        self.local.set_gate(self._wait)
+
     def _wait(self, g: Group, update: int) -> float:
+        waited = self._part(g, update) if self._part is not None else 0.0
         if self._gate is not None:
-            return self._gate(g, update)
+            return waited + self._gate(g, update)
         s = self._save_step
         if s is None or update <= s:
-            return 0.0
-        return self.host.wait_saved(g, s)
+            return waited
+        return waited + self.host.wait_saved(g, s)

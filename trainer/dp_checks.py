@@ -1,10 +1,11 @@
 """What a run of several ranks does not support yet, refused in one line (exit code 2) before anything starts,
 and the store config of one rank.
 
-Several ranks share one store per host (``trainer.dp_session``): its state lives in the DRAM arena and on
-NVMe, never in one rank's HBM (sharding HBM-resident state by owner is not built yet); an attached run
-(``tiermem_server``), several hosts, a load-balancing loss (whose statistics are a micro-batch's, which
-several ranks split) and kept activations (which need weights in HBM) are refused.
+Several ranks share one store per host (``trainer.dp_session``): the compute copy lives in the DRAM arena (or
+on NVMe), where every rank reads it, and a group's other state there or in its owner's HBM. The compute copy in
+HBM (a pin of ``param`` to ``gpu``), state in HBM with several hosts, an attached run (``tiermem_server``), hosts
+with different numbers of ranks, a load-balancing loss (whose statistics are a micro-batch's, which several ranks
+split) and kept activations (which need weights in HBM) are refused.
 """
 
 from __future__ import annotations
@@ -30,9 +31,12 @@ def check_supported(cfg, world, mcfg=None) -> None:
     placement = raw.get("placement")
     if isinstance(placement, dict):
         on_gpu = sorted(k for k, t in placement.items() if t == "gpu")
-        if on_gpu:
-            raise ConfigError(f"placement pins {', '.join(on_gpu)} to gpu: state in HBM {NOT_YET} ({n}); pin it to "
-                              "dram or nvme")
+        if "param" in on_gpu:
+            raise ConfigError(f"placement pins param to gpu: the compute copy in HBM {NOT_YET} ({n}: every rank "
+                              "reads every group's from the host's arena); pin it to dram or nvme")
+        if on_gpu and world.size > world.local_size:
+            raise ConfigError(f"placement pins {', '.join(on_gpu)} to gpu: state in HBM is not supported yet with "
+                              f"several hosts ({n} on {world.size // world.local_size} hosts); pin it to dram or nvme")
     tiers = raw.get("tiers") or {}
     dram = tiers.get("dram") or {}
     if isinstance(dram, dict) and str(dram.get("path")) == "anonymous" and world.local_size > 1:

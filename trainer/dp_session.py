@@ -3,13 +3,16 @@
 The host's first rank (local rank 0) plans and opens the store (a DRAM arena file, the NVMe file) with room for
 the others' staging regions and the host's counters, and tells them where everything is (JSON through the
 process group); the other ranks map the same arena and NVMe file by name (``tiermem.store.shared``), with GPU
-slots of their own. Every rank then gets an ``OwnerOptimizer`` over the groups it owns (``trainer.dp``).
+slots of their own. Where the plan keeps a group's state in HBM (``plan.owners``), it lives in its owner's: each
+rank's store creates the HBM-resident tensors of the groups it owns, and only those. Every rank then gets an
+``OwnerOptimizer`` over the groups it owns (``trainer.dp``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tiermem.config import MOMENTS
 from tiermem.optim import StoreAdamW
 from tiermem.plan.placement import check_budgets
 from tiermem.session import Session
@@ -26,6 +29,9 @@ class RankSession(Session):
     world: object = None
     owner: dict = None
     reducer: GradReducer = None
+    own_hbm: set = None  # store names of the state this rank keeps in its HBM
+    remote: set = None  # ... and of the state other ranks keep in theirs (not in this rank's store)
+    parts: list = None  # the other ranks whose HBM holds state a checkpoint keeps: each writes its part of them
 
     def close(self) -> None:
         dead = self.host.dead_peers(self.world.pids) if self.world.local_rank != 0 else []
@@ -41,6 +47,11 @@ class RankSession(Session):
                     f.unlink(missing_ok=True)
 
 
+def hbm_specs(specs, where: dict, owner: dict, rank: int) -> list:
+    """The specs of the HBM-resident tensors of the groups ``rank`` owns (``where``: the plan's tiers)."""
+    return [s for s in specs if where.get((s.group, s.kind)) == "gpu" and owner[s.group] == rank]
+
+
 def open_rank_session(world, specs, settings, scfg, plan) -> RankSession:
     """This rank's session: ``plan`` (local rank 0's; None elsewhere) opens the host's store there, the others
     attach to it. Returns with the store's plan on every rank (placement, GPU updates, passes)."""
@@ -54,21 +65,34 @@ def open_rank_session(world, specs, settings, scfg, plan) -> RankSession:
         # (the arena is the host's: the other ranks' staging regions and the counters are in its budget too)
         plan.staging_bytes += HostStore.room(staging, world.local_size, len(groups))
         check_budgets(plan)
-        store = Store.open(scfg, specs, streamed_kinds=("param",), plan=plan)
+        hbm = [[g, k] for (g, k), t in plan.where.items() if t == "gpu"]
+        if hbm and plan.owners != owner:  # (the planner's owners are these: trainer.dp.owners of the same specs)
+            raise RuntimeError("the plan keeps state in HBM for other owners than the session's")
+        theirs = {(g, k) for g, k in hbm if owner[g] != world.rank}
+        mine = [s for s in specs if (s.group, s.kind) not in theirs]
+        store = Store.open(scfg, mine, streamed_kinds=("param",), plan=plan, rank=world.rank if hbm else None)
         try:
             host = HostStore.create(store, groups, world.local_size, staging)
         except BaseException:
             store.close()
             raise
         told = dict(host.describe(), gpu_updates=None if plan.gpu_updates is None else list(plan.gpu_updates),
-                    activation_budget=plan.activation_budget, passes=plan.passes)
+                    activation_budget=plan.activation_budget, passes=plan.passes, hbm=hbm)
     try:
         told = world.from_host_lead(told)
         if host is None:
-            host = HostStore.attach(scfg, specs, told, world.local_rank, world.device(), scfg.tiers.gpu.slots)
+            where = {(g, k): "gpu" for g, k in told["hbm"]}
+            host = HostStore.attach(scfg, specs, told, world.local_rank, world.device(), scfg.tiers.gpu.slots,
+                                    resident=hbm_specs(specs, where, owner, world.rank))
             p = host.store.plan
             p.gpu_updates = None if told["gpu_updates"] is None else set(told["gpu_updates"])
             p.activation_budget, p.passes = told["activation_budget"], told["passes"]
+            if where:
+                p.where.update(where)
+                for s in specs:
+                    if (s.group, s.kind) in where:
+                        p.group_bytes[(s.group, s.kind)] = p.group_bytes.get((s.group, s.kind), 0) + s.nbytes
+                p.owners = owner
         store = host.store
         on_gpu = None if store.plan.gpu_updates is None else set(store.plan.gpu_updates) & owned
         local = StoreAdamW(store, [g for g in groups if g in owned], settings.decay, settings.adamw,
@@ -82,18 +106,22 @@ def open_rank_session(world, specs, settings, scfg, plan) -> RankSession:
             host.store.close()
         raise
     reducer = GradReducer(world, owner, store.catalog, store.gpu.device)
-    return RankSession(store, optimizer, None, host=host, world=world, owner=owner, reducer=reducer)
+    hbm = {(g, k) for (g, k), t in store.plan.where.items() if t == "gpu"} if store.plan.owners is not None else set()
+    in_hbm = [s for s in specs if (s.group, s.kind) in hbm]
+    return RankSession(store, optimizer, None, host=host, world=world, owner=owner, reducer=reducer,
+                       own_hbm={s.name for s in in_hbm if owner[s.group] == world.rank},
+                       remote={s.name for s in in_hbm if owner[s.group] != world.rank},
+                       parts=sorted({owner[s.group] for s in in_hbm if owner[s.group] != world.rank
+                                     and s.kind in ("master" if settings.has_master else "param", *MOMENTS)}))
 
 
 def loaded(session: RankSession, start: int, groups) -> None:
     """The weights (and the optimizer's state, resuming) are in the host's store at ``start``, and every rank of
     the world knows it: each rank's catalog is at ``start``; the others' updates are followed from now on."""
     world, host, cat = session.world, session.host, session.store.catalog
+    for kind in ("param", "master", "exp_avg", "exp_avg_sq"):  # (the lead's writes; the others': their HBM's)
+        session.store.flush(kind)
     if world.local_rank == 0:
-        session.store.flush("param")
-        session.store.flush("master")
-        for kind in ("exp_avg", "exp_avg_sq"):
-            session.store.flush(kind)
         host.publish_all(start)
     world.barrier()
     for g in groups:

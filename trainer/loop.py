@@ -215,17 +215,24 @@ def _open_rank_session(job: Job, world: World, specs, settings, say) -> Session:
     scfg = rank_store_config(job.cfg, world)
     plan = None
     if world.local_rank == 0:
-        from trainer.dp import reduction_bytes
+        from trainer.dp import owners, reduction_bytes
 
-        plan = job.store_plan = plan_run(job, scfg, say, hbm_state=False, hbm_taken=reduction_bytes(specs))
+        # (one host: state may live in its owner's HBM; several hosts keep every group's state on every host)
+        own = owners(settings.groups, specs, world.size) if world.nodes == 1 else None
+        plan = job.store_plan = plan_run(job, scfg, say, hbm_state=own is not None, hbm_taken=reduction_bytes(specs),
+                                         owners=own)
         if plan is None:  # (every kind pinned: the fixed rule places)
-            plan = make_plan(specs, scfg, streamed_kinds=("param",))
+            plan = make_plan(specs, scfg, streamed_kinds=("param",), owners=own)
     session = open_rank_session(world, specs, settings, scfg, plan)
     if world.local_rank != 0:
         job.store_plan = session.store.plan
     mine = sorted((g for g, r in session.owner.items() if r == world.rank), key=lambda g: settings.groups.index(g))
     say(f"{world.size} ranks share this host's store; rank 0 updates {len(mine)} of {len(settings.groups)} groups "
         f"({_span(mine)}) with {session.optimizer.local.threads} CPU AdamW threads, the others the rest")
+    in_hbm = session.store.plan.need(world.rank)["gpu"] - session.store.plan.slot_bytes * session.store.plan.n_slots
+    if session.store.plan.owners is not None and in_hbm:
+        say(f"each rank keeps the state of its groups that live in HBM in its own GPU's (rank 0: "
+            f"{format_size(in_hbm)})")
     return session
 
 
@@ -246,10 +253,21 @@ def check_placement(cfg: TrainConfig, mcfg, dtype: torch.dtype, world: World | N
         machine.gpu_memory = torch.cuda.get_device_properties(device).total_memory
     shape = run_plan.Shape(cfg.per_device_train_batch_size, cfg.cutoff_len, cfg.gradient_accumulation_steps)
     budgets = run_plan.local_budgets(scfg, mcfg, dtype, cfg.output_dir, saves(cfg))
+    own = _owners(mcfg, dtype, world) if several else None
     if run_plan.make(mcfg, dtype, scfg, shape, machine, device, cfg.loss_chunk_tokens, time_it=False,
-                     budgets=budgets, hbm_state=not several,
-                     hbm_taken=_reductions(mcfg, dtype) if several else 0) is None:
-        make_plan(state_specs(mcfg, dtype), scfg, streamed_kinds=("param",))  # every kind pinned
+                     budgets=budgets, hbm_state=not several or own is not None,
+                     hbm_taken=_reductions(mcfg, dtype) if several else 0, owners=own) is None:
+        make_plan(state_specs(mcfg, dtype), scfg, streamed_kinds=("param",), owners=own)  # every kind pinned
+
+
+def _owners(mcfg, dtype: torch.dtype, world: World) -> dict | None:
+    """Several ranks of one host: each group's owner, whose HBM may hold its state (trainer.dp.owners); None
+    with several hosts (every host keeps every group's state, none in HBM)."""
+    from trainer.dp import owners
+
+    if world.nodes > 1:
+        return None
+    return owners(group_order(mcfg), state_specs(mcfg, dtype), world.size)
 
 
 def _reductions(mcfg, dtype: torch.dtype) -> int:
@@ -275,16 +293,16 @@ def step_shape(job: Job) -> run_plan.Shape:
     return run_plan.Shape(cfg.per_device_train_batch_size, seq, len(mbs))
 
 
-def plan_run(job: Job, scfg, say, hbm_state: bool = True, hbm_taken: int = 0):
+def plan_run(job: Job, scfg, say, hbm_state: bool = True, hbm_taken: int = 0, owners: dict | None = None):
     """The planner's plan for an embedded run (None when the placement pins every kind), told in a few lines
-    (``hbm_state`` False: no state in HBM, as several ranks' shared store; ``hbm_taken``: HBM taken besides,
-    as several ranks' gradients in flight)."""
+    (``hbm_state`` False: no state in HBM, as several hosts' stores; ``hbm_taken``: HBM taken besides, as several
+    ranks' gradients in flight; ``owners``: several ranks of a host, each group's state in its owner's HBM)."""
     device = compute_device(scfg)
     machine = run_plan.machine_for(scfg, device)
     budgets = run_plan.local_budgets(scfg, job.mcfg, job.dtype, job.out, saves(job.cfg))
     plan = run_plan.make(job.mcfg, job.dtype, scfg, step_shape(job), machine, device, job.cfg.loss_chunk_tokens,
                          budgets=budgets, hbm_state=hbm_state, keep=job.cfg.tiermem_keep_activations,
-                         hbm_taken=hbm_taken)
+                         hbm_taken=hbm_taken, owners=owners)
     if plan is not None:
         run_plan.keep_activations(plan, job.cfg.tiermem_keep_activations, job.mcfg)
         lines = run_plan.lines(plan)
@@ -309,6 +327,8 @@ def load_weights(job: Job, session: Session, console: Console, say) -> int:
     world = job.world
     if world.several and world.local_rank != 0:  # (the host's first rank fills the shared store)
         start = world.broadcast_json(None)
+        if session.own_hbm:  # (and each rank the state it keeps in its HBM)
+            _load_own_hbm(job, session)
         if job.resume is not None:
             ckpt.set_rng_state(ckpt.tiermem_state(job.resume).get("rng", {}))
         from trainer.dp_session import loaded
@@ -319,13 +339,14 @@ def load_weights(job: Job, session: Session, console: Console, say) -> int:
         what = "resuming" if job.resume else "initialising" if cfg.tiermem_init == "random" else "loading"
         task = bar.add_task(f"{what} weights", total=job.n_params)
         adv = lambda n: bar.advance(task, n)
+        held = None if not getattr(session, "remote", None) else {e.spec.name for e in store.catalog.entries()}
         if job.resume is not None:
             start = ckpt.load(store, job.resume, job.mcfg, job.dtype, cfg.bf16, adv)
             ckpt.set_rng_state(ckpt.tiermem_state(job.resume).get("rng", {}))
         elif cfg.tiermem_init == "random":
-            init_weights(store, job.mcfg, kinds, cfg.seed, store.gpu.device, adv)
+            init_weights(store, job.mcfg, kinds, cfg.seed, store.gpu.device, adv, names=held)
         else:
-            import_weights(store, job.mcfg, job.model_dir, kinds, adv)
+            import_weights(store, job.mcfg, job.model_dir, kinds, adv, names=held)
     session.loaded(start)
     if world.several:
         from trainer.dp_session import loaded
@@ -335,6 +356,18 @@ def load_weights(job: Job, session: Session, console: Console, say) -> int:
     if job.resume is not None:
         say(f"resumed from {job.resume} at step {start} (epoch {plan.epoch_of(start):.2f})")
     return start
+
+
+def _load_own_hbm(job: Job, session) -> None:
+    """Several ranks: the state this rank keeps in its HBM, from the checkpoint resumed (its moments and master
+    weights) or the model (its master weights; the moments start at zero)."""
+    cfg, store, names = job.cfg, session.store, session.own_hbm
+    if job.resume is not None:
+        ckpt.load(store, job.resume, job.mcfg, job.dtype, cfg.bf16, only=names)
+    elif cfg.bf16 and cfg.tiermem_init == "random":
+        init_weights(store, job.mcfg, {"master": torch.float32}, cfg.seed, store.gpu.device, names=names)
+    elif cfg.bf16:
+        import_weights(store, job.mcfg, job.model_dir, {"master": torch.float32}, names=names)
 
 
 def train(job: Job, session: Session, start: int, console: Console, say) -> dict:
@@ -350,7 +383,7 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
         import tempfile
 
         out = Path(tempfile.mkdtemp(prefix=f"tiermem-rank{world.rank}-"))
-    executor = saver = stats = tb = None
+    executor = saver = part = stats = tb = None
     pauses = GcPauses()
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -402,7 +435,19 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                                cfg.save_total_limit, say)
             if world.several:  # (the owners of the other groups wait for the saver to have read them)
                 saver.on_released = session.host.publish_saved
+                if session.remote and not cfg.save_only_model:  # (the other ranks' HBM: their parts)
+                    saver.remote, saver.wait_part = session.remote, session.host.wait_shard
+                    saver.parts = session.parts
             optimizer.set_gate(saver.gate)
+        if saves(cfg) and not lead and session.own_hbm and not cfg.save_only_model:
+            from trainer.checkpoint_part import PartSaver
+
+            part = PartSaver(store, mcfg, job.out, world.rank, session.own_hbm, cfg.bf16,
+                             lambda n: session.host.publish_shard(world.local_rank, n))
+            if part.holds_state:
+                optimizer.set_part_gate(part.gate)
+            else:
+                part = None
         t0 = time.perf_counter()
         rows_seen = 0
         link_bytes = _link_bytes(store)
@@ -429,6 +474,8 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                     optimizer.wait()
                     if saver is not None:
                         saver.wait()
+                    if part is not None:
+                        part.wait()
                     raise
                 except torch.OutOfMemoryError:
                     raise BudgetError(
@@ -478,6 +525,8 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                 if saver is None and world.node == 0 and world.several and saves(cfg) \
                         and save_due(cfg, done, per_epoch, total):
                     optimizer.expect_save(done)  # (the lead saves: update done + 1 waits for its reading)
+                    if part is not None:  # (this rank writes the state its HBM holds)
+                        part.begin(done)
                 if saver is not None and save_due(cfg, done, per_epoch, total):
                     session.refresh_layout()
                     saved[done] = str(out / f"checkpoint-{done}")
@@ -488,6 +537,8 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                     saver.begin(done, {"trainer_state.json": hf_state, "tiermem_state.json": own})
                 bar.advance(task)
             optimizer.wait()
+            if part is not None:
+                part.wait()
             if sync is not None:
                 sync.to_lead(total)
             if world.several and lead:  # (every other rank's last update too, whole: the export reads it)
@@ -539,6 +590,8 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
     except BaseException:
         if saver is not None:
             saver.settle()  # a checkpoint already read out of the store is still worth writing
+        if part is not None:
+            part.settle()
         raise
     finally:
         pauses.close()

@@ -36,13 +36,15 @@ class Shape:
 
 def make(mcfg, dtype: torch.dtype, scfg: StoreConfig, shape: Shape, machine: Machine, device: torch.device,
          loss_chunk: int, time_it: bool = True, budgets: dict | None = None, cuda: bool | None = None,
-         keep=0, hbm_state: bool = True, hbm_taken: int = 0, workload: Workload | None = None) -> Plan | None:
+         keep=0, hbm_state: bool = True, hbm_taken: int = 0, workload: Workload | None = None,
+         owners: dict | None = None) -> Plan | None:
     """The planner's plan for this run, or None when the placement pins every kind (the fixed rule then
     places; nothing to decide). ``cuda``: plan for a CUDA GPU of ``machine``'s figures (default: whether
     ``device`` is one). ``keep``: tiermem_keep_activations (auto: the planner chooses the kept layers with
     the placement, for a dense model: the kept graphs of expert layers are not yet measured on the GPU; a
     number: ``keep_activations`` takes them after). ``hbm_state`` False: no state in HBM (several ranks share
-    the host's store); ``hbm_taken``: HBM the run takes besides (several ranks' gradients in flight);
+    the hosts' stores); ``hbm_taken``: HBM the run takes besides (several ranks' gradients in flight); ``owners``:
+    several ranks of a host, each group's state in its owner's HBM (``tiermem.plan.planner``);
     ``workload``: the step as measured before (``tiermem plan --workload``), not timed here."""
     specs = state_specs(mcfg, dtype)
     if all(s.kind in scfg.pins() for s in specs):
@@ -50,7 +52,7 @@ def make(mcfg, dtype: torch.dtype, scfg: StoreConfig, shape: Shape, machine: Mac
     w = workload or plan_workload.build(mcfg, dtype, shape.rows, shape.seq, shape.micro_batches, machine, device,
                                         loss_chunk, time_it=time_it)
     return plan_step(specs, scfg, w, machine, budgets, cuda=device.type == "cuda" if cuda is None else cuda,
-                     hbm_state=hbm_state, hbm_taken=hbm_taken,
+                     hbm_state=hbm_state, hbm_taken=hbm_taken, owners=owners,
                      keep_auto=keep == "auto" and keeps_activations(mcfg) and getattr(mcfg, "moe", None) is None)
 
 

@@ -88,14 +88,16 @@ def check_weight_files(cfg: ModelConfig, model_dir: str | Path) -> list[Path]:
     return files
 
 
-def _write_all(store, w: Weight, t: torch.Tensor, kinds: dict[str, torch.dtype]) -> list:
-    return [store.write(state_name(w.name, kind), t.to(dtype)) for kind, dtype in kinds.items()]
+def _write_all(store, w: Weight, t: torch.Tensor, kinds: dict[str, torch.dtype], names: set | None = None) -> list:
+    return [store.write(state_name(w.name, kind), t.to(dtype)) for kind, dtype in kinds.items()
+            if names is None or state_name(w.name, kind) in names]
 
 
 def import_weights(store, cfg: ModelConfig, model_dir: str | Path, kinds: dict[str, torch.dtype],
-                   progress=None) -> None:
+                   progress=None, names: set | None = None) -> None:
     """Load every weight of ``model_dir`` (its headers checked by ``check_weight_files``) into the store as
-    each kind in ``kinds`` (kind -> dtype)."""
+    each kind in ``kinds`` (kind -> dtype); ``names``: only these store names (several ranks: each writes
+    what its store holds)."""
     wanted = {w.name: w for w in all_weights(cfg)}
     for path in check_weight_files(cfg, model_dir):
         with _open(path) as f:
@@ -107,19 +109,20 @@ def import_weights(store, cfg: ModelConfig, model_dir: str | Path, kinds: dict[s
                     t = f.get_tensor(key)
                 except Exception as e:  # noqa: BLE001 - a file changed or cut since its header was read
                     raise ConfigError(f"{path}: cannot read {key} ({str(e)[:120]})") from None
-                for fut in _write_all(store, w, t, kinds):
+                for fut in _write_all(store, w, t, kinds, names):
                     fut.result()
                 if progress:
                     progress(t.numel())
 
 
 def init_weights(store, cfg: ModelConfig, kinds: dict[str, torch.dtype], seed: int, device: torch.device,
-                 progress=None) -> None:
-    """Random initialisation from config.json alone (``tiermem_init: random``)."""
+                 progress=None, names: set | None = None) -> None:
+    """Random initialisation from config.json alone (``tiermem_init: random``); ``names``: only these store
+    names are written (every weight is drawn, in order, so each has the same values wherever it is written)."""
     gen = torch.Generator(device).manual_seed(seed)
     for w in all_weights(cfg):
         t = init_weight(w, cfg, gen, device)
-        for fut in _write_all(store, w, t, kinds):
+        for fut in _write_all(store, w, t, kinds, names):
             fut.result()
         if progress:
             progress(t.numel())
@@ -258,11 +261,14 @@ class ModelWriter:
 
 def export_model(store, cfg: ModelConfig, out_dir: str | Path, source_kind: str, dtype: torch.dtype,
                  model_dir: str | Path, progress=None) -> list[Path]:
-    """Write the model in Hugging Face format to ``out_dir``, reading ``source_kind`` (param or master)."""
+    """Write the model in Hugging Face format to ``out_dir``, reading ``source_kind`` (param or master). A master
+    weight the store does not hold (several ranks: it lives in another rank's HBM) is read as its compute copy,
+    which the update made from it: the same values in the exported dtype (the compute copy's)."""
     writer = ModelWriter(cfg, out_dir, dtype, model_dir)
     try:
         for w in all_weights(cfg):
-            t = store.read(state_name(w.name, source_kind)).result()
+            name = state_name(w.name, source_kind)
+            t = store.read(name if name in store.catalog else w.name).result()
             writer.put(w.name, t)
             if progress:
                 progress(t.numel())

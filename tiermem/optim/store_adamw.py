@@ -199,12 +199,18 @@ class StoreAdamW:
     def grads_on_gpu(self, g: Group) -> bool:
         """True when ``g`` is updated by the GPU worker from a gradient that lives elsewhere: the gradient,
         made on the GPU, should be offered there (``store.offer(g, "grad", ...)``) instead of fetched back."""
-        return g in self.on_gpu and not (g in self.resident and self.guard is None)
+        return g in self.on_gpu and not self._updated_from_hbm(g)
 
     def grads_home(self, g: Group) -> bool:
         """True when ``g``'s gradient must go home to the store (the CPU worker reads it there; a group that
-        lives in HBM is updated from its home there)."""
-        return g not in self.on_gpu or (g in self.resident and self.guard is None)
+        lives in HBM, or whose gradient does, is updated from its home there)."""
+        return g not in self.on_gpu or self._updated_from_hbm(g)
+
+    def _updated_from_hbm(self, g: Group) -> bool:
+        if self.guard is not None:
+            return False
+        grads = self.store.catalog.group_entries(g, "grad")
+        return g in self.resident or (bool(grads) and all(e.tier == "gpu" for e in grads))
 
     # -- public --------------------------------------------------------------------------------
     def step(self, step: int, lr: float, grad_scale: float | None = None, only: set | None = None) -> cf.Future:
@@ -539,7 +545,15 @@ class StoreAdamW:
         for k in (self.p_kind, "grad", *MOMENTS):
             if k == "grad" and offered is not None:
                 continue
-            for e in store.catalog.group_entries(g, k):
+            entries = store.catalog.group_entries(g, k)
+            if self.guard is None and entries and all(e.tier == "gpu" for e in entries):
+                views = store.gpu_views(g, k)  # (it lives in HBM: updated where it is, nothing copied)
+                for e in entries:
+                    if k in MOMENTS and not e.valid:
+                        views[e.spec.name].zero_()
+                    work[e.spec.name] = views[e.spec.name]
+                continue
+            for e in entries:
                 t = torch.empty(e.spec.shape, dtype=e.spec.dtype, device=dev)
                 if k in MOMENTS and not e.valid:
                     t.zero_()
@@ -561,6 +575,9 @@ class StoreAdamW:
         if self.has_master:
             params = {e.spec.name: work[state_name(e.spec.name, "master")].to(e.spec.dtype)
                       for e in cat.group_entries(g, "param")}
+        if self._stream is not None and any(cat[n].tier == "gpu" for n in work):  # (updated in HBM, in place: done
+            host_sync(self._stream)  # before the version says so, as nothing is copied home after it)
+        if self.has_master:
             home = store.store_group(g, "param", params)
             if self.offer_params:
                 store.offer(g, "param", params)  # the next forward copies them on the GPU, not over PCIe

@@ -50,11 +50,22 @@ class Plan:
     machine: object = None  # machine.Machine it planned on
     workload: object = None  # workload.Workload it planned for
     params: dict = field(default_factory=dict)  # group -> parameters
+    # several ranks of a host: group -> the rank whose GPU holds the group's HBM-resident state (its owner); every
+    # rank has its own HBM, with its own streaming slots (None: one GPU holds all of it)
+    owners: dict | None = None
 
-    def need(self) -> dict[str, int]:
+    def need(self, rank: int | None = None) -> dict[str, int]:
+        """Bytes each tier needs. With ``owners``, "gpu" is one rank's HBM: ``rank``'s, or (None) the fullest
+        rank's (what every rank's budget must hold)."""
         out = {"gpu": self.slot_bytes * self.n_slots, "dram": self.staging_bytes, "nvme": 0}
+        by_rank: dict = defaultdict(int)
         for key, tier in self.where.items():
-            out[tier] += self.group_bytes[key]
+            if tier == "gpu" and self.owners is not None:
+                by_rank[self.owners[key[0]]] += self.group_bytes[key]
+            else:
+                out[tier] += self.group_bytes[key]
+        if self.owners is not None:
+            out["gpu"] += by_rank.get(rank, 0) if rank is not None else max(by_rank.values(), default=0)
         return out
 
     def bytes_by_kind(self) -> dict[str, dict[str, int]]:
@@ -96,7 +107,9 @@ def existing_parent(path: str) -> str:
 
 
 def make_plan(specs: list[TensorSpec], cfg: StoreConfig, streamed_kinds: tuple[str, ...] = ("param",),
-              budgets: dict[str, int | None] | None = None) -> Plan:
+              budgets: dict[str, int | None] | None = None, owners: dict | None = None) -> Plan:
+    """The fixed rule's plan (``owners``: several ranks, each group's state pinned to ``gpu`` in its owner's
+    HBM, every rank's budget checked)."""
     budgets = default_budgets(cfg) if budgets is None else budgets
     group_bytes: dict[tuple[Group, str], int] = defaultdict(int)
     for s in specs:
@@ -109,6 +122,7 @@ def make_plan(specs: list[TensorSpec], cfg: StoreConfig, streamed_kinds: tuple[s
     else:
         _auto(group_bytes, where, budgets, cfg, streamed_kinds)
     plan = _finish(group_bytes, where, cfg, streamed_kinds, budgets)
+    plan.owners = owners
     check_budgets(plan)
     return plan
 

@@ -14,6 +14,12 @@ fastest; a streamed group the GPU updates needs HBM of its own (its gradient wai
 three groups' state are in flight), so a split is taken only where that room is left, and a layout that
 leaves it is tried too. Kinds the placement pins (``{exp_avg_sq: nvme}``) stay where they are pinned. A
 service's run keeps no state in HBM (``hbm_state=False``).
+
+Several ranks of a host (``owners``: group -> owning rank) each have an HBM of the same size: a group's
+optimizer-side state (grad, master, exp_avg, exp_avg_sq) may live in its owner's, never its compute copy (every
+rank streams it from the shared arena, so every rank keeps the streaming slots). Each rank's HBM — its owned
+state, its slots, the activations, what the caller takes besides (``hbm_taken``: the gradients in flight) and
+its GPU worker's copies — must fit; the plan's ``need()["gpu"]`` is the fullest rank's.
 """
 
 from __future__ import annotations
@@ -85,7 +91,7 @@ def pass_counts(micro_batches: int) -> list[int]:
 def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine,
               budgets: dict | None = None, cuda: bool = True, fixed_passes: int | None = None,
               hbm_state: bool = True, gpu_worker: bool = True, keep_auto: bool = False,
-              hbm_taken: int = 0) -> Plan:
+              hbm_taken: int = 0, owners: dict | None = None) -> Plan:
     """The fastest predicted placement of ``specs`` for steps of ``w`` on machine ``m`` (see the module).
     ``hbm_state`` False: no state in HBM (a service's run: the state outlives the trainer's GPU); HBM holds
     the activations, the slots and the GPU worker's copies. ``gpu_worker`` False: the CPU updates every
@@ -96,7 +102,8 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
     several numbers of kept layers are tried, each with the state placed in what they leave, and every
     layout keeps as many more as its leftover HBM holds. Kept graphs are weighed at the number of passes
     chosen without them: they never add passes (each pass moves the streamed groups' partial gradients both
-    ways, which the GPU runs have shown costs more than the cost model counts)."""
+    ways, which the GPU runs have shown costs more than the cost model counts). ``owners`` (several ranks of a
+    host: group -> rank): each group's HBM-resident state lives in its owner's HBM (see the module)."""
     if budgets is None:  # (the GPU's: tiers.gpu.budget or, unset, all of its HBM, activations included)
         budgets = {**default_budgets(cfg), "gpu": cfg.tiers.gpu.budget}
     budgets = dict(budgets)
@@ -109,7 +116,7 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
     def candidates():  # (passes, layers given HBM for kept graphs, whether leftover HBM keeps more): the
         for p in ([fixed_passes] if fixed_passes else pass_counts(w.micro_batches)):  # passes chosen without
             yield p, 0, False  # kept graphs, then kept graphs at those passes (they never add passes)
-        if best is not None and keep_auto and hbm_state and w.kept_bytes:
+        if best is not None and keep_auto and hbm_state and w.kept_bytes and owners is None:
             for k in keep_counts(w, True):
                 yield best[1].passes, k, True
 
@@ -121,7 +128,7 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
         if state_room < 0:
             continue
         try:
-            first = _place(group_bytes, w, pins, state_room, budgets, cfg, fill=hbm_state)
+            first = _place(group_bytes, w, pins, state_room, budgets, cfg, fill=hbm_state, owners=owners)
         except BudgetError as e:
             if not k:  # (the last: the most passes, the most HBM left to state; none given to kept graphs)
                 short = e
@@ -129,7 +136,7 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
         # then the same with HBM left for the GPU worker to update every streamed group (their gradients
         # wait there from the backward; three groups' state in flight); last, where neither leaves the GPU
         # worker room, nothing in HBM but what is pinned there (every update may then run on the CPU)
-        reserve = gpu_update_bytes(first, group_bytes, set(w.groups)) if hbm_state else 0
+        reserve = gpu_update_bytes(first, group_bytes, set(w.groups), owners) if hbm_state else 0
         tries = [(first, None), (state_room - reserve, True), (state_room, False)] if reserve else [(first, None)]
         fits = False
         for n, (where, fill) in enumerate(tries):
@@ -137,12 +144,17 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
                 break
             if fill is not None:
                 try:
-                    where = _place(group_bytes, w, pins, where, budgets, cfg, fill)
+                    where = _place(group_bytes, w, pins, where, budgets, cfg, fill, owners)
                 except BudgetError:
                     continue
             free = state_room - _hbm_used(where, group_bytes, cfg)
             for gpu_updates in _update_splits(where, w, gpu_worker):
                 need = gpu_update_bytes(where, group_bytes, gpu_updates)
+                if owners is not None:  # (each rank's HBM: its state, its slots, its GPU worker's copies)
+                    by_rank = hbm_by_rank(where, group_bytes, cfg, owners, gpu_updates)
+                    r = max(by_rank, key=by_rank.get)
+                    need = gpu_update_bytes(where, group_bytes, {g for g in gpu_updates if owners[g] == r})
+                    free = state_room - (by_rank[r] - need)
                 if need > free:
                     short = BudgetError(f"the GPU's optimizer needs {format_size(need)} of HBM beside the state "
                                         f"to update the groups it streams in, {format_size(max(free, 0))} is left: "
@@ -162,6 +174,7 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
         raise short or BudgetError(_does_not_fit(need_total, room, w, budgets, partials))
     _, layout, pred, state_room, act = best
     plan = _finish_plan(layout, group_bytes, cfg, {**budgets, "gpu": state_room})
+    plan.owners = owners
     plan.prediction, plan.passes, plan.gpu_updates = pred, layout.passes, set(layout.gpu_updates)
     plan.activation_bytes = act
     plan.keep = layout.keep
@@ -191,17 +204,36 @@ def kept_layers(where: dict, layers: list, n: int) -> frozenset:
     return frozenset([g for g in layers if where.get((g, "param")) == "gpu"][:max(n, 0)])
 
 
-def gpu_update_bytes(where: dict, group_bytes: dict, gpu_updates: set) -> int:
+def gpu_update_bytes(where: dict, group_bytes: dict, gpu_updates: set, owners: dict | None = None) -> int:
     """HBM the GPU worker needs to update the ``gpu_updates`` groups whose state does not all live in HBM:
-    each one's fp32 gradient, kept on the GPU from the backward until its update, and three groups' state in
-    flight (the next one arriving, one updating, the last one going home, with its compute copy)."""
+    each one's fp32 gradient, kept on the GPU from the backward until its update (unless its home is in HBM),
+    and three groups' state in flight (the next one arriving, one updating, the last one going home, with its
+    compute copy; what lives in HBM is updated where it is). ``owners``: the largest of the ranks' (each rank's
+    GPU worker updates the groups it owns)."""
+    if owners is not None:
+        return max((gpu_update_bytes(where, group_bytes, {g for g in gpu_updates if owners[g] == r})
+                    for r in set(owners.values())), default=0)
     streamed = [g for g in gpu_updates
                 if any(t != "gpu" for (h, k), t in where.items() if h == g)]
     if not streamed:
         return 0
-    grads = sum(group_bytes.get((g, "grad"), 0) for g in streamed)
-    state = max(sum(b for (h, k), b in group_bytes.items() if h == g and k != "grad") for g in streamed)
+    grads = sum(group_bytes.get((g, "grad"), 0) for g in streamed if where.get((g, "grad")) != "gpu")
+    state = max(sum(b for (h, k), b in group_bytes.items() if h == g and k != "grad" and where[(h, k)] != "gpu")
+                for g in streamed)
     return grads + 3 * state
+
+
+def hbm_by_rank(where: dict, group_bytes: dict, cfg: StoreConfig, owners: dict, gpu_updates=()) -> dict:
+    """Several ranks: each rank's HBM for state, its streaming slots and its GPU worker's copies (of the
+    ``gpu_updates`` groups it owns)."""
+    out = {r: 0 for r in set(owners.values())}
+    for (g, k), b in group_bytes.items():
+        if where[(g, k)] == "gpu":
+            out[owners[g]] += b
+    streamed = [b for (g, k), b in group_bytes.items() if k == "param" and where[(g, k)] != "gpu"]
+    slots = cfg.tiers.gpu.slots * max(streamed) if streamed else 0
+    return {r: used + slots + gpu_update_bytes(where, group_bytes, {g for g in gpu_updates if owners[g] == r})
+            for r, used in out.items()}
 
 
 def _hbm_used(where: dict, group_bytes: dict, cfg: StoreConfig) -> int:
@@ -224,31 +256,38 @@ def _finish_plan(layout: Layout, group_bytes: dict, cfg: StoreConfig, budgets: d
 
 
 def _place(group_bytes: dict, w: Workload, pins: dict, state_room: int, budgets: dict,
-           cfg: StoreConfig, fill: bool = True) -> dict:
+           cfg: StoreConfig, fill: bool = True, owners: dict | None = None) -> dict:
     """HBM takes whole groups in update order while they fit (``fill``; else only what is pinned there);
-    DRAM the rest; NVMe what DRAM cannot hold."""
+    DRAM the rest; NVMe what DRAM cannot hold. ``owners`` (several ranks): a group's state but its compute copy
+    goes to its owner's HBM, while it fits there."""
     groups = w.groups
     kinds_of: dict = defaultdict(list)
     for g, k in group_bytes:
         kinds_of[g].append(k)
     where = {key: pins.get(key[1], "dram") for key in group_bytes}
-    pinned_gpu = sum(b for key, b in group_bytes.items() if where[key] == "gpu")
+    rank = (lambda g: owners[g]) if owners is not None else (lambda g: 0)
+    used: dict = defaultdict(int)  # HBM of each rank (one GPU: rank 0)
+    for key, b in group_bytes.items():
+        if where[key] == "gpu":
+            used[rank(key[0])] += b
     slots = cfg.tiers.gpu.slots * max((b for (g, k), b in group_bytes.items() if k == "param"), default=0)
-    used = pinned_gpu
-    left_out = any(where.get((g, "param")) not in (None, "gpu") for g in groups if "param" in pins)
+    left_out = owners is not None or any(where.get((g, "param")) not in (None, "gpu") for g in groups
+                                         if "param" in pins)
     for g in groups if fill else []:  # (left_out: some group's weights stream: the slots are needed)
-        free_kinds = [k for k in kinds_of[g] if k not in pins]
+        free_kinds = [k for k in kinds_of[g] if k not in pins and not (owners is not None and k == "param")]
         if not free_kinds:
             continue
         size = sum(group_bytes[(g, k)] for k in free_kinds)
-        all_up = not left_out and _rest_fits(groups, g, group_bytes, kinds_of, used + size, state_room)
-        if used + size + (0 if all_up else slots) <= state_room:
+        r = rank(g)
+        all_up = not left_out and _rest_fits(groups, g, group_bytes, kinds_of, used[r] + size, state_room)
+        if used[r] + size + (0 if all_up else slots) <= state_room:
             for k in free_kinds:
                 where[(g, k)] = "gpu"
-            used += size
+            used[r] += size
         elif "param" in free_kinds:
             left_out = True
     streamed = [b for (g, k), b in group_bytes.items() if k == "param" and where[(g, k)] != "gpu"]
+    used = max(used.values(), default=0)  # (the fullest rank's)
     if streamed:  # (the slots hold the largest streamed group's weights)
         used += cfg.tiers.gpu.slots * max(streamed)
     if used > state_room:
@@ -382,8 +421,7 @@ def compute_bound_at(plan: Plan, ga: int, max_ga: int = 4096) -> tuple[int, Pred
     def pred(k: int) -> Prediction:
         mb = max(1, round(per * k))
         wk = w.scaled(w.tokens * k // ga, mb)
-        act_room = plan.hbm_room - sum(b for key, b in plan.group_bytes.items() if plan.where[key] == "gpu") \
-            - plan.slot_bytes * plan.n_slots
+        act_room = plan.hbm_room - plan.need()["gpu"]  # (the state and the slots; several ranks: the fullest's)
         p, partials = 1, _partials_bytes(plan.group_bytes)
         while wk.activation_bytes(p) + (partials if p > 1 else 0) > act_room and p < mb:
             p += 1

@@ -143,8 +143,10 @@ def reopen_store(cfg: StoreConfig, specs: list[TensorSpec], layout: dict[str, li
 
 
 def attach_store(cfg: StoreConfig, specs: list[TensorSpec], layout: dict[str, list], arena: dict,
-                 nvme: dict | None, device: torch.device, n_slots: int) -> Store:
-    """A trainer's store: the service's arena and NVMe file mapped here, GPU slots of its own.
+                 nvme: dict | None, device: torch.device, n_slots: int,
+                 resident: list[TensorSpec] = ()) -> Store:
+    """A trainer's store: the service's arena and NVMe file mapped here, GPU slots of its own, and (``resident``)
+    tensors of its own in its HBM (a rank's share of the host's HBM-resident state; invalid until written).
 
     Closing it unmaps and never removes anything: the state belongs to the service.
     """
@@ -160,10 +162,17 @@ def attach_store(cfg: StoreConfig, specs: list[TensorSpec], layout: dict[str, li
             if s.kind == "param":
                 per_group[s.group] = per_group.get(s.group, 0) + align_up(s.nbytes, GPU_ALIGN)
         slot = max(per_group.values(), default=0)
-        gpu = GpuTier(device, 0, slot, n_slots)
+        gpu = GpuTier(device, sum(align_up(s.nbytes, GPU_ALIGN) for s in resident), slot, n_slots)
     except BaseException:
         if nvme_tier is not None:
             nvme_tier.close(remove=False)
         dram.close(remove=False)
         raise
-    return _over(cfg, specs, layout, (gpu, dram, nvme_tier))
+    store = _over(cfg, specs, layout, (gpu, dram, nvme_tier))
+    try:
+        for s in resident:
+            store.create(s, "gpu")
+    except BaseException:
+        store.close()
+        raise
+    return store

@@ -20,6 +20,11 @@
   written after the bytes it announces (one aligned 8-byte store, in program order after them).
 - The follower also watches the other processes: one that is gone without having finished (killed) is
   reported (``lost``) and every waiter is woken, so nobody waits for an update that will never come.
+- **HBM-resident state** is each process's own: a group's state may live in the HBM of the process that updates
+  it (its GPU tier, never mapped by the others). The first process's store holds only its own HBM tensors, and
+  an attaching one creates its own (``resident``) beside the shared ones; the layout it is told names the first
+  process's HBM tensors, which it leaves out. Another process never reads them: a checkpoint's state of them is
+  written by their process (its ``shard`` counter: the last checkpoint step whose part it has written).
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ class HostStore:
 
     @staticmethod
     def _n_counters(groups: int, processes: int) -> int:
-        return 3 * groups + processes
+        return 3 * groups + 2 * processes
 
     @classmethod
     def room(cls, staging: int, processes: int, groups: int) -> int:
@@ -92,9 +97,12 @@ class HostStore:
 
     @classmethod
     def attach(cls, cfg, specs: list[TensorSpec], told: dict, local_rank: int, device: torch.device,
-               slots: int) -> HostStore:
-        """Another process's side: the first one's arena and NVMe file mapped here, GPU slots of its own."""
-        store = attach_store(cfg, specs, told["layout"], told["arena"], told["nvme"], device, slots)
+               slots: int, resident: list[TensorSpec] = ()) -> HostStore:
+        """Another process's side: the first one's arena and NVMe file mapped here, GPU slots of its own, and
+        its own HBM-resident tensors (``resident``; of ``specs`` only those the layout shares are mapped)."""
+        layout = {n: p for n, p in told["layout"].items() if p[0] != "gpu"}  # (the first process's HBM: not here)
+        shared = [s for s in specs if s.name in layout]
+        store = attach_store(cfg, shared, layout, told["arena"], told["nvme"], device, slots, resident)
         try:
             region = told["regions"][local_rank]
             store.dram.use_region(Extent(*region) if region else Extent(0, 0))
@@ -140,6 +148,19 @@ class HostStore:
     def finished(self, local_rank: int) -> None:
         """This process ends cleanly: its going away is no loss."""
         self._c[3 * len(self.groups) + local_rank] = 1
+
+    def publish_shard(self, local_rank: int, step: int) -> None:
+        """This process has written (and synced) its part of checkpoint-``step``."""
+        self._raise_to(3 * len(self.groups) + self.processes + local_rank, step)
+
+    def wait_shard(self, local_rank: int, step: int) -> float:
+        """Block until process ``local_rank`` has written its part of checkpoint-``step``; returns the seconds
+        waited. Raises PeerLost when a process of the host is gone."""
+        t0 = time.perf_counter()
+        while self._get(3 * len(self.groups) + self.processes + local_rank) < step:
+            self.check()
+            time.sleep(FOLLOW_S)
+        return time.perf_counter() - t0
 
     def wait_saved(self, g: Group, step: int, timeout: float | None = None) -> float:
         """Block until a checkpoint of ``step`` has read group ``g`` (another process writes it); returns the

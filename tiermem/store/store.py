@@ -114,11 +114,13 @@ class Store:
 
     @classmethod
     def open(cls, cfg: StoreConfig, specs: list[TensorSpec], streamed_kinds: tuple[str, ...] = ("param",),
-             budgets: dict[str, int | None] | None = None, pin: bool | None = None, plan: Plan | None = None) -> Store:
+             budgets: dict[str, int | None] | None = None, pin: bool | None = None, plan: Plan | None = None,
+             rank: int | None = None) -> Store:
         """Plan ``specs`` under the budgets (refusing before anything is allocated), or take the ``plan``
-        the cost model's planner made, then allocate them."""
+        the cost model's planner made, then allocate them (``rank``: several ranks, ``plan.owners``: the GPU
+        tier is that rank's, ``specs`` leave out the other ranks' HBM-resident tensors)."""
         plan = plan or make_plan(specs, cfg, streamed_kinds, budgets)
-        need = plan.need()
+        need = plan.need(rank)
         resident = need["gpu"] - plan.slot_bytes * plan.n_slots
         cap = {"gpu": resident + GPU_ALIGN * len(specs), "dram": need["dram"], "nvme": need["nvme"]}
         store = cls(cfg, cap, plan.slot_bytes + GPU_ALIGN * len(specs), plan.n_slots, pin=pin, plan=plan)
