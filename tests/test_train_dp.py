@@ -106,8 +106,9 @@ EVAL = re.compile(r"^step (\d+)/\d+ \| eval_loss (\S+)", re.M)
 @pytest.mark.slow
 def test_three_ranks_through_force_torchrun_match_one_process(tmp_path, tiny, capsys):
     """Global micro-batches of 6 rows over 14 rows: the last one of each epoch has 2, so two of the three ranks
-    take no rows in some steps (their zeros still reach the owners); the CPU worker updates (gpu_share 0); the
-    evaluation's micro-batches are split over the ranks (one gets none)."""
+    take no rows in some steps (their zeros still reach the owners); the CPU worker updates (gpu_share 0), also
+    the state placement auto keeps in the owners' HBM; the evaluation's micro-batches are split over the ranks (one
+    gets none)."""
     over = dict(eval_dataset=tiny[2], eval_strategy="steps", eval_steps=3,
                 tiermem={"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}},
                          "optimizer": {"gpu_share": 0}})
@@ -119,7 +120,9 @@ def test_three_ranks_through_force_torchrun_match_one_process(tmp_path, tiny, ca
     assert STEP.findall(r.stdout) == ref and len(ref) == 6
     assert EVAL.findall(r.stdout) == ref_eval and len(ref_eval) == 2
     assert "6 steps of 2x2x3 ranks rows" in r.stdout
-    assert re.search(r"^store: dram: param", r.stdout, re.M), "placement auto keeps no state in HBM with several ranks"
+    assert re.search(r"^store: gpu: grad [^;]*; dram: param", r.stdout, re.M), \
+        "placement auto keeps rank 0's groups' state in its HBM, the compute copy in the arena"
+    assert "over 3 ranks' GPUs (each group's in its owner's)" in r.stdout
     assert_same_weights(tmp_path / "one", tmp_path / "three")
 
 

@@ -138,7 +138,9 @@ def where_lines(plan: Plan) -> list[str]:
             seen.setdefault(tuple(map(str, gs)), ([], gs))[0].append(k)
         parts = [f"{'+'.join(ks)} of {span(gs) if len(gs) < len(groups) else 'every group'}"
                  for ks, gs in seen.values()]
-        out.append(f"{tier} {format_size(size)}: " + "; ".join(parts))
+        ranks = len(set(plan.owners.values())) if tier == "gpu" and plan.owners else 0
+        where = f" over {ranks} ranks' GPUs (each group's in its owner's)" if ranks > 1 else ""
+        out.append(f"{tier} {format_size(size)}{where}: " + "; ".join(parts))
     return out
 
 
