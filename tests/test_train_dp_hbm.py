@@ -144,3 +144,31 @@ def test_the_planner_keeps_every_ranks_hbm_within_its_budget():
         if n:
             assert {own[g] for (g, k), t in plan.where.items() if t == "gpu"} == {0, 1} or n < 4
     assert held and held == sorted(held) and held[0] < held[-1] and held[-1] == 4 * len(groups), held
+
+
+def test_the_planner_gives_several_ranks_one_pass_or_says_why_not():
+    """A step of several ranks runs as one layer-major pass: the planner never plans more (one process would take
+    two here), and says so when one pass's activations do not fit."""
+    from tiermem.errors import BudgetError
+    from tiermem.plan.machine import Machine
+    from tiermem.plan.planner import plan_step
+    from tiermem.plan.workload import Workload
+    from tiermem.store.catalog import TensorSpec, state_name
+    from trainer.dp import owners
+    from trainer.state import store_config
+
+    groups = ["embed", 0, 1, "head"]
+    specs = []
+    for g in groups:
+        specs.append(TensorSpec(f"w{g}", (1000,), torch.bfloat16, "param", g))
+        specs += [TensorSpec(state_name(f"w{g}", k), (1000,), torch.float32, k, g) for k in ("grad", "exp_avg")]
+    w = Workload([0, 1], "embed", "head", {0: .1, 1: .1, "embed": 0., "head": .1},
+                 {0: .3, 1: .3, "embed": 0., "head": .2}, 4096, 8, 64, 1 << 10, 6e9)
+    scfg = store_config({"tiers": {"gpu": {"device": "cpu"}}})
+    m = Machine.h200("synthetic")
+    budgets = {"gpu": 200_000, "dram": 1 << 30, "nvme": None}
+    assert plan_step(specs, scfg, w, m, budgets, cuda=False).passes > 1
+    with pytest.raises(BudgetError, match="several layer-major passes are not supported yet with several ranks"):
+        plan_step(specs, scfg, w, m, budgets, cuda=False, owners=owners(groups, specs, 2))
+    roomy = plan_step(specs, scfg, w, m, dict(budgets, gpu=1 << 20), cuda=False, owners=owners(groups, specs, 2))
+    assert roomy.passes == 1
