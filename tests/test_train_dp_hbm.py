@@ -172,3 +172,46 @@ def test_the_planner_gives_several_ranks_one_pass_or_says_why_not():
         plan_step(specs, scfg, w, m, budgets, cuda=False, owners=owners(groups, specs, 2))
     roomy = plan_step(specs, scfg, w, m, dict(budgets, gpu=1 << 20), cuda=False, owners=owners(groups, specs, 2))
     assert roomy.passes == 1
+
+
+def test_each_rank_store_holds_only_its_own_hbm_state(make_cfg):
+    """The host's store with exp_avg pinned to gpu, as ``trainer.dp_session`` opens it: rank 0's store and rank 1's
+    attached one each create (and size their GPU tier for) the HBM tensors of the groups they own and name none of
+    the other's; both map every shared tensor."""
+    from pathlib import Path
+
+    from tiermem.plan.placement import make_plan
+    from tiermem.store.catalog import TensorSpec
+    from tiermem.store.shared import HostStore
+    from tiermem.store.store import Store
+    from trainer.dp_session import hbm_specs
+
+    cfg = make_cfg(placement={"param": "dram", "grad": "dram", "exp_avg": "gpu", "exp_avg_sq": "dram"}, nvme=False)
+    cfg.tiers.dram.path = "/dev/shm"
+    specs = [TensorSpec(f"{k}/w{g}" if k != "param" else f"w{g}", (64 * (g + 1),), torch.float32, k, g)
+             for g in (0, 1, 2) for k in ("param", "grad", "exp_avg", "exp_avg_sq")]
+    own = {0: 1, 1: 1, 2: 0}
+    plan = make_plan(specs, cfg, owners=own)
+    assert plan.need(0)["gpu"] - plan.need(1)["gpu"] == 4096 - 2 * 4096 and plan.need()["gpu"] == plan.need(1)["gpu"]
+    staging = plan.staging_bytes
+    plan.staging_bytes += HostStore.room(staging, 2, 3)
+    mine = [s for s in specs if not (s.kind == "exp_avg" and own[s.group] != 0)]
+    store = Store.open(cfg, mine, plan=plan, rank=0)
+    host = HostStore.create(store, [0, 1, 2], 2, staging)
+    other = HostStore.attach(cfg, specs, host.describe(), 1, torch.device("cpu"), 2,
+                             resident=hbm_specs(specs, plan.where, own, 1))
+    try:
+        names = [{e.spec.name for e in s.catalog.entries()} for s in (store, other.store)]
+        hbm = [{e.spec.name for e in s.catalog.entries() if e.tier == "gpu"} for s in (store, other.store)]
+        assert hbm == [{"exp_avg/w2"}, {"exp_avg/w0", "exp_avg/w1"}]
+        assert names[0] - hbm[0] == names[1] - hbm[1] and not hbm[0] & names[1] and not hbm[1] & names[0]
+        resident = [s.gpu.capacity - s.gpu.slot_bytes * s.gpu.n_slots for s in (store, other.store)]
+        assert resident == [4096 + 512 * len(mine), 512 + 512], "each GPU tier holds its own rank's HBM state"
+        other.store.write("exp_avg/w1", torch.ones(128)).result()
+        assert torch.equal(other.store.read("exp_avg/w1").result(), torch.ones(128))
+    finally:
+        other.close()
+        other.store.close()
+        host.close()
+        store.close()
+    assert not any(Path("/dev/shm").glob(f"{cfg.store_name()}*"))

@@ -424,6 +424,8 @@ class Saver:
         except BaseException as e:  # noqa: BLE001 - reported by wait()
             self._error = self._error or e
             shutil.rmtree(tmp, ignore_errors=True)
+            for r in self.parts:  # (a part written for a checkpoint that will not be)
+                shutil.rmtree(part_tmp(self.out, step, r), ignore_errors=True)
             for ev in self._released.values():
                 ev.set()
 
