@@ -215,3 +215,16 @@ def test_each_rank_store_holds_only_its_own_hbm_state(make_cfg):
         host.close()
         store.close()
     assert not any(Path("/dev/shm").glob(f"{cfg.store_name()}*"))
+
+
+@pytest.mark.slow
+def test_one_process_resumes_a_checkpoint_whose_state_two_ranks_kept_in_hbm(tmp_path, tiny, capsys):  # noqa: F811
+    """checkpoint-3 of 2 ranks (state.zarr and rank 1's state-rank1.zarr) resumed by one process: it reads every
+    state file and ends as the uninterrupted run."""
+    ref = one_process(write_cfg(tmp_path, tiny, "one", 4), capsys)
+    r = ranks(write_cfg(tmp_path, tiny, "two", 2, save_steps=3, tiermem=tiermem(PINNED)), 2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = one_process(write_cfg(tmp_path, tiny, "resumed", 4, output_dir=str(tmp_path / "resumed"),
+                                resume_from_checkpoint=str(tmp_path / "two" / "checkpoint-3")), capsys)
+    assert got == ref[3:], (got, ref)
+    assert_same_weights(tmp_path / "one", tmp_path / "resumed")
