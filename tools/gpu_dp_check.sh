@@ -6,7 +6,11 @@
 #   bash tools/gpu_dp_check.sh speed   # 3B shape, 16 x 4096 tokens a step per GPU (4 rows x 4 micro-batches),
 #                                      # auto placement, STEPS (default 6): tokens/s of 2 GPUs against 1 (the
 #                                      # issue asks >= 1.85x) and the arena's size (DRAM used once: the same)
-#   bash tools/gpu_dp_check.sh tests   # tests/test_train_dp.py and tests/test_cuda.py on this machine
+#   bash tools/gpu_dp_check.sh big     # 2 GPUs, a 20B model (the 14b shape with LAYERS, default 68, layers), auto
+#                                      # placement (each rank's groups' state in its own HBM, the rest in the
+#                                      # arena), 8 x 4096 tokens a step per GPU, STEPS (default 4): tokens/s and
+#                                      # where the state went
+#   bash tools/gpu_dp_check.sh tests   # tests/test_train_dp*.py and tests/test_cuda.py on this machine
 # Details under $OUT; a short table prints last.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -58,10 +62,19 @@ speed)
 $(grep -E '^store:' "$OUT/speed$n.txt" | head -1)")
   done
   ;;
+big)
+  python3 tools/make_shape_run.py --shape 14b --layers "${LAYERS:-68}" --dir /tmp/dp_big --seq 4096 --batch 2 \
+    --accum 4 --steps "${STEPS:-4}" --set logging_steps=1 > /dev/null
+  torchrun --standalone --nproc-per-node 2 -m trainer.cli /tmp/dp_big/train.yaml > "$OUT/big.txt" 2>&1
+  echo "== 2 GPUs: exit $?"; grep -E "^plan:|^store:|^each rank|^step [0-9]+/|error" "$OUT/big.txt" | tail -12
+  summary+=("${LAYERS:-68}-layer 14b shape, 2 GPUs: $(median_tps /tmp/dp_big/out/trainer_log.jsonl) tokens/s; \
+$(grep -E '^store:' "$OUT/big.txt" | head -1)")
+  ;;
 tests)
-  python3 -m pytest -q -rf -p no:cacheprovider tests/test_train_dp.py tests/test_cuda.py > "$OUT/pytest_dp.log" 2>&1
+  python3 -m pytest -q -rf -p no:cacheprovider tests/test_train_dp.py tests/test_train_dp_hbm.py tests/test_cuda.py \
+    > "$OUT/pytest_dp.log" 2>&1
   summary+=("tests: $(grep -E "passed|failed" "$OUT/pytest_dp.log" | tail -1)")
   ;;
-*) echo "usage: bash tools/gpu_dp_check.sh curve|speed|tests"; exit 2 ;;
+*) echo "usage: bash tools/gpu_dp_check.sh curve|speed|big|tests"; exit 2 ;;
 esac
 echo "== summary"; printf '%s\n' "${summary[@]}"
