@@ -128,8 +128,12 @@ def test_three_ranks_through_force_torchrun_match_one_process(tmp_path, tiny, ca
 
 @pytest.mark.slow
 def test_a_killed_rank_stops_the_run_and_the_rerun_resumes(tmp_path, tiny, capsys):
+    """(No state in HBM: checkpoint-3 is then rank 0's alone. With state in rank 1's HBM, rank 1 writes its part,
+    which a kill two steps later may precede: tests/test_train_dp_hbm.py kills it once its part is written.)"""
     one_process(write_cfg(tmp_path, tiny, "one", 4, save_steps=3), capsys)
-    path = write_cfg(tmp_path, tiny, "two", 2, save_steps=3, tiermem_dist_timeout=30)
+    dram = {"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}},
+            "placement": {"grad": "dram", "exp_avg": "dram", "exp_avg_sq": "dram"}}
+    path = write_cfg(tmp_path, tiny, "two", 2, save_steps=3, tiermem_dist_timeout=30, tiermem=dram)
     t0 = time.monotonic()
     r = ranks(path, 2, TIERMEM_TEST_KILL_AT="backward:5", TIERMEM_TEST_KILL_RANK="1")
     assert r.returncode != 0 and time.monotonic() - t0 < 60

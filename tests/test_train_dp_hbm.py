@@ -61,12 +61,14 @@ def test_two_ranks_with_state_in_their_hbm_match_one_process(tmp_path, tiny, cap
 
 @pytest.mark.slow
 def test_a_checkpoint_with_state_in_hbm_resumes_on_two_ranks(tmp_path, tiny, capsys):  # noqa: F811
-    """Rank 1 killed in step 5, after checkpoint-3 (whose moments lived in both ranks' HBM): the rerun loads each
+    """Rank 1 killed once it has written its part of checkpoint-3 (the moments that lived in its HBM; a rank killed
+    before would take its part with it, and the run would resume from the checkpoint before): the rerun loads each
     rank's part back into its HBM and ends as the uninterrupted run."""
     ref = one_process(write_cfg(tmp_path, tiny, "one", 4, save_steps=3), capsys)
     path = write_cfg(tmp_path, tiny, "two", 2, save_steps=3, tiermem_dist_timeout=30, tiermem=tiermem(PINNED))
-    r = ranks(path, 2, TIERMEM_TEST_KILL_AT="backward:5", TIERMEM_TEST_KILL_RANK="1")
+    r = ranks(path, 2, TIERMEM_TEST_KILL_AT="part:3", TIERMEM_TEST_KILL_RANK="1")
     assert r.returncode != 0 and (tmp_path / "two" / "checkpoint-3" / "state-rank1.zarr").is_dir(), r.stderr[-3000:]
+    assert not (tmp_path / "two" / "model.safetensors").exists()
     r = ranks(path, 2)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stdout and STEP.findall(r.stdout) == ref[3:], (STEP.findall(r.stdout), ref)

@@ -6,7 +6,7 @@ environment at import time.
 - ``TIERMEM_TEST_KILL_AT=POINT:KEY``: the process kills itself with SIGKILL when it reaches that point
   (``forward:3``, ``backward:3``, ``commit:3``, ``optimizer:3`` in a trainer: inside step 3, or around
   committing it; ``update:3:1``: group 1's update 3 is written but not yet journaled, in the service or
-  in a trainer's GPU worker).
+  in a trainer's GPU worker; ``part:3``: a rank has written its part of checkpoint-3, the state its HBM holds).
 - ``TIERMEM_TEST_KILL_RANK=N``: with several ranks, only rank N (torchrun's ``RANK``) kills itself there.
 - ``TIERMEM_TEST_HOLD_AT=POINT:KEY``: the thread that reaches the point waits there for good instead (a
   test then acts on the other process while this one is held at a known place).

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from tiermem.config import MOMENTS
+from tiermem.faults import HOOKS
 from tiermem.store.catalog import state_name
 from tiermem.store.checkpoint import StateWriter
 from trainer.checkpoint import part_tmp
@@ -98,6 +99,7 @@ class PartSaver:
                         nxt[k] += 1
             state.close()  # (every tensor came; fsynced)
             self.announce(step)
+            HOOKS.point("part", step)  # (tests: a rank killed once its part is written)
         except BaseException as e:  # noqa: BLE001 - reported by wait()
             self._error = e
             shutil.rmtree(tmp, ignore_errors=True)
