@@ -144,12 +144,14 @@ class Executor:
         views = self.store.gpu_views(group, "grad")
         return [views[state_name(n, "grad")] for n in names]
 
-    def _add_home(self, group, grads: dict[str, torch.Tensor], first: bool) -> dict[str, torch.Tensor]:
-        """A gradient computed apart (the LM head's, the embedding's) copied into its home on the step's first
-        pass and added to it on the others; the home's tensors by the same names."""
-        names = list(grads)
+    def _home_sums(self, group, names, first: bool) -> dict[str, torch.Tensor]:
+        """The HBM home of the gradient of a group computed apart (the LM head's, the embedding's), by weight
+        name, for the model to add every micro-batch's gradient into: zeroed on the step's first pass. (No
+        vocab x hidden tensor of a pass's own: the home is the sum.)"""
+        names = list(names)
         home = self._grad_home(group, names)
-        (torch._foreach_copy_ if first else torch._foreach_add_)(home, [grads[n] for n in names])
+        if first:
+            torch._foreach_zero_(home)
         return dict(zip(names, home))
 
     def _partials(self, group, first: bool):
@@ -323,26 +325,19 @@ class Executor:
         view = self._take(r_head, "loss")
         tied_view = self._take(r_tied, "loss") if tied else None
         loss = torch.zeros((), dtype=torch.float32, device=dev)
-        head_grads = g_tied = None
+        head_grads = self._home_sums("head", view.tensors, first) if head_home else None
+        g_tied = None
         grads_y = []
-        for mb, h in enumerate(acts[L]):
-            part, gh, g_own, g_t = model.head_loss_backward(h, targets[mb], view.tensors,
-                                                            tied_view.tensors if tied else None, scale, self.loss_chunk)
+        for mb, h in enumerate(acts[L]):  # (the micro-batches' gradients added into the first's, or the home's)
+            part, gh, head_grads, g_tied = model.head_loss_backward(
+                h, targets[mb], view.tensors, tied_view.tensors if tied else None, scale, self.loss_chunk,
+                acc=head_grads, tied_acc=g_tied)
             loss += part
             grads_y.append(gh)
-            if head_grads is None:
-                head_grads, g_tied = g_own, g_t
-            else:
-                for n, g in g_own.items():
-                    head_grads[n].add_(g)
-                if g_t is not None:
-                    g_tied.add_(g_t)
         acts[L] = None
         view.release()
         if tied_view is not None:
             tied_view.release()
-        if head_home:
-            head_grads = self._add_home("head", head_grads, first)
         sq = [self._grads("head", head_grads, head_partials, last, head_home)]
 
         # 3. backward, layer-major, with recompute
@@ -380,11 +375,10 @@ class Executor:
         # the embedding's gradient: every micro-batch's input gradient, plus the tied LM head's
         self.phase, self.layer = "backward", "embed"
         view = self._take(r_emb, "backward") if r_emb is not None else None
-        g_embed = model.embed_grads(view.tensors if view is not None else None, ids, grads_y, ctx, g_tied)
+        home = self._home_sums("embed", self.local_names["embed"], first) if embed_home else None
+        g_embed = model.embed_grads(view.tensors if view is not None else None, ids, grads_y, ctx, g_tied, acc=home)
         if view is not None:
             view.release()
-        if embed_home:
-            g_embed = self._add_home("embed", g_embed, first)
         sq.append(self._grads("embed", g_embed, embed_partials, last, embed_home))
         del grads_y, acts
         if aux is not None:

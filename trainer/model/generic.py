@@ -280,9 +280,11 @@ class GenericStages:
         return h.detach()
 
     def embed_grads(self, w: dict[str, torch.Tensor], ids: list[torch.Tensor], grads_h: list[torch.Tensor],
-                    ctxs: list[Inputs], tied_grad: torch.Tensor | None) -> dict[str, torch.Tensor]:
+                    ctxs: list[Inputs], tied_grad: torch.Tensor | None,
+                    acc: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         leaves = {k: t.detach().requires_grad_() for k, t in w.items()}
-        acc = {k: torch.zeros(t.shape, dtype=torch.float32, device=self.device) for k, t in w.items()}
+        if acc is None:
+            acc = {k: torch.zeros(t.shape, dtype=torch.float32, device=self.device) for k, t in w.items()}
         for x, g in zip(ids, grads_h):
             with torch.enable_grad():
                 h, _ = self._enter(leaves, x)
@@ -350,7 +352,8 @@ class GenericStages:
         return tied[self.embed_name] if tied is not None else w[self.head_name]
 
     def head_loss_backward(self, h: torch.Tensor, targets: torch.Tensor, w: dict[str, torch.Tensor],
-                           tied: dict[str, torch.Tensor] | None, scale: float, chunk: int):
+                           tied: dict[str, torch.Tensor] | None, scale: float, chunk: int,
+                           acc: dict[str, torch.Tensor] | None = None, tied_acc: torch.Tensor | None = None):
         own = {k: t.detach().requires_grad_() for k, t in w.items() if k != self.head_name}
         hw = self._head_weight(w, tied).detach().requires_grad_()
         x = h.detach().requires_grad_()
@@ -359,7 +362,9 @@ class GenericStages:
         flat = normed.detach().reshape(-1, normed.shape[-1])
         tgt = targets.reshape(-1)
         grad_flat = torch.empty_like(flat)
-        g_hw = torch.zeros(hw.shape, dtype=torch.float32, device=hw.device)
+        g_hw = tied_acc if tied is not None else (acc[self.head_name] if acc is not None else None)
+        if g_hw is None:
+            g_hw = torch.zeros(hw.shape, dtype=torch.float32, device=hw.device)
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         for s in range(0, flat.shape[0], chunk):
             xc = flat[s: s + chunk].requires_grad_()
@@ -373,6 +378,10 @@ class GenericStages:
         with torch.enable_grad():
             res = torch.autograd.grad(normed, [x, *own.values()], grad_flat.view_as(normed), allow_unused=True)
         grads = {k: (g if g is not None else torch.zeros_like(t)).float() for (k, t), g in zip(own.items(), res[1:])}
+        if acc is not None:
+            for k, g in grads.items():
+                acc[k].add_(g)
+            grads = {k: acc[k] for k in grads}
         if tied is not None:
             return loss, res[0], grads, g_hw
         grads[self.head_name] = g_hw

@@ -73,11 +73,13 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
 
 
 def head_loss_backward(h: torch.Tensor, targets: torch.Tensor, norm_w: torch.Tensor, head_w: torch.Tensor,
-                       eps: float, scale: float, chunk_tokens: int):
+                       eps: float, scale: float, chunk_tokens: int, acc_hw: torch.Tensor | None = None):
     """Final norm + LM head + summed cross-entropy over ``targets`` (-100 ignored), and its backward for
     a loss of ``sum * scale``, chunked over tokens so no [tokens, vocab] logits tensor exists.
 
-    Returns (loss_sum, grad_h, grad_norm_w fp32, grad_head_w fp32).
+    Returns (loss_sum, grad_h, grad_norm_w fp32, grad_head_w fp32). ``acc_hw``: an fp32 tensor the head weight's
+    gradient is added into, chunk by chunk (a step's sum over micro-batches: no vocab x hidden tensor of this
+    micro-batch's alone); it is returned as the head weight's gradient.
     """
     hidden = h.shape[-1]
     x = h.detach().requires_grad_()
@@ -88,7 +90,7 @@ def head_loss_backward(h: torch.Tensor, targets: torch.Tensor, norm_w: torch.Ten
     flat = normed.detach().reshape(-1, hidden)
     tgt = targets.reshape(-1)
     grad_flat = torch.empty_like(flat)
-    grad_hw = torch.zeros(head_w.shape, dtype=torch.float32, device=head_w.device)
+    grad_hw = acc_hw if acc_hw is not None else torch.zeros(head_w.shape, dtype=torch.float32, device=head_w.device)
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
     for s in range(0, flat.shape[0], chunk_tokens):
         xc = flat[s: s + chunk_tokens].requires_grad_()

@@ -100,11 +100,19 @@ class TemplateStages:
         return backward_of(graph, gy)
 
     def head_loss_backward(self, h: torch.Tensor, targets: torch.Tensor, w: dict[str, torch.Tensor],
-                           tied: dict[str, torch.Tensor] | None, scale: float, chunk: int):
+                           tied: dict[str, torch.Tensor] | None, scale: float, chunk: int,
+                           acc: dict[str, torch.Tensor] | None = None, tied_acc: torch.Tensor | None = None):
         """Summed cross-entropy of the head over ``targets`` and its backward for ``sum * scale``: (loss sum,
-        grad of h, {head weight: grad}, the tied embedding's grad or None)."""
+        grad of h, {head weight: grad}, the tied embedding's grad or None). ``acc`` ({head weight: fp32
+        tensor}) and ``tied_acc``: the gradients are added into them and they are returned (a step's sums over
+        micro-batches, with no vocab x hidden tensor of one micro-batch's alone)."""
         head_w = tied[EMBED] if tied is not None else w[LM_HEAD]
-        loss, gh, gnw, ghw = head_loss_backward(h, targets, w[NORM], head_w, self.cfg.rms_norm_eps, scale, chunk)
+        into = tied_acc if tied is not None else (acc[LM_HEAD] if acc is not None else None)
+        loss, gh, gnw, ghw = head_loss_backward(h, targets, w[NORM], head_w, self.cfg.rms_norm_eps, scale, chunk,
+                                                into)
+        if acc is not None:
+            acc[NORM].add_(gnw)
+            gnw = acc[NORM]
         if tied is not None:
             return loss, gh, {NORM: gnw}, ghw
         return loss, gh, {NORM: gnw, LM_HEAD: ghw}, None
@@ -115,14 +123,20 @@ class TemplateStages:
         return head_loss(h, targets, w[NORM], head_w, self.cfg.rms_norm_eps, chunk)
 
     def embed_grads(self, w: dict[str, torch.Tensor], ids: list[torch.Tensor], grads_h: list[torch.Tensor],
-                    ctxs: list[MicroBatch], tied_grad: torch.Tensor | None) -> dict[str, torch.Tensor]:
+                    ctxs: list[MicroBatch], tied_grad: torch.Tensor | None,
+                    acc: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The embedding's gradient: every micro-batch's input gradient, plus the tied LM head's. As Hugging
         Face's padding_idx, the lookups of the pad token add nothing to its row; a tied head's gradient of
-        that row stays."""
+        that row stays. ``acc`` ({embedding: fp32 tensor}): added into it, and it is returned."""
         cfg = self.cfg
         hidden = cfg.hidden_size
-        g = tied_grad if tied_grad is not None else torch.zeros((cfg.vocab_size, hidden), dtype=torch.float32,
-                                                                 device=self.device)
+        if acc is not None:
+            g = acc[EMBED]
+            if tied_grad is not None:
+                g.add_(tied_grad)
+        else:
+            g = tied_grad if tied_grad is not None else torch.zeros((cfg.vocab_size, hidden), dtype=torch.float32,
+                                                                     device=self.device)
         pad = cfg.pad_token_id if cfg.pad_token_id is not None and 0 <= cfg.pad_token_id < cfg.vocab_size else None
         pad_row = g[pad].clone() if pad is not None else None
         for x, gy in zip(ids, grads_h):
