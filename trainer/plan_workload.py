@@ -68,9 +68,12 @@ def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, mach
     boundary = (cfg.num_layers + 1) * cfg.hidden_size * itemsize
     layer_p = layer_params(cfg)
     head_p = cfg.vocab_size * cfg.hidden_size
-    # the fp32 accumulator of a layer's gradient and its partial sum read back; the loss's and the
-    # embedding's fp32 gradients (vocab x hidden each) at the end of the backward
-    grads = 8 * layer_p + 2 * 4 * head_p
+    # the fp32 accumulator of a layer's gradient and its partial sum read back; the embedding's fp32 gradient
+    # (vocab x hidden) at the end of the backward, unless it is summed in its home in HBM or is the tied LM
+    # head's (the loss's fp32 gradient, into which every micro-batch's is added, is in the loss's measured
+    # working set, or its estimate)
+    embed_grad = 0 if cfg.tie_word_embeddings else 4 * head_p
+    grads = 8 * layer_p + embed_grad
     timed = None
     small = layer_p < 50_000_000 and head_p < 50_000_000  # cheap to time on a CPU
     if time_it and (device.type == "cuda" or small) and head_p * itemsize < (8 << 30):
@@ -96,7 +99,7 @@ def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, mach
         fwd_l, bwd_l, head = f, 3 * f, head_flops(cfg) * tokens / rate
         # a layer's backward keeps about 14 hidden-sized and 4 intermediate-sized tensors per token
         work = rows * seq * (14 * cfg.hidden_size + 4 * _inter(cfg)) * itemsize \
-            + rows * min(seq, loss_chunk) * cfg.vocab_size * 4 * 2
+            + rows * min(seq, loss_chunk) * cfg.vocab_size * 4 * 2 + 4 * head_p  # (+ the loss's fp32 gradient)
         kept = rows * seq * (10 * cfg.hidden_size + 4 * _inter(cfg)) * itemsize  # (a layer's saved activations)
         how = (f"estimated from FLOPs at {rate / 1e12:.0f} TFLOP/s"
                + (" (an assumed figure)" if "gpu_tflops" in machine.assumed else f" ({machine.source})"))
@@ -106,7 +109,7 @@ def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, mach
     fwd["embed"], bwd["embed"] = 0.0, embed_bwd
     return Workload(list(range(cfg.num_layers)), "embed", "head", fwd, bwd, tokens, micro_batches, boundary,
                     int(work + grads), 6.0 * cfg.num_params(active=True), cfg.tie_word_embeddings, how,
-                    kept_bytes=int(kept))
+                    kept_bytes=int(kept), embed_grad_bytes=int(embed_grad))
 
 
 def _inter(cfg) -> int:

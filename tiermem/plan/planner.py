@@ -123,8 +123,11 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
                 yield best[1].passes, k, True
 
     partials = _partials_bytes(group_bytes)
-    for p, k, more in candidates():
-        act = w.activation_bytes(p) + (partials if p > 1 else 0)
+    # the embedding's gradient summed in its home in HBM needs no tensor of its own: a layout that keeps the
+    # embedding's whole state in HBM is also tried with that much more HBM for state (one process, embedded)
+    homes = (False, True) if w.embed_grad_bytes and owners is None and hbm_state and not w.tied else (False,)
+    for (p, k, more), home in ((c, h) for c in candidates() for h in homes):
+        act = w.activation_bytes(p, embed_home=home) + (partials if p > 1 else 0)
         per_kept = w.kept_bytes * -(-w.micro_batches // p)  # (a kept layer's graph: every micro-batch of a pass)
         state_room = room - act - k * per_kept
         if state_room < 0:
@@ -149,6 +152,8 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
                     where = _place(group_bytes, w, pins, where, budgets, cfg, fill, owners)
                 except BudgetError:
                     continue
+            if home and not embed_resident(where, w):  # (the room counted on the embedding's home in HBM)
+                continue
             free = state_room - _hbm_used(where, group_bytes, cfg)
             for gpu_updates in _update_splits(where, w, gpu_worker):
                 need = gpu_update_bytes(where, group_bytes, gpu_updates)
@@ -171,7 +176,7 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
                                                          < _hbm_used(best[1].where, group_bytes, cfg))
                 tie = KEEP_TIE if moved else TIE
                 if best is None or pred.step < best[0] * (1 - tie):  # (the first of near-equal layouts: fewer
-                    best = (pred.step, layout, pred, state_room, act)  # passes, more state in HBM)
+                    best = (pred.step, layout, pred, state_room, act, home)  # passes, more state in HBM)
     if best is None:
         if owners is not None and w.activation_bytes(1) > room:
             raise BudgetError(f"a step's boundary activations ({format_size(w.activation_bytes(1))}) do not fit in "
@@ -179,13 +184,14 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
                               "supported yet with several ranks: lower per_device_train_batch_size, cutoff_len or "
                               "gradient_accumulation_steps")
         raise short or BudgetError(_does_not_fit(need_total, room, w, budgets, partials))
-    _, layout, pred, state_room, act = best
+    _, layout, pred, state_room, act, home = best
     plan = _finish_plan(layout, group_bytes, cfg, {**budgets, "gpu": state_room})
     plan.owners = owners
     plan.prediction, plan.passes, plan.gpu_updates = pred, layout.passes, set(layout.gpu_updates)
     plan.activation_bytes = act
     plan.keep = layout.keep
-    plan.activation_budget = (act - partials - w.working_bytes) if layout.passes > 1 else None
+    plan.activation_budget = (act - partials - w.working_bytes + (w.embed_grad_bytes if home else 0)) \
+        if layout.passes > 1 else None
     plan.machine, plan.workload, plan.params = m, w, params
     plan.hbm_room = room
     check_budgets(plan)
@@ -404,6 +410,12 @@ def _short_line(group_bytes: dict, budgets: dict, state_room: int, tier: str, sh
             + (f"; {format_size(more)} more is needed" if more else "") + f": add {what}")
 
 
+def embed_resident(where: dict, w: Workload) -> bool:
+    """Whether a layout keeps the embedding's whole state in HBM (its gradient then summed in its home there)."""
+    kinds = [t for (g, _), t in where.items() if g == w.first]
+    return bool(kinds) and all(t == "gpu" for t in kinds)
+
+
 def _does_not_fit(total: int, room: int, w: Workload, budgets: dict, partials: int = 0) -> str:
     act = w.activation_bytes(w.micro_batches)  # (a pass of one micro-batch: the least a step may hold)
     extra = partials if w.micro_batches > 1 else 0
@@ -430,7 +442,8 @@ def compute_bound_at(plan: Plan, ga: int, max_ga: int = 4096) -> tuple[int, Pred
         wk = w.scaled(w.tokens * k // ga, mb)
         act_room = plan.hbm_room - plan.need()["gpu"]  # (the state and the slots; several ranks: the fullest's)
         p, partials = 1, _partials_bytes(plan.group_bytes)
-        while wk.activation_bytes(p) + (partials if p > 1 else 0) > act_room and p < mb:
+        home = bool(w.embed_grad_bytes) and not w.tied and plan.owners is None and embed_resident(plan.where, w)
+        while wk.activation_bytes(p, embed_home=home) + (partials if p > 1 else 0) > act_room and p < mb:
             p += 1
         if p <= SIM_PASSES:
             return predict(Layout(plan.where, plan.gpu_updates, p), wk, plan.machine, plan.group_bytes, plan.params)

@@ -28,6 +28,7 @@ class Workload:
     timed: str = "estimated"  # how the compute figures were had: "timed on <device>" or "estimated ..."
     notes: list[str] = field(default_factory=list)
     kept_bytes: int = 0  # what one layer's forward graph keeps for one micro-batch (tiermem_keep_activations)
+    embed_grad_bytes: int = 0  # of working_bytes: the embedding's fp32 gradient, summed in its home when in HBM
 
     @property
     def groups(self) -> list[Group]:
@@ -37,10 +38,12 @@ class Workload:
     def compute_seconds(self) -> float:
         return sum(self.fwd.values()) + sum(self.bwd.values())
 
-    def activation_bytes(self, passes: int, micro_tokens: int | None = None) -> int:
-        """GPU memory for activations when a step runs as ``passes`` layer-major passes."""
+    def activation_bytes(self, passes: int, micro_tokens: int | None = None, embed_home: bool = False) -> int:
+        """GPU memory for activations when a step runs as ``passes`` layer-major passes (``embed_home``: the
+        embedding's gradient is summed in its home in HBM, no tensor of its own)."""
         per_pass = -(-self.micro_batches // passes) * (micro_tokens or self.tokens // max(self.micro_batches, 1))
-        return per_pass * self.boundary_bytes_per_token + self.working_bytes
+        return per_pass * self.boundary_bytes_per_token + self.working_bytes \
+            - (self.embed_grad_bytes if embed_home else 0)
 
     def scaled(self, tokens: int, micro_batches: int) -> Workload:
         """The same model at another number of tokens a step (compute scales with tokens)."""
@@ -49,7 +52,8 @@ class Workload:
         return Workload(self.layers, self.first, self.last, {g: s * f for g, s in self.fwd.items()},
                         {g: s * f for g, s in self.bwd.items()}, tokens, micro_batches, self.boundary_bytes_per_token,
                         self.working_bytes, self.flops_per_token, self.tied, self.timed, list(self.notes),
-                        int(self.kept_bytes * per_micro))  # (a kept graph grows with a micro-batch's tokens)
+                        int(self.kept_bytes * per_micro),  # (a kept graph grows with a micro-batch's tokens)
+                        self.embed_grad_bytes)
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -94,4 +98,5 @@ class Workload:
         return cls(list(layers), first, last, seconds("fwd"), seconds("bwd"), number("tokens", 1, 1 << 40),
                    number("micro_batches", 1, 4096), number("boundary_bytes_per_token", 0, 1 << 40),
                    number("working_bytes", 0, 1 << 50), float(number("flops_per_token", 0, 1e18, False)), tied,
-                   timed[:200], [], number("kept_bytes", 0, 1 << 50) if "kept_bytes" in o else 0)
+                   timed[:200], [], number("kept_bytes", 0, 1 << 50) if "kept_bytes" in o else 0,
+                   number("embed_grad_bytes", 0, o.get("working_bytes", 0)) if "embed_grad_bytes" in o else 0)
