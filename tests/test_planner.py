@@ -753,3 +753,28 @@ def test_steps_that_grow_are_reported_once():
     assert len(growing) == 1 and "waiting for the optimizer" in growing[0] and "since step 13" in growing[0]
     flat = PlanWatch(p)
     assert not [line for n in range(12) for line in flat.observe(n, step(0.0)) if "growing" in line]
+
+
+@pytest.mark.parametrize("gpu", [12 * GiB, 16 * GiB])
+def test_the_embeddings_gradient_summed_in_its_hbm_home_leaves_its_room_to_state(gpu):
+    """The embedding's fp32 gradient needs no tensor of its own when the embedding's whole state lives in HBM
+    (the executor sums it in its home there): the planner gives that room to state or activations — never less
+    state in HBM, never more passes — and keeps the embedding in HBM when it counts on it. A tied head's
+    gradient is the embedding's anyway: nothing changes."""
+    from tiermem.plan.planner import embed_resident
+
+    w0 = workload(8, working=4 * GiB)
+    w1 = dataclasses.replace(w0, embed_grad_bytes=2 * GiB)
+    p0, p1 = plan(w=w0, gpu=gpu, dram=6 * GiB), plan(w=w1, gpu=gpu, dram=6 * GiB)
+    pt = plan(w=dataclasses.replace(w1, tied=True), gpu=gpu, dram=6 * GiB)
+
+    def hbm(p):
+        return sum(b for k, b in p.group_bytes.items() if p.where[k] == "gpu")
+
+    assert embed_resident(p1.where, w1)
+    assert p1.activation_bytes == w1.activation_bytes(p1.passes, embed_home=True) + (
+        max(b for (_, k), b in p1.group_bytes.items() if k == "grad") if p1.passes > 1 else 0)
+    assert p1.passes <= p0.passes and hbm(p1) >= hbm(p0)
+    assert (p1.passes, hbm(p1)) != (p0.passes, hbm(p0))  # (the room was used: the state does not all fit)
+    assert (pt.passes, hbm(pt), pt.activation_bytes) == (p0.passes, hbm(p0), p0.activation_bytes)
+    assert Workload.from_json(json.loads(json.dumps(w1.to_json()))).embed_grad_bytes == 2 * GiB

@@ -123,9 +123,10 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
                 yield best[1].passes, k, True
 
     partials = _partials_bytes(group_bytes)
-    # the embedding's gradient summed in its home in HBM needs no tensor of its own: a layout that keeps the
-    # embedding's whole state in HBM is also tried with that much more HBM for state (one process, embedded)
-    homes = (False, True) if w.embed_grad_bytes and owners is None and hbm_state and not w.tied else (False,)
+    # the embedding's gradient summed in its home in HBM needs no tensor of its own: a layout is tried first
+    # with that much more HBM for state, and kept if it keeps the embedding's whole state in HBM (one process,
+    # embedded); then without
+    homes = (True, False) if w.embed_grad_bytes and owners is None and hbm_state and not w.tied else (False,)
     for (p, k, more), home in ((c, h) for c in candidates() for h in homes):
         act = w.activation_bytes(p, embed_home=home) + (partials if p > 1 else 0)
         per_kept = w.kept_bytes * -(-w.micro_batches // p)  # (a kept layer's graph: every micro-batch of a pass)
