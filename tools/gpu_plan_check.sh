@@ -6,11 +6,13 @@
 #   bash tools/gpu_plan_check.sh 8b      # tiermem-train on the Llama-8B shape, 32x4096 tokens a step, auto
 #                                        # placement with only an NVMe path set (STEPS, default 6)
 #   bash tools/gpu_plan_check.sh 14b     # tiermem-train on the Qwen2.5-14B shape across HBM, DRAM and NVMe,
-#                                        # after a full `tiermem probe` (ACCUM, default 64; STEPS, default 4;
+#                                        # after a full `tiermem probe` (ACCUM, default 64; STEPS, default 4; SEQ,
+#                                        # tokens a row, default 4096;
 #                                        # PROBE=FILE: a saved full probe of the machine instead; PROBE=run: the
 #                                        # run's own quick probe, as a user's run without a probe file; SKIP_PLAN=1:
 #                                        # no separate `tiermem plan` first; host memory and the disk's links
-#                                        # sampled every 2 s to mem14b.txt)
+#                                        # sampled every 2 s to mem14b.txt). A run longer than one call:
+#                                        # `bash tools/gpu_detached.sh start DIR env ACCUM=... bash tools/gpu_plan_check.sh 14b`
 #   bash tools/gpu_plan_check.sh moe     # the MoE tests on CUDA; tiermem-train on Qwen3-30B-A3B's dimensions
 #                                        # with LAYERS (default 20) layers, auto placement over the three tiers
 #                                        # (ACCUM, default 4, of 4 rows; STEPS, default 6); `tiermem plan` of
@@ -78,7 +80,7 @@ $(python3 -c "import json; print(json.load(open('/tmp/run8b/out/store_stats.json
     python3 -m tiermem.cli probe --size 2GiB --nvme-path /tmp/nvme --save "$OUT/probe.json" --reps 2 > "$OUT/probe.txt" 2>&1
     cat "$OUT/probe.txt"
   fi
-  python3 tools/make_shape_run.py --shape 14b --dir /tmp/run14b --accum "${ACCUM:-64}" --steps "${STEPS:-4}" \
+  python3 tools/make_shape_run.py --shape 14b --dir /tmp/run14b --accum "${ACCUM:-64}" --steps "${STEPS:-4}" --seq "${SEQ:-4096}" \
     --nvme /tmp/nvme --set "tiermem={tiers: {nvme: {path: /tmp/nvme}}$probe_set}" >/dev/null
   if [ -z "${SKIP_PLAN:-}" ]; then  # (the run prints the same plan at its start)
     python3 -m trainer.plan_cli /tmp/run14b/train.yaml > "$OUT/plan14b.txt" 2>&1; cat "$OUT/plan14b.txt"
