@@ -100,23 +100,41 @@ def test_two_ranks_match_one_process_with_moments_on_nvme(tmp_path, tiny, capsys
     assert arenas() == before, "the host's arena is removed at the end"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("nvme", [True, False])
+def test_two_ranks_in_several_passes_match_one_process_in_one(tmp_path, tiny, capsys, nvme):
+    """An activation budget below one micro-batch's boundaries: each rank's step runs as two layer-major passes
+    (one per micro-batch), each pass's gradients reduced to their owners, which keep the partial sums in the
+    gradient's home (the arena with the moments on NVMe; under auto, the owners' HBM) — the same steps and
+    weights as one process in one pass."""
+    ref = one_process(write_cfg(tmp_path, tiny, "one", 4, nvme=nvme), capsys)
+    r = ranks(write_cfg(tmp_path, tiny, "two", 2, nvme=nvme, tiermem_activation_budget="1KiB"), 2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "each step runs as 2 layer-major passes" in r.stdout
+    assert STEP.findall(r.stdout) == ref and len(ref) == 6
+    assert_same_weights(tmp_path / "one", tmp_path / "two")
+
+
 EVAL = re.compile(r"^step (\d+)/\d+ \| eval_loss (\S+)", re.M)
 
 
 @pytest.mark.slow
-def test_three_ranks_through_force_torchrun_match_one_process(tmp_path, tiny, capsys):
+@pytest.mark.parametrize("passes", [1, 2])
+def test_three_ranks_through_force_torchrun_match_one_process(tmp_path, tiny, capsys, passes):
     """Global micro-batches of 6 rows over 14 rows: the last one of each epoch has 2, so two of the three ranks
-    take no rows in some steps (their zeros still reach the owners); the CPU worker updates (gpu_share 0), also
-    the state placement auto keeps in the owners' HBM; the evaluation's micro-batches are split over the ranks (one
-    gets none)."""
+    take no rows in some steps (their zeros still reach the owners: with two passes a step, in the pass they
+    lack); the CPU worker updates (gpu_share 0), also the state placement auto keeps in the owners' HBM; the
+    evaluation's micro-batches are split over the ranks (one gets none)."""
     over = dict(eval_dataset=tiny[2], eval_strategy="steps", eval_steps=3,
                 tiermem={"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}},
                          "optimizer": {"gpu_share": 0}})
     assert main([str(write_cfg(tmp_path, tiny, "one", 6, **over))]) == 0
     printed = capsys.readouterr().out
     ref, ref_eval = STEP.findall(printed), EVAL.findall(printed)
-    r = ranks(write_cfg(tmp_path, tiny, "three", 2, **over), 3, force=True)
+    budget = {"tiermem_activation_budget": "1KiB"} if passes > 1 else {}
+    r = ranks(write_cfg(tmp_path, tiny, "three", 2, **over, **budget), 3, force=True)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert ("each step runs as 2 layer-major passes" in r.stdout) == (passes > 1)
     assert STEP.findall(r.stdout) == ref and len(ref) == 6
     assert EVAL.findall(r.stdout) == ref_eval and len(ref_eval) == 2
     assert "6 steps of 2x2x3 ranks rows" in r.stdout

@@ -11,6 +11,11 @@ reduced to their owners, the exact global norm, and the optimizer of the groups 
   flat fp32 buffer) is reduced (summed) to the owner through torch.distributed, asynchronously: the next
   layer's backward runs meanwhile (two reductions in flight at most). The owner hands the sum to the store and
   takes its squared norm; the norm is summed over the ranks in one process's order (exact clipping).
+- **Several passes.** When a rank's micro-batches' boundary activations do not fit its activation budget, a
+  step runs as layer-major passes, as in one process; every rank runs the world's number of passes (a rank
+  with fewer micro-batches reduces zeros in the passes it lacks). Each pass's gradient of a layer is reduced
+  to its owner, which adds the sum of the earlier passes (kept in the group's gradient home, read back) and
+  keeps the new sum there, or, on the last pass, hands it on as above.
 """
 
 from __future__ import annotations
@@ -74,6 +79,9 @@ class GradReducer:
     def __init__(self, world, owner: dict[Group, int], catalog, device: torch.device):
         self.world, self.owner, self.catalog, self.device = world, owner, catalog, device
         self.hand = None  # hand(group, grads): the executor's, to the store (set by the executor)
+        self.read_partial = None  # read_partial(group) -> ({name: buffer}, future): the sum of the earlier passes
+        self.keep_partial = None  # keep_partial(group, grads): the sum so far to the group's gradient home
+        self.wait = None  # wait(future): the executor's wait for a partial sum (counted as gradient_partials)
         self._pending: collections.deque = collections.deque()
         self._sq: dict[Group, torch.Tensor] = {}
         self._order: list[Group] = []
@@ -81,8 +89,10 @@ class GradReducer:
     def names(self, group: Group) -> list[str]:
         return [e.spec.name for e in self.catalog.group_entries(group, "param")]
 
-    def reduce(self, group: Group, grads: dict[str, torch.Tensor] | None) -> None:
-        """Start reducing ``group``'s gradient (None: this rank had no rows: zeros) to its owner."""
+    def reduce(self, group: Group, grads: dict[str, torch.Tensor] | None, first: bool = True,
+               last: bool = True) -> None:
+        """Start reducing ``group``'s gradient of this pass (None: this rank had no rows: zeros) to its owner;
+        ``first``, ``last``: whether this is the step's first, last pass (the world's)."""
         import torch.distributed as dist
 
         names = self.names(group)
@@ -92,13 +102,14 @@ class GradReducer:
         else:
             buf = torch.cat([grads[x].reshape(-1).float() for x in names])
         work = self.world.call(dist.reduce, buf, dst=self.owner[group], op=dist.ReduceOp.SUM, async_op=True)
-        self._order.append(group)
-        self._pending.append((group, names, buf, work))
+        if last:
+            self._order.append(group)
+        self._pending.append((group, names, buf, work, first, last))
         while len(self._pending) > self.IN_FLIGHT:
             self._complete()
 
     def _complete(self) -> None:
-        group, names, buf, work = self._pending.popleft()
+        group, names, buf, work, first, last = self._pending.popleft()
         self.world.call(work.wait)
         if self.owner[group] != self.world.rank:
             return
@@ -108,6 +119,14 @@ class GradReducer:
             k = math.prod(shape)
             grads[x] = buf[off: off + k].view(shape)
             off += k
+        if not first:  # (read back while the GPU runs the backward queued meanwhile: one group's at a time)
+            prev, fut = self.read_partial(group)
+            self.wait(fut)
+            for x in names:
+                grads[x].add_(prev[x])
+        if not last:
+            self.keep_partial(group, grads)
+            return
         self.hand(group, grads)
         self._sq[group] = squared_norm(list(grads.values()))
 

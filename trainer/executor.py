@@ -79,6 +79,10 @@ class Executor:
         self.reducer = reducer
         if reducer is not None:
             reducer.hand = self._hand_grads
+            reducer.read_partial = lambda g: self._partials(g, False)
+            reducer.keep_partial = lambda g, grads: self.store.store_group(
+                g, "grad", {state_name(n, "grad"): t for n, t in grads.items()})
+            reducer.wait = lambda fut: self.store.wait(fut, "gradient_partials")
         self.device = store.gpu.device
         self.max_grad_norm = max_grad_norm
         self.loss_chunk = loss_chunk_tokens
@@ -168,11 +172,16 @@ class Executor:
             futs.append(self.store.read(spec.name, out=bufs[n]))
         return bufs, all_of(futs)
 
-    def _grads(self, group, grads: dict[str, torch.Tensor], partials, last: bool, at_home: bool = False):
+    def _grads(self, group, grads: dict[str, torch.Tensor], partials, last: bool, at_home: bool = False,
+               first: bool = True):
         """Hand a layer's gradient of this pass on: partial sums go to the store between passes and come
         back (``partials``, from ``_partials``) to be added; the last pass's sum is the gradient, whose
         squared norm is returned. ``at_home``: ``grads`` are the group's home in HBM, summed there over the
-        passes so far (``_sums_at_home``): nothing goes anywhere before the last pass."""
+        passes so far (``_sums_at_home``): nothing goes anywhere before the last pass. Several ranks: the
+        pass's gradient goes to the group's owner, which keeps the partial sums (``trainer.dp``)."""
+        if self.reducer is not None:
+            self.reducer.reduce(group, grads, first, last)
+            return None
         if at_home and not last:
             return None
         if partials is not None:
@@ -180,9 +189,6 @@ class Executor:
             self.store.wait(fut, "gradient_partials")
             for n, g in grads.items():
                 g.add_(prev[n])
-        if self.reducer is not None:  # (one pass: the owner hands the world's sum to the store)
-            self.reducer.reduce(group, grads)
-            return None
         if last:
             self._hand_grads(group, grads)
             return squared_norm(list(grads.values()))
@@ -232,25 +238,24 @@ class Executor:
         groups = self.passes(batches) if batches else []
         self.last_passes = max(len(groups), 1)
         world = self.reducer.world if self.reducer is not None else None
-        if world is not None:  # (the world's step: its tokens normalise every rank's loss)
-            trained, tokens, several = (int(x) for x in world.sum([trained, tokens, int(len(groups) > 1)]))
-            if several:
-                err = UserError(f"step {step + 1}: a rank's boundary activations exceed the activation budget, so its "
-                                "step would run as several layer-major passes, which several ranks do not support "
-                                "yet: lower per_device_train_batch_size or cutoff_len, or raise "
-                                "tiermem_activation_budget")
-                err.quiet = not world.lead  # (every rank finds it: the lead says it)
-                raise err
+        n_pass = len(groups)
+        if world is not None:  # (the world's step: its tokens normalise every rank's loss; every rank runs the
+            counts = [0] * world.size  # world's number of passes, as each pass's reductions are collective)
+            counts[world.rank] = len(groups)
+            got = world.sum([trained, tokens, *counts])
+            trained, tokens, n_pass = int(got[0]), int(got[1]), max(int(x) for x in got[2:])
+            self.last_passes = max(n_pass, 1)
         scale = 1.0 / max(trained, 1)
         loss = sumsq = None
-        for p, group in enumerate(groups):
+        for p in range(n_pass):
             self.at_pass = p + 1
-            part, sq = self._pass(group, step, scale, p == 0, p == len(groups) - 1, len(batches))
+            if p >= len(groups):  # (no rows of this rank in this pass: zeros to the owners, in a pass's order)
+                for g in ("head", *reversed(range(self.cfg.num_layers)), "embed"):
+                    self.reducer.reduce(g, None, p == 0, p == n_pass - 1)
+                continue
+            part, sq = self._pass(groups[p], step, scale, p == 0, p == n_pass - 1, len(batches))
             loss = part if loss is None else loss + part
             sumsq = sq if sq is not None else sumsq
-        if world is not None and not groups:  # no rows for this rank in this step: zeros to the owners
-            for g in ("head", *reversed(range(self.cfg.num_layers)), "embed"):
-                self.reducer.reduce(g, None)
 
         # 4. exact global-norm clipping, then the store's optimizer (overlaps the next forward)
         self._drain()
@@ -321,7 +326,7 @@ class Executor:
         # 2. loss + its backward, chunked over tokens
         self.phase, self.layer = "loss", "head"
         head_home = self._sums_at_home("head")
-        head_partials = None if head_home else self._partials("head", first)
+        head_partials = None if head_home or self.reducer is not None else self._partials("head", first)
         view = self._take(r_head, "loss")
         tied_view = self._take(r_tied, "loss") if tied else None
         loss = torch.zeros((), dtype=torch.float32, device=dev)
@@ -338,17 +343,18 @@ class Executor:
         view.release()
         if tied_view is not None:
             tied_view.release()
-        sq = [self._grads("head", head_grads, head_partials, last, head_home)]
+        sq = [self._grads("head", head_grads, head_partials, last, head_home, first)]
 
         # 3. backward, layer-major, with recompute
         self.phase = "backward"
         embed_home = self._sums_at_home("embed")
-        embed_partials = self._partials("embed", first) if L == 0 and not embed_home else None  # (else with layer 0)
+        own_partials = self.reducer is None  # (several ranks: the owners read the partial sums back)
+        embed_partials = self._partials("embed", first) if L == 0 and not embed_home and own_partials else None
         for n, i in enumerate(reversed(range(L))):
             self.layer = i
             at_home = self._sums_at_home(i)
-            partials = None if at_home else self._partials(i, first)
-            if i == 0 and not embed_home:
+            partials = None if at_home or not own_partials else self._partials(i, first)
+            if i == 0 and not embed_home and own_partials:  # (the embedding's with layer 0's)
                 embed_partials = self._partials("embed", first)
             view = self._take(r_bwd[n], "backward")
             w = self._weights(view)
@@ -369,7 +375,7 @@ class Executor:
                 else:
                     torch._foreach_add_(acc, g_w)
             view.release()
-            sq.append(self._grads(i, dict(zip(view.tensors.keys(), acc)), partials, last, at_home))
+            sq.append(self._grads(i, dict(zip(view.tensors.keys(), acc)), partials, last, at_home, first))
             HOOKS.point("backward", step + 1)
 
         # the embedding's gradient: every micro-batch's input gradient, plus the tied LM head's
@@ -379,7 +385,7 @@ class Executor:
         g_embed = model.embed_grads(view.tensors if view is not None else None, ids, grads_y, ctx, g_tied, acc=home)
         if view is not None:
             view.release()
-        sq.append(self._grads("embed", g_embed, embed_partials, last, embed_home))
+        sq.append(self._grads("embed", g_embed, embed_partials, last, embed_home, first))
         del grads_y, acts
         if aux is not None:
             loss = loss + aux / scale  # (the caller scales the summed loss by scale)

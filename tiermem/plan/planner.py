@@ -19,8 +19,9 @@ Several ranks of a host (``owners``: group -> owning rank) each have an HBM of t
 optimizer-side state (grad, master, exp_avg, exp_avg_sq) may live in its owner's, never its compute copy (every
 rank streams it from the shared arena, so every rank keeps the streaming slots). Each rank's HBM — its owned
 state, its slots, the activations, what the caller takes besides (``hbm_taken``: the gradients in flight) and
-its GPU worker's copies — must fit; the plan's ``need()["gpu"]`` is the fullest rank's. A step of several ranks
-runs as one layer-major pass (more are not supported yet with several ranks).
+its GPU worker's copies — must fit; the plan's ``need()["gpu"]`` is the fullest rank's. Several ranks run as many
+layer-major passes as one process would with a rank's micro-batches (each pass's gradients reduced to their
+owners, which keep the partial sums: ``trainer.dp``).
 """
 
 from __future__ import annotations
@@ -115,8 +116,7 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
     best: tuple | None = None
     short = None
     def candidates():  # (passes, layers given HBM for kept graphs, whether leftover HBM keeps more): the
-        one = [1] if owners is not None else None  # (several ranks: one pass, the only one they run yet)
-        for p in ([fixed_passes] if fixed_passes else one or pass_counts(w.micro_batches)):  # passes chosen without
+        for p in ([fixed_passes] if fixed_passes else pass_counts(w.micro_batches)):  # passes chosen without
             yield p, 0, False  # kept graphs, then kept graphs at those passes (they never add passes)
         if best is not None and keep_auto and hbm_state and w.kept_bytes and owners is None:
             for k in keep_counts(w, True):
@@ -179,11 +179,6 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
                 if best is None or pred.step < best[0] * (1 - tie):  # (the first of near-equal layouts: fewer
                     best = (pred.step, layout, pred, state_room, act, home)  # passes, more state in HBM)
     if best is None:
-        if owners is not None and w.activation_bytes(1) > room:
-            raise BudgetError(f"a step's boundary activations ({format_size(w.activation_bytes(1))}) do not fit in "
-                              f"a GPU's {format_size(max(room, 0))}, and several layer-major passes are not "
-                              "supported yet with several ranks: lower per_device_train_batch_size, cutoff_len or "
-                              "gradient_accumulation_steps")
         raise short or BudgetError(_does_not_fit(need_total, room, w, budgets, partials))
     _, layout, pred, state_room, act, home = best
     plan = _finish_plan(layout, group_bytes, cfg, {**budgets, "gpu": state_room})
