@@ -254,7 +254,31 @@ def load(store, path: str | Path, mcfg, dtype: torch.dtype, has_master: bool, pr
     return step
 
 
-class Saver:
+class ReleaseGate:
+    """The optimizer's gate of a save that reads the state group by group (``_step``: the update it saves, None
+    when none; ``_released``: group -> an event set once the save has read it; ``paused``: seconds waited)."""
+
+    _step: int | None
+    _released: dict
+    paused: float
+
+    def gate(self, group, update: int) -> float:
+        """Update ``update`` of ``group`` may run once the save has read the group's state (0 s when it need not
+        wait); returns the seconds waited."""
+        step, released = self._step, self._released
+        if step is None or update <= step:
+            return 0.0
+        ev = released.get(group)
+        if ev is None or ev.is_set():
+            return 0.0
+        t0 = time.perf_counter()
+        ev.wait()
+        dt = time.perf_counter() - t0
+        self.paused += dt
+        return dt
+
+
+class Saver(ReleaseGate):
     """Writes checkpoints in the background while training goes on; one at a time."""
 
     def __init__(self, store, mcfg, out_dir: Path, model_dir: Path, dtype: torch.dtype, has_master: bool,
@@ -284,19 +308,6 @@ class Saver:
         self.wait_part = None
         self.last: dict = {}
 
-    # -- the optimizer's gate ----------------------------------------------------------------------
-    def gate(self, group, update: int) -> float:
-        step, released = self._step, self._released
-        if step is None or update <= step:
-            return 0.0
-        ev = released.get(group)
-        if ev is None or ev.is_set():
-            return 0.0
-        t0 = time.perf_counter()
-        ev.wait()
-        dt = time.perf_counter() - t0
-        self.paused += dt
-        return dt
 
     # -- a save ----------------------------------------------------------------------------------------
     def begin(self, step: int, states: dict[str, dict]) -> None:

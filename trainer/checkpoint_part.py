@@ -18,18 +18,17 @@ from __future__ import annotations
 
 import shutil
 import threading
-import time
 from pathlib import Path
 
 from tiermem.config import MOMENTS
 from tiermem.faults import HOOKS
 from tiermem.store.catalog import state_name
 from tiermem.store.checkpoint import StateWriter
-from trainer.checkpoint import part_tmp
+from trainer.checkpoint import ReleaseGate, part_tmp
 from trainer.model.weights import all_weights, group_order
 
 
-class PartSaver:
+class PartSaver(ReleaseGate):
     def __init__(self, store, mcfg, out_dir: Path, rank: int, names: set, has_master: bool, announce):
         """``names``: the store names of this rank's HBM-resident state (of any kind; only the kinds a checkpoint
         keeps are written: the master weights, or without them the weights, and the moments)."""
@@ -53,21 +52,6 @@ class PartSaver:
     @property
     def holds_state(self) -> bool:
         return bool(self.layout)
-
-    def gate(self, group, update: int) -> float:
-        """Update ``update`` of ``group`` may run once this part has read the group's state (0 s when it need not
-        wait); returns the seconds waited."""
-        step, released = self._step, self._released
-        if step is None or update <= step:
-            return 0.0
-        ev = released.get(group)
-        if ev is None or ev.is_set():
-            return 0.0
-        t0 = time.perf_counter()
-        ev.wait()
-        dt = time.perf_counter() - t0
-        self.paused += dt
-        return dt
 
     def begin(self, step: int) -> None:
         self.wait()
