@@ -45,4 +45,3 @@ def piece_crcs(data, piece: int = PIECE) -> list[str]:
         return [f"{crc32c.crc32c(b):08x}"]
     futs = [pool().submit(crc32c.crc32c, b[i: i + piece]) for i in range(0, b.size, piece)]
     return [f"{f.result():08x}" for f in futs]
-
