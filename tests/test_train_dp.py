@@ -102,14 +102,13 @@ def test_two_ranks_match_one_process_with_moments_on_nvme(tmp_path, tiny, capsys
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nvme", [True, False])
-def test_two_ranks_in_several_passes_match_one_process_in_one(tmp_path, tiny, capsys, nvme):
+def test_two_ranks_in_several_passes_match_one_process_in_one(tmp_path, tiny, capsys):
     """An activation budget below one micro-batch's boundaries: each rank's step runs as two layer-major passes
     (one per micro-batch), each pass's gradients reduced to their owners, which keep the partial sums in the
-    gradient's home (the arena with the moments on NVMe; under auto, the owners' HBM) — the same steps and
-    weights as one process in one pass."""
-    ref = one_process(write_cfg(tmp_path, tiny, "one", 4, nvme=nvme), capsys)
-    r = ranks(write_cfg(tmp_path, tiny, "two", 2, nvme=nvme, tiermem_activation_budget="1KiB"), 2)
+    gradient's home (the arena, the moments on NVMe; the owners' HBM under auto: the three-rank test) — the same
+    steps and weights as one process in one pass."""
+    ref = one_process(write_cfg(tmp_path, tiny, "one", 4, nvme=True), capsys)
+    r = ranks(write_cfg(tmp_path, tiny, "two", 2, nvme=True, tiermem_activation_budget="1KiB"), 2)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "each step runs as 2 layer-major passes" in r.stdout
     assert STEP.findall(r.stdout) == ref and len(ref) == 6
