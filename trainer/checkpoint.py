@@ -308,7 +308,6 @@ class Saver(ReleaseGate):
         self.wait_part = None
         self.last: dict = {}
 
-
     # -- a save ----------------------------------------------------------------------------------------
     def begin(self, step: int, states: dict[str, dict]) -> None:
         """Save the state after update ``step`` (which may still be running), with the JSON files ``states``
