@@ -76,6 +76,36 @@ def test_training_on_the_gpu_matches_plain_pytorch(tmp_path):
         assert err <= (1e-3 if n.endswith("k_proj.bias") else 1e-4), f"{n}: {err:.2e}"
 
 
+@pytest.mark.parametrize("family,passes", [("qwen2", 1), ("qwen2", 2), ("qwen3", 2)])
+def test_training_with_the_state_in_hbm_matches_plain_pytorch(tmp_path, capsys, family, passes):
+    """fp32, placement auto: the whole state lives in HBM, so the LM head's and the embedding's gradients are
+    summed straight into their homes there over the step's micro-batches (and passes) on CUDA's streams;
+    untied (qwen2) and tied (qwen3) heads, against the CPU reference loop."""
+    from safetensors.torch import load_file
+
+    from tests.test_train_parity import reference_training, run_cli
+    from tests.tiny_models import COMMON, save_tiny_model, write_tokenized_dataset
+
+    model_dir = save_tiny_model(family, tmp_path / "model")
+    data_dir = tmp_path / "data"
+    name = write_tokenized_dataset(data_dir)
+    ref = reference_training(model_dir, data_dir, name, [])
+    # (a budget below any micro-batch's boundary activations: a pass each, 2 for the step's 2 micro-batches)
+    one_token = (COMMON["num_hidden_layers"] + 1) * COMMON["hidden_size"] * 4
+    over = {"tiermem_activation_budget": one_token} if passes > 1 else {}
+    tiermem = {"tiers": {"gpu": {"device": "cuda"}}, "placement": "auto"}
+    assert run_cli(tmp_path, model_dir, data_dir, name, tiermem, **over) == 0
+    out = capsys.readouterr().out
+    assert (f"each step runs as {passes} layer-major passes" in out) == (passes > 1), out[-2000:]
+    assert "param+grad+exp_avg+exp_avg_sq of every group" in out.split("plan: gpu", 1)[-1].splitlines()[0], out[:800]
+    got = {}
+    for f in (tmp_path / "out").glob("*.safetensors"):
+        got.update(load_file(f))
+    for n, t in got.items():
+        err = (t - ref[n]).norm() / ref[n].norm()
+        assert err <= (1e-3 if n.endswith("k_proj.bias") else 1e-4), f"{n}: {err:.2e}"
+
+
 @pytest.mark.parametrize("kill_at", [None, "update:3:0"])
 def test_attached_training_on_the_gpu_matches_embedded(env, kill_at):  # noqa: F811 - the fixture
     """A trainer attached to a service computing on CUDA (arena registered by the trainer, gradients D2H
