@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from tiermem.plan.costmodel import Layout, predict
+from tiermem.plan.costmodel import SLOTS, Layout, predict
 from tiermem.plan.planner import resplit
 
 STEADY_FROM = 2  # steps before this (0-based, since the start or a resume) fill the pipeline
@@ -110,8 +110,8 @@ class PlanWatch:
         # (the CPU worker's rates in the run, beside whatever the plan's cpu_in_run did not foresee: the main
         # thread, the link's copies of this step's layout)
         m2 = dataclasses.replace(m, cpu_adamw=m.cpu_adamw / slower, cpu_copy=m.cpu_copy / slower)
-        layout = Layout(self.plan.where, self.plan.gpu_updates, self.plan.passes,
-                        keep=getattr(self.plan, "keep", frozenset()))
+        layout = Layout(self.plan.where, self.plan.gpu_updates, self.plan.passes, self.plan.n_slots or SLOTS,
+                        getattr(self.plan, "keep", frozenset()))
         self.prediction = predict(layout, w2, m2, self.plan.group_bytes, self.plan.params)
         self.measured = {"compute_factor": factor, "cpu_factor": slower, "cpu_adamw": m2.cpu_adamw,
                          "cpu_copy": m2.cpu_copy, "predicted_step_seconds": self.prediction.step}

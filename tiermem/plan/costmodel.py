@@ -35,6 +35,12 @@ from tiermem.store.catalog import Group
 
 RESOURCES = ("gpu", "gpu_adamw", "h2d", "d2h", "nvme", "cpu")
 SLOTS = 3
+# a step of more passes is simulated as this many and one fewer, and extended: every pass after the first runs
+# alike (the same weights fetched, the same partial gradients moved, the same share of the compute), so each
+# figure grows by the last simulated pass's share for every pass beyond them. Exact for this model, and a step
+# of hundreds of passes (the planner tries them; the compute-bound search meets thousands) simulated whole
+# took a good part of a second each
+SIM_PASSES = 8
 
 
 @dataclass
@@ -122,6 +128,28 @@ class _Sim:
 
 def predict(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_params: dict) -> Prediction:
     """The steady step of ``layout`` (see the module's docstring)."""
+    p = max(1, layout.passes)
+    if p <= SIM_PASSES:
+        return _simulate(layout, w, m, group_bytes, group_params)
+
+    def sim(n: int) -> Prediction:
+        wn = w.scaled(w.tokens * n / p, max(1, round(w.micro_batches * n / p)))
+        return _simulate(Layout(layout.where, layout.gpu_updates, n, layout.slots, layout.keep), wn, m, group_bytes,
+                         group_params)
+
+    a, b = sim(SIM_PASSES - 1), sim(SIM_PASSES)
+    more = p - SIM_PASSES
+    ext = lambda x, y: y + more * (y - x)  # noqa: E731
+    busy = {r: ext(a.busy[r], b.busy[r]) for r in b.busy}
+    step = ext(a.step, b.step)
+    wait_opt, wait_xfer = ext(a.wait_optimizer, b.wait_optimizer), ext(a.wait_transfer, b.wait_transfer)
+    return Prediction(step, busy, {k: ext(a.bytes[k], b.bytes[k]) for k in b.bytes}, ext(a.compute, b.compute),
+                      wait_opt, wait_xfer, _bound(step, busy, wait_opt, wait_xfer), ext(a.nvme_read, b.nvme_read),
+                      ext(a.nvme_write, b.nvme_write), {"finish": ext(a.details["finish"], b.details["finish"])})
+
+
+def _simulate(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_params: dict) -> Prediction:
+    """The step of ``layout`` simulated pass by pass."""
     where = layout.where
     sim = _Sim()
     moved = {"h2d": 0.0, "d2h": 0.0, "nvme_read": 0.0, "nvme_write": 0.0}
@@ -204,7 +232,7 @@ def predict(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_pa
 
     # -- the step: forward, loss, backward, per pass -------------------------------------------------------
     p = max(1, layout.passes)
-    compute_ops: list[tuple[int, Group, int | None, int | None]] = []  # (op, group, waits-on update, fetch)
+    compute_ops: list[tuple[int, Group, int | None]] = []  # (op, group, the update it waits on)
     last_compute = None
     slot_free: list = []  # compute ops whose end frees a slot, in order
     partial_home: dict[Group, int] = {}
@@ -237,7 +265,7 @@ def predict(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_pa
             seconds = (w.fwd.get(g, 0.0) if phase in ("fwd",) else max(bwd, 0.0)
                        if phase != "loss" else w.fwd.get(g, 0.0) + w.bwd.get(g, 0.0)) / p
             c = sim.op("gpu", seconds, [last_compute, upd, tied_upd, f, partial], f"{phase} {g}")
-            compute_ops.append((c, g, upd if upd is not None else tied_upd, f if f is not None else partial))
+            compute_ops.append((c, g, upd if upd is not None else tied_upd))
             last_compute = c
             if f is not None:
                 slot_free.append(c)
@@ -254,13 +282,14 @@ def predict(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_pa
     compute = busy["gpu"]
     wait_opt = wait_xfer = 0.0
     prev_end = 0.0
-    for c, _g, upd, f in compute_ops:
+    for c, _g, upd in compute_ops:
         idle = start[c] - prev_end
         if idle > 1e-12:
-            if upd is not None and end[upd] >= start[c] - 1e-9 and (f is None or end[upd] >= end[f]):
-                wait_opt += idle
-            else:
-                wait_xfer += idle
+            # the wait until the update ended is the update's (a fetch of its new weights starts there), the
+            # rest the transfer's
+            on_update = min(max(end[upd] - prev_end, 0.0), idle) if upd is not None else 0.0
+            wait_opt += on_update
+            wait_xfer += idle - on_update
         prev_end = end[c]
     totals = dict(busy)
     # the GPU's two streams share it: the compute and the optimizer's kernels add up

@@ -33,7 +33,7 @@ import psutil
 
 from tiermem.config import StoreConfig
 from tiermem.errors import BudgetError
-from tiermem.plan.costmodel import SLOTS, Layout, Prediction, _bound, predict
+from tiermem.plan.costmodel import SLOTS, Layout, Prediction, predict
 from tiermem.plan.machine import Machine
 from tiermem.plan.placement import ALIGN, Plan, check_budgets, default_budgets
 from tiermem.plan.workload import Workload
@@ -48,7 +48,6 @@ TIE = 0.005  # a later candidate layout must predict a step this much shorter to
 # a layout was predicted 1.8% faster (6.82 -> 6.70 s) and measured 0.9% faster (7.10 -> 7.04 s): the moved
 # groups' updates and copies cost more beside the forward than the cost model counts
 KEEP_TIE = 0.015
-SIM_PASSES = 8  # the compute-bound search simulates at most this many passes a step, and extends the rest
 HBM_RESERVE = 0.06  # of HBM kept free for the allocator's fragmentation and the CUDA context
 
 
@@ -441,9 +440,8 @@ def compute_bound_at(plan: Plan, ga: int, max_ga: int = 4096) -> tuple[int, Pred
         home = bool(w.embed_grad_bytes) and not w.tied and plan.owners is None and embed_resident(plan.where, w)
         while wk.activation_bytes(p, embed_home=home) + (partials if p > 1 else 0) > act_room and p < mb:
             p += 1
-        if p <= SIM_PASSES:
-            return predict(Layout(plan.where, plan.gpu_updates, p), wk, plan.machine, plan.group_bytes, plan.params)
-        return _many_passes(plan, wk, p)
+        return predict(Layout(plan.where, plan.gpu_updates, p, plan.n_slots or SLOTS), wk, plan.machine,
+                       plan.group_bytes, plan.params)
 
     k = ga
     while k <= max_ga:
@@ -459,26 +457,6 @@ def compute_bound_at(plan: Plan, ga: int, max_ga: int = 4096) -> tuple[int, Pred
             return hi, pred(hi)
         k *= 2
     return None
-
-
-def _many_passes(plan: Plan, wk: Workload, p: int) -> Prediction:
-    """The step of ``wk`` as ``p`` passes, from SIM_PASSES - 1 and SIM_PASSES simulated passes of the same work a
-    pass: the passes after the first run alike (the same weights fetched, the same share of the compute), so each
-    figure grows by the last simulated pass's share for every pass beyond them (a step of thousands of passes,
-    which the compute-bound search meets, simulated whole took seconds a prediction)."""
-    def sim(n: int) -> Prediction:
-        wn = wk.scaled(wk.tokens * n / p, max(1, round(wk.micro_batches * n / p)))
-        return predict(Layout(plan.where, plan.gpu_updates, n), wn, plan.machine, plan.group_bytes, plan.params)
-
-    a, b = sim(SIM_PASSES - 1), sim(SIM_PASSES)
-    more = p - SIM_PASSES
-    ext = lambda x, y: y + more * (y - x)  # noqa: E731
-    busy = {r: ext(a.busy[r], b.busy[r]) for r in b.busy}
-    read, write = ext(a.nvme_read, b.nvme_read), ext(a.nvme_write, b.nvme_write)
-    step = ext(a.step, b.step)
-    wait_opt, wait_xfer = ext(a.wait_optimizer, b.wait_optimizer), ext(a.wait_transfer, b.wait_transfer)
-    return Prediction(step, busy, {k: ext(a.bytes[k], b.bytes[k]) for k in b.bytes}, ext(a.compute, b.compute),
-                      wait_opt, wait_xfer, _bound(step, busy, wait_opt, wait_xfer), read, write)
 
 
 def tflops(w: Workload, seconds: float) -> float:
