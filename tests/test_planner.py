@@ -684,6 +684,32 @@ def test_the_run_corrects_the_cpu_workers_rate_from_its_updates():
         unsplit.prediction.busy["cpu"] == pytest.approx(planned)
 
 
+def test_the_run_corrects_the_disks_rate_from_the_traffic_of_the_update_it_waited_for():
+    """The disk's bytes each way in a step and its busy time either way, against what the plan gives those bytes:
+    the prediction again at the disk's rate in the run (the 14B on the H200 machine: 94 GB both ways in 61 s,
+    where its quick probe gave 48 s); said in the correction's line, kept as ``measured``; a step that moved
+    too little to tell leaves the disk as planned."""
+    from trainer.executor import StepResult
+    from trainer.plan_watch import PlanWatch
+
+    p = plan(layers=8, gpu=8 * GiB, dram=4 * GiB, w=workload(8, fwd=0.05))
+    m = p.machine
+    read, write = p.prediction.bytes["nvme_read"], p.prediction.bytes["nvme_write"]
+    assert read > 0 and write > 0, "the plan should keep state on NVMe"
+    planned = (read / m.nvme_read + write / m.nvme_write) / m.nvme_both
+    step = StepResult(1.0, 1.0, 100, p.prediction.compute, 0.0, 0.0, {})
+    watch = PlanWatch(p)
+    said = [line for n in range(3) for line in watch.observe(n, step, {}, (read, write, planned * 1.25))]
+    assert len(said) == 1 and "the disk by its traffic (x0.80" in said[0], said
+    assert watch.measured["disk_factor"] == pytest.approx(0.8)
+    assert watch.prediction.busy["nvme"] == pytest.approx(p.prediction.busy["nvme"] * 1.25, rel=1e-6)
+    assert watch.prediction.step > p.prediction.step
+    little = PlanWatch(p)
+    said = [line for n in range(3) for line in little.observe(n, step, {}, (1 << 20, 1 << 20, 2.0))]
+    assert "disk" not in said[0] and "disk_factor" not in little.measured
+    assert little.prediction.busy["nvme"] == pytest.approx(p.prediction.busy["nvme"])
+
+
 def test_a_run_whose_cpu_worker_is_slow_splits_its_updates_again_within_the_hbm_it_has():
     """``resplit``: for the plan's placement as it is, the split the figures measured in the run predict fastest,
     among those whose GPU worker's HBM fits beside what the plan placed; the run's watch takes it when the CPU

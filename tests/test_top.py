@@ -143,10 +143,12 @@ def test_the_plan_is_shown_against_the_measured_step():
                                             "nvme_write": 0}}
     snap = json.loads(json.dumps(SNAPSHOT))
     snap["run"]["plan"] = plan
+    snap["run"]["disk_busy_s_per_step"] = 0.25
     rows = {r[0]: r[1:] for r in plan_rows(snap)}
     assert rows["step"] == ("1.200 s", "1.250 s") and rows["GPU compute"] == ("1.000 s", "1.100 s")
     assert rows["waiting for the update"] == ("0.150 s", "0.100 s")
     assert rows["PCIe to the GPU"] == ("8.0 GiB", "8.0 GiB") and rows["PCIe from the GPU"] == ("2.0 GiB", "4.0 GiB")
+    assert rows["NVMe busy (either way)"] == ("0.000 s", "0.250 s")
     assert rows["CPU AdamW"] == ("0.400 s", "0.500 s") and rows["GPU AdamW"] == ("0.050 s", "0.800 s")
     shown = frame(snap)
     assert "plan against the last step (bound: gpu)" in shown and "PCIe from the GPU" in shown

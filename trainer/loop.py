@@ -450,7 +450,7 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                 part = None
         t0 = time.perf_counter()
         rows_seen = 0
-        link_bytes = _link_bytes(store)
+        link_bytes, disk_busy = _link_bytes(store), store.mover.disk.snapshot()["busy_s"]
         report.replay(cfg.logging_steps)  # steps a killed trainer took but did not log
         executor.before_commit = lambda n, result: report.pending(n, result, lr, plan.epoch_of(n),
                                                                   time.perf_counter() - t0)
@@ -497,9 +497,12 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                     say(f"note: a step's boundary activations exceed the activation budget "
                         f"({format_size(executor.activation_budget)}): each step runs as {executor.last_passes} "
                         "layer-major passes, gradients adding up in the store between them")
+                now = _link_bytes(store)  # what each link carried this step: top's predicted step time
+                disk_busy_now = store.mover.disk.snapshot()["busy_s"]
                 if watch is not None:
                     corrected = watch.measured
-                    for line in watch.observe(step - start, result, optimizer.last_split):
+                    disk = _disk_step(link_bytes, now, disk_busy_now - disk_busy)
+                    for line in watch.observe(step - start, result, optimizer.last_split, disk):
                         say(line)
                     report.predicted = watch.predicted
                     if corrected is None and watch.measured is not None and lead:
@@ -510,10 +513,10 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                             step + 1 == total, cfg.logging_steps)
                 if step == start:  # (the setup's and the compile's objects: out of later collections' walk)
                     pauses.freeze()
-                now = _link_bytes(store)  # what each link carried this step: top's predicted step time
                 report.live["link_bytes_per_step"] = {k: n - link_bytes.get(k, 0) for k, n in now.items()
                                                       if n > link_bytes.get(k, 0)}
-                link_bytes = now
+                report.live["disk_busy_s_per_step"] = disk_busy_now - disk_busy  # (either way: top's NVMe busy)
+                link_bytes, disk_busy = now, disk_busy_now
                 done, per_epoch = step + 1, plan.steps_per_epoch
                 if eval_due(cfg, done, per_epoch, total):  # (before the save: its trainer_state holds it)
                     t_eval = time.perf_counter()
@@ -687,6 +690,12 @@ def run_identity(cfg: TrainConfig, mcfg, dtype: torch.dtype, rows: Rows) -> str:
 
 def _link_bytes(store) -> dict[str, int]:
     return {name: int(link.get("bytes", 0)) for name, link in store.mover.stats().items()}
+
+
+def _disk_step(before: dict, now: dict, busy: float) -> tuple[int, int, float]:
+    """What the disk did in a step: (bytes read, bytes written, seconds busy in either direction)."""
+    moved = lambda links: sum(now.get(k, 0) - before.get(k, 0) for k in links)  # noqa: E731
+    return moved(("nvme->dram", "nvme->gpu")), moved(("dram->nvme", "gpu->nvme")), busy
 
 
 def _attach_line(session: Session) -> str:

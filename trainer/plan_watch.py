@@ -1,10 +1,10 @@
-"""The plan against the run: the predicted step beside each measured one, the compute and the CPU worker's
-rate corrected from the first steps, and one line naming the resource that was off when the steady step misses
-the prediction.
+"""The plan against the run: the predicted step beside each measured one, the compute, the CPU worker's rate
+and the disk's corrected from the first steps, and one line naming the resource that was off when the steady
+step misses the prediction.
 
     watch = PlanWatch(plan)
-    for each step: notes = watch.observe(step_index, result, optimizer.last_split)
-                                      # lines to print (rarely any): the compute and the CPU worker corrected,
+    for each step: notes = watch.observe(step_index, result, optimizer.last_split, (read, written, disk_busy))
+                                      # lines to print (rarely any): the compute, CPU worker and disk corrected,
                                       # the prediction missed, steps growing
     watch.predicted                   # the current prediction's step seconds
     watch.measured                    # what the correction measured (None before): tiermem_plan.json's "run"
@@ -22,6 +22,7 @@ STEADY_FROM = 2  # steps before this (0-based, since the start or a resume) fill
 TOLERANCE = 0.15
 FLAT = 0.05  # steady steps stay within this of each other; steps that grow are a defect to report
 NOISE_S = 0.5  # shorter steps (tiny models, the CPU stand-in) vary more than any of this says
+DISK_MIN_BYTES = 1 << 30  # a step's disk traffic below this says too little of the disk's rate
 RESPLIT_CPU = 1.1  # the CPU worker this much slower than planned: try the other splits of the updates
 RESPLIT_GAIN = 0.02  # ... and take one predicted this much faster
 
@@ -40,6 +41,7 @@ class PlanWatch:
         self.seen: list = []
         self.cpu_seen: list[float] = []  # the CPU worker's seconds of AdamW and compute copy, an update
         self.measured: dict | None = None
+        self.disk_seen: tuple | None = None
 
     @property
     def predicted(self) -> float:
@@ -50,10 +52,12 @@ class PlanWatch:
         return {"predicted_step_s": p.step, "busy": dict(p.busy), "bound": p.bound, "compute": p.compute,
                 "wait_optimizer": p.wait_optimizer, "wait_transfer": p.wait_transfer, "bytes": dict(p.bytes)}
 
-    def observe(self, n: int, result, split: dict | None = None) -> list[str]:
-        """Take the ``n``-th step of this run (0-based) and the optimizer's split of its last finished update
-        (``last_split``: seconds by part); lines to print."""
+    def observe(self, n: int, result, split: dict | None = None, disk: tuple | None = None) -> list[str]:
+        """Take the ``n``-th step of this run (0-based), the optimizer's split of its last finished update
+        (``last_split``: seconds by part) and what the disk did in the step ((bytes read, bytes written, seconds
+        busy either way): the update it waited for); lines to print."""
         self.seen.append(result)
+        self.disk_seen = disk
         cpu = sum((split or {}).get(k, 0.0) for k in ("cpu_adamw", "cpu_compute_copy"))
         if cpu > 0:
             self.cpu_seen.append(cpu)
@@ -91,7 +95,8 @@ class PlanWatch:
 
     def _correct(self) -> list[str]:
         """Scale the plan's compute by what the first steps measured (the layer timing at plan time is one
-        layer alone, the data's rows may be shorter than the longest), and predict again."""
+        layer alone, the data's rows may be shorter than the longest), the CPU worker's rates by its updates and
+        the disk's by the last step's traffic, and predict again."""
         self.corrected = True
         first = self.seen[1:STEADY_FROM + 1] or self.seen
         measured = statistics.median(r.compute for r in first)
@@ -110,6 +115,9 @@ class PlanWatch:
         # (the CPU worker's rates in the run, beside whatever the plan's cpu_in_run did not foresee: the main
         # thread, the link's copies of this step's layout)
         m2 = dataclasses.replace(m, cpu_adamw=m.cpu_adamw / slower, cpu_copy=m.cpu_copy / slower)
+        disk = self._disk_factor(m)
+        if disk is not None:
+            m2 = dataclasses.replace(m2, nvme_both=m.nvme_both * disk[0])
         layout = Layout(self.plan.where, self.plan.gpu_updates, self.plan.passes, self.plan.n_slots or SLOTS,
                         getattr(self.plan, "keep", frozenset()))
         self.prediction = predict(layout, w2, m2, self.plan.group_bytes, self.plan.params)
@@ -117,6 +125,10 @@ class PlanWatch:
                          "cpu_copy": m2.cpu_copy, "predicted_step_seconds": self.prediction.step}
         cpu_note = (f", the CPU worker by its updates (x{slower:.2f}: {cpu:.2f}s an update, {cpu_planned:.2f}s "
                     "planned)") if slower != 1.0 else ""
+        if disk is not None:
+            self.measured.update(disk_factor=disk[0], nvme_both=m2.nvme_both)
+            cpu_note += (f", the disk by its traffic (x{disk[0]:.2f}: {disk[1] / 1e9:.1f} GB in {disk[2]:.1f}s, "
+                         f"{disk[3]:.1f}s planned)")
         out = [f"plan: compute corrected by the first steps (x{factor:.3f}){cpu_note}: predicted step "
                f"{self.prediction.step:.2f}s"]
         if self.may_resplit and slower > RESPLIT_CPU:
@@ -132,6 +144,17 @@ class PlanWatch:
                 out.append(f"plan: the updates split again for the CPU worker's measured rate: GPU {n_gpu} groups, "
                            f"CPU {len(w.groups) - n_gpu}; predicted step {self.prediction.step:.2f}s (was {was:.2f}s)")
         return out
+
+    def _disk_factor(self, m) -> tuple | None:
+        """(the disk's rate in the run over the plan's, bytes, seconds busy, seconds planned) from the last step's
+        disk traffic (the update it waited for); None when the disk did too little to tell."""
+        if not self.disk_seen:
+            return None
+        read, write, busy = self.disk_seen
+        planned = (read / m.nvme_read + write / m.nvme_write) / m.nvme_both
+        if busy < NOISE_S or planned <= 0 or read + write < DISK_MIN_BYTES:
+            return None
+        return min(max(planned / busy, 0.2), 5.0), read + write, busy, planned
 
     def _which(self, steady: list, measured: float, off: float) -> str:
         p = self.prediction

@@ -132,6 +132,7 @@ def plan_rows(snap: dict) -> list[tuple[str, str, str]]:
              b(measured_bytes.get("nvme->dram", 0) + measured_bytes.get("nvme->gpu", 0))),
             ("NVMe write", b(moved.get("nvme_write", 0)),
              b(measured_bytes.get("dram->nvme", 0) + measured_bytes.get("gpu->nvme", 0))),
+            ("NVMe busy (either way)", s(busy.get("nvme", 0.0)), s(run.get("disk_busy_s_per_step") or 0.0)),
             ("CPU AdamW", s(busy.get("cpu", 0.0)), s(opt.get("cpu_adamw", 0.0) + opt.get("cpu_compute_copy", 0.0))),
             ("GPU AdamW", s(busy.get("gpu_adamw", 0.0)), s(opt.get("gpu_in_place", 0.0) + opt.get("gpu_path", 0.0)))]
     return rows

@@ -49,6 +49,7 @@ def snapshot(store) -> dict:
         "store": store.name,
         "tiers": tiers,
         "links": store.mover.stats(),
+        "disk": store.mover.disk.snapshot(),  # (the NVMe links together: busy while either carries a transfer)
         "waits_s": {k: round(v, 6) for k, v in store.waits.items()},
         "group_versions": groups,
     }
