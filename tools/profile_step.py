@@ -1,7 +1,8 @@
 """Profile: where a streamed step's GPU time goes, against the same layer's standalone ceiling, in one run.
 
-    python tools/profile_step.py [--shape 3b|8b|qwen3-moe|tiny] [--batch 4] [--accum 4] [--seq 4096]
-                                 [--layers N] [--warmup 2] [--trace FILE.json] [--json FILE]
+    python tools/profile_step.py [--shape 3b|8b|14b|qwen3-moe|tiny] [--batch 4] [--accum 4] [--seq 4096]
+                                 [--layers N] [--warmup 2] [--passes N] [--placement auto|dram]
+                                 [--trace FILE.json] [--json FILE]
 
 Trains the shape as tools/bench_train.py's tiermem run does (placed by the planner), runs ``--warmup``
 steps, then one step under the torch profiler, and prints:
@@ -15,6 +16,11 @@ steps, then one step under the torch profiler, and prints:
   in this process (``trainer.plan_workload``), summed over the step. The ratio is what streaming costs
   the kernels (issue 17 asks for >= 0.9). The same parts are also timed before the run's first step, as a
   run's plan times them (a Qwen3-MoE plan predicted 1.6x less compute than its steps took).
+
+``--passes N`` runs the step as N layer-major passes (an activation budget of the micro-batches a pass holds),
+``--placement dram`` keeps every kind in DRAM: every layer streamed, its gradient's partial sums going out and
+coming back between passes, as the 14B's layers 20-47 do (`--shape 14b --layers 8 --placement dram --passes 4`:
+what a pass costs the compute beyond its share of the kernels).
 
 ``--trace FILE`` also writes the profiled step as a Chrome trace. Without CUDA it runs the ``tiny`` shape on
 the CPU (a smoke test of the tool: CPU operator times stand in for kernels).
@@ -36,6 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_train import SHAPES, compile_arg, keep_arg, run_tiermem  # noqa: E402
+from make_shape_run import SHAPES as RUN_SHAPES  # noqa: E402 - (the 14B's)
 
 TINY = dict(SHAPES["3b"], hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=512)
@@ -115,7 +122,7 @@ def _device_allocs(device: torch.device) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", choices=[*sorted(SHAPES), "tiny"], default="3b")
+    ap.add_argument("--shape", choices=sorted({*SHAPES, *RUN_SHAPES, "tiny"}), default="3b")
     ap.add_argument("--layers", type=int)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--accum", type=int, default=4)
@@ -128,6 +135,9 @@ def main() -> None:
                     help="layers whose activations are kept (no recompute; auto: as many as the plan's HBM holds)")
     ap.add_argument("--compile", nargs="?", const="true", default="auto", choices=["auto", "true", "false"],
                     help="torch.compile the decoder layer (torch_compile; auto: on CUDA, as tiermem-train)")
+    ap.add_argument("--passes", type=int, default=0, help="layer-major passes a step (default: the plan's)")
+    ap.add_argument("--placement", choices=["auto", "dram"], default="auto",
+                    help="auto: the planner's; dram: every kind in DRAM (every layer streamed)")
     ap.add_argument("--trace", help="write the profiled step as a Chrome trace")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -135,7 +145,7 @@ def main() -> None:
     if not cuda and args.shape != "tiny":
         raise SystemExit("profile_step needs a CUDA GPU for a real shape (--shape tiny runs on the CPU)")
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    raw = dict(TINY if args.shape == "tiny" else SHAPES[args.shape])
+    raw = dict(TINY if args.shape == "tiny" else SHAPES.get(args.shape) or RUN_SHAPES[args.shape])
     if args.layers:
         raw["num_hidden_layers"] = args.layers
     d = Path(tempfile.mkdtemp(prefix="tiermem-profile-"))
@@ -161,8 +171,8 @@ def main() -> None:
 
     # (bench_train's run: the planner's placement, the trainer's executor and optimizer; one step profiled)
     bench = argparse.Namespace(batch=args.batch, accum=args.accum, seq=args.seq, steps=1, warmup=args.warmup,
-                               placement="auto", probe=args.probe, nvme=args.nvme, slots=3,
-                               loss_chunk=args.loss_chunk, gpu_share="auto", passes=0, keep=args.keep,
+                               placement=args.placement, probe=args.probe, nvme=args.nvme, slots=3,
+                               loss_chunk=args.loss_chunk, gpu_share="auto", passes=args.passes, keep=args.keep,
                                compile=args.compile)
     device = torch.device("cuda" if cuda else "cpu")
     first = time_parts(mcfg, args, device)  # (the same timing before any step: as a run's plan times it)
@@ -203,7 +213,9 @@ def main() -> None:
     print(f"device allocations + frees: while timing before {first['device_allocs']}, in the run "
           f"({args.warmup + 1} steps) {allocs}, while timing after {after['device_allocs']}")
     print(f"step split: compute {compute:.3f} s + waiting for transfers {res['wait_transfer_s']:.3f} s + for the "
-          f"optimizer {res['wait_optimizer_s']:.3f} s; allocator retries {res['alloc_retries']}")
+          f"optimizer {res['wait_optimizer_s']:.3f} s; allocator retries {res['alloc_retries']}; "
+          f"{res['passes']} pass(es) a step, the trainer's thread waiting {res['gradient_partials_wait_s']:.3f} s a "
+          "step for partial sums")
     if args.json:
         Path(args.json).write_text(json.dumps({"kinds_ms": kinds, "top": top, "total_ms": total,
                                                "allocator_host_ms": alloc, "compute_s": compute, "ceiling_s": ceil,
