@@ -155,9 +155,9 @@ def test_trainer_killed_in_forward_backward_and_optimizer_continues_bit_identica
         assert straight.returncode == 0, straight.stderr
         assert "(a new run)" in straight.stdout
         assert same(env.weights("straight"), ref)
-        points = [("forward:3", 2), ("backward:3", 2), ("optimizer:3", 3)]
-        if share:  # group 0 is the trainer's GPU worker's: killed with its update 3 written, not journaled
-            points.append(("update:3:0", 3))
+        # each point once over the two shares (the suite's time): at share 0.5 group 0 is the trainer's GPU
+        # worker's, killed with its update 3 written, not journaled
+        points = [("backward:3", 2), ("update:3:0", 3)] if share else [("forward:3", 2), ("optimizer:3", 3)]
         for point, resumes_at in points:
             name = point.replace(":", "")
             killed = env.train(name, kill_at=point)
@@ -210,8 +210,7 @@ def test_the_service_plans_a_run_from_its_trainers_step(env):
         assert svc.stop() == 0
 
 
-@pytest.mark.parametrize("share,group,placement", [(0, 1, DRAM), (0, 1, PLACEMENT), (0.5, 1, PLACEMENT),
-                                                     (0.5, 0, DRAM)])
+@pytest.mark.parametrize("share,group,placement", [(0, 1, PLACEMENT), (0.5, 1, PLACEMENT), (0.5, 0, DRAM)])
 def test_service_killed_mid_update_recovers_and_the_run_ends_bit_identically(env, share, group, placement):
     ref = env.reference()
     # group's update 3 written, not journaled. Group 1 is the service's CPU worker's: with all its state in
@@ -237,7 +236,7 @@ def test_service_killed_mid_update_recovers_and_the_run_ends_bit_identically(env
         assert svc.stop() == 0
 
 
-@pytest.mark.parametrize("placement", [DRAM, PLACEMENT])
+@pytest.mark.parametrize("placement", [PLACEMENT])  # (moments on NVMe: the undo copy's path; DRAM's runs in fp32)
 def test_bf16_service_killed_mid_update_recovers(env, placement):
     """bf16 with fp32 master weights: CPU AdamW writes the new master and moments out of place (all in
     DRAM) or, with exp_avg on NVMe, updates in place behind the undo copy (master, moments and gradient);
@@ -347,7 +346,7 @@ def test_a_non_finite_step_is_not_committed_and_the_service_says_why(env):
         assert svc.stop() == 0
 
 
-@SHARES
+@pytest.mark.parametrize("share", [0.5])  # (the trainer's GPU worker beside the moves; share 0 adds no path)
 def test_sighup_moves_optimizer_state_between_tiers_while_training(env, share):
     from tiermem.cli.top import read_service
 
