@@ -183,4 +183,5 @@ def test_the_disk_is_busy_while_either_nvme_link_is(tmp_path):
         nvme = [links[k] for k in ("nvme->dram", "dram->nvme", "nvme->gpu", "gpu->nvme")]
         assert links["nvme->dram"]["bytes"] == 4 * n * 4 and links["dram->nvme"]["bytes"] == 8 * n * 4
         assert disk["bytes"] == sum(x["bytes"] for x in nvme) and disk["queue"] == 0
-        assert max(x["busy_s"] for x in nvme) - 1e-6 <= disk["busy_s"] <= sum(x["busy_s"] for x in nvme) + 1e-6
+        # (each transfer's two accounts are taken microseconds apart: a millisecond of slack over the run)
+        assert max(x["busy_s"] for x in nvme) - 1e-3 <= disk["busy_s"] <= sum(x["busy_s"] for x in nvme) + 1e-3
