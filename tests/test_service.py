@@ -236,7 +236,7 @@ def test_service_killed_mid_update_recovers_and_the_run_ends_bit_identically(env
         assert svc.stop() == 0
 
 
-@pytest.mark.parametrize("placement", [PLACEMENT])  # (moments on NVMe: the undo copy's path; DRAM's runs in fp32)
+@pytest.mark.parametrize("placement", [DRAM, PLACEMENT])
 def test_bf16_service_killed_mid_update_recovers(env, placement):
     """bf16 with fp32 master weights: CPU AdamW writes the new master and moments out of place (all in
     DRAM) or, with exp_avg on NVMe, updates in place behind the undo copy (master, moments and gradient);
