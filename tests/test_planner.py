@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from tiermem.config import load_store_config
 from tiermem.errors import BudgetError
-from tiermem.plan.costmodel import Layout, predict
+from tiermem.plan.costmodel import Layout, predict, rank_of
 from tiermem.plan.machine import Machine
 from tiermem.plan.planner import gpu_update_bytes, plan_step, resplit, sizes
 from tiermem.plan.workload import Workload
@@ -838,3 +838,31 @@ def test_a_forward_waiting_for_its_update_is_the_updates_wait_not_the_transfers(
     p = predict(Layout(where, set(), 1), w, machine(nvme_read=1e9, nvme_write=1e9), gb, params)
     assert p.bound in ("nvme", "wait_optimizer"), p
     assert p.wait_optimizer > 10 * max(p.wait_transfer, 1e-3), p
+
+
+def test_a_rank_is_predicted_updating_only_the_groups_it_owns():
+    """Several ranks of a host: a rank's GPU worker updates the groups it owns, its CPU worker its own with its
+    share of the host's cores; the others' updates run on the peers' (their new weights still gate the forward).
+    Two ranks owning half the groups each: half the GPU AdamW of one process, the same CPU time (half the groups
+    on half the cores); the step no faster than one process's compute."""
+    layers = 8
+    specs = specs_for(layers, 50_000_000, 20_000_000)
+    gb, params = sizes(specs)
+    groups = ["embed", *range(layers), "head"]
+    owners = {g: n % 2 for n, g in enumerate(groups)}
+    w = workload(layers)
+    for gpu_updates in (set(groups), set()):
+        one = predict(Layout({k: "dram" for k in gb}, gpu_updates, 1), w, machine(), gb, params)
+        rank = rank_of(owners, params)
+        assert rank["ranks"] == 2 and len(rank["mine"]) == len(groups) // 2
+        two = predict(Layout({k: "dram" for k in gb}, gpu_updates, 1, **rank), w, machine(), gb, params)
+        mine = sum(params[g] for g in rank["mine"]) / sum(params.values())
+        if gpu_updates:
+            assert two.busy["gpu_adamw"] == pytest.approx(one.busy["gpu_adamw"] * mine)
+            assert two.busy["cpu"] == 0
+            assert two.bytes["h2d"] < one.bytes["h2d"]  # (the peers read their groups' state over their links)
+        else:
+            assert two.busy["cpu"] == pytest.approx(one.busy["cpu"] * mine * 2)
+            assert two.bytes["h2d"] == one.bytes["h2d"]  # (every rank fetches every layer's weights)
+        assert two.step >= two.compute
+    assert rank_of(None, params) == {} and rank_of({g: 0 for g in groups}, params) == {}

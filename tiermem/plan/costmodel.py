@@ -19,6 +19,10 @@ became ready first (a list schedule). The link's copies run at the machine's ``d
 directions are busy (on the H200 machine: 0.92, and matmuls at 0.94 beside copies both ways; one direction costs
 them nothing).
 
+Several ranks of a host (``Layout.mine``, ``ranks``): the rank updates the groups it owns, on its GPU and its
+share of the host's cores; the peers (their GPUs, links and cores as one of their summed rates) update the rest,
+whose new weights this rank's forward still waits for; the disk is the host's one.
+
 The step's time is the later of the last backward's end and the busiest resource's total (a resource busier
 than the step delays the next one: steady state). The bound is that resource, or the wait that stretched
 the step (the next forward waiting for the update, or for weights).
@@ -26,6 +30,7 @@ the step (the next forward waiting for the update, or for weights).
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass, field
 
@@ -34,6 +39,9 @@ from tiermem.plan.workload import Workload
 from tiermem.store.catalog import Group
 
 RESOURCES = ("gpu", "gpu_adamw", "h2d", "d2h", "nvme", "cpu")
+# several ranks of a host: the other ranks' GPUs, links and CPU workers together, which update the groups this rank
+# does not own (the disk is one, shared)
+PEERS = ("peer_gpu_adamw", "peer_h2d", "peer_d2h", "peer_cpu")
 SLOTS = 3
 # a step of more passes is simulated as this many and one fewer, and extended: every pass after the first runs
 # alike (the same weights fetched, the same partial gradients moved, the same share of the compute), so each
@@ -53,6 +61,23 @@ class Layout:
     passes: int = 1
     slots: int = SLOTS
     keep: frozenset = frozenset()  # layers whose forward keeps its activations: their backward skips the recompute
+    # several ranks of a host (``ranks`` > 1): the groups whose update this rank runs (its GPU worker, its share of
+    # the host's cores); the others' run on the peers' (None: every group, one process)
+    mine: frozenset | None = None
+    ranks: int = 1
+
+
+def rank_of(owners: dict | None, group_params: dict) -> dict:
+    """``Layout``'s ``mine`` and ``ranks`` for a plan of several ranks (``owners``: group -> rank): the rank whose
+    groups hold the most parameters to update (the slowest to update its share); {} for one process."""
+    ranks = len(set(owners.values())) if owners else 1
+    if ranks < 2:
+        return {}
+    load: dict = {}
+    for g, r in owners.items():
+        load[r] = load.get(r, 0) + group_params.get(g, 0)
+    r = max(sorted(load), key=lambda r: load[r])
+    return {"mine": frozenset(g for g, o in owners.items() if o == r), "ranks": ranks}
 
 
 @dataclass
@@ -94,9 +119,9 @@ class _Sim:
             for d in deps:
                 users[d].append(i)
         ready_at = [0.0] * n
-        free = dict.fromkeys(RESOURCES, 0.0)
-        busy = dict.fromkeys(RESOURCES, 0.0)
-        queues: dict[str, list] = {r: [] for r in RESOURCES}
+        free = dict.fromkeys(RESOURCES + PEERS, 0.0)
+        busy = dict.fromkeys(RESOURCES + PEERS, 0.0)
+        queues: dict[str, list] = {r: [] for r in RESOURCES + PEERS}
         for i in range(n):
             if not waiting[i]:
                 heapq.heappush(queues[self.ops[i][0]], (0.0, i))
@@ -134,8 +159,7 @@ def predict(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_pa
 
     def sim(n: int) -> Prediction:
         wn = w.scaled(w.tokens * n / p, max(1, round(w.micro_batches * n / p)))
-        return _simulate(Layout(layout.where, layout.gpu_updates, n, layout.slots, layout.keep), wn, m, group_bytes,
-                         group_params)
+        return _simulate(dataclasses.replace(layout, passes=n), wn, m, group_bytes, group_params)
 
     a, b = sim(SIM_PASSES - 1), sim(SIM_PASSES)
     more = p - SIM_PASSES
@@ -161,11 +185,18 @@ def _simulate(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_
     def nbytes(g, k):
         return group_bytes.get((g, k), 0)
 
-    def h2d(n, deps=(), tag=""):
+    ranks = max(1, layout.ranks)
+    peers = ranks - 1
+
+    def h2d(n, deps=(), tag="", peer=False):
+        if peer:  # (the owner's link: the peers' links together)
+            return sim.op("peer_h2d", n / (m.h2d * m.duplex * peers), deps, tag)
         moved["h2d"] += n
         return sim.op("h2d", n / (m.h2d * m.duplex), deps, tag)
 
-    def d2h(n, deps=(), tag=""):
+    def d2h(n, deps=(), tag="", peer=False):
+        if peer:
+            return sim.op("peer_d2h", n / (m.d2h * m.duplex * peers), deps, tag)
         moved["d2h"] += n
         return sim.op("d2h", n / (m.d2h * m.duplex), deps, tag)
 
@@ -184,51 +215,60 @@ def _simulate(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_
     # -- the update of the step before (starts at t = 0, when that step's backward ended) ----------------
     done: dict[Group, int] = {}
     offered: set = set()
-    gpu_prev = gpu_prev2 = None  # the GPU worker's last two updates (three groups in flight)
-    cpu_prev = None
-    cpu_stage_prev = None
+    mine = set(groups) if layout.mine is None or ranks == 1 else set(layout.mine)
+    # (a worker's last two GPU updates, three groups in flight; its last CPU update and the one before): this
+    # rank's, and the peers' for the groups it does not own
+    gpu_prev = {True: [None, None], False: [None, None]}
+    cpu_prev = {True: [None, None], False: [None, None]}
     for g in groups:
         params = group_params.get(g, 0)
+        own = g in mine
+        peer = not own
         if g in on_gpu:
+            prev2, prev = gpu_prev[own]
             reads = []
             for k in state_kinds:
                 if tier(g, k) == "nvme":
-                    reads.append(h2d(nbytes(g, k), [nvme(nbytes(g, k), False, [gpu_prev2])]))
+                    reads.append(h2d(nbytes(g, k), [nvme(nbytes(g, k), False, [prev2])], peer=peer))
                 elif tier(g, k) == "dram":
-                    reads.append(h2d(nbytes(g, k), [gpu_prev2]))
+                    reads.append(h2d(nbytes(g, k), [prev2], peer=peer))
             if tier(g, "grad") not in ("gpu", None) and g not in on_gpu:
-                reads.append(h2d(nbytes(g, "grad")))
-            adam = sim.op("gpu_adamw", params / m.gpu_adamw, [*reads, gpu_prev], f"adam {g}")
+                reads.append(h2d(nbytes(g, "grad"), peer=peer))
+            rate = m.gpu_adamw * (1 if own else peers)
+            adam = sim.op("gpu_adamw" if own else "peer_gpu_adamw", params / rate, [*reads, prev], f"adam {g}")
             for k in state_kinds:
                 if tier(g, k) in ("dram", "nvme") and not (k == "param" and has_master):
-                    back = d2h(nbytes(g, k), [adam])
+                    back = d2h(nbytes(g, k), [adam], peer=peer)
                     if tier(g, k) == "nvme":
                         nvme(nbytes(g, k), True, [back])
             if has_master and tier(g, "param") != "gpu":
-                done[g] = d2h(nbytes(g, "param"), [adam], f"param home {g}")
-                offered.add(g)
+                done[g] = d2h(nbytes(g, "param"), [adam], f"param home {g}", peer=peer)
+                if own:  # (a peer's new compute copy reaches this rank through the arena, fetched as ever)
+                    offered.add(g)
                 if tier(g, "param") == "nvme":
                     nvme(nbytes(g, "param"), True, [done[g]])
             else:
                 done[g] = adam
-            gpu_prev2, gpu_prev = gpu_prev, adam
+            gpu_prev[own] = [prev, adam]
         else:
-            stage = [nvme(nbytes(g, k), False, [cpu_stage_prev]) for k in (*state_kinds, "grad", "param")
+            stage_prev, prev = cpu_prev[own]
+            stage = [nvme(nbytes(g, k), False, [stage_prev]) for k in (*state_kinds, "grad", "param")
                      if tier(g, k) == "nvme"]
-            # (at the worker's rates beside the link's copies, which the step runs alongside)
-            seconds = (params / m.cpu_adamw + (params / m.cpu_copy if has_master else 0.0)) / m.cpu_in_run
-            upd = sim.op("cpu", seconds, [*stage, cpu_prev], f"cpu adam {g}")
-            cpu_stage_prev = cpu_prev
+            # (at the worker's rates beside the link's copies, which the step runs alongside; several ranks split
+            # the host's cores: this rank's worker has a share, the peers' together the rest)
+            share = 1.0 / ranks if own else peers / ranks
+            seconds = (params / m.cpu_adamw + (params / m.cpu_copy if has_master else 0.0)) / m.cpu_in_run / share
+            upd = sim.op("cpu" if own else "peer_cpu", seconds, [*stage, prev], f"cpu adam {g}")
+            cpu_prev[own] = [prev, upd]
             for k in state_kinds:
                 if tier(g, k) == "nvme":
                     nvme(nbytes(g, k), True, [upd])
             if tier(g, "param") == "gpu":
-                done[g] = h2d(nbytes(g, "param"), [upd])
+                done[g] = h2d(nbytes(g, "param"), [upd], peer=peer)
             elif tier(g, "param") == "nvme" and has_master:
                 done[g] = nvme(nbytes(g, "param"), True, [upd])
             else:
                 done[g] = upd
-            cpu_prev = upd
 
     # -- the step: forward, loss, backward, per pass -------------------------------------------------------
     p = max(1, layout.passes)
@@ -262,8 +302,9 @@ def _simulate(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_
             else:
                 f = fetch(g, [upd])
             partial = None
+            own = g in mine  # (several ranks: a layer's gradient goes to its owner, which keeps the partial sums)
             if not first and phase in ("bwd", "loss", "embed_bwd") and tier(g, "grad") != "gpu":
-                partial = h2d(nbytes(g, "grad"), [partial_home.get(g)], f"partial {g}")
+                partial = h2d(nbytes(g, "grad"), [partial_home.get(g)], f"partial {g}", peer=not own)
             bwd = w.bwd.get(g, 0.0) - (w.fwd.get(g, 0.0) if g in layout.keep else 0.0)  # (the recompute)
             seconds = (w.fwd.get(g, 0.0) if phase in ("fwd",) else max(bwd, 0.0)
                        if phase != "loss" else w.fwd.get(g, 0.0) + w.bwd.get(g, 0.0)) / p
@@ -273,7 +314,7 @@ def _simulate(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_
             last_compute = c
             if f is not None:
                 slot_free.append(c)
-            if partial is not None:
+            if partial is not None and own:
                 # added once this op is queued (the loss's, the embedding's), or once the next one is (a decoder
                 # layer's, but the last one's, which is finished before the embedding's: trainer.executor)
                 ahead = 1 if phase == "bwd" and g != w.layers[0] else 0
@@ -281,9 +322,9 @@ def _simulate(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_
                 held[ahead].append(partial)
             if phase in ("bwd", "loss", "embed_bwd") and tier(g, "grad") != "gpu":
                 if last_pass and g not in on_gpu:
-                    last_grad.append(d2h(nbytes(g, "grad"), [c, partial], f"grad {g}"))
+                    last_grad.append(d2h(nbytes(g, "grad"), [c, partial], f"grad {g}", peer=not own))
                 elif not last_pass:
-                    partial_home[g] = d2h(nbytes(g, "grad"), [c, partial], f"partial home {g}")
+                    partial_home[g] = d2h(nbytes(g, "grad"), [c, partial], f"partial home {g}", peer=not own)
 
     start, end, busy = sim.run()
     drag = m.copy_drag * min(busy["h2d"], busy["d2h"])  # (the compute beside copies both ways)
@@ -303,8 +344,10 @@ def _simulate(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_
         prev_end = end[c]
     totals = dict(busy)
     # the GPU's two streams share it: the compute and the optimizer's kernels add up
+    # (the peers' resources too: a peer busier than the step delays the next one as well)
+    peer_busy = [totals.pop(r) for r in PEERS]
     step = max(finish, *(totals[r] for r in RESOURCES if r not in ("gpu", "gpu_adamw")),
-               totals["gpu"] + totals["gpu_adamw"])
+               totals["gpu"] + totals["gpu_adamw"], *peer_busy)
     bound = _bound(step, totals, wait_opt, wait_xfer)
     return Prediction(step, totals, moved, compute, wait_opt, wait_xfer, bound, disk["read"], disk["write"],
                       {"finish": finish})

@@ -33,7 +33,7 @@ import psutil
 
 from tiermem.config import StoreConfig
 from tiermem.errors import BudgetError
-from tiermem.plan.costmodel import SLOTS, Layout, Prediction, predict
+from tiermem.plan.costmodel import SLOTS, Layout, Prediction, predict, rank_of
 from tiermem.plan.machine import Machine
 from tiermem.plan.placement import ALIGN, Plan, check_budgets, default_budgets
 from tiermem.plan.workload import Workload
@@ -172,7 +172,7 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
                     continue
                 fits = True
                 kept = kept_layers(where, w.layers, k + ((free - need) // per_kept if more and per_kept else 0))
-                layout = Layout(where, gpu_updates, p, cfg.tiers.gpu.slots, kept)
+                layout = Layout(where, gpu_updates, p, cfg.tiers.gpu.slots, kept, **rank_of(owners, params))
                 pred = predict(layout, w, m, group_bytes, params)
                 # (state moved off HBM for kept graphs must earn its keep)
                 moved = best is not None and kept and (_hbm_used(where, group_bytes, cfg)
@@ -385,7 +385,8 @@ def resplit(plan: Plan, w: Workload, m: Machine) -> tuple[set, Prediction] | Non
         gpu = set(up + streamed[: len(streamed) - n_cpu])
         if used + gpu_update_bytes(where, gb, gpu) > plan.hbm_room:
             continue
-        pred = predict(Layout(where, gpu, plan.passes, plan.n_slots or SLOTS, plan.keep), w, m, gb, plan.params)
+        pred = predict(Layout(where, gpu, plan.passes, plan.n_slots or SLOTS, plan.keep,
+                              **rank_of(plan.owners, plan.params)), w, m, gb, plan.params)
         if best is None or pred.step < best[1].step * (1 - TIE):
             best = (gpu, pred)
     return best
@@ -443,7 +444,8 @@ def compute_bound_at(plan: Plan, ga: int, max_ga: int = 4096) -> tuple[int, Pred
         home = bool(w.embed_grad_bytes) and not w.tied and plan.owners is None and embed_resident(plan.where, w)
         while wk.activation_bytes(p, embed_home=home) + (partials if p > 1 else 0) > act_room and p < mb:
             p += 1
-        return predict(Layout(plan.where, plan.gpu_updates, p, plan.n_slots or SLOTS), wk, plan.machine,
+        return predict(Layout(plan.where, plan.gpu_updates, p, plan.n_slots or SLOTS,
+                              **rank_of(plan.owners, plan.params)), wk, plan.machine,
                        plan.group_bytes, plan.params)
 
     k = ga
