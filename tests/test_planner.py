@@ -78,13 +78,6 @@ def probe_with(rows: dict) -> Path:
     return path
 
 
-def partials_room(p) -> int:
-    """HBM a step of several passes keeps beside the activations: the largest group's fp32 gradient (partial
-    sums read back on a later pass), or two of the largest layer's (a layer is finished one layer late)."""
-    grads = [(g, b) for (g, k), b in p.group_bytes.items() if k == "grad"]
-    return max(max(b for _, b in grads), 2 * max(b for g, b in grads if isinstance(g, int)))
-
-
 def tier_bytes(p) -> dict:
     out = {"gpu": 0, "dram": 0, "nvme": 0}
     for key, t in p.where.items():
@@ -111,9 +104,8 @@ def test_budgets_are_never_exceeded(gpu, dram, layers, nvme_read, cpu, kept_mib)
     assert (need["gpu"] + p.activation_bytes + gpu_update_bytes(p.where, p.group_bytes, p.gpu_updates) + kept
             <= p.hbm_room)
     assert all(p.where[(g, "param")] == "gpu" for g in p.keep)
-    if p.passes > 1:  # (beside the activations: the largest group's gradient partials read back on later passes,
-        # or two fp32 copies of the largest layer's, kept one layer longer)
-        largest = partials_room(p)
+    if p.passes > 1:  # (beside the activations: the largest group's gradient partials read back on later passes)
+        largest = max(b for (_, k), b in p.group_bytes.items() if k == "grad")
         assert p.activation_bytes == w.activation_bytes(p.passes) + largest
         assert p.activation_budget == w.activation_bytes(p.passes) - w.working_bytes
     assert need["dram"] <= dram * GiB
@@ -164,17 +156,12 @@ def test_the_hottest_state_goes_up_first():
     order = ["embed", *range(10), "head"]
     tiers = ["gpu", "dram", "nvme"]
     resident = [g for g in order if all(p.where[(g, k)] == "gpu" for k in KINDS5)]
-    # a prefix of the update order, whole groups; after the first group that does not fit, only smaller ones
-    # taking the room left
-    cut = next(n for n, g in enumerate(order) if g not in resident)
-    assert cut and resident[:cut] == order[:cut]
-    size = {g: sum(p.group_bytes[(g, k)] for k in KINDS5) for g in order}
-    assert all(size[g] < size[order[cut]] for g in resident[cut:]), resident
+    assert resident and resident == order[: len(resident)]  # a prefix of the update order, whole groups
     # on NVMe the coldest kinds, of the last groups first
     assert any(t == "nvme" for t in p.where.values())
     for k in KINDS5:
-        levels = [tiers.index(p.where[(g, k)]) for g in order if g not in resident[cut:]]
-        assert levels == sorted(levels), (k, levels)  # a later group never sits higher (but those filling in)
+        levels = [tiers.index(p.where[(g, k)]) for g in order]
+        assert levels == sorted(levels), (k, levels)  # a later group never sits higher
     colder = ["exp_avg_sq", "exp_avg", "master", "grad", "param"]
     for n, k in enumerate(colder[1:], 1):  # a kind goes down only once every colder kind of streamed groups has
         if any(p.where[(g, k)] == "nvme" for g in order):
@@ -814,7 +801,7 @@ def test_the_embeddings_gradient_summed_in_its_hbm_home_leaves_its_room_to_state
 
     assert embed_resident(p1.where, w1)
     assert p1.activation_bytes == w1.activation_bytes(p1.passes, embed_home=True) + (
-        partials_room(p1) if p1.passes > 1 else 0)
+        max(b for (_, k), b in p1.group_bytes.items() if k == "grad") if p1.passes > 1 else 0)
     assert p1.passes <= p0.passes and hbm(p1) >= hbm(p0)
     assert (p1.passes, hbm(p1)) != (p0.passes, hbm(p0))  # (the room was used: the state does not all fit)
     assert (pt.passes, hbm(pt), pt.activation_bytes) == (p0.passes, hbm(p0), p0.activation_bytes)

@@ -195,11 +195,6 @@ class Executor:
         self.store.store_group(group, "grad", {state_name(n, "grad"): g for n, g in grads.items()})
         return None
 
-    def _finish(self, sq: list, at: int, group, grads, partials, at_home: bool, last: bool, first: bool) -> None:
-        """``_grads`` of a layer put off by the backward, its squared norm (the last pass's) at ``sq[at]``: the
-        norms add up in the same order whenever each is known."""
-        sq[at] = self._grads(group, grads, partials, last, at_home, first)
-
     def kept(self) -> set:
         """The layers whose activations a step keeps: the first ``keep_layers`` of those whose weights live in
         HBM (a streamed layer's slot is reused before its backward)."""
@@ -355,10 +350,6 @@ class Executor:
         embed_home = self._sums_at_home("embed")
         own_partials = self.reducer is None  # (several ranks: the owners read the partial sums back)
         embed_partials = self._partials("embed", first) if L == 0 and not embed_home and own_partials else None
-        # a layer whose partial sums are coming back is finished (added to them, sent on) only once the next
-        # layer's backward is queued: the trainer's thread waits for the read with a layer's work ahead of the
-        # GPU, not with the GPU about to run dry (the read queues behind the next layers' weights on the link)
-        pending = None
         for n, i in enumerate(reversed(range(L))):
             self.layer = i
             at_home = self._sums_at_home(i)
@@ -384,17 +375,8 @@ class Executor:
                 else:
                     torch._foreach_add_(acc, g_w)
             view.release()
-            if pending is not None:
-                self._finish(sq, *pending, last, first)
-                pending = None
-            sq.append(None)
-            pending = (len(sq) - 1, i, dict(zip(view.tensors.keys(), acc)), partials, at_home)
-            if partials is None:  # (nothing to wait for)
-                self._finish(sq, *pending, last, first)
-                pending = None
+            sq.append(self._grads(i, dict(zip(view.tensors.keys(), acc)), partials, last, at_home, first))
             HOOKS.point("backward", step + 1)
-        if pending is not None:
-            self._finish(sq, *pending, last, first)
 
         # the embedding's gradient: every micro-batch's input gradient, plus the tied LM head's
         self.phase, self.layer = "backward", "embed"

@@ -285,9 +285,6 @@ def _simulate(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_
         return h2d(nbytes(g, "param"), [*deps, slot], f"fetch {g}")
 
     last_grad = []
-    # partial sums the trainer's thread waits for (to add them) before it queues a coming compute op: held[0]
-    # before the next one, held[1] before the one after
-    held: list[list] = []
     for n in range(p):
         first, last_pass = n == 0, n == p - 1
         seq = [*((g, "fwd") for g in [w.first, *w.layers]), (w.last, "loss"),
@@ -308,28 +305,22 @@ def _simulate(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_
             bwd = w.bwd.get(g, 0.0) - (w.fwd.get(g, 0.0) if g in layout.keep else 0.0)  # (the recompute)
             seconds = (w.fwd.get(g, 0.0) if phase in ("fwd",) else max(bwd, 0.0)
                        if phase != "loss" else w.fwd.get(g, 0.0) + w.bwd.get(g, 0.0)) / p
-            c = sim.op("gpu", seconds, [last_compute, upd, tied_upd, f, *(held.pop(0) if held else ())],
-                       f"{phase} {g}")
+            # (a peer's partial sums are its own to add)
+            c = sim.op("gpu", seconds, [last_compute, upd, tied_upd, f, partial if own else None], f"{phase} {g}")
             compute_ops.append((c, g, upd if upd is not None else tied_upd))
             last_compute = c
             if f is not None:
                 slot_free.append(c)
-            if partial is not None and own:
-                # added once this op is queued (the loss's, the embedding's), or once the next one is (a decoder
-                # layer's, but the last one's, which is finished before the embedding's: trainer.executor)
-                ahead = 1 if phase == "bwd" and g != w.layers[0] else 0
-                held.extend([] for _ in range(ahead + 1 - len(held)))
-                held[ahead].append(partial)
             if phase in ("bwd", "loss", "embed_bwd") and tier(g, "grad") != "gpu":
                 if last_pass and g not in on_gpu:
-                    last_grad.append(d2h(nbytes(g, "grad"), [c, partial], f"grad {g}", peer=not own))
+                    last_grad.append(d2h(nbytes(g, "grad"), [c], f"grad {g}", peer=not own))
                 elif not last_pass:
-                    partial_home[g] = d2h(nbytes(g, "grad"), [c, partial], f"partial home {g}", peer=not own)
+                    partial_home[g] = d2h(nbytes(g, "grad"), [c], f"partial home {g}", peer=not own)
 
     start, end, busy = sim.run()
     drag = m.copy_drag * min(busy["h2d"], busy["d2h"])  # (the compute beside copies both ways)
     busy["gpu"] += drag
-    finish = max([end[last_compute] + drag, *(end[i] for i in last_grad), *(end[i] for d in held for i in d)])
+    finish = max([end[last_compute] + drag, *(end[i] for i in last_grad)])
     compute = busy["gpu"]
     wait_opt = wait_xfer = 0.0
     prev_end = 0.0

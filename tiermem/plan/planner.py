@@ -74,11 +74,8 @@ def _partials_bytes(group_bytes: dict) -> int:
     """HBM a step of several passes needs beside the activations: on each pass after the first, a group's
     gradient partial sums of the earlier passes come back into a buffer beside its new gradient (the largest
     group's: the LM head's or the embedding's, read back while the loss's working set is held). The 14B run
-    planned 0.1 GiB short of its HBM without it ran out of memory in its first step. A decoder layer's sum and
-    its partial sums stay one layer longer (finished once the next layer's backward is queued: two fp32
-    copies of the largest layer's gradient beyond the activations' own)."""
-    grads = [(g, b) for (g, kind), b in group_bytes.items() if kind == "grad"]
-    return max(max((b for _, b in grads), default=0), 2 * max((b for g, b in grads if isinstance(g, int)), default=0))
+    planned 0.1 GiB short of its HBM without it ran out of memory in its first step."""
+    return max((b for (_, kind), b in group_bytes.items() if kind == "grad"), default=0)
 
 
 def pass_counts(micro_batches: int) -> list[int]:
