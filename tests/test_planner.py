@@ -853,3 +853,23 @@ def test_a_rank_is_predicted_updating_only_the_groups_it_owns():
             assert two.bytes["h2d"] == one.bytes["h2d"]  # (every rank fetches every layer's weights)
         assert two.step >= two.compute
     assert rank_of(None, params) == {} and rank_of({g: 0 for g in groups}, params) == {}
+
+
+def test_a_plan_of_several_ranks_predicts_the_rank_it_names():
+    """The planner's prediction of a plan of several ranks is its busiest rank's (``layout_of``: the plan's layout
+    as the cost model takes it), not one process's, in the plan and in the run's corrections alike."""
+    from tiermem.plan.planner import layout_of
+    from trainer.dp import owners
+
+    layers = 8
+    specs = specs_for(layers, 50_000_000, 20_000_000)
+    own = owners(["embed", *range(layers), "head"], specs, 2)
+    p = plan_step(specs, store_cfg(), workload(layers), machine(gpu_memory=80 * GiB),
+                  {"gpu": None, "dram": 40 * GiB, "nvme": 200 * GiB}, cuda=True, owners=own)
+    layout = layout_of(p)
+    assert p.owners == own and layout.ranks == 2 and layout.mine == frozenset(g for g, r in own.items() if r == 0)
+    again = predict(layout, p.workload, p.machine, p.group_bytes, p.params)
+    assert again.step == pytest.approx(p.prediction.step) and again.busy == pytest.approx(p.prediction.busy)
+    alone = predict(layout_of(p, mine=None, ranks=1), p.workload, p.machine, p.group_bytes, p.params)
+    updates = ("gpu_adamw", "cpu")
+    assert sum(again.busy[r] for r in updates) < sum(alone.busy[r] for r in updates)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from tiermem.plan.costmodel import SLOTS, Layout, predict, rank_of
-from tiermem.plan.planner import resplit
+from tiermem.plan.costmodel import predict
+from tiermem.plan.planner import layout_of, resplit
 
 STEADY_FROM = 2  # steps before this (0-based, since the start or a resume) fill the pipeline
 TOLERANCE = 0.15
@@ -118,9 +118,7 @@ class PlanWatch:
         disk = self._disk_factor(m)
         if disk is not None:
             m2 = dataclasses.replace(m2, nvme_both=m.nvme_both * disk[0])
-        layout = Layout(self.plan.where, self.plan.gpu_updates, self.plan.passes, self.plan.n_slots or SLOTS,
-                        getattr(self.plan, "keep", frozenset()), **rank_of(self.plan.owners, self.plan.params))
-        self.prediction = predict(layout, w2, m2, self.plan.group_bytes, self.plan.params)
+        self.prediction = predict(layout_of(self.plan), w2, m2, self.plan.group_bytes, self.plan.params)
         self.measured = {"compute_factor": factor, "cpu_factor": slower, "cpu_adamw": m2.cpu_adamw,
                          "cpu_copy": m2.cpu_copy, "predicted_step_seconds": self.prediction.step}
         cpu_note = (f", the CPU worker by its updates (x{slower:.2f}: {cpu:.2f}s an update, {cpu_planned:.2f}s "

@@ -265,14 +265,12 @@ def keep_activations(plan: Plan, n, mcfg) -> None:
     """A number ``n`` of tiermem_keep_activations in the plan: the first ``n`` layers whose weights live in
     HBM (the executor picks the same), their recompute gone from the prediction (none while a load-balancing
     loss is on). ``auto`` was the planner's to choose (``make(keep="auto")``): nothing to do here."""
-    from tiermem.plan.costmodel import SLOTS, Layout, predict, rank_of
-    from tiermem.plan.planner import kept_layers
+    from tiermem.plan.costmodel import predict
+    from tiermem.plan.planner import kept_layers, layout_of
 
     if not n or n == "auto" or not keeps_activations(mcfg):
         return
     plan.keep = kept_layers(plan.where, plan.workload.layers, n)
     if not plan.keep:
         return
-    layout = Layout(plan.where, plan.gpu_updates or set(), plan.passes, plan.n_slots or SLOTS, plan.keep,
-                    **rank_of(plan.owners, plan.params))
-    plan.prediction = predict(layout, plan.workload, plan.machine, plan.group_bytes, plan.params)
+    plan.prediction = predict(layout_of(plan), plan.workload, plan.machine, plan.group_bytes, plan.params)

@@ -382,8 +382,7 @@ def resplit(plan: Plan, w: Workload, m: Machine) -> tuple[set, Prediction] | Non
         gpu = set(up + streamed[: len(streamed) - n_cpu])
         if used + gpu_update_bytes(where, gb, gpu) > plan.hbm_room:
             continue
-        pred = predict(Layout(where, gpu, plan.passes, plan.n_slots or SLOTS, plan.keep,
-                              **rank_of(plan.owners, plan.params)), w, m, gb, plan.params)
+        pred = predict(layout_of(plan, gpu_updates=gpu), w, m, gb, plan.params)
         if best is None or pred.step < best[1].step * (1 - TIE):
             best = (gpu, pred)
     return best
@@ -441,9 +440,8 @@ def compute_bound_at(plan: Plan, ga: int, max_ga: int = 4096) -> tuple[int, Pred
         home = bool(w.embed_grad_bytes) and not w.tied and plan.owners is None and embed_resident(plan.where, w)
         while wk.activation_bytes(p, embed_home=home) + (partials if p > 1 else 0) > act_room and p < mb:
             p += 1
-        return predict(Layout(plan.where, plan.gpu_updates, p, plan.n_slots or SLOTS,
-                              **rank_of(plan.owners, plan.params)), wk, plan.machine,
-                       plan.group_bytes, plan.params)
+        # (no kept graphs: a pass of more micro-batches keeps more of them)
+        return predict(layout_of(plan, passes=p, keep=frozenset()), wk, plan.machine, plan.group_bytes, plan.params)
 
     k = ga
     while k <= max_ga:
@@ -459,6 +457,14 @@ def compute_bound_at(plan: Plan, ga: int, max_ga: int = 4096) -> tuple[int, Pred
             return hi, pred(hi)
         k *= 2
     return None
+
+
+def layout_of(plan: Plan, **changes) -> Layout:
+    """The cost model's ``Layout`` of ``plan`` (its placement, GPU updates, passes, slots and kept layers; several
+    ranks: the rank it predicts), with ``changes`` (``Layout``'s fields)."""
+    fields = dict(where=plan.where, gpu_updates=plan.gpu_updates or set(), passes=plan.passes,
+                  slots=plan.n_slots or SLOTS, keep=plan.keep, **rank_of(plan.owners, plan.params))
+    return Layout(**{**fields, **changes})
 
 
 def tflops(w: Workload, seconds: float) -> float:
