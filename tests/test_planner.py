@@ -808,6 +808,31 @@ def test_the_embeddings_gradient_summed_in_its_hbm_home_leaves_its_room_to_state
     assert Workload.from_json(json.loads(json.dumps(w1.to_json()))).embed_grad_bytes == 2 * GiB
 
 
+def test_the_advised_tokens_are_the_fewest_within_ten_percent_of_the_compute_bound_rate():
+    """A step whose update waits on the disk by the same bytes whatever its tokens nears the compute-bound rate
+    slowly: the advice is the fewest gradient_accumulation_steps within 10% of that rate (raising further helps
+    less than the advice's threshold), not the compute-bound step twice as long; both are in the report."""
+    from tiermem.plan.planner import compute_bound_at, predict_at, recommended_at
+    from trainer.run_plan import report
+
+    ga = 16
+    p = plan(layers=8, layer_params=200_000_000, gpu=20 * GiB, dram=8 * GiB,
+             w=workload(8, fwd=0.05, micro_batches=ga, boundary=64 << 10))
+    assert tier_bytes(p)["nvme"] > 0 and p.prediction.bound == "nvme"
+    k_cb, pr_cb = compute_bound_at(p, ga)
+    top = p.workload.tokens * k_cb / ga / pr_cb.step
+    k, pr = recommended_at(p, ga, (k_cb, pr_cb))
+    assert k < 0.6 * k_cb  # (the wait stays: half the micro-batches give 90% of the rate)
+    assert predict_at(p, ga, k)[1] >= top / 1.1 > predict_at(p, ga, k - 1)[1]
+    assert predict_at(p, ga, k)[0].step == pr.step
+    got = report(p, ga)
+    assert got["recommended"]["gradient_accumulation_steps"] == k
+    assert got["compute_bound"]["gradient_accumulation_steps"] == k_cb
+    assert got["advice"].startswith(f"raise gradient_accumulation_steps to {k}: ") and f"from {k_cb})" in got["advice"]
+    # already past it: no advice to raise
+    assert recommended_at(p, ga, (ga, p.prediction)) is None
+
+
 def test_a_forward_waiting_for_its_update_is_the_updates_wait_not_the_transfers():
     """Moments on a slow disk, weights streamed: the next forward's fetch of a layer's weights starts when its
     update ends, so the compute's idle time is the update's (the step is bound by it), not the link's: the

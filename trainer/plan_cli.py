@@ -5,9 +5,10 @@ It reads the same YAML and overrides as ``tiermem-train`` and prints the state b
 puts it (per tier, by kind and layer range), each tier's need against its budget, the predicted step (time,
 tokens/s, TFLOP/s, its split per resource and what bounds it), the smallest gradient_accumulation_steps at
 which the step is compute-bound with this placement, and one line of advice when a change would help by
-more than 10%. A run that cannot fit in the three tiers gets one line saying how much more of what it needs
-(exit 2). Without a GPU it plans from ``--probe FILE`` (a ``tiermem probe --save`` file of the GPU machine),
-or from the H200 machine's figures and says so. Overrides make it a what-if tool:
+more than 10% (on tokens: the fewest gradient_accumulation_steps within 10% of the compute-bound rate). A run
+that cannot fit in the three tiers gets one line saying how much more of what it needs (exit 2). Without a GPU
+it plans from ``--probe FILE`` (a ``tiermem probe --save`` file of the GPU machine), or from the H200 machine's
+figures and says so. Overrides make it a what-if tool:
 ``tiermem plan my.yaml tiermem.tiers.dram.budget=64GiB``.
 
 Reached as ``tiermem plan`` (an entry point of the ``tiermem.commands`` group) or ``python -m trainer.plan_cli``.

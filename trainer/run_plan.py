@@ -16,7 +16,7 @@ from tiermem.config import KINDS, StoreConfig
 from tiermem.plan.costmodel import describe_bound
 from tiermem.plan.machine import Machine, machine_for  # noqa: F401 - (machine_for: the callers' name)
 from tiermem.plan.placement import Plan
-from tiermem.plan.planner import compute_bound_at, plan_step, tflops
+from tiermem.plan.planner import ADVICE_GAIN, compute_bound_at, plan_step, recommended_at, tflops
 from tiermem.plan.workload import Workload
 from tiermem.sizes import format_size
 from trainer import plan_workload
@@ -193,33 +193,38 @@ def report(plan: Plan, ga: int) -> dict:
                     "kinds": {k: [str(g) for g in w.groups if plan.where.get((g, k)) == t] for k in KINDS
                               if any(plan.where.get((g, k)) == t for g in w.groups)}}
     bound_at = compute_bound_at(plan, ga)
+    advised = recommended_at(plan, ga, bound_at)
     out = {"state_bytes": by_kind, "tiers": tiers, "activation_bytes": plan.activation_bytes,
            "hbm_usable": plan.hbm_room, "passes": plan.passes,
            "gpu_updates": None if plan.gpu_updates is None else [str(g) for g in w.groups if g in plan.gpu_updates],
            "prediction": {**p.to_json(), "tokens_per_s": w.tokens / p.step, "tflops": tflops(w, p.step)},
            "tokens_per_step": w.tokens, "compute": w.timed, "machine": m.to_json(), "workload": w.to_json(),
-           "compute_bound": None, "advice": advice(plan, ga, bound_at)}
-    if bound_at is not None:
-        k, pr = bound_at
-        out["compute_bound"] = {"gradient_accumulation_steps": k, "step_seconds": pr.step,
-                                "tokens_per_s": w.tokens * k / ga / pr.step}
+           "compute_bound": None, "recommended": None, "advice": advice(plan, ga, bound_at, advised)}
+    for key, at in (("compute_bound", bound_at), ("recommended", advised)):
+        if at is not None:
+            k, pr = at
+            out[key] = {"gradient_accumulation_steps": k, "step_seconds": pr.step,
+                        "tokens_per_s": w.tokens * k / ga / pr.step}
     return out
 
 
-def advice(plan: Plan, ga: int, bound_at) -> str | None:
-    """One line when a change would make a step's tokens go through more than 10% faster."""
+def advice(plan: Plan, ga: int, bound_at, advised=None) -> str | None:
+    """One line when a change would make a step's tokens go through more than 10% faster: more tokens a step
+    (as many as bring the rate within 10% of the compute-bound step's: ``advised``), or the disk."""
     p, w = plan.prediction, plan.workload
     now = w.tokens / p.step
     best = None
-    if bound_at is not None and bound_at[0] != ga:
-        k, pr = bound_at
-        rate = w.tokens * k / ga / pr.step
-        if rate > 1.1 * now:
-            best = (rate, f"raise gradient_accumulation_steps to {k}: the step becomes compute-bound, "
-                          f"{rate:,.0f} tokens/s (+{rate / now - 1:.0%})")
+    if advised is not None and bound_at is not None:
+        (k, pr), (k_cb, pr_cb) = advised, bound_at
+        rate, top = w.tokens * k / ga / pr.step, w.tokens * k_cb / ga / pr_cb.step
+        if rate > (1 + ADVICE_GAIN) * now:
+            there = ("the step becomes compute-bound" if k == k_cb else
+                     f"within {ADVICE_GAIN:.0%} of the compute-bound rate ({top:,.0f} tokens/s from {k_cb})")
+            best = (rate, f"raise gradient_accumulation_steps to {k}: {rate:,.0f} tokens/s (+{rate / now - 1:.0%}), "
+                          f"{there}")
     if p.bound == "nvme" or p.busy["nvme"] > 0.5 * p.step:
         rate = now * min(2.0, p.step / max(p.busy["gpu"], 1e-9))
-        if rate > 1.1 * now and (best is None or rate > best[0]):
+        if rate > (1 + ADVICE_GAIN) * now and (best is None or rate > best[0]):
             best = (rate, "the disk bounds the step: more DRAM (tiers.dram.budget) or a faster disk moves it "
                           f"toward {rate:,.0f} tokens/s")
     return best[1] if best else None

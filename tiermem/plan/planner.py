@@ -48,6 +48,7 @@ TIE = 0.005  # a later candidate layout must predict a step this much shorter to
 # a layout was predicted 1.8% faster (6.82 -> 6.70 s) and measured 0.9% faster (7.10 -> 7.04 s): the moved
 # groups' updates and copies cost more beside the forward than the cost model counts
 KEEP_TIE = 0.015
+ADVICE_GAIN = 0.10  # advice is given for a change that makes a step's tokens go through more than this faster
 HBM_RESERVE = 0.06  # of HBM kept free for the allocator's fragmentation and the CUDA context
 
 
@@ -426,37 +427,62 @@ def _does_not_fit(total: int, room: int, w: Workload, budgets: dict, partials: i
             f"({format_size(budgets.get('dram') or 0)}) and NVMe ({format_size(budgets.get('nvme') or 0)})")
 
 
+def predict_at(plan: Plan, ga: int, k: int) -> tuple[Prediction, float]:
+    """The prediction of a step of ``k`` gradient_accumulation_steps (the plan's placement, ``ga`` its own: the
+    same micro-batches, as many passes as their boundaries need) and its tokens a second."""
+    w, base = plan.workload, plan.workload.micro_batches
+    mb = max(1, round(base / ga * k))  # (micro-batches per accumulation step x k)
+    wk = w.scaled(w.tokens * k // ga, mb)
+    act_room = plan.hbm_room - plan.need()["gpu"]  # (the state and the slots; several ranks: the fullest's)
+    p, partials = 1, _partials_bytes(plan.group_bytes)
+    home = bool(w.embed_grad_bytes) and not w.tied and plan.owners is None and embed_resident(plan.where, w)
+    while wk.activation_bytes(p, embed_home=home) + (partials if p > 1 else 0) > act_room and p < mb:
+        p += 1
+    # (no kept graphs: a pass of more micro-batches keeps more of them)
+    pr = predict(layout_of(plan, passes=p, keep=frozenset()), wk, plan.machine, plan.group_bytes, plan.params)
+    return pr, wk.tokens / pr.step
+
+
 def compute_bound_at(plan: Plan, ga: int, max_ga: int = 4096) -> tuple[int, Prediction] | None:
     """The smallest gradient_accumulation_steps (a multiple of steps of the same micro-batches) at which a
     step with this placement is compute-bound, and its prediction; None if none up to ``max_ga``."""
-    w, base = plan.workload, plan.workload.micro_batches
-    per = base / ga  # micro-batches per accumulation step
-
-    def pred(k: int) -> Prediction:
-        mb = max(1, round(per * k))
-        wk = w.scaled(w.tokens * k // ga, mb)
-        act_room = plan.hbm_room - plan.need()["gpu"]  # (the state and the slots; several ranks: the fullest's)
-        p, partials = 1, _partials_bytes(plan.group_bytes)
-        home = bool(w.embed_grad_bytes) and not w.tied and plan.owners is None and embed_resident(plan.where, w)
-        while wk.activation_bytes(p, embed_home=home) + (partials if p > 1 else 0) > act_room and p < mb:
-            p += 1
-        # (no kept graphs: a pass of more micro-batches keeps more of them)
-        return predict(layout_of(plan, passes=p, keep=frozenset()), wk, plan.machine, plan.group_bytes, plan.params)
-
     k = ga
     while k <= max_ga:
-        pr = pred(k)
-        if pr.bound == "gpu":
+        if predict_at(plan, ga, k)[0].bound == "gpu":
             lo, hi = max(ga, k // 2), k  # the smallest in (k/2, k]
             while lo < hi:
                 mid = (lo + hi) // 2
-                if pred(mid).bound == "gpu":
+                if predict_at(plan, ga, mid)[0].bound == "gpu":
                     hi = mid
                 else:
                     lo = mid + 1
-            return hi, pred(hi)
+            return hi, predict_at(plan, ga, hi)[0]
         k *= 2
     return None
+
+
+def recommended_at(plan: Plan, ga: int, bound_at: tuple[int, Prediction] | None) -> tuple[int, Prediction] | None:
+    """The gradient_accumulation_steps to advise: the smallest from ``ga`` up whose tokens a second are within
+    ``ADVICE_GAIN`` of the compute-bound step's (``bound_at``), and its prediction; None when ``ga`` already is.
+
+    Where the update's wait does not shrink with more tokens (it moves the same bytes; with several passes only
+    the first pass's forward hides it), the step nears the compute-bound rate slowly: the 14B shape here gets 90%
+    of it at half the micro-batches of the compute-bound step. Raising further would gain less than the advice's
+    threshold, for steps twice as long (fewer updates an hour)."""
+    if bound_at is None:
+        return None
+    k_cb, pr_cb = bound_at
+    goal = plan.workload.tokens * k_cb / ga / pr_cb.step / (1 + ADVICE_GAIN)
+    if plan.workload.tokens / plan.prediction.step >= goal:
+        return None
+    lo, hi = ga + 1, k_cb
+    while lo < hi:  # (tokens a second rise with the step's tokens)
+        mid = (lo + hi) // 2
+        if predict_at(plan, ga, mid)[1] >= goal:
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi, predict_at(plan, ga, hi)[0]
 
 
 def layout_of(plan: Plan, **changes) -> Layout:
