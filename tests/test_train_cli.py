@@ -52,6 +52,25 @@ def test_quickstart_trains_and_saves(tmp_path, capsys, monkeypatch):
     assert {t: (v["kinds"], v["need"]) for t, v in again["tiers"].items()} == \
         {t: (v["kinds"], v["need"]) for t, v in ran["tiers"].items()}
     assert again["prediction"] == ran["prediction"] and again["machine"]["h2d"] == ran["machine"]["h2d"]
+    assert ran["advice"] is None and "plan: advice" not in printed  # (the tiny model's step is compute-bound)
+
+
+def test_a_run_prints_the_advice_its_plan_gives(tmp_path, capsys, monkeypatch):
+    """What `tiermem plan` would advise (more tokens a step, more DRAM, a faster disk) is told at the run's start
+    too, as written in its tiermem_plan.json."""
+    from trainer import run_plan
+
+    real = run_plan.report
+
+    def report(plan, ga):
+        return dict(real(plan, ga), advice="raise gradient_accumulation_steps to 9: 1 tokens/s (+50%)")
+
+    monkeypatch.setattr(run_plan, "report", report)
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "qs"
+    assert main(["configs/quickstart.yaml", f"output_dir={out}", "max_steps=2", "do_eval=false"]) == 0
+    assert "plan: advice: raise gradient_accumulation_steps to 9: 1 tokens/s (+50%)" in capsys.readouterr().out
+    assert json.loads((out / "tiermem_plan.json").read_text())["advice"].startswith("raise gradient_accumulation")
 
 
 @pytest.mark.slow

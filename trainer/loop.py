@@ -398,8 +398,10 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                     torch_compile=mcfg.compile is not None, tiermem_keep_activations=keep)
         (out / "training_args.yaml").write_text(yaml.safe_dump(args, sort_keys=False))
         if getattr(job.store_plan, "prediction", None) is not None:  # (replayable: tiermem plan --workload FILE)
-            (out / "tiermem_plan.json").write_text(json.dumps(
-                run_plan.report(job.store_plan, cfg.gradient_accumulation_steps), indent=1, default=str) + "\n")
+            told = run_plan.report(job.store_plan, cfg.gradient_accumulation_steps)
+            (out / "tiermem_plan.json").write_text(json.dumps(told, indent=1, default=str) + "\n")
+            if told["advice"]:  # (what `tiermem plan` would advise: more tokens a step, more DRAM, a faster disk)
+                say(f"plan: advice: {told['advice']}")
         executor = Executor(store, mcfg, dtype, optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens, budget, keep,
                             reducer=getattr(session, "reducer", None))
         sync = None  # several hosts: their stores kept in step (trainer.dp_hosts)
