@@ -535,7 +535,8 @@ def test_requests_are_checked_one_by_one(tmp_path):
     assert "unknown dtype" in err(client, bad)
     assert "bad shape" in err(client, dict(hello, specs=[dict(spec_to_json(specs[0]), shape=[-1])]))
     assert "missing or of the wrong type" in err(client, dict(hello, specs="all of them"))
-    assert "data parallel" in err(client, dict(hello, world=2))
+    assert "which groups it owns" in err(client, dict(hello, world=2))
+    assert "0 <= rank < world" in err(client, dict(hello, world=2, rank=2, owns=[]))
     ok(svc.dispatch(client, hello))
     assert "unknown tensor names: nope" in err(client, {"op": "layout", "id": 2, "run": "r1", "names": ["w", "nope"]})
     assert svc.dispatch(client, {"op": "layout", "id": 3, "run": "r1", "names": ["w"]})["layout"]["w"][0] == "dram"
@@ -596,6 +597,36 @@ def test_the_trainers_share_of_an_update_is_checked_and_taken_over_when_it_leave
     svc.run.wait()
     assert svc.run.state.updated == 2 and store.catalog.version(0) == 2
     assert store.dram.allocator.free_bytes() == free
+    svc._close_run(keep=False)
+    theirs.close()
+
+
+def test_the_ranks_of_a_run_of_several_each_take_the_groups_they_own(tmp_path):
+    """In-process, a run of two ranks (the trainers' share: every group; group 0 owned by rank 0): rank 1 joins
+    only after rank 0, gets no group of the update (places for group 0 are refused to it), may not commit, and
+    leaves without detaching the run; rank 0 takes group 0."""
+    svc, client, other, theirs, hello, err = _unit_service(tmp_path, 1)
+    peer = dict(hello, rank=1, world=2, owns=[])
+    assert "before rank 0" in err(other, peer)
+    reply = ok(svc.dispatch(client, dict(hello, world=2, owns=[0])))
+    assert reply["trainer_groups"] == [0]
+    assert "before rank 0" in err(other, dict(peer, world=3))  # (another world than rank 0's)
+    assert ok(svc.dispatch(other, peer))["trainer_groups"] == []
+    assert "already has rank 1" in err(other, peer)
+    assert "only rank 0" in err(other, {"op": "init", "id": 2, "run": "r1", "step": 0})
+    assert svc.dispatch(client, {"op": "init", "id": 3, "run": "r1", "step": 0})["ok"]
+    assert "only rank 0" in err(other, {"op": "commit", "id": 4, "run": "r1", "step": 1, "lr": 0.1})
+    assert svc.dispatch(client, {"op": "commit", "id": 5, "run": "r1", "step": 1, "lr": 0.1})["ok"]
+    assert "not owed" in err(other, {"op": "alloc", "id": 6, "run": "r1", "step": 1, "group": 0})
+    assert svc.dispatch(other, {"op": "layout", "id": 7, "run": "r1", "names": ["w"]})["ok"]
+    assert svc.dispatch(client, {"op": "alloc", "id": 8, "run": "r1", "step": 1, "group": 0})["places"]
+    assert "finish (or stop), not leave" in err(client, {"op": "leave", "id": 9, "run": "r1"})
+    assert svc.dispatch(other, {"op": "leave", "id": 10, "run": "r1"})["ok"]
+    assert svc.run.peers[1].done and svc.run.trainer is client
+    with svc.lock:  # (rank 0 gone before its flip: the service updates group 0 itself)
+        svc._detach(svc.run)
+    svc.run.wait()
+    assert svc.run.state.updated == 1 and not svc.run.peers
     svc._close_run(keep=False)
     theirs.close()
 

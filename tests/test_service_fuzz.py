@@ -19,9 +19,9 @@ from tiermem.service import protocol
 
 pytestmark = pytest.mark.slow  # services in subprocesses: `pytest -m "not slow"` skips them
 
-OPS = ["hello", "init", "commit", "alloc", "flip", "layout", "progress", "finish", "stats", "stop"]
+OPS = ["hello", "init", "commit", "alloc", "flip", "layout", "progress", "finish", "stats", "stop", "leave"]
 FIELDS = ["run", "step", "group", "label", "specs", "optim", "live", "store", "places", "lr", "grad_scale",
-          "names", "reason", "pid", "rank", "world"]
+          "names", "reason", "pid", "rank", "world", "owns"]
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=12),

@@ -247,8 +247,18 @@ def test_a_second_process_attaches_to_the_host_store(make_cfg):
     assert not any(Path("/dev/shm").glob(f"{cfg.store_name()}*"))
 
 
+def test_a_service_serves_the_ranks_of_one_host_only(tmp_path, tiny):
+    from tiermem.errors import ConfigError
+    from trainer.config import load_train_config
+    from trainer.dp_checks import check_supported
+
+    cfg = load_train_config(write_cfg(tmp_path, tiny, "x", 2, tiermem_server="default", tiermem=None))
+    check_supported(cfg, World(rank=0, size=2, local_rank=0, local_size=2))  # (one host: its service)
+    with pytest.raises(ConfigError, match="tiermem_server with several hosts is not supported yet"):
+        check_supported(cfg, World(rank=0, size=4, local_rank=0, local_size=2))
+
+
 @pytest.mark.parametrize("over,needle", [
-    ({"tiermem_server": "default", "tiermem": None}, "tiermem_server is not supported yet with several ranks"),
     ({"tiermem": {"tiers": {"gpu": {"device": "cpu"}}, "placement": {"param": "gpu", "exp_avg": "gpu"}}},
      "placement pins param to gpu: the compute copy in HBM is not supported yet with several ranks"),
     ({"tiermem": {"tiers": {"gpu": {"device": "cpu"}, "dram": {"path": "anonymous"}}}},
@@ -368,3 +378,76 @@ def test_a_killed_first_rank_is_named_and_its_arena_removed(tmp_path, tiny):
     # no arena left by a process that is gone (another test run's, live, may come and go meanwhile)
     orphans = [n for n in arenas() - before if not psutil.pid_exists(int(re.sub(r"\D", "", n) or 0))]
     assert not orphans and not list((tmp_path / "nvme-two").glob("*")), orphans
+
+
+@pytest.mark.slow
+def test_two_ranks_attached_to_a_service_match_one_process(tmp_path, tiny, capsys):
+    """`tiermem serve` and two ranks with tiermem_server: one copy of the state (the service's), each group's
+    gradient reduced to its owner and handed to the service's arena, rank 0 committing once both have theirs
+    home; the ranks' "GPU" workers take the trainers' half of each update they own (alloc, flip), the service's
+    CPU worker the rest, the moments on NVMe — the same steps and weights as one embedded process; checkpoints
+    and the export once; the service's run freed at the end."""
+    import tempfile
+
+    from tests.test_service import Service
+
+    ref = one_process(write_cfg(tmp_path, tiny, "one", 4, nvme=True, save_steps=3), capsys)
+    sock = Path(tempfile.mkdtemp(prefix="tm-")) / "s.sock"  # (Unix socket paths are limited to 107 bytes)
+    svc = Service(service_config(tmp_path), sock)
+    try:
+        cfg = write_cfg(tmp_path, tiny, "two", 2, save_steps=3, tiermem_server=str(sock), tiermem=None)
+        r = ranks(cfg, 2)
+        assert r.returncode == 0, (r.stderr[-3000:], svc.text)
+        got = STEP.findall(r.stdout)
+        assert got == ref and len(ref) == 6, (got, ref)
+        assert r.stdout.count("done: 6 steps") == 1 and "attached to the tiermem service" in r.stdout
+        assert "this trainer's GPU updates" in r.stdout  # (rank 0's half of the trainers' share)
+        assert_same_weights(tmp_path / "one", tmp_path / "two")
+        assert_same_weights(tmp_path / "one" / "checkpoint-3", tmp_path / "two" / "checkpoint-3")
+        svc.wait_for("finished at step 6")
+        assert "rank 1 (pid" in svc.text and "detached" not in svc.text, svc.text
+    finally:
+        assert svc.stop() == 0, svc.text
+
+
+def service_config(tmp_path: Path) -> Path:
+    (tmp_path / "shm").mkdir(exist_ok=True)
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": f"dp{os.getpid()}", "placement": {"param": "dram", "grad": "dram", "master": "dram",
+                                                   "exp_avg": "nvme", "exp_avg_sq": "nvme"},
+        "optimizer": {"gpu_share": 0.5, "cpu_groups": "spread"},
+        "tiers": {"gpu": {"device": "cpu"}, "dram": {"path": str(tmp_path / "shm"), "budget": "64MiB"},
+                  "nvme": {"path": str(tmp_path / "nvme-svc"), "budget": "64MiB", "backend": "posix"}}}))
+    return path
+
+
+@pytest.mark.slow
+def test_a_rank_killed_while_attached_to_a_service_detaches_the_run_and_the_rerun_continues_it(tmp_path, tiny,
+                                                                                                  capsys):
+    """Rank 1 killed mid-step: the ranks stop with one line naming it, the service detaches the run (finishing
+    the update the trainers owed) and keeps it at its last committed step; the same command continues it there
+    and ends as one embedded process."""
+    import tempfile
+
+    from tests.test_service import Service
+
+    one_process(write_cfg(tmp_path, tiny, "one", 4), capsys)
+    sock = Path(tempfile.mkdtemp(prefix="tm-")) / "s.sock"
+    svc = Service(service_config(tmp_path), sock)
+    try:
+        cfg = write_cfg(tmp_path, tiny, "two", 2, tiermem_server=str(sock), tiermem=None, tiermem_dist_timeout=30)
+        t0 = time.monotonic()
+        r = ranks(cfg, 2, TIERMEM_TEST_KILL_AT="backward:5", TIERMEM_TEST_KILL_RANK="1")
+        assert r.returncode != 0 and time.monotonic() - t0 < 60
+        lines = [x for x in r.stderr.splitlines() if x.startswith("tiermem-train: error:")]
+        assert len(lines) == 1 and "rank 1 (pid" in lines[0], r.stderr[-3000:]
+        svc.wait_for("the run's other ranks with it")
+        r = ranks(cfg, 2)
+        assert r.returncode == 0, (r.stderr[-3000:], svc.text)
+        assert "continuing the service's run at step 4" in r.stdout, r.stdout
+        assert [s for s, _, _ in STEP.findall(r.stdout)] == ["5", "6"]
+        assert_same_weights(tmp_path / "one", tmp_path / "two")
+        svc.wait_for("finished at step 6")
+    finally:
+        assert svc.stop() == 0, svc.text

@@ -3,9 +3,10 @@ and the store config of one rank.
 
 Several ranks share one store per host (``trainer.dp_session``): the compute copy lives in the DRAM arena (or
 on NVMe), where every rank reads it, and a group's other state there or in its owner's HBM. The compute copy in
-HBM (a pin of ``param`` to ``gpu``), state in HBM with several hosts, an attached run (``tiermem_server``), hosts
-with different numbers of ranks, a load-balancing loss (whose statistics are a micro-batch's, which several ranks
-split) and kept activations (which need weights in HBM) are refused.
+HBM (a pin of ``param`` to ``gpu``), state in HBM with several hosts, a service's run (``tiermem_server``) across
+hosts, hosts with different numbers of ranks, a load-balancing loss (whose statistics are a micro-batch's, which
+several ranks split) and kept activations (which need weights in HBM) are refused. (One host's ranks attached
+to its service: ``trainer.dp_service``.)
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ def check_supported(cfg, world, mcfg=None) -> None:
     if world.size % max(world.local_size, 1):
         raise ConfigError(f"hosts with different numbers of ranks are {NOT_YET[3:]} ({n}, {world.local_size} on "
                           "this host): start the same --nproc-per-node on every host")
-    if cfg.tiermem_server:
-        raise ConfigError(f"tiermem_server {NOT_YET} ({n}): drop tiermem_server (the ranks of a host then share "
-                          "one embedded store) or run one process")
+    if cfg.tiermem_server and world.size > world.local_size:
+        raise ConfigError(f"tiermem_server with several hosts is not supported yet ({n} on "
+                          f"{world.size // world.local_size} hosts): a service is one host's store; drop "
+                          "tiermem_server (each host then has an embedded store) or run on one host")
     raw = _raw(cfg.tiermem)
     placement = raw.get("placement")
     if isinstance(placement, dict):

@@ -33,6 +33,10 @@ class RankSession(Session):
     remote: set = None  # ... and of the state other ranks keep in theirs (not in this rank's store)
     parts: list = None  # the other ranks whose HBM holds state a checkpoint keeps: each writes its part of them
 
+    def rank_done(self) -> None:
+        """This rank (not the host's first) is done: its going away is no loss."""
+        self.host.finished(self.world.local_rank)
+
     def close(self) -> None:
         dead = self.host.dead_peers(self.world.pids) if self.world.local_rank != 0 else []
         orphaned = 0 in dead and self.world.local_rank == min(r for r in self.world.pids if r not in dead)

@@ -182,7 +182,7 @@ def open_training_session(job: Job, say) -> Session:
                              cfg.bf16, {w.name: w.decay for w in all_weights(mcfg)}, group_order(mcfg))
     specs = state_specs(mcfg, job.dtype)
     world = job.world
-    if world.several:
+    if world.several and not cfg.tiermem_server:
         return _open_rank_session(job, world, specs, settings, say)
     if not cfg.tiermem_server:
         scfg = store_config(cfg.tiermem)
@@ -190,8 +190,14 @@ def open_training_session(job: Job, say) -> Session:
         return open_session(specs, settings, config=scfg, plan=job.store_plan)
     label = {"model": str(cfg.model_name_or_path), "output_dir": str(job.out.resolve())}
     workload, plan_input = run_plan.service_plan_input(mcfg, job.dtype, step_shape(job), cfg.loss_chunk_tokens)
-    session = open_session(specs, settings, server=cfg.tiermem_server, label=label,
-                           run_id=run_identity(cfg, mcfg, job.dtype, job.rows), plan_input=plan_input)
+    run_id = run_identity(cfg, mcfg, job.dtype, job.rows)
+    if world.several:  # (every rank attached to the host's service: trainer.dp_service)
+        from trainer.dp_service import open_service_rank_session
+
+        session = open_service_rank_session(world, specs, settings, cfg.tiermem_server, run_id, label, plan_input)
+    else:
+        session = open_session(specs, settings, server=cfg.tiermem_server, label=label, run_id=run_id,
+                               plan_input=plan_input)
     try:
         say(_attach_line(session))
         if session.attached.plan is not None:  # the service planned the run (as an embedded run plans)
@@ -199,7 +205,8 @@ def open_training_session(job: Job, say) -> Session:
             for line in run_plan.lines(job.store_plan):
                 say(line)
         if session.continues_at is None:  # a new run in the service (from the checkpoint it names, if it lost one)
-            job.resume = _checked_resume(cfg, job.out, mcfg, job.model_dir, session.named_checkpoint, say)
+            job.resume = _checked_resume(cfg, job.out, mcfg, job.model_dir, session.named_checkpoint, say,
+                                         loads=world.rank == 0)
     except BaseException:
         session.close()
         raise
@@ -331,9 +338,7 @@ def load_weights(job: Job, session: Session, console: Console, say) -> int:
             _load_own_hbm(job, session)
         if job.resume is not None:
             ckpt.set_rng_state(ckpt.tiermem_state(job.resume).get("rng", {}))
-        from trainer.dp_session import loaded
-
-        loaded(session, start, group_order(job.mcfg))
+        _ranks_loaded(session, start, group_order(job.mcfg))
         return start
     with _bar(console) as bar:
         what = "resuming" if job.resume else "initialising" if cfg.tiermem_init == "random" else "loading"
@@ -349,13 +354,20 @@ def load_weights(job: Job, session: Session, console: Console, say) -> int:
             import_weights(store, job.mcfg, job.model_dir, kinds, adv, names=held)
     session.loaded(start)
     if world.several:
-        from trainer.dp_session import loaded
-
         world.broadcast_json(start)
-        loaded(session, start, group_order(job.mcfg))
+        _ranks_loaded(session, start, group_order(job.mcfg))
     if job.resume is not None:
         say(f"resumed from {job.resume} at step {start} (epoch {plan.epoch_of(start):.2f})")
     return start
+
+
+def _ranks_loaded(session, start: int, groups) -> None:
+    """Several ranks: every rank of the host's store (its own, or the service's) starts at ``start``."""
+    if session.attached is not None:
+        from trainer.dp_service import loaded
+    else:
+        from trainer.dp_session import loaded
+    loaded(session, start, groups)
 
 
 def _load_own_hbm(job: Job, session) -> None:
@@ -435,8 +447,8 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
         if saves(cfg) and lead:
             saver = ckpt.Saver(store, mcfg, out, model_dir, dtype, cfg.bf16, cfg.save_only_model,
                                cfg.save_total_limit, say)
-            if world.several:  # (the owners of the other groups wait for the saver to have read them)
-                saver.on_released = session.host.publish_saved
+            if world.several and session.host is not None:  # (the owners of the other groups wait for the saver
+                saver.on_released = session.host.publish_saved  # to have read them; a service's commit waits)
                 if session.remote and not cfg.save_only_model:  # (the other ranks' HBM: their parts)
                     saver.remote, saver.wait_part = session.remote, session.host.wait_shard
                     saver.parts = session.parts
@@ -562,7 +574,7 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                                          -(-len(job.eval_rows) // cfg.per_device_eval_batch_size),
                                          plan.epoch_of(total), cfg.stage)
         if not lead:  # (the lead exports; this rank is done: its going away is no loss)
-            session.host.finished(world.local_rank)
+            session.rank_done()
             return {}
         session.refresh_layout()
         if session.attached is None:  # (the service keeps its state) the disk's room goes to the export

@@ -19,6 +19,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
+
 from tiermem.config import load_store_config
 from tiermem.errors import UserError
 from tiermem.faults import HOOKS
@@ -167,6 +169,7 @@ class RemoteOptimizer:
         self.gate: Gate | None = None  # a checkpoint saver's: commits wait until it has read the state
         self.last_step_seconds = 0.0
         self.last_split: dict = {}
+        self.moved = False  # the last commit's re-placement moved optimizer state
         self._t_commit = 0.0
         client.on_version = self._on_version
 
@@ -207,7 +210,8 @@ class RemoteOptimizer:
                 self.gate(g, step)
         self._t_commit = time.perf_counter()
         reply = self.client.request("commit", run=self.run, step=step, lr=lr, grad_scale=grad_scale)
-        if reply.get("layout"):  # re-placement moved optimizer state before this update
+        self.moved = bool(reply.get("layout"))
+        if self.moved:  # re-placement moved optimizer state before this update
             apply_layout(self.store.catalog, reply["layout"])
         self.committed = step
         HOOKS.point("optimizer", step)
@@ -252,6 +256,11 @@ class Attached:
         """Take the service's current places for every tensor (re-placement moves optimizer state)."""
         apply_layout(self.store.catalog, self.request("layout")["layout"])
 
+    def leave(self) -> None:
+        """A rank other than 0 is done (its share of the last update is whole)."""
+        if not self.client.lost:
+            self.request("leave")
+
     def progress(self, snap: dict) -> None:
         if not self.client.lost:
             self.request("progress", live=snap.get("run", {}), store=snap.get("store", {}))
@@ -262,18 +271,25 @@ class Attached:
 
 
 def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: OptimSettings,
-           plan: dict | None = None) -> Attached:
+           plan: dict | None = None, rank: int = 0, world: int = 1, owns: list | None = None,
+           local_rank: int = 0, optimizer_type: type | None = None) -> Attached:
     """Attach to the service at ``path`` for run ``run_id`` (created there if the service holds no run; with
-    ``plan``, {workload, hbm_room}, the service plans it).
+    ``plan``, {workload, hbm_room}, the service plans it). A rank of several (``rank`` of ``world``, rank 0
+    first) says which groups it ``owns``: of each update's groups the service leaves to the trainers' GPU
+    workers, it takes those.
 
-    The trainer computes on the service config's ``tiers.gpu.device`` (the CPU when there is no CUDA)."""
+    The trainer computes on the service config's ``tiers.gpu.device`` (the CPU when there is no CUDA); a rank of
+    several on CUDA, on ``cuda:local_rank``."""
     client = ServiceClient(path)
     try:
         reply = client.request("hello", run=run_id, label=label, specs=[spec_to_json(s) for s in specs],
-                               optim=optim.to_json(), pid=os.getpid(), rank=0, world=1,
+                               optim=optim.to_json(), pid=os.getpid(), rank=rank, world=world,
+                               **({"owns": list(owns)} if owns is not None else {}),
                                **({"plan": plan} if plan is not None else {}))
         cfg = load_store_config(reply["config"], "the service's config")
         device = compute_device(cfg)
+        if world > 1 and device.type == "cuda":
+            device = torch.device("cuda", local_rank)
         theirs = [spec_from_json(s) for s in reply["specs"]]
         if {s.name: s for s in theirs} != {s.name: s for s in specs}:
             raise UserError("the service's run holds other tensors than this model's; restart the service with "
@@ -289,7 +305,7 @@ def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: Optim
     if mine:
         # the service said which groups this trainer's GPU updates; one it finds no room for, it takes itself
         local = optim.optimizer(store, on_gpu=mine, guard=RemoteGuard(client, store, run_id), cpu_takes_over=False)
-    opt = RemoteOptimizer(client, store, optim.groups, run_id, reply["committed"], local,
-                          float(reply.get("gpu_share", 0.0)))
+    opt = (optimizer_type or RemoteOptimizer)(client, store, optim.groups, run_id, reply["committed"], local,
+                                              float(reply.get("gpu_share", 0.0)))
     return Attached(client, store, opt, run_id, reply["initialized"], reply["committed"], reply.get("resume"),
                     reply.get("plan"))

@@ -1,5 +1,5 @@
 """A service's run: its record, journal, store and optimizer (``Run``), the trainer attached to it
-(``Client``), and what the service says of it."""
+(``Client``; a run of several ranks: rank 0's, the others its ``peers``), and what the service says of it."""
 
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ class Client:
     sock: socket.socket
     pid: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    rank: int = 0  # of a run of several ranks (rank 0 is the run's trainer: it loads, commits, finishes)
+    groups: frozenset = frozenset()  # the groups of each committed update its GPU worker takes (alloc, flip)
+    done: bool = False  # a rank other than 0 that said it is done (leave): its going away is no loss
 
     def send(self, obj: dict) -> None:
         with self.lock:
@@ -36,6 +39,8 @@ class Run:
     optimizer: StoreAdamW
     guard: UndoGuard
     trainer: Client | None = None
+    peers: dict = field(default_factory=dict)  # rank -> Client: the other ranks of a run of several
+    world: int = 1
     live: dict = field(default_factory=dict)
     trainer_store: dict = field(default_factory=dict)
     error: str | None = None
@@ -54,6 +59,10 @@ class Run:
     def wait(self) -> None:
         if self.pending is not None:
             self.pending.result()
+
+    def clients(self) -> list[Client]:
+        """The run's attached trainers: rank 0's, then the other ranks'."""
+        return ([self.trainer] if self.trainer is not None else []) + [self.peers[r] for r in sorted(self.peers)]
 
     @property
     def state(self) -> RunState:

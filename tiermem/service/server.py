@@ -253,7 +253,7 @@ class Service(UpdateRequests, Replacement):
                 raise RequestError("'op' must be a string naming the request")
             handler = {"hello": self._hello, "init": self._init, "commit": self._commit, "layout": self._layout,
                        "progress": self._progress, "finish": self._finish, "stats": self._stats,
-                       "alloc": self._alloc, "flip": self._flip, "stop": self._stop}.get(op)
+                       "alloc": self._alloc, "flip": self._flip, "stop": self._stop, "leave": self._leave}.get(op)
             if handler is None:
                 raise RequestError(f"unknown op {op[:40]!r}")
             return {"id": mid, "ok": True, **handler(client, msg)}
@@ -263,16 +263,20 @@ class Service(UpdateRequests, Replacement):
             log.error("request %s failed:\n%s", op, traceback.format_exc())
             return {"id": mid, "ok": False, "error": f"internal error: {type(e).__name__}: {e}"}
 
-    def _attached(self, client: Client, msg: dict) -> Run:
+    def _attached(self, client: Client, msg: dict, any_rank: bool = False) -> Run:
+        """The run a request of ``client`` is for: its trainer's (rank 0's), or with ``any_rank`` any of its
+        ranks' (a run of several: the others take their share of the GPU updates and follow the layout)."""
         run = self.run
         if run is None:
             raise RequestError("no run is attached: send hello first")
         if msg.get("run") != run.record["run"]:
             raise RequestError(f"this message is for run {str(msg.get('run'))[:16]!r} but the service holds run "
                                f"{run.record['run'][:16]!r}")
-        if run.trainer is not client:
-            raise RequestError("this connection is not the run's trainer: send hello first")
-        return run
+        if run.trainer is client or (any_rank and client in run.peers.values()):
+            return run
+        if client in run.peers.values():
+            raise RequestError(f"rank {client.rank} asks what only rank 0, the run's trainer, may")
+        raise RequestError("this connection is not the run's trainer: send hello first")
 
     def _hello(self, client: Client, msg: dict) -> dict:
         run_id = field_of(msg, "run", str)
@@ -282,8 +286,12 @@ class Service(UpdateRequests, Replacement):
         if label is not None and not (isinstance(label, dict) and len(label) <= 16 and
                                       all(isinstance(v, str) and len(v) <= 4096 for v in label.values())):
             raise RequestError("'label' must be an object of strings (model, output_dir)")
-        if msg.get("world", 1) != 1 or msg.get("rank", 0) != 0:
-            raise RequestError("several trainers on one run (data parallel) are not supported yet: world must be 1")
+        world, rank = msg.get("world", 1), msg.get("rank", 0)
+        if not (type(world) is int and type(rank) is int and 1 <= world <= 1024 and 0 <= rank < world):
+            raise RequestError("'world' and 'rank' must be whole numbers, 0 <= rank < world <= 1024")
+        owns = msg.get("owns")
+        if world > 1 and not (isinstance(owns, list) and all(is_key(g) for g in owns)):
+            raise RequestError("a rank of several must say which groups it owns ('owns': a list of groups)")
         with self.lock:
             run = self.run
             if run is not None and run.record["run"] != run_id:
@@ -291,18 +299,32 @@ class Service(UpdateRequests, Replacement):
                 raise RequestError(
                     f"the service holds another run ({label.get('model', '?')} -> {label.get('output_dir', '?')}, "
                     f"step {run.state.committed}); let it finish, or restart the service with --fresh to discard it")
-            if run is not None and run.trainer is not None:
-                raise RequestError(f"run {label_of(run)} already has a trainer attached (pid {run.trainer.pid}); "
-                                   "one trainer per run for now")
-            if run is None:
-                run = self.run = self._new_run(msg)
-                self.say(f"new run {label_of(run)}: {len(run.specs)} tensors")
             client.pid = msg.get("pid") if isinstance(msg.get("pid"), int) else 0
-            run.trainer, run.error = client, None
-            run.store.catalog.on_bump = lambda g, v, c=client, r=run: self._tell(c, {
-                "ev": "version", "group": g, "version": v, "layout": layout_of(r.store, g)})
+            on_gpu = [g for g in run.optimizer.groups if g in run.optimizer.on_gpu] if run is not None else []
+            if rank > 0:  # (a run of several: rank 0 attached first)
+                if run is None or run.trainer is None or run.world != world:
+                    raise RequestError(f"rank {rank} of {world} attached before rank 0 of the same world")
+                if rank in run.peers:
+                    raise RequestError(f"run {label_of(run)} already has rank {rank} attached (pid "
+                                       f"{run.peers[rank].pid})")
+                client.rank, client.groups = rank, frozenset(g for g in on_gpu if g in owns)
+                run.peers[rank] = client
+                self.say(f"rank {rank} (pid {client.pid}) attached to run {label_of(run)}")
+            else:
+                if run is not None and run.trainer is not None:
+                    raise RequestError(f"run {label_of(run)} already has a trainer attached (pid {run.trainer.pid});"
+                                       " one trainer per run")
+                if run is None:
+                    run = self.run = self._new_run(msg)
+                    self.say(f"new run {label_of(run)}: {len(run.specs)} tensors")
+                    on_gpu = [g for g in run.optimizer.groups if g in run.optimizer.on_gpu]
+                client.groups = frozenset(g for g in on_gpu if world == 1 or g in owns)
+                run.trainer, run.peers, run.world, run.error = client, {}, world, None
+                run.store.catalog.on_bump = lambda g, v, r=run: self._tell_all(r, {
+                    "ev": "version", "group": g, "version": v, "layout": layout_of(r.store, g)})
+                self.say(f"trainer pid {client.pid} attached to run {label_of(run)} at step {run.state.committed}"
+                         + (f" (rank 0 of {world})" if world > 1 else ""))
             st, cfg, nvme = run.state, self.cfg, run.store.nvme
-            self.say(f"trainer pid {client.pid} attached to run {label_of(run)} at step {st.committed}")
             lost = self.lost if self.lost is not None and self.lost["run"] == run_id and not st.initialized else None
             return {"initialized": st.initialized, "resume": lost, "committed": st.committed, "updated": st.updated,
                     "versions": [[g, run.store.catalog.version(g)] for g in run.optimizer.groups],
@@ -310,7 +332,19 @@ class Service(UpdateRequests, Replacement):
                     "arena": {"name": cfg.store_name(), "dir": cfg.tiers.dram.path},
                     "nvme": nvme_description(nvme, cfg.tiers.nvme),
                     "config": to_plain(cfg), "gpu_share": run.record["gpu_share"], "plan": run.record.get("plan"),
-                    "trainer_groups": [g for g in run.optimizer.groups if g in run.optimizer.on_gpu]}
+                    "trainer_groups": [g for g in run.optimizer.groups if g in client.groups]}
+
+    def _leave(self, client: Client, msg: dict) -> dict:
+        """A rank other than 0 is done (its last update is whole): its going away is no loss to the run."""
+        run = self._attached(client, msg, any_rank=True)
+        if run.trainer is client:
+            raise RequestError("rank 0 ends a run with finish (or stop), not leave")
+        client.done = True
+        return {}
+
+    def _tell_all(self, run: Run, event: dict) -> None:
+        for c in run.clients():
+            self._tell(c, event)
 
     def _tell(self, client: Client, event: dict) -> None:
         try:
@@ -336,14 +370,15 @@ class Service(UpdateRequests, Replacement):
         return {}
 
     def _detach(self, run: Run) -> None:
-        """The run's trainer is gone (call with the lock held)."""
-        run.trainer = None
+        """The run's trainer is gone (call with the lock held); of a run of several, the other ranks too (they
+        cannot go on without it: their next request is refused)."""
+        run.trainer, run.peers = None, {}
         run.store.catalog.on_bump = None
         run.live["phase"] = "no trainer attached"
         self._trainer_left(run)
 
     def _layout(self, client: Client, msg: dict) -> dict:
-        run = self._attached(client, msg)
+        run = self._attached(client, msg, any_rank=True)
         layout = layout_of(run.store)
         names = msg.get("names")
         if names is None:
@@ -470,12 +505,17 @@ class Service(UpdateRequests, Replacement):
         finally:
             with self.lock:
                 run = self.run
-                if run is not None and run.trainer is client:
+                lost_peer = run is not None and run.peers.get(client.rank) is client and not client.done
+                if run is not None and (run.trainer is client or lost_peer):
                     self._detach(run)
-                    self.say(f"trainer pid {client.pid} detached from run {label_of(run)} (step "
-                             f"{run.state.committed} committed)")
+                    who = f"rank {client.rank}" if lost_peer else "trainer"
+                    self.say(f"{who} pid {client.pid} detached from "
+                             f"run {label_of(run)} (step {run.state.committed} committed)"
+                             + ("; the run's other ranks with it" if lost_peer or run.world > 1 else ""))
                     if not run.state.initialized:  # nothing of value yet: do not block other runs
                         self._close_run(keep=False)
+                elif run is not None and run.peers.get(client.rank) is client:
+                    del run.peers[client.rank]  # (done: its share of the last update is whole)
             conn.close()
 
     def shutdown(self) -> None:
@@ -488,11 +528,13 @@ class Service(UpdateRequests, Replacement):
             run = self.run
             if run is not None:
                 if run.trainer is not None:
-                    try:
-                        run.trainer.sock.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
-                    self.say(f"trainer pid {run.trainer.pid} detached")
+                    for c in run.clients():
+                        try:
+                            c.sock.shutdown(socket.SHUT_RDWR)
+                        except OSError:
+                            pass
+                    self.say(f"trainer pid {run.trainer.pid} detached" + (f" (and its {len(run.peers)} other ranks)"
+                                                                         if run.peers else ""))
                     self._detach(run)  # what it still owed of the update in flight is the service's to finish
                 self._close_run(keep=True)
                 self.say(f"stopped; run {label_of(run)} kept at step {run.state.committed} for the next "

@@ -59,8 +59,7 @@ class UpdateRequests:
     def _failed(self, run: Run, step: int, err: BaseException) -> None:
         run.error = f"{type(err).__name__}: {err}"
         self.say(f"update {step} failed: {run.error}")
-        if run.trainer is not None:
-            self._tell(run.trainer, {"ev": "failed", "error": run.error})
+        self._tell_all(run, {"ev": "failed", "error": run.error})
         with run.update_lock:
             if run.pending is not None and not run.pending.done():
                 run.pending.set_result(None)
@@ -72,9 +71,9 @@ class UpdateRequests:
             run.pending.set_result(None)
 
     def _owed(self, client: Client, msg: dict) -> tuple[Run, object, int]:
-        run = self._attached(client, msg)
+        run = self._attached(client, msg, any_rank=True)
         step, g = field_of(msg, "step", int), msg.get("group")
-        if not is_key(g) or step != run.state.committed or g not in run.owed:
+        if not is_key(g) or step != run.state.committed or g not in run.owed or g not in client.groups:
             raise RequestError(f"group {str(g)[:40]!r} is not owed by the trainer for update {step}")
         return run, g, step
 
