@@ -3,7 +3,8 @@
 A frame is a 4-byte big-endian length followed by that many bytes of UTF-8 JSON (one object, nested at
 most MAX_DEPTH deep: deeper is refused before anything walks it). Requests
 carry ``op`` and ``id``; replies echo ``id`` with ``ok`` true (and fields) or false with ``error`` (one
-line). The service also pushes events (``ev``) to an attached trainer: a group's new version, a failure.
+line). The service also pushes events (``ev``) to an attached trainer (to each rank of a run of several): a
+group's new version, a failure.
 Bulk data never travels here: it moves through the shared DRAM arena and the NVMe files.
 
 The socket lives in an owner-only directory (0700) and is itself 0600; the service also checks the

@@ -11,10 +11,17 @@ place behind the undo copy of ``tiermem.service.journal`` where it cannot: NVMe-
 When the trainer leaves mid-update the service updates what it still owed (its own GPU worker, out of
 place). The service pushes each group's new version to its trainer.
 
+A run of several ranks of one host (``trainer.dp_service``): every rank attaches, rank 0 first (the run's
+trainer: it loads, commits, finishes); each says which groups it owns, and its GPU worker takes those of the
+trainers' share; the versions go to every rank. A rank done says ``leave``; a rank lost otherwise detaches
+the whole run (the service finishes what the trainers owed, as for one trainer).
+
 Requests (JSON, ``op``):
-  hello {run, label, specs, optim, rank, world}  attach; creates the run or rejoins it; layout and the
-                                                   trainer's groups in the reply (and ``resume``: the
-                                                   checkpoint to resume from, when the run's state was lost)
+  hello {run, label, specs, optim, rank, world,    attach; creates the run or rejoins it (rank 0), or joins
+         owns}                                     rank 0's (another rank); layout and the groups of the
+                                                   trainers' share this rank takes in the reply (and
+                                                   ``resume``: the checkpoint to resume from, when the run's
+                                                   state was lost)
   init {run}                                       the trainer has loaded the weights
   commit {run, step, lr, grad_scale}               step's gradients are home: journal, then update
   alloc {run, step, group}                         places for an owed group's new master and moments
@@ -22,11 +29,12 @@ Requests (JSON, ``op``):
   layout {run, names?}                             where tensors live now (before a save or an export)
   progress {run, live, store}                      the trainer's figures, for top and stats
   finish {run}                                     the run is done and exported: free its state
+  leave {run}                                      a rank other than 0 is done: its going away is no loss
   stats {}                                         the snapshot ``tiermem top --socket`` shows
 
 The service holds the store's lock (``tiermem.service.owner``) from before it touches any of the store's files
-until it exits: a second service on the same store is refused. One run at a time; one trainer per run
-(the protocol carries rank/world for data parallel later).
+until it exits: a second service on the same store is refused. One run at a time; one trainer per run (of
+several ranks: one per rank).
 SIGHUP re-reads the config and migrates optimizer state between tiers at the next commit; SIGTERM and
 SIGINT stop cleanly (the in-flight update finishes; the run's state stays for the next start).
 """
