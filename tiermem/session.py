@@ -92,8 +92,7 @@ def open_session(specs: list[TensorSpec], settings: OptimSettings, config: Store
     worker), or attached to the service at ``server`` (``default``: this user's default socket) for run
     ``run_id`` (which plans a new run from ``plan_input``, {workload, hbm_room}, when given)."""
     if server is not None:
-        path = protocol.default_socket() if str(server) == "default" else Path(server)
-        attached = attach(path, run_id, label or {}, specs, settings, plan_input)
+        attached = attach(protocol.server_socket(server), run_id, label or {}, specs, settings, plan_input)
         return Session(attached.store, attached.optimizer, attached)
     store = Store.open(config, specs, streamed_kinds=("param",), plan=plan)
     try:

@@ -64,8 +64,6 @@ class ServiceRankSession(Session):
     reducer: GradReducer = None
     host = None  # (no host store of its own: the service's)
     own_hbm: set = field(default_factory=set)  # (a service keeps no state in HBM)
-    remote: set = field(default_factory=set)
-    parts: list = field(default_factory=list)
 
     @property
     def progress_sink(self):
@@ -80,7 +78,7 @@ def open_service_rank_session(world, specs, settings, server, run_id: str, label
                               plan_input: dict | None) -> ServiceRankSession:
     """This rank's session of the service's run: rank 0 attaches first (with the step's workload, for the service
     to plan a new run), the others after it."""
-    path = protocol.default_socket() if str(server) == "default" else server
+    path = protocol.server_socket(server)
     owner = owners(list(settings.groups), specs, world.size)
     mine = [g for g in settings.groups if owner[g] == world.rank]
     attached = None

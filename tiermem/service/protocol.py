@@ -159,6 +159,11 @@ def default_socket() -> Path:
     return runtime_dir() / "tiermem.sock"
 
 
+def server_socket(server: str | Path) -> Path:
+    """The socket a trainer's ``tiermem_server`` names (``default``: this user's default socket)."""
+    return default_socket() if str(server) == "default" else Path(server)
+
+
 def connect(path: str | Path, timeout: float | None = 10.0) -> socket.socket:
     """A connected socket to the service at ``path``; one clear line when nobody listens there."""
     path = Path(path)
