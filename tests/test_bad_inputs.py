@@ -265,3 +265,71 @@ def test_a_flipped_model_shard_checked_in_the_background_stops_the_resume_before
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "model.safetensors does not match its checksum" in err, err
     assert not (out / "trainer_log.jsonl").exists()
+
+
+def _files(d: Path) -> dict:
+    return {str(p.relative_to(d)): p.read_bytes() for p in d.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("where", ["same", "inside", "containing", "symlink", "relative"])
+def test_an_output_dir_that_overlaps_the_model_is_refused_before_anything_is_written(setup, capsys, monkeypatch,
+                                                                                      where):
+    """The export once overwrote the input model and removed its shards: output_dir equal to, inside or containing
+    model_name_or_path (symlinks and relative paths resolved) is one line, and the model is untouched."""
+    tmp, model_dir, cfg = setup
+    before = _files(model_dir)
+    if where == "symlink":
+        (tmp / "link").symlink_to(model_dir)
+    monkeypatch.chdir(tmp)
+    out = {"same": str(model_dir), "inside": str(model_dir / "out"), "containing": str(tmp),
+           "symlink": str(tmp / "link"), "relative": "model/../model"}[where]
+    expect_one_line(capsys, run(tmp, dict(cfg, output_dir=out, overwrite_output_dir=True)), "output_dir",
+                    "model")
+    assert _files(model_dir) == before and not (model_dir / "out").exists()
+
+
+def test_an_output_dir_in_the_checkpoint_it_resumes_is_refused(setup, capsys):
+    """Resuming checkpoint-1 with output_dir checkpoint-1 would export over the checkpoint's own model files."""
+    tmp, _, cfg = setup
+    assert run(tmp, dict(cfg, save_steps=1, max_steps=1)) == 0
+    ck = tmp / "out" / "checkpoint-1"
+    before = _files(ck)
+    for out in (ck, ck / "sub"):
+        capsys.readouterr()
+        expect_one_line(capsys, run(tmp, dict(cfg, resume_from_checkpoint=str(ck), output_dir=str(out),
+                                              overwrite_output_dir=True)), "resume_from_checkpoint")
+    assert _files(ck) == before
+
+
+@pytest.mark.parametrize("key", ["output_dir", "model_name_or_path", "dataset_dir", "logging_dir", "tiermem_cache_dir",
+                                 "resume_from_checkpoint", "tiermem.tiers.dram.path"])
+def test_an_empty_path_is_refused(setup, capsys, monkeypatch, key):
+    """output_dir: "" trained into the working directory: every path key refuses an empty value in one line."""
+    tmp, _, cfg = setup
+    monkeypatch.chdir(tmp)
+    expect_one_line(capsys, run(tmp, cfg, f"{key}=''"), key.removeprefix("tiermem."), "empty path", out=tmp / "out")
+    assert sorted(p.name for p in tmp.iterdir()) == ["data", "model", "train.yaml"]
+
+
+def test_a_tilde_in_a_path_is_the_home_directory(setup, monkeypatch):
+    """`output_dir: ~/x` became a folder named `~`: every path key expands it, the tiermem config's paths too."""
+    from trainer.config import load_train_config
+
+    tmp, model_dir, cfg = setup
+    monkeypatch.setenv("HOME", str(tmp))
+    (tmp / "shm").mkdir()
+    path = tmp / "train.yaml"
+    path.write_text(yaml.safe_dump(dict(cfg, model_name_or_path="~/model", output_dir="~/x", dataset_dir="~/data",
+                                        logging_dir="~/logs", tiermem_cache_dir="~/cache",
+                                        tiermem={"tiers": {"gpu": {"device": "cpu"},
+                                                           "dram": {"path": "~/shm", "budget": "64MiB"},
+                                                           "nvme": {"path": "~/nvme", "budget": "64MiB"}},
+                                                 "probe": "~/probe.json"})))
+    c = load_train_config(path)
+    assert (c.model_name_or_path, c.output_dir, c.dataset_dir, c.logging_dir, c.tiermem_cache_dir) == \
+        tuple(str(tmp / n) for n in ("model", "x", "data", "logs", "cache"))
+    from trainer.state import store_config
+
+    s = store_config(c.tiermem)
+    assert (s.tiers.dram.path, s.tiers.nvme.path, s.probe) == (str(tmp / "shm"), str(tmp / "nvme"),
+                                                                str(tmp / "probe.json"))

@@ -166,6 +166,14 @@ def load_store_config(source: str | Path | dict[str, Any] | None, where: str = "
         if tier == "nvme" and cfg.tiers.nvme is None:
             raise ConfigError(f"placement puts '{kind}' on nvme but tiers.nvme is not configured; "
                               "add tiers: {nvme: {path: DIR, budget: SIZE}}")
-    if cfg.tiers.nvme is not None and not cfg.tiers.nvme.path:
+    if cfg.tiers.nvme is not None and not (cfg.tiers.nvme.path or "").strip():
         raise ConfigError("tiers.nvme.path is required: the directory that holds the NVMe tier's files")
+    for key, holder, attr in (("tiers.dram.path", cfg.tiers.dram, "path"), ("tiers.nvme.path", cfg.tiers.nvme, "path"),
+                              ("probe", cfg, "probe")):
+        value = getattr(holder, attr, None)
+        if value is None:
+            continue
+        if not value.strip():
+            raise ConfigError(f"{key} is an empty path: name the directory (or file), or leave the key out")
+        setattr(holder, attr, os.path.expanduser(value))  # ~ as a shell expands it
     return cfg

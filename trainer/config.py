@@ -23,6 +23,7 @@ import yaml
 from tiermem.errors import ConfigError, ConfigProblems, nearest
 from tiermem.schema import load_dataclass, read_yaml, to_plain
 from trainer.config_keys import KEYS, REFUSED_VALUES
+from trainer.paths import check_output_dir, expand_paths
 
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 REPORTERS = ("tensorboard",)  # what report_to may name, besides none
@@ -222,6 +223,8 @@ def validate(c: TrainConfig, problems: list[str] | None = None, here: bool = Tru
     found: list[str] = [] if problems is None else problems
     start = len(found)
     bad = found.append
+    expand_paths(c, bad)  # (~ expanded in every path key, before anything reads them)
+    check_output_dir(c, bad)
     if not c.do_train:
         bad("do_train: false: tiermem-train only trains (evaluation and prediction alone are not supported yet)")
     if c.finetuning_type != "full":
