@@ -333,3 +333,80 @@ def test_a_tilde_in_a_path_is_the_home_directory(setup, monkeypatch):
     s = store_config(c.tiermem)
     assert (s.tiers.dram.path, s.tiers.nvme.path, s.probe) == (str(tmp / "shm"), str(tmp / "nvme"),
                                                                 str(tmp / "probe.json"))
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_second_run_on_the_same_output_dir_is_refused_and_touches_nothing(setup, capsys):
+    """Two trainers on one output_dir: the second's start had deleted the first's in-flight save. The lock of the
+    first (held here, as a run in flight holds it) refuses the second in one line naming the first's pid; nothing
+    of the first's is read, written or removed."""
+    from trainer.output_dir import OutputLock
+
+    tmp, _, cfg = setup
+    out = tmp / "out"
+    out.mkdir()
+    first = OutputLock.take(out, print)
+    try:
+        (out / "training_args.yaml").write_text("first: run\n")
+        saving = out / f".checkpoint-4.tmp-{os.getpid()}"
+        saving.mkdir()
+        (saving / "model.safetensors").write_bytes(b"half")
+        before = _files(out)
+        for overrides in ((), ("overwrite_output_dir=true",)):
+            capsys.readouterr()
+            expect_one_line(capsys, run(tmp, cfg, *overrides), f"output_dir {out} is in use", f"pid {os.getpid()}")
+            assert _files(out) == before
+    finally:
+        first.release(finished=False)
+
+
+def test_a_dead_runs_lock_is_taken_over_with_a_note_and_a_finished_run_removes_it(setup, capsys):
+    tmp, _, cfg = setup
+    out = tmp / "out"
+    out.mkdir()
+    dead = _dead_pid()
+    (out / ".tiermem-train.lock").write_text(json.dumps({"tool": "tiermem-train", "pid": dead, "started": 0}))
+    (out / "trainer_log.jsonl").write_text('{"current_steps": 1}\n')  # (what it left before its first checkpoint)
+    assert run(tmp, cfg) == 0
+    said = capsys.readouterr().out
+    assert f"locked by tiermem-train pid {dead}, which is gone" in said and "starts from step 0" in said, said
+    assert not (out / ".tiermem-train.lock").exists() and (out / "model.safetensors").is_file()
+    expect_one_line(capsys, run(tmp, cfg), "is not empty")  # a finished run's model is kept from a new run
+
+
+def test_a_run_stopped_before_its_first_checkpoint_runs_again_but_a_users_files_are_kept(setup, capsys, monkeypatch):
+    """A run stopped (here Ctrl-C) before its first checkpoint left its records and its lock file: the same command
+    runs again from step 0 instead of "output_dir ... is not empty". A file of the user's beside them still makes
+    a run refuse the directory."""
+    from trainer import executor
+
+    tmp, _, cfg = setup
+    out = tmp / "out"
+    real = executor.Executor.step
+
+    def interrupted(self, batches, step, lr):
+        if step == 1:
+            raise KeyboardInterrupt
+        return real(self, batches, step, lr)
+
+    monkeypatch.setattr(executor.Executor, "step", interrupted)
+    assert run(tmp, dict(cfg, save_steps=2)) == 130
+    monkeypatch.setattr(executor.Executor, "step", real)
+    left = sorted(p.name for p in out.iterdir())
+    assert ".tiermem-train.lock" in left and "trainer_log.jsonl" in left and not list(out.glob("checkpoint-*")), left
+    (out / "notes.txt").write_text("mine\n")
+    capsys.readouterr()
+    expect_one_line(capsys, run(tmp, dict(cfg, save_steps=2)), "is not empty")
+    assert (out / "notes.txt").read_text() == "mine\n"
+    (out / "notes.txt").unlink()
+    assert run(tmp, dict(cfg, save_steps=2)) == 0
+    assert "starts from step 0" in capsys.readouterr().out
+    assert [json.loads(x)["current_steps"] for x in (out / "trainer_log.jsonl").read_text().splitlines()] == [1, 2]

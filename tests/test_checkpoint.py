@@ -174,3 +174,26 @@ def test_bf16_resume_with_the_gpu_worker_matches_the_straight_run(setup):
     straight, resumed = weights(tmp / "straight"), weights(out)
     for n in straight:
         assert (resumed[n] == straight[n]).all(), n
+
+
+@pytest.mark.slow
+def test_the_same_command_runs_again_after_a_kill_before_the_first_checkpoint(setup, capsys):
+    """kill -9 in step 2, before checkpoint-3: the rerun of the same command was refused ("output_dir ... is not
+    empty (and holds no checkpoint to resume)"). It takes over the dead run's lock with a note, starts from step 0
+    and ends where a run never killed ends."""
+    write, tmp = setup
+    assert main([str(write("straight"))]) == 0
+    cfg = write("killed", save_steps=3)
+    env = child_env(TIERMEM_TEST_KILL_AT="forward:2")
+    proc = subprocess.run([sys.executable, "-m", "trainer.cli", str(cfg)], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    out = tmp / "killed"
+    assert (out / ".tiermem-train.lock").is_file() and not list(out.glob("checkpoint-*"))
+    capsys.readouterr()
+    assert main([str(cfg)]) == 0
+    said = capsys.readouterr().out
+    assert "which is gone without letting go" in said and "starts from step 0" in said, said
+    for n, t in weights(tmp / "straight").items():
+        assert (weights(out)[n] == t).all(), n
+    assert not (out / ".tiermem-train.lock").exists()

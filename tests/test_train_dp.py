@@ -158,10 +158,12 @@ def test_a_killed_rank_stops_the_run_and_the_rerun_resumes(tmp_path, tiny, capsy
     lines = [x for x in r.stderr.splitlines() if x.startswith("tiermem-train: error:")]
     assert len(lines) == 1 and "rank 1 (pid" in lines[0] and "rerun the same command" in lines[0], r.stderr[-3000:]
     assert (tmp_path / "two" / "checkpoint-3").is_dir() and not (tmp_path / "two" / "model.safetensors").exists()
+    assert (tmp_path / "two" / ".tiermem-train.lock").is_file()  # rank 0's (trainer.output_dir), let go of
     r = ranks(path, 2)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stdout and [s for s, _, _ in STEP.findall(r.stdout)] == ["4", "5", "6"]
     assert_same_weights(tmp_path / "one", tmp_path / "two")
+    assert not (tmp_path / "two" / ".tiermem-train.lock").exists()
 
 
 def test_owners_are_balanced_by_bytes_and_rows_split_as_hugging_face_shards():

@@ -44,6 +44,7 @@ from trainer.gc_pauses import GcPauses
 from trainer.model.config import ModelConfigError, load_balancing_coef
 from trainer.model.select import load_model
 from trainer.model.weights import all_weights, group_order
+from trainer.output_dir import OutputLock, check_free, interrupted_run
 from trainer.plan_watch import PlanWatch
 from trainer.report import Reporter, plot_loss
 from trainer.schedule import lr_factor, warmup_steps
@@ -133,8 +134,10 @@ def prepare(cfg: TrainConfig, console: Console, say, world: World | None = None)
         raise ConfigError(f"cutoff_len {cfg.cutoff_len} exceeds the model's sliding_window {mcfg.sliding_window}; "
                           "sliding-window attention is not supported yet: lower cutoff_len")
     out = Path(cfg.output_dir)
+    if world.lead and out.is_dir():  # one run per output_dir: another's holds its lock (trainer.output_dir)
+        check_free(out)
     # an attached run picks its checkpoint once the service has said whether it holds the run
-    resume = None if cfg.tiermem_server else _checked_resume(cfg, out, mcfg, model_dir,
+    resume = None if cfg.tiermem_server else _checked_resume(cfg, out, mcfg, model_dir, say=say,
                                                              loads=not (world.several and world.local_rank))
     if cfg.plot_loss:
         try:
@@ -395,10 +398,12 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
         import tempfile
 
         out = Path(tempfile.mkdtemp(prefix=f"tiermem-rank{world.rank}-"))
-    executor = saver = part = stats = tb = None
+    executor = saver = part = stats = tb = lock = None
     pauses = GcPauses()
     try:
         out.mkdir(parents=True, exist_ok=True)
+        if lead:  # (held until the run ends: a second run on output_dir is refused, and touches nothing here)
+            lock = OutputLock.take(out, say)
         ckpt.remove_partial(out)
         budget = activation_budget(cfg, store, job.store_plan)
         tb = open_writer(cfg, out) if lead else None  # report_to: tensorboard (sets cfg.logging_dir)
@@ -603,6 +608,7 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
         session.finished()
         say(f"done: {total} steps in {runtime:.1f}s, train_loss {results['train_loss']:.4f}; "
                       f"model saved to {out}")
+        lock.release(finished=True)
         return results
     except BaseException:
         if saver is not None:
@@ -614,6 +620,8 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
         pauses.close()
         if stats is not None:
             stats.close()
+        if lock is not None:  # (a run that stopped before its end leaves the lock file: trainer.output_dir)
+            lock.release(finished=False)
         if executor is not None:
             executor.close()
         if tb is not None:
@@ -767,7 +775,7 @@ def find_resume(cfg: TrainConfig, out: Path, named: dict | None = None, say=None
     if not os.access(above, os.W_OK | os.X_OK):
         raise ConfigError(f"output_dir {out} cannot be written: {above} is not writable by this user")
     if named is None:
-        return _own_choice(cfg, out)
+        return _own_choice(cfg, out, say)
     say = say or print
     path = Path(str(named.get("checkpoint")))
     lost = f"the service lost this run's state (step {named.get('step')}) and named {path} to resume from"
@@ -778,12 +786,12 @@ def find_resume(cfg: TrainConfig, out: Path, named: dict | None = None, say=None
         say(f"{lost}: resuming from it" + (" (overwrite_output_dir is set, but the run's state is there)"
                                            if cfg.overwrite_output_dir else ""))
         return path
-    fallback = _own_choice(cfg, out)
+    fallback = _own_choice(cfg, out, say)
     say(f"{lost}, but it is no longer there; " + (f"resuming from {fallback}" if fallback else "starting from step 0"))
     return fallback
 
 
-def _own_choice(cfg: TrainConfig, out: Path) -> Path | None:
+def _own_choice(cfg: TrainConfig, out: Path, say=None) -> Path | None:
     """find_resume without a checkpoint named by the service."""
     if cfg.resume_from_checkpoint:
         return Path(cfg.resume_from_checkpoint)
@@ -792,7 +800,10 @@ def _own_choice(cfg: TrainConfig, out: Path) -> Path | None:
     found = ckpt.checkpoints(out)
     if found:
         return found[-1][1]
-    if any(not p.name.startswith(".checkpoint-") for p in out.iterdir()):
+    if interrupted_run(out):  # (what a run of this tool left when it stopped before a checkpoint: replaced)
+        (say or print)(f"note: output_dir {out} holds only what a tiermem-train run that stopped before its first "
+                       "checkpoint left: this run starts from step 0 and replaces it")
+    elif any(not p.name.startswith(".checkpoint-") for p in out.iterdir()):
         raise ConfigError(f"output_dir {out} already exists and is not empty (and holds no checkpoint to resume); "
                           "set overwrite_output_dir: true or choose another output_dir")
     return None

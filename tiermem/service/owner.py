@@ -46,7 +46,7 @@ class Owned(UserError):
         self.pid = pid
 
 
-def _try_lock(path: Path) -> int | None:
+def try_lock(path: Path) -> int | None:
     """An fd holding ``path``'s exclusive lock, or None when another process holds it."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -76,7 +76,7 @@ class Ownership:
         fds: list[int] = []
         try:
             for path in paths:
-                fd = _try_lock(path)
+                fd = try_lock(path)
                 if fd is None:
                     raise Owned(name, read_note(path).get("pid", "?"))
                 fds.append(fd)
