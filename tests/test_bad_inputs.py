@@ -382,6 +382,7 @@ def test_a_dead_runs_lock_is_taken_over_with_a_note_and_a_finished_run_removes_i
     expect_one_line(capsys, run(tmp, cfg), "is not empty")  # a finished run's model is kept from a new run
 
 
+@pytest.mark.slow
 def test_a_run_stopped_before_its_first_checkpoint_runs_again_but_a_users_files_are_kept(setup, capsys, monkeypatch):
     """A run stopped (here Ctrl-C) before its first checkpoint left its records and its lock file: the same command
     runs again from step 0 instead of "output_dir ... is not empty". A file of the user's beside them still makes

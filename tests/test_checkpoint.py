@@ -197,3 +197,26 @@ def test_the_same_command_runs_again_after_a_kill_before_the_first_checkpoint(se
     for n, t in weights(tmp / "straight").items():
         assert (weights(out)[n] == t).all(), n
     assert not (out / ".tiermem-train.lock").exists()
+
+
+@pytest.mark.slow
+def test_save_total_limit_prunes_only_this_runs_checkpoints(setup, capsys):
+    """A new run (overwrite_output_dir) beside an earlier run's checkpoint-3 had pruned its own fresh checkpoints
+    in favour of it, and still said "saved checkpoint-2". Each checkpoint records its run's lineage; the limit
+    counts this run's only, and a resumed run continues its lineage."""
+    write, tmp = setup
+    out = tmp / "run"
+    assert main([str(write("run", save_steps=3)), "max_steps=3"]) == 0
+    capsys.readouterr()
+    cfg = write("run", save_steps=1, save_total_limit=1, overwrite_output_dir=True)
+    assert main([str(cfg), "max_steps=2"]) == 0
+    said = capsys.readouterr().out
+    assert "saved checkpoint-1" in said and "saved checkpoint-2" in said
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    from trainer.checkpoint import lineage_of
+
+    first = lineage_of(out / "checkpoint-3")
+    assert main([str(write("run", save_steps=1, save_total_limit=2)), "max_steps=3",
+                 f"resume_from_checkpoint={out / 'checkpoint-2'}"]) == 0  # its lineage goes on: 2 and 3 its own
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    assert lineage_of(out / "checkpoint-2") == lineage_of(out / "checkpoint-3") != first

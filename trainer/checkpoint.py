@@ -32,6 +32,7 @@ import queue
 import shutil
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import psutil
@@ -282,10 +283,15 @@ class Saver(ReleaseGate):
     """Writes checkpoints in the background while training goes on; one at a time."""
 
     def __init__(self, store, mcfg, out_dir: Path, model_dir: Path, dtype: torch.dtype, has_master: bool,
-                 model_only: bool, total_limit: int | None, say, checksums: bool = True):
-        """``checksums`` False writes a checkpoint without CRC32Cs (format 1: what the benchmark compares)."""
+                 model_only: bool, total_limit: int | None, say, checksums: bool = True, lineage: str | None = None,
+                 resumed: Path | None = None):
+        """``checksums`` False writes a checkpoint without CRC32Cs (format 1: what the benchmark compares).
+        ``lineage``: the run's (``lineage_for``), recorded in each checkpoint; ``save_total_limit`` prunes only the
+        checkpoints of that lineage (and ``resumed``, the one the run resumed, when it records none)."""
         self.store, self.mcfg, self.out, self.model_dir = store, mcfg, Path(out_dir), Path(model_dir)
         self.checksums = checksums
+        self.lineage = lineage or new_lineage()
+        self.resumed = Path(resumed).resolve() if resumed is not None else None
         self.dtype, self.src = dtype, "master" if has_master else "param"
         self.model_only, self.total_limit, self.say = model_only, total_limit, say
         self.groups = group_order(mcfg)
@@ -416,7 +422,8 @@ class Saver(ReleaseGate):
                     if self.checksums and not _is_state_chunks(rel):  # (the model's shards: as written)
                         files[rel]["crc32c"] = model.crc32c.get(rel) or file_crc32c(p)
             manifest = {"format": FORMAT if self.checksums else 1, "step": step, "model_only": self.model_only,
-                        "model": signature(self.mcfg), "tokenizer": tokenizer_digest(self.model_dir), "files": files}
+                        "model": signature(self.mcfg), "tokenizer": tokenizer_digest(self.model_dir), "files": files,
+                        "lineage": self.lineage}
             if self.checksums:
                 manifest["crc32c"] = _manifest_crc(manifest)
             (tmp / "checkpoint.json").write_text(json.dumps(manifest) + "\n")
@@ -426,7 +433,7 @@ class Saver(ReleaseGate):
                 shutil.rmtree(final)
             os.replace(tmp, final)
             fsync_dir(self.out)
-            self._prune()
+            self._prune(step)
             seconds = time.perf_counter() - self._t0
             self.last = {"step": step, "seconds": seconds, "paused": self.paused - self._paused0,
                          "bytes": sum(f["size"] for f in files.values())}
@@ -439,9 +446,15 @@ class Saver(ReleaseGate):
             for ev in self._released.values():
                 ev.set()
 
-    def _prune(self) -> None:
-        if self.total_limit:
-            for _, p in checkpoints(self.out)[: -self.total_limit]:
+    def _prune(self, saved: int) -> None:
+        """save_total_limit: remove this run's oldest checkpoints beyond the limit (never ``saved``, just written,
+        nor another run's: an earlier run's checkpoint-N in the same output_dir, whatever its N)."""
+        if not self.total_limit:
+            return
+        ours = [(n, p) for n, p in checkpoints(self.out)
+                if lineage_of(p) == self.lineage or (self.resumed is not None and p.resolve() == self.resumed)]
+        for n, p in ours[: -self.total_limit]:
+            if n != saved:
                 shutil.rmtree(p, ignore_errors=True)
 
     def settle(self) -> None:
@@ -478,6 +491,34 @@ class Saver(ReleaseGate):
         gb, when = self.last["bytes"] / 1e9, " before stopping" if self._stopping else ""
         self.say(f"saved checkpoint-{step}{when}: {gb:.2f} GB in {self.last['seconds']:.1f} s "
                  f"({gb / max(self.last['seconds'], 1e-9):.2f} GB/s); training paused {self.last['paused']:.2f} s")
+
+
+def new_lineage() -> str:
+    """A run's lineage: a fresh one for a run that starts from step 0."""
+    return uuid.uuid4().hex
+
+
+def lineage_of(path: Path) -> str | None:
+    """The lineage a checkpoint records (None: none, or no readable manifest)."""
+    try:
+        manifest = json.loads((Path(path) / "checkpoint.json").read_text())
+    except (OSError, ValueError):
+        return None
+    lineage = manifest.get("lineage") if isinstance(manifest, dict) else None
+    return lineage if isinstance(lineage, str) else None
+
+
+def lineage_for(out: Path, resume: Path | None, continues_at: int | None = None) -> str:
+    """The lineage of a run writing checkpoints to ``out``: that of the checkpoint it resumes; of a service's run
+    it continues at step ``continues_at``, that of its newest checkpoint in ``out`` up to that step (its earlier
+    trainer's); else a new one."""
+    if resume is not None:
+        return lineage_of(resume) or new_lineage()
+    if continues_at is not None:
+        before = [p for n, p in checkpoints(out) if n <= continues_at]
+        if before:
+            return lineage_of(before[-1]) or new_lineage()
+    return new_lineage()
 
 
 class _Abandoned(Exception):

@@ -450,8 +450,9 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
 
         stats = StatsFile(out / "tiermem_stats.json", store, live, sink=session.progress_sink)
         if saves(cfg) and lead:
+            lineage = ckpt.lineage_for(out, job.resume, session.continues_at)  # (save_total_limit prunes its own)
             saver = ckpt.Saver(store, mcfg, out, model_dir, dtype, cfg.bf16, cfg.save_only_model,
-                               cfg.save_total_limit, say)
+                               cfg.save_total_limit, say, lineage=lineage, resumed=job.resume)
             if world.several and session.host is not None:  # (the owners of the other groups wait for the saver
                 saver.on_released = session.host.publish_saved  # to have read them; a service's commit waits)
                 if session.remote and not cfg.save_only_model:  # (the other ranks' HBM: their parts)
