@@ -411,3 +411,24 @@ def test_a_run_stopped_before_its_first_checkpoint_runs_again_but_a_users_files_
     assert run(tmp, dict(cfg, save_steps=2)) == 0
     assert "starts from step 0" in capsys.readouterr().out
     assert [json.loads(x)["current_steps"] for x in (out / "trainer_log.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_a_format_1_checkpoint_is_refused_unless_trusted(setup, capsys):
+    """A manifest downgraded to format 1 (sizes only) beside a flipped byte resumed: format 1 is refused unless
+    tiermem_trust_old_checkpoints says to resume from it as it is."""
+    tmp, _, cfg = setup
+    assert run(tmp, dict(cfg, save_steps=1, max_steps=1)) == 0
+    ck = tmp / "out" / "checkpoint-1"
+    manifest = json.loads((ck / "checkpoint.json").read_text())
+    manifest = dict({k: v for k, v in manifest.items() if k != "crc32c"}, format=1,
+                    files={rel: {"size": rec["size"]} for rel, rec in manifest["files"].items()})
+    (ck / "checkpoint.json").write_text(json.dumps(manifest))
+    shard = ck / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    capsys.readouterr()
+    resumed = dict(cfg, resume_from_checkpoint=str(ck), output_dir=str(tmp / "resumed"))
+    expect_one_line(capsys, run(tmp, resumed), "format-1", "tiermem_trust_old_checkpoints", out=tmp / "resumed")
+    assert run(tmp, dict(resumed, tiermem_trust_old_checkpoints=True)) == 0
+    assert f"resumed from {ck}" in capsys.readouterr().out

@@ -124,11 +124,13 @@ def wait_checked(path: str | Path) -> None:
         fut.result()
 
 
-def check(path: str | Path, mcfg, model_dir, background: bool = False) -> dict:
+def check(path: str | Path, mcfg, model_dir, background: bool = False, trust_old: bool = False) -> dict:
     """The checkpoint's manifest, after checking it is whole and belongs to this model and tokenizer: its
     small files' checksums here; the large files' (the model's shards, which a resume does not read) on a
     thread from now on when ``background`` (the process that loads it: ``load`` waits for that check before
-    it returns), else in ``load``."""
+    it returns), else in ``load``. A format-1 manifest (sizes only: nothing but the state's own shard checksums
+    can be verified, and a downgraded manifest would pass) is refused unless ``trust_old``
+    (``tiermem_trust_old_checkpoints``)."""
     path = Path(path)
     mpath = path / "checkpoint.json"
     if not path.is_dir():
@@ -142,6 +144,10 @@ def check(path: str | Path, mcfg, model_dir, background: bool = False) -> dict:
         raise ConfigError(f"{path} is damaged: checkpoint.json does not match its checksum{_other_checkpoint(path)}")
     if manifest.get("format") not in (1, FORMAT):
         raise ConfigError(f"{path}: checkpoint format {manifest.get('format')} is not one this version reads")
+    if manifest.get("format") == 1 and not trust_old:
+        raise ConfigError(f"{path} is a format-1 checkpoint: its manifest records file sizes only, no checksums, so "
+                          "its files cannot be verified; set tiermem_trust_old_checkpoints: true to resume from it "
+                          "as it is")
     if manifest.get("model_only"):
         raise ConfigError(f"{path} holds the model only (saved with save_only_model): it cannot resume training")
     mine = signature(mcfg)

@@ -110,6 +110,8 @@ class TrainConfig:
     # with several ranks (torchrun): seconds a collective, or a wait for another rank's update, may take before
     # the run stops with one line naming the rank
     tiermem_dist_timeout: float = 600.0
+    # resume from a checkpoint whose manifest has format 1 (file sizes only, no checksums: not verifiable)
+    tiermem_trust_old_checkpoints: bool = False
 
     notes = ()  # (not a field) the note: lines of keys accepted without effect, set by load_train_config
 

@@ -682,7 +682,7 @@ def _checked_resume(cfg: TrainConfig, out: Path, mcfg, model_dir: Path, named: d
     loads the checkpoint (the check of its large files starts now, in the background)."""
     resume = find_resume(cfg, out, named, say)
     if resume is not None:
-        ckpt.check(resume, mcfg, model_dir, background=loads)
+        ckpt.check(resume, mcfg, model_dir, background=loads, trust_old=cfg.tiermem_trust_old_checkpoints)
     if cfg.tiermem_init == "pretrained" and resume is None:
         check_weight_files(mcfg, model_dir)
     return resume
@@ -693,7 +693,7 @@ NOT_IDENTITY = {"logging_steps", "save_steps", "save_only_model", "save_total_li
                 "overwrite_output_dir", "overwrite_cache", "preprocessing_num_workers", "tiermem_server",
                 "tiermem_cache_dir", "resume_from_checkpoint", "eval_strategy", "eval_steps",
                 "per_device_eval_batch_size", "eval_dataset", "save_strategy", "logging_first_step", "logging_dir",
-                "do_eval", "metric_for_best_model", "tiermem_dist_timeout",
+                "do_eval", "metric_for_best_model", "tiermem_dist_timeout", "tiermem_trust_old_checkpoints",
                 # how the layers are computed, not what: the same math (kept graphs bit for bit; compiled kernels
                 # to rounding)
                 "tiermem_keep_activations", "torch_compile", "torch_compile_backend", "torch_compile_mode"}
