@@ -432,3 +432,19 @@ def test_a_format_1_checkpoint_is_refused_unless_trusted(setup, capsys):
     expect_one_line(capsys, run(tmp, resumed), "format-1", "tiermem_trust_old_checkpoints", out=tmp / "resumed")
     assert run(tmp, dict(resumed, tiermem_trust_old_checkpoints=True)) == 0
     assert f"resumed from {ck}" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_rerun_with_another_config_says_what_changed_and_goes_on(setup, capsys):
+    """A rerun with a changed config resumed the old checkpoint silently: one note per key that differs, old and
+    new value; the run goes on with the new ones. (Another model or tokenizer is refused: test_checkpoint.py.)"""
+    tmp, _, cfg = setup
+    assert run(tmp, dict(cfg, save_steps=1, max_steps=1)) == 0
+    capsys.readouterr()
+    assert run(tmp, dict(cfg, save_steps=1, max_steps=2, learning_rate=1e-3)) == 0
+    said = [x for x in capsys.readouterr().out.splitlines() if x.startswith("note: ")]
+    assert said == ["note: learning_rate was 5e-05 in the run that saved checkpoint-1, 0.001 now: this run goes on "
+                    "with 0.001",
+                    "note: max_steps was 1 in the run that saved checkpoint-1, 2 now: this run goes on with 2"], said
+    state = json.loads((tmp / "out" / "checkpoint-2" / "tiermem_state.json").read_text())
+    assert state["config"]["learning_rate"] == 1e-3

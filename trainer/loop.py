@@ -32,8 +32,8 @@ from tiermem.sizes import format_size
 from tiermem.store.stats import StatsFile
 from tiermem.store.store import Store
 from trainer import checkpoint as ckpt
+from trainer import config_changes, run_plan
 from trainer import hf_outputs as hf
-from trainer import run_plan
 from trainer.config import TrainConfig, resolved
 from trainer.data.batches import StepPlan, collate
 from trainer.data.prepare import Rows, load_rows, split_eval
@@ -683,6 +683,9 @@ def _checked_resume(cfg: TrainConfig, out: Path, mcfg, model_dir: Path, named: d
     resume = find_resume(cfg, out, named, say)
     if resume is not None:
         ckpt.check(resume, mcfg, model_dir, background=loads, trust_old=cfg.tiermem_trust_old_checkpoints)
+        if say is not None:  # (what the rerun changed: a note each, and it goes on with the new values)
+            for line in config_changes.notes(resume, ckpt.tiermem_state(resume).get("config"), to_plain(cfg)):
+                say(line)
     if cfg.tiermem_init == "pretrained" and resume is None:
         check_weight_files(mcfg, model_dir)
     return resume
