@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tiermem.optim import OptimSettings
 from tiermem.optim.kernels import adamw_out_of_place, fused_adamw
 
 HP = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
@@ -29,3 +31,29 @@ def test_out_of_place_is_bit_identical_to_in_place(sizes, chunk, scale, first, s
     fused_adamw(p, g, m, v, step, **HP, grad_scale=scale, device="cpu")
     for got, want in zip(new, (p, m, v)):
         assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_optim_settings_that_make_the_update_undefined_are_refused():
+    """A peer's settings (a service reads them from its trainer's hello): eps 0 makes 0/0 = NaN where a gradient is
+    0, a beta of 1 divides by 0 in the bias correction."""
+    good = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "has_master": False, "decay": {},
+            "groups": [0]}
+    assert OptimSettings.from_json(good).adamw.eps == 1e-8
+    for bad in ({"eps": 0}, {"eps": -1e-8}, {"eps": float("nan")}, {"beta1": 1.0}, {"beta2": -0.1},
+                {"weight_decay": float("inf")}):
+        with pytest.raises(ValueError, match="bad optim settings"):
+            OptimSettings.from_json(dict(good, **bad))
+
+
+def test_the_check_of_new_weights_tells_overflowing_squares_from_inf_and_nan():
+    """The optimizer's check of a group's new compute copy: a fast norm (finite means every weight is), and where it
+    is not, the exact look that tells huge-but-finite weights (their squares overflow fp32) from inf and NaN."""
+    from tiermem.optim.store_adamw import all_finite, weights_norm
+
+    huge = [torch.full((64,), 1e30), torch.ones(3, dtype=torch.bfloat16).float()]
+    assert not torch.isfinite(weights_norm(huge)) and all_finite(huge)
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        t = torch.ones(100, dtype=torch.bfloat16)
+        t[57] = bad
+        assert not torch.isfinite(weights_norm([torch.ones(5, dtype=torch.bfloat16), t])) and not all_finite([t])
+    assert torch.isfinite(weights_norm([torch.randn(1000)]))

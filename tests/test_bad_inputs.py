@@ -7,6 +7,7 @@ import json
 import math
 import os
 import random
+import shutil
 import struct
 from pathlib import Path
 
@@ -57,6 +58,9 @@ BAD_VALUES = [
     ("adam_beta1=2.0", "adam_beta1"),
     ("adam_beta2=-0.5", "adam_beta2"),
     ("adam_epsilon=-1", "adam_epsilon"),
+    ("adam_epsilon=0", "adam_epsilon"),
+    ("adam_epsilon=1e-50", "adam_epsilon"),
+    ("learning_rate=1e39", "learning_rate"),
     ("warmup_steps=-5", "warmup_steps"),
     ("weight_decay=.nan", "weight_decay"),
     ("max_grad_norm=.inf", "max_grad_norm"),
@@ -448,3 +452,29 @@ def test_a_rerun_with_another_config_says_what_changed_and_goes_on(setup, capsys
                     "note: max_steps was 1 in the run that saved checkpoint-1, 2 now: this run goes on with 2"], said
     state = json.loads((tmp / "out" / "checkpoint-2" / "tiermem_state.json").read_text())
     assert state["config"]["learning_rate"] == 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["gpu worker, streamed", "gpu worker, in hbm", "cpu worker, saved",
+                                  "cpu worker, exported", "cpu worker, next step"])
+def test_an_update_that_makes_weights_non_finite_stops_the_run_before_it_is_saved_or_exported(setup, capsys, case):
+    """adam_epsilon: 0 had exported NaN weights with exit code 0 (now refused: test_bad_config_values). A learning
+    rate of 1e38 the config cannot refuse still overflows the update: the run stops in one line before the step is
+    checkpointed or exported. The optimizer's GPU worker checks what it writes; the CPU worker's groups are checked
+    where a checkpoint or the export writes them, and by the next step when its loss is not finite."""
+    tmp, _, cfg = setup
+    out = tmp / "out"
+    gpu = case.startswith("gpu")  # (the stand-in's: its tensors on the CPU, checked as a GPU's would be)
+    over = {"cpu worker, saved": dict(max_steps=1, save_steps=1), "cpu worker, exported": dict(max_steps=1),
+            "cpu worker, next step": dict(max_steps=2, save_steps=2)}.get(case, dict(max_steps=1, save_steps=1))
+    needle = {"cpu worker, saved": "checkpoint-1 is not written",
+              "cpu worker, exported": "the model is not written"}.get(case, "update 1 made weights of group")
+    tiermem = dict(cfg["tiermem"], optimizer={"gpu_share": 1.0 if gpu else 0.0})
+    tiermem["placement"] = dict.fromkeys(("param", "grad", "master", "exp_avg", "exp_avg_sq"),
+                                         "gpu" if case == "gpu worker, in hbm" else "dram")
+    for bf16 in (False, True) if case == "gpu worker, streamed" else (False,):  # (bf16: the compute copy's path)
+        shutil.rmtree(out, ignore_errors=True)
+        capsys.readouterr()
+        expect_one_line(capsys, run(tmp, dict(cfg, learning_rate=1e38, bf16=bf16, tiermem=tiermem, **over)), needle,
+                        "inf or NaN")
+        assert not (out / "model.safetensors").exists() and not list(out.glob("checkpoint-*")), list(out.iterdir())

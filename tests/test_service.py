@@ -346,6 +346,21 @@ def test_a_non_finite_step_is_not_committed_and_the_service_says_why(env):
         assert svc.stop() == 0
 
 
+def test_weights_an_update_of_the_service_made_inf_stop_the_trainer_in_one_line(env):
+    """The service's update 1 makes weights inf (a learning rate of 1e38): the trainer's step 2 finds its loss not
+    finite, finds which group's weights are not, says so in one line and exports nothing; the service keeps the run
+    at the step it committed (its CPU AdamW does not check what it writes: tiermem.optim.store_adamw)."""
+    svc = env.service()
+    try:
+        run = env.train("inf", learning_rate=1e38, max_steps=2, warmup_steps=0)
+        assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+        assert run.stderr.startswith("tiermem-train: error: update 1 made weights of group "), run.stderr
+        assert not (env.tmp / "inf" / "model.safetensors").exists()
+        svc.wait_for("the run stays at step 1")
+    finally:
+        svc.stop()
+
+
 @pytest.mark.parametrize("share", [0.5])  # (the trainer's GPU worker beside the moves; share 0 adds no path)
 def test_sighup_moves_optimizer_state_between_tiers_while_training(env, share):
     from tiermem.cli.top import read_service

@@ -4,7 +4,9 @@ over one Llama-3B-shaped decoder layer (100.7 M params, 12 tensors), in host mem
     python tools/bench_optim.py [--threads 16] [--reps 5] [--pinned]
 
 Prints G params/s for: AdamW alone, the bf16 copy alone, and the two together (as StoreAdamW does
-them), for the given thread counts; the ceiling is a plain fp32 memcpy of the same bytes. Then the
+them), the two with a check of the new compute copy (its norm: finite or not; what the GPU worker does, and what
+the CPU worker would pay for it: tiermem.optim.store_adamw), and fp32 AdamW with the check of its weights, for the
+given thread counts; the ceiling is a plain fp32 memcpy of the same bytes. Then the
 service's crash-safe variants (clipped gradients): AdamW in place behind an undo copy of the weights,
 moments and gradient (16 B/param copied first), the same with the undo copy's checksum taken as the service's
 journal takes it (tiermem.store.parallel_crc.piece_crcs of the whole extent, on a pool of threads, before the
@@ -15,6 +17,7 @@ three chunk sizes), each as a ratio to AdamW in place in the same run.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -24,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tiermem.optim.kernels import CHUNK, adamw_out_of_place  # noqa: E402
+from tiermem.optim.store_adamw import weights_norm  # noqa: E402
 from tiermem.store.parallel_crc import piece_crcs  # noqa: E402
 
 SHAPES = [(3072, 3072), (1024, 3072), (1024, 3072), (3072, 3072), (8192, 3072), (8192, 3072), (3072, 8192),
@@ -65,6 +69,15 @@ def main() -> None:
         adam()
         copy()
 
+    def both_checked():  # (StoreAdamW's: the new compute copy checked finite where the update wrote it)
+        adam()
+        copy()
+        math.isfinite(weights_norm(b).item())
+
+    def adam_checked():  # (fp32: the weights are the compute copy)
+        adam()
+        math.isfinite(weights_norm(p).item())
+
     def memcpy():
         for dst, src in zip(m, p):
             dst.copy_(src)
@@ -99,7 +112,8 @@ def main() -> None:
     for th in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(th)
         res = {k: n / timed(f, args.reps) / 1e9 for k, f in
-               (("adamw", adam), ("bf16 copy", copy), ("adamw+copy", both), ("fp32 memcpy", memcpy))}
+               (("adamw", adam), ("bf16 copy", copy), ("adamw+copy", both), ("adamw+copy+check", both_checked),
+                ("adamw+check (fp32)", adam_checked), ("fp32 memcpy", memcpy))}
         print(f"threads {th:2d}: " + ", ".join(f"{k} {r:.2f} G params/s" for k, r in res.items()))
         base = n / timed(clipped, args.reps) / 1e9
         safe = {k: n / timed(f, args.reps) / 1e9 for k, f in

@@ -387,7 +387,7 @@ class Saver(ReleaseGate):
         try:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-            model = ModelWriter(self.mcfg, tmp, self.dtype, self.model_dir)
+            model = ModelWriter(self.mcfg, tmp, self.dtype, self.model_dir, f"checkpoint-{step}")
             store_kind = {"master": self.src, **{k: k for k in MOMENTS}}
             layout = {k: [(w.name, w.shape) for w in all_weights(self.mcfg)
                           if state_name(w.name, store_kind[k]) not in self.remote] for k in ("master", *MOMENTS)}

@@ -28,11 +28,13 @@ import torch
 from tiermem.errors import UserError
 from tiermem.faults import HOOKS
 from tiermem.futures import all_of
+from tiermem.optim.store_adamw import NonFiniteUpdate, all_finite
 from tiermem.store.catalog import state_name
 from tiermem.store.prefetch import Prefetcher
 from trainer.model.layers import shift_labels
 from trainer.model.select import model_stages
 from trainer.model.weights import all_weights
+from trainer.weights_io import NonFiniteWeights
 
 
 class NonFiniteStep(UserError):
@@ -265,7 +267,9 @@ class Executor:
         norm = math.sqrt(float(sumsq))
         loss_value = float(loss) * scale
         if not (math.isfinite(norm) and math.isfinite(loss_value)):
-            err = NonFiniteStep(step + 1, loss_value, norm)
+            group = self._nonfinite_group()  # (weights an update made inf or NaN: say so, not the step)
+            err = NonFiniteStep(step + 1, loss_value, norm) if group is None else NonFiniteUpdate(step, group) \
+                if step else NonFiniteWeights(f"group {group}", "the model as loaded (step 1 used it)")
             err.quiet = world is not None and not world.lead  # (the world's norm: every rank finds it)
             raise err
         grad_scale = None
@@ -280,6 +284,14 @@ class Executor:
         self.optimizer.step(step + 1, lr, grad_scale)
         self.phase, self.layer = "optimizer", None
         return dataclasses.replace(result, seconds=time.perf_counter() - t_start)
+
+    def _nonfinite_group(self):
+        """The first group whose compute copy (the weights a step uses) holds inf or NaN, or None: asked once a step's
+        loss or norm is not finite (the optimizer's CPU worker does not check what it writes: tiermem.optim)."""
+        for w in all_weights(self.cfg):
+            if w.name in self.store.catalog and not all_finite([self.store.read(w.name).result()]):
+                return w.group
+        return None
 
     def _pass(self, batches: list, step: int, scale: float, first: bool, last: bool, n_micro: int):
         """Forward, loss and backward of ``batches`` (of ``n_micro`` micro-batches in the step), layer-major;

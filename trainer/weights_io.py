@@ -10,6 +10,7 @@ config.json and the tokenizer files, so ``AutoModelForCausalLM.from_pretrained(o
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
@@ -18,7 +19,8 @@ from pathlib import Path
 import crc32c
 import torch
 
-from tiermem.errors import ConfigError, StorageError
+from tiermem.errors import ConfigError, StorageError, UserError
+from tiermem.optim.store_adamw import all_finite, weights_norm
 from tiermem.store.catalog import state_name
 from trainer.model.config import ModelConfig
 from trainer.model.weights import LM_HEAD, Weight, all_weights, init_weight
@@ -184,13 +186,24 @@ class _ShardWriter:
         self.tmp.unlink(missing_ok=True)
 
 
+class NonFiniteWeights(UserError):
+    """A weight about to be written out (a checkpoint, the exported model) is inf or NaN: it is not written."""
+
+    def __init__(self, name: str, what: str):
+        super().__init__(f"{name} holds inf or NaN weights: {what} is not written and the run stops (the last "
+                         "checkpoint is intact); lower learning_rate (or weight_decay), or raise adam_epsilon")
+
+
 class ModelWriter:
     """Writes a model directory in Hugging Face format from tensors handed over in ``all_weights`` order
     (``put(name, tensor)``): safetensors shards of at most SHARD_BYTES (+ index when more than one),
-    config.json with the dtype, and the tokenizer files of ``model_dir``."""
+    config.json with the dtype, and the tokenizer files of ``model_dir``. A tensor holding inf or NaN is refused
+    (``NonFiniteWeights``, naming ``what`` is written): no checkpoint or exported model holds one."""
 
-    def __init__(self, cfg: ModelConfig, out_dir: str | Path, dtype: torch.dtype, model_dir: str | Path):
+    def __init__(self, cfg: ModelConfig, out_dir: str | Path, dtype: torch.dtype, model_dir: str | Path,
+                 what: str = "the model"):
         self.cfg, self.out, self.dtype, self.model_dir = cfg, Path(out_dir), dtype, Path(model_dir)
+        self.what = what
         self.out.mkdir(parents=True, exist_ok=True)
         shards, cur, size = [], [], 0
         for w in all_weights(cfg):
@@ -217,6 +230,8 @@ class ModelWriter:
         file, w = self._plan[self._next]
         if w.name != name:
             raise ValueError(f"expected {w.name} next, got {name}")
+        if not math.isfinite(float(weights_norm([t]))) and not all_finite([t]):  # (the exact look only then)
+            raise NonFiniteWeights(name, self.what)
         if self._writer is None:
             self._writer = _ShardWriter(self.out / file, [(x.name, x.shape, self.dtype) for x in self._shards[file]])
         if t.dtype == self.dtype:

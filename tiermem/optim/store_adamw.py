@@ -22,12 +22,21 @@ about the in-place traffic), else it updates in place behind the guard's undo co
 
 Semantics are ``torch.optim.AdamW``'s: decoupled weight decay (only for tensors flagged to decay), bias
 correction, fp32 moments; gradients may be divided by ``grad_scale`` (global-norm clipping).
+
+The GPU worker checks each group's new compute copy finite where it has just written it (one multi-tensor norm on
+the GPU, read once the group's update is home): an update that made a weight inf or NaN stops with
+``NonFiniteUpdate`` before the group's version moves on, so nothing reads it. The CPU worker does not: a read of
+the new compute copy there costs about as much as the update (on the H200 host's 14 threads 3.3 G params/s for the
+norm of a bf16 copy, against 3.0 for AdamW and the copy: 1.7 with the check). Its groups' weights are checked where
+they are written out (a checkpoint's and the exported model's files: ``trainer.weights_io``), and, when a step's
+loss or gradient norm is not finite, by the trainer before it says which (``trainer.executor``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import math
 import os
 import threading
 import time
@@ -36,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from tiermem.config import MOMENTS
-from tiermem.errors import BudgetError
+from tiermem.errors import BudgetError, UserError
 from tiermem.futures import all_of, done_future
 from tiermem.optim.interface import Gate
 from tiermem.optim.kernels import adamw_out_of_place, fused_adamw
@@ -47,6 +56,28 @@ from tiermem.tiers.extents import OutOfSpace
 from tiermem.tiers.gpu import host_sync
 
 default_threads = worker_threads  # CPU AdamW's threads (tiermem.plan.machine: the probe measures on as many)
+
+
+class NonFiniteUpdate(UserError):
+    """An update made some of a group's new weights inf or NaN: the run stops, and they are neither saved nor
+    exported."""
+
+    def __init__(self, step: int, group: Group):
+        super().__init__(f"update {step} made weights of group {group} inf or NaN (from a finite loss and gradient "
+                         "norm): the run stops, they are neither saved nor exported, the last checkpoint is intact; "
+                         "lower learning_rate (or weight_decay), or raise adam_epsilon")
+        self.step, self.group = step, group
+
+
+def weights_norm(tensors) -> torch.Tensor:
+    """The L2 norm of ``tensors`` together (one multi-tensor kernel on their device, not waited for): inf or NaN when
+    an element is, and also when the squares of weights beyond ~1e19 overflow (``all_finite`` tells those apart)."""
+    return torch.stack(torch._foreach_norm(tensors)).float().norm()
+
+
+def all_finite(tensors) -> bool:
+    """Whether every element of ``tensors`` is finite (exact, and slower: a non-finite ``weights_norm``'s check)."""
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def worker_nice() -> int:
@@ -102,10 +133,15 @@ class OptimSettings:
         try:
             adamw = AdamWConfig(float(o["beta1"]), float(o["beta2"]), float(o["eps"]), float(o["weight_decay"]))
             decay = {str(k): bool(v) for k, v in dict(o["decay"]).items()}
-            return cls(adamw, bool(o["has_master"]), decay, list(o["groups"]))
+            settings = cls(adamw, bool(o["has_master"]), decay, list(o["groups"]))
         except (KeyError, TypeError, ValueError):
             raise ValueError("bad optim settings: need beta1, beta2, eps, weight_decay, has_master, decay, "
                              "groups") from None
+        a = settings.adamw
+        if not (0 <= a.beta1 < 1 and 0 <= a.beta2 < 1 and 0 < a.eps < math.inf and 0 <= a.weight_decay < math.inf):
+            raise ValueError("bad optim settings: beta1 and beta2 must be in [0, 1), eps positive, weight_decay not "
+                             "negative (an update with others is undefined)")
+        return settings
 
     def optimizer(self, store, **kw) -> StoreAdamW:
         """A ``StoreAdamW`` over ``store`` with these settings (``kw``: its keyword arguments)."""
@@ -144,6 +180,8 @@ class StoreAdamW:
         self.resident = {g for g in self.groups if self._all_on_gpu(g)}
         self._resident_work_of: dict = {}  # group -> (where its tensors are, what its update computes on)
         self.guard, self.offer_params, self.cpu_takes_over = guard, offer_params, cpu_takes_over
+        # the GPU worker checks each group's new compute copy finite before its version moves on (module docstring)
+        self.check_finite = True
         self._cpu = cf.ThreadPoolExecutor(1, "tiermem-optim-cpu", initializer=_cpu_worker_thread,
                                           initargs=(self.threads,))
         self._gpu = cf.ThreadPoolExecutor(1, "tiermem-optim-gpu")
@@ -282,6 +320,18 @@ class StoreAdamW:
     def _base(self, name: str) -> str:
         return name if self.p_kind == "param" else name.split("/", 1)[1]
 
+    def _check(self, tensors) -> tuple | None:
+        """The check of a group's new compute copy ``tensors``, started (their ``weights_norm``, the tensors), when
+        this optimizer checks them; ``_nonfinite`` tells its outcome."""
+        tensors = [t for t in tensors if t.numel()]
+        return (weights_norm(tensors), tensors) if self.check_finite and tensors else None
+
+    @staticmethod
+    def _nonfinite(check: tuple | None) -> bool:
+        """Whether a ``_check`` found a weight inf or NaN (its norm's kernel must have run: a host sync, or the
+        update's copies home, came after it)."""
+        return check is not None and not math.isfinite(float(check[0])) and not all_finite(check[1])
+
     # -- the CPU worker (and groups resident on the GPU tier) ----------------------------------------
     def _run_cpu(self, groups: list[Group], step: int, lr: float, grad_scale: float | None) -> None:
         kinds = (self.p_kind, "grad", *MOMENTS) + (("param",) if self.has_master else ())
@@ -309,8 +359,8 @@ class StoreAdamW:
                 t0 = time.perf_counter()
                 self.guard.begin(g, step, views)
                 self._split["undo_copy"] = self._split.get("undo_copy", 0.0) + time.perf_counter() - t0
-            self._update_in_place(g, views, step, lr, grad_scale)
-            prev_writeback = self._finish(g, views, step)
+            bad = self._update_in_place(g, views, step, lr, grad_scale)
+            prev_writeback = self._finish(g, views, step, bad)
         prev_writeback.result()  # (the step's future stands for every write-back, the last group's too)
 
     def _stage(self, g: Group, kinds) -> dict[str, cf.Future]:
@@ -325,7 +375,9 @@ class StoreAdamW:
             raise
         return out
 
-    def _update_in_place(self, g: Group, views, step: int, lr: float, grad_scale: float | None) -> None:
+    def _update_in_place(self, g: Group, views, step: int, lr: float, grad_scale: float | None):
+        """AdamW in place on the staged views; returns whether the new compute copy, where it lives on the GPU tier,
+        has a weight inf or NaN."""
         cat, pk = self.store.catalog, self.p_kind
         entries = cat.group_entries(g, pk)
         dev = views[pk].tensors[entries[0].spec.name].device
@@ -358,10 +410,13 @@ class StoreAdamW:
         if self.has_master:
             for e in cat.group_entries(g, "param"):
                 views["param"].tensors[e.spec.name].copy_(views["master"].tensors[state_name(e.spec.name, "master")])
+        # (a group resident in HBM, updated here by this same code: checked there, where it costs nothing)
+        check = self._check(t for n, t in views["param"].tensors.items() if cat[n].tier == "gpu")
         if any(t.is_cuda for v in views.values() for t in v.tensors.values()):
             host_sync(torch.cuda.current_stream())
         self._split["cpu_adamw"] += t1 - t0
         self._split["cpu_compute_copy"] += time.perf_counter() - t1
+        return self._nonfinite(check)
 
     def state_names(self, g: Group) -> list[str]:
         """The group's tensors an update replaces: weights (fp32 master or the params) and both moments."""
@@ -412,9 +467,10 @@ class StoreAdamW:
             view.release(write_back=False)
         self.store.catalog.bump(g, to=step)
 
-    def _finish(self, g: Group, views, step: int) -> cf.Future:
+    def _finish(self, g: Group, views, step: int, bad: bool = False) -> cf.Future:
         """Declare the updated state valid, write NVMe-staged state back, bump the group's version once
-        the new compute copy is in its home; returns a future for the remaining write-backs."""
+        the new compute copy is in its home (unless it is ``bad``: a weight inf or NaN); returns a future for the
+        remaining write-backs."""
         writebacks = []
         for k, view in views.items():
             if k == "grad":
@@ -430,6 +486,8 @@ class StoreAdamW:
             all_of(writebacks).result()
             self.guard.done(g, step)
             writebacks = []
+        if bad:
+            raise NonFiniteUpdate(step, g)
         self.store.catalog.bump(g, to=step)
         return self._home(g, step, all_of(writebacks))
 
@@ -490,11 +548,14 @@ class StoreAdamW:
         self._adamw(lists, step, lr, grad_scale, store.gpu.device)
         if self.has_master:
             torch._foreach_copy_(params, masters)
+        check = self._check(params if self.has_master else lists[True][0] + lists[False][0])
         if self._stream is not None:
             host_sync(self._stream)
         for k in (pk, *MOMENTS, "param"):
             if k in kinds:
                 store.mark_valid(g, k)
+        if self._nonfinite(check):
+            raise NonFiniteUpdate(step, g)
         cat.bump(g, to=step)
         self._home(g, step, done_future())
 
@@ -575,6 +636,11 @@ class StoreAdamW:
         if self.has_master:
             params = {e.spec.name: work[state_name(e.spec.name, "master")].to(e.spec.dtype)
                       for e in cat.group_entries(g, "param")}
+        check = self._check(params.values() if self.has_master else lists[True][0] + lists[False][0])
+        computed = None
+        if check is not None and check[0].is_cuda:  # (read once the event says the kernel ran: no wait here)
+            computed = torch.cuda.Event()
+            computed.record()
         if self._stream is not None and any(cat[n].tier == "gpu" for n in work):  # (updated in HBM, in place: done
             host_sync(self._stream)  # before the version says so, as nothing is copied home after it)
         if self.has_master:
@@ -591,11 +657,19 @@ class StoreAdamW:
                 if home is not None:
                     home.result()
                 self.guard.flip(g, step, places)
+                if computed is not None:
+                    computed.synchronize()
+                if self._nonfinite(check):  # (journaled whole: a recovery does not redo it)
+                    raise NonFiniteUpdate(step, g)
                 cat.bump(g, to=step)
 
             return self._flips.submit(flip)  # the loop waits on it before fetching the group after next
         back = [store.store_group(g, k, {e.spec.name: work[e.spec.name] for e in cat.group_entries(g, k)},
                                   bulk=True) for k in (pk, *MOMENTS)]
         (home if self.has_master else back[0]).result()
+        if computed is not None:
+            computed.synchronize()
+        if self._nonfinite(check):
+            raise NonFiniteUpdate(step, g)
         cat.bump(g, to=step)
         return self._home(g, step, all_of(back))
