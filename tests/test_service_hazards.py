@@ -287,3 +287,101 @@ def test_no_malformed_field_of_any_request_is_an_internal_error(tmp_path, caplog
         svc._close_run(keep=False)
     svc.release()
     theirs.close()
+
+
+def _service_on_nvme(tmp_path, say=lambda _: None):
+    """An in-process service whose run record lives in its NVMe directory (not the default state directory), with
+    a one-tensor run initialized (a run a service recovers), and its config's path and text."""
+    from tiermem.service.server import Service
+
+    shm, nvme = tmp_path / "shm", tmp_path / "nvme"
+    shm.mkdir()
+    config = {"name": "hz", "placement": "auto", "optimizer": {"gpu_share": 0},
+              "tiers": {"gpu": {"device": "cpu"}, "dram": {"path": str(shm), "budget": "1MiB"},
+                        "nvme": {"path": str(nvme), "budget": "1MiB", "backend": "posix"}}}
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    import socket
+
+    import torch
+
+    from tiermem.service.runs import Client
+    from tiermem.store.catalog import TensorSpec
+    from tiermem.store.layout import spec_to_json
+
+    specs = [TensorSpec(n, (4, 4), torch.float32, k, 0) for n, k in
+             (("w", "param"), ("grad/w", "grad"), ("exp_avg/w", "exp_avg"), ("exp_avg_sq/w", "exp_avg_sq"))]
+    optim = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "has_master": False, "decay": {"w": True},
+             "groups": [0]}
+    hello = {"op": "hello", "id": 1, "run": "r1", "specs": [spec_to_json(x) for x in specs], "optim": optim}
+    svc = Service(str(path), str(tmp_path / "s.sock"), say=say)
+    client = Client(socket.socketpair()[0])
+    ok(svc.dispatch(client, hello))
+    ok(svc.dispatch(client, {"op": "init", "id": 2, "run": "r1", "step": 0}))
+    return svc, path, config
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_arenas_clean_keeps_a_recoverable_arena_whose_lock_file_is_gone(tmp_path, capsys):
+    """`tiermem arenas --clean` removed a recoverable arena when the lock file beside it was missing (it said where
+    the run was recorded). The arena's own header says who made it and where its run is recorded: kept, listed as
+    recoverable, and a service recovers it."""
+    import json
+
+    from tiermem.cli import main as tiermem
+    from tiermem.service.server import Service
+    from tiermem.tiers.dram import HEADER, MAGIC
+
+    svc, path, _ = _service_on_nvme(tmp_path)
+    with svc.lock:
+        svc._close_run(keep=True)  # (as a service killed mid-run leaves it)
+    svc.release()
+    shm = tmp_path / "shm"
+    arena = shm / "hz.arena"
+    with open(arena, "r+b") as f:  # its owner gone
+        header = json.loads(f.read(HEADER)[len(MAGIC):].rstrip(b"\0"))
+        f.seek(0)
+        f.write((MAGIC + json.dumps(dict(header, pid=_dead_pid())).encode()).ljust(HEADER, b"\0"))
+    (shm / "hz.lock").unlink()
+    capsys.readouterr()
+    assert tiermem(["arenas", "--dir", str(shm), "--clean"]) == 0
+    said = capsys.readouterr().out
+    assert arena.is_file() and f"recoverable: start `tiermem serve --config {path.resolve()}`" in said, said
+    assert header["owner"]["state_dir"] == str((tmp_path / "nvme").resolve())
+    again = Service(str(path), str(tmp_path / "s.sock"), say=lambda _: None)
+    try:
+        assert again.run is not None and again.run.state.initialized
+    finally:
+        again._close_run(keep=False)
+        again.release()
+
+
+def test_a_sighup_that_would_move_the_stores_files_is_refused_with_a_line(tmp_path):
+    """A reload that changed tiers.nvme.path (where the run is recorded), the arena's directory or the store's name
+    orphaned the run: refused with one line in the log, the running store keeps its files; a change the store can
+    follow (a budget) is still taken."""
+    said = []
+    svc, path, config = _service_on_nvme(tmp_path, said.append)
+    try:
+        tiers = config["tiers"]
+        for key, changed in (("tiers.nvme.path", dict(tiers, nvme=dict(tiers["nvme"], path=str(tmp_path / "n2")))),
+                             ("tiers.nvme.path", {k: v for k, v in tiers.items() if k != "nvme"}),
+                             ("tiers.dram.path", dict(tiers, dram=dict(tiers["dram"], path=str(tmp_path / "shm2")))),
+                             ("name", tiers)):
+            path.write_text(yaml.safe_dump(dict(config, tiers=changed, name="other" if key == "name" else "hz")))
+            svc.reload()
+            assert said[-1].startswith("SIGHUP: config not reloaded: ") and key in said[-1], said[-1]
+            assert "\n" not in said[-1] and svc.pending_config is None
+        path.write_text(yaml.safe_dump(dict(config, tiers=dict(tiers, dram=dict(tiers["dram"], budget="2MiB")))))
+        svc.reload()
+        assert said[-1].startswith("SIGHUP: config reloaded") and svc.pending_config is not None
+        assert (tmp_path / "nvme" / "hz.run.json").is_file() and (tmp_path / "shm" / "hz.arena").is_file()
+    finally:
+        with svc.lock:
+            svc._close_run(keep=False)
+        svc.release()

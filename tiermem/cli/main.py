@@ -35,15 +35,16 @@ def _probe(args) -> int:
 
 
 def _recoverable(arena) -> str:
-    """For an arena a service left behind with its run recorded: how to recover it ('' for none)."""
+    """For an arena a service left behind with its run recorded: how to recover it ('' for none). Where the run is
+    recorded comes from the arena's own header (its owner's state directory), else from the lock file beside it."""
     from tiermem.service.journal import default_state_dir, recoverable_run
     from tiermem.service.owner import lock_path, read_note
 
     note = read_note(lock_path(arena.path.parent, arena.name))
-    for directory in (note.get("state_dir"), default_state_dir()):
+    for directory in (arena.owner.get("state_dir"), note.get("state_dir"), default_state_dir()):
         run = recoverable_run(Path(str(directory)), arena.name, arena.path.parent) if directory else None
         if run is not None:
-            config = run["config"] or note.get("config")
+            config = run["config"] or arena.owner.get("config") or note.get("config")
             start = (f"`tiermem serve --config {config}`" if config
                      else f"`tiermem serve` with store {arena.name}'s config")
             return f"recoverable: start {start} to recover " + (f"step {run['step']}" if run["step"] is not None
@@ -52,10 +53,11 @@ def _recoverable(arena) -> str:
 
 
 def _remove(arena) -> None:
-    """Remove an arena left behind, unless a service has taken its store meanwhile."""
+    """Remove an arena left behind, unless a service has taken its store meanwhile (a service's arena, its header
+    says, is removed holding the store's lock, even where the lock file is gone)."""
     from tiermem.service.owner import Owned, Ownership, lock_path
 
-    if not lock_path(arena.path.parent, arena.name).exists():  # no service's: an embedded run's
+    if arena.owner.get("kind") != "service" and not lock_path(arena.path.parent, arena.name).exists():  # (a run's
         arena.path.unlink(missing_ok=True)
         print(f"  removed {arena.path}")
         return

@@ -1,8 +1,13 @@
 """SIGHUP re-placement: the config read again, and optimizer state moved between tiers to follow it at
 the next commit, with the store's own copy-then-switch (``Store.copy_to``/``rehome``): every new place is
-recorded before an old one is reused. A part of ``Service`` (``tiermem.service.server``)."""
+recorded before an old one is reused. A config that would move the running store's files (its name, the arena's
+directory, the NVMe tier's, where its run is recorded) is refused with one line in the log: the store keeps them
+(a service started later with the moved paths would not find the run). A part of ``Service``
+(``tiermem.service.server``)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from tiermem.errors import UserError
 from tiermem.plan.placement import default_budgets, make_plan
@@ -10,6 +15,25 @@ from tiermem.service.config import MOVABLE, planning_config, service_config
 from tiermem.service.journal import write_atomic
 from tiermem.service.runs import Run
 from tiermem.store.layout import layout_of
+
+
+def _where(path) -> str | None:
+    return None if path is None else str(Path(path).resolve())
+
+
+def moved_files(old, new) -> list[str]:
+    """What a reloaded config ``new`` changes of where a running store's files are (its name, the arena's directory,
+    the NVMe tier's, which holds the run's record): one phrase each."""
+    changes = []
+    if new.store_name() != old.store_name():
+        changes.append(f"name {old.store_name()} -> {new.store_name()}")
+    if _where(new.tiers.dram.path) != _where(old.tiers.dram.path):
+        changes.append(f"tiers.dram.path {old.tiers.dram.path} -> {new.tiers.dram.path}")
+    nvme = [_where(c.tiers.nvme.path) if c.tiers.nvme is not None else None for c in (old, new)]
+    if nvme[0] != nvme[1]:
+        said = [c.tiers.nvme.path if c.tiers.nvme is not None else "(no nvme tier)" for c in (old, new)]
+        changes.append(f"tiers.nvme.path {said[0]} -> {said[1]}")
+    return changes
 
 
 class Replacement:
@@ -20,8 +44,11 @@ class Replacement:
         except UserError as e:
             self.say(f"SIGHUP: config not reloaded: {e}")
             return
-        if cfg.store_name() != self.cfg.store_name() or cfg.tiers.dram.path != self.cfg.tiers.dram.path:
-            self.say("SIGHUP: the store's name and arena directory cannot change while it runs; not reloaded")
+        moved = moved_files(self.cfg, cfg)
+        if moved:
+            self.say(f"SIGHUP: config not reloaded: {'; '.join(moved)}: a running store keeps its files (and its "
+                     "run's record) where they are; put the config back (to move the store, let its run finish "
+                     "first)")
             return
         with self.lock:
             self.pending_config = cfg

@@ -126,6 +126,12 @@ class Service(UpdateRequests, Replacement):
         """Give up the store's files (the service is stopped, or never started)."""
         self.owner.release()
 
+    def arena_owner(self) -> dict:
+        """What the header of this service's arena says of it: where its run is recorded (``tiermem arenas`` finds
+        a run to recover there, without the lock file beside the arena), its config and its socket."""
+        return {"kind": "service", "state_dir": str(self.dir.resolve()),
+                "config": str(Path(self.config_path).resolve()), "socket": str(self.socket_path)}
+
     # -- runs ------------------------------------------------------------------------------------------
     def _discard_recorded(self) -> None:
         name, t = self.cfg.store_name(), self.cfg.tiers
@@ -162,7 +168,7 @@ class Service(UpdateRequests, Replacement):
             self._discard_recorded()
             return
         specs = [spec_from_json(s) for s in record["specs"]]
-        store = reopen_store(self.plan_cfg, specs, state.layout(record), record["nvme_capacity"])
+        store = reopen_store(self.plan_cfg, specs, state.layout(record), record["nvme_capacity"], self.arena_owner())
         run = self._make_run(record, specs, store, journal)
         st = run.state
         if record["undo"] is not None:
@@ -222,7 +228,7 @@ class Service(UpdateRequests, Replacement):
         spare = {t: room_for_new_state(specs, plan, moved, t) for t in ("dram", "nvme")}
         for p in (self.record_path, self.journal_path):
             p.unlink(missing_ok=True)
-        store = create_store(self.plan_cfg, specs, plan, undo + spare["dram"], spare["nvme"])
+        store = create_store(self.plan_cfg, specs, plan, undo + spare["dram"], spare["nvme"], self.arena_owner())
         try:
             ext = store.dram.allocate(undo) if undo else None
             record = {"format": 1, "run": msg["run"], "label": dict(msg.get("label") or {}), "created": time.time(),

@@ -113,23 +113,26 @@ def _plan_of(specs: list[TensorSpec], layout: dict[str, list], cfg: StoreConfig)
     return Plan(where, group_bytes, 0, 0, 0, default_budgets(cfg))
 
 
-def create_store(cfg: StoreConfig, specs: list[TensorSpec], plan: Plan, extra_dram: int, extra_nvme: int = 0) -> Store:
+def create_store(cfg: StoreConfig, specs: list[TensorSpec], plan: Plan, extra_dram: int, extra_nvme: int = 0,
+                 owner: dict | None = None) -> Store:
     """The service's store for a new run: the arena sized to ``plan`` (+ ``extra_dram``), the NVMe file to
     its budget when one is set (room to move optimizer state there later), else to the plan (+ ``extra_nvme``).
-    The arena is pinned when the config's GPU device is CUDA."""
+    The arena is pinned when the config's GPU device is CUDA; its header records ``owner`` (the service)."""
     need = plan.need()
     nvme = need["nvme"] + extra_nvme if need["nvme"] else 0
     if cfg.tiers.nvme is not None and cfg.tiers.nvme.budget is not None:
         nvme = max(nvme, cfg.tiers.nvme.budget)
-    store = Store(cfg, {"gpu": 0, "dram": need["dram"] + extra_dram, "nvme": nvme}, plan=plan)
+    store = Store(cfg, {"gpu": 0, "dram": need["dram"] + extra_dram, "nvme": nvme}, plan=plan, owner=owner)
     return store.create_all(specs, plan.where)
 
 
-def reopen_store(cfg: StoreConfig, specs: list[TensorSpec], layout: dict[str, list], nvme_capacity: int) -> Store:
-    """The service's store over the arena and NVMe file a previous service process left behind."""
+def reopen_store(cfg: StoreConfig, specs: list[TensorSpec], layout: dict[str, list], nvme_capacity: int,
+                 owner: dict | None = None) -> Store:
+    """The service's store over the arena and NVMe file a previous service process left behind (its arena's header
+    then names this process, and ``owner``)."""
     name, t = cfg.store_name(), cfg.tiers
     device = torch.device(t.gpu.device)
-    dram = DramArena.reopen(name, t.dram.path, pin=device.type == "cuda")
+    dram = DramArena.reopen(name, t.dram.path, pin=device.type == "cuda", owner=owner)
     nvme = gpu = None
     try:
         if nvme_capacity:

@@ -76,9 +76,11 @@ def _typed(raw: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
 
 class Store:
     def __init__(self, cfg: StoreConfig, capacity: dict[str, int], slot_bytes: int = 0, n_slots: int = 0,
-                 pin: bool | None = None, plan: Plan | None = None, tiers: tuple | None = None):
+                 pin: bool | None = None, plan: Plan | None = None, tiers: tuple | None = None,
+                 owner: dict | None = None):
         """Make the tiers for ``capacity`` (or take ready ones: ``tiers`` = (gpu, dram, nvme), as the
-        service's and an attached trainer's stores do over an existing arena and files)."""
+        service's and an attached trainer's stores do over an existing arena and files). ``owner``: who makes the
+        store, recorded in its arena's header (a service's state directory, config and socket)."""
         self.cfg, self.plan = cfg, plan
         self.name = cfg.store_name()
         self.catalog = Catalog()
@@ -89,7 +91,7 @@ class Store:
         if tiers is not None:
             self.gpu, self.dram, self.nvme = tiers
         else:
-            self._make_tiers(device, capacity, slot_bytes, n_slots, pin)
+            self._make_tiers(device, capacity, slot_bytes, n_slots, pin, owner)
         self.mover = Mover(self.gpu, self.dram, self.nvme)
         self._tails: dict[tuple[Group, str], cf.Future] = {}
         self._views: dict[tuple[Group, str], tuple] = {}  # (group, kind) -> (offsets, views) of HBM tensors
@@ -99,12 +101,12 @@ class Store:
         self._closed = False
         self.keep_files = False  # close() leaves the arena and NVMe files in place (the service's state)
 
-    def _make_tiers(self, device, capacity, slot_bytes, n_slots, pin) -> None:
+    def _make_tiers(self, device, capacity, slot_bytes, n_slots, pin, owner=None) -> None:
         t = self.cfg.tiers
         try:
             self.gpu = GpuTier(device, capacity.get("gpu", 0), slot_bytes, n_slots)
             self.dram = DramArena.create(self.name, max(capacity.get("dram", 0), 4096), t.dram.path, pin=pin,
-                                         preallocate=t.dram.preallocate)
+                                         preallocate=t.dram.preallocate, owner=owner)
             if t.nvme is not None and capacity.get("nvme", 0) > 0:
                 self.nvme = NvmeTier(t.nvme.path, self.name, capacity["nvme"], t.nvme.backend, t.nvme.threads,
                                      t.nvme.io_chunk, t.nvme.direct)

@@ -1,8 +1,11 @@
 """The DRAM tier: one shared-memory arena, mapped once, carved into 4 KiB-aligned extents.
 
 The arena is a file (``<dir>/<name>.arena``, /dev/shm by default) so that another process can map the
-same bytes by name (the service and its trainers do). Its first 4 KiB page is a header that records
-the owner's pid, so an arena left behind by a dead process is detectable (``list_arenas``). With a GPU
+same bytes by name (the service and its trainers do). Its first 4 KiB page is a header that records its run's
+identity: the owner's pid and that process's start time (so an arena left behind by a dead process is detectable,
+a reused pid included: ``list_arenas``), its size and creation time, and who made it (``owner``: a service's
+state directory, where its run record lives, its config and socket), so that ``tiermem arenas`` can tell a run a
+service can recover from without any other file. With a GPU
 present the whole mapping is registered with CUDA as pinned memory by one ``cudaHostRegister`` call;
 tensors handed out are zero-copy views into it.
 
@@ -21,7 +24,7 @@ import logging
 import mmap
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -49,6 +52,36 @@ class ArenaInfo:
     size: int
     created: float
     alive: bool
+    owner: dict = field(default_factory=dict)  # who made it: {"kind": "service", "state_dir", "config", "socket"}
+
+
+def process_start(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch), or None when there is none (or it cannot be read)."""
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.Error, ValueError, OverflowError):
+        return None
+
+
+def owner_alive(header: dict) -> bool:
+    """Whether the process an arena's header names still runs: its pid exists and, where the header records the
+    process's start time, it started then (not another process given the same pid since)."""
+    started = process_start(header["pid"])
+    if started is None:
+        return False
+    recorded = header.get("pid_start")
+    return not isinstance(recorded, (int, float)) or abs(started - recorded) < 1.0
+
+
+def _header(name: str, size: int, created: float, owner: dict | None) -> bytes:
+    """An arena's header page for this process (see the module docstring)."""
+    h = {"name": name, "pid": os.getpid(), "pid_start": process_start(os.getpid()), "size": size, "created": created,
+         "owner": dict(owner or {})}
+    raw = MAGIC + json.dumps(h).encode()
+    if len(raw) > HEADER:
+        raise StorageError(f"the arena header of {name} does not fit in {HEADER} bytes (its owner's paths are too "
+                           "long)")
+    return raw.ljust(HEADER, b"\0")
 
 
 def check_budget(budget: int | None, directory: str | Path) -> None:
@@ -85,8 +118,8 @@ def list_arenas(directory: str | Path = "/dev/shm") -> list[ArenaInfo]:
             h = _read_header(path)
         except (OSError, StorageError, ValueError):
             continue
-        alive = psutil.pid_exists(h["pid"])
-        out.append(ArenaInfo(path, h["name"], h["pid"], h["size"], h["created"], alive))
+        owner = h.get("owner") if isinstance(h.get("owner"), dict) else {}
+        out.append(ArenaInfo(path, h["name"], h["pid"], h["size"], h["created"], owner_alive(h), owner))
     return out
 
 
@@ -166,8 +199,9 @@ class DramArena:
 
     @classmethod
     def create(cls, name: str, capacity: int, directory: str | Path = "/dev/shm", pin: bool = False,
-               preallocate: bool = False) -> DramArena:
-        """Make a new arena of ``capacity`` usable bytes; fails with one line if it cannot."""
+               preallocate: bool = False, owner: dict | None = None) -> DramArena:
+        """Make a new arena of ``capacity`` usable bytes, its header naming this process and ``owner`` (who made it:
+        a service's state directory, config and socket); fails with one line if it cannot."""
         if str(directory) == ANONYMOUS:
             return cls._anonymous(name, capacity, pin)
         directory = Path(directory)
@@ -202,9 +236,7 @@ class DramArena:
                                            "lower tiers.dram.budget or free shared memory") from None
                     if e.errno not in (95, 22):  # EOPNOTSUPP/EINVAL: filesystem cannot preallocate
                         raise
-            header = MAGIC + json.dumps({"name": name, "pid": os.getpid(), "size": size,
-                                         "created": time.time()}).encode()
-            os.pwrite(fd, header.ljust(HEADER, b"\0"), 0)
+            os.pwrite(fd, _header(name, size, time.time(), owner), 0)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
@@ -250,24 +282,24 @@ class DramArena:
         return cls(path, name, size, mm, owner=False, pin=pin)
 
     @classmethod
-    def reopen(cls, name: str, directory: str | Path, pin: bool = False) -> DramArena:
+    def reopen(cls, name: str, directory: str | Path, pin: bool = False, owner: dict | None = None) -> DramArena:
         """Take ownership of an arena file a previous owner (a killed or stopped service) left behind: its
-        bytes are kept, its header names this process; the caller rebuilds the allocator's extents."""
+        bytes are kept, its header names this process (and ``owner``, or the previous one's); the caller rebuilds
+        the allocator's extents."""
         path = Path(directory) / f"{name}{SUFFIX}"
         if not path.is_file():
             raise StorageError(f"no arena named {name} in {directory}")
         h = _read_header(path)
-        if h["pid"] != os.getpid() and psutil.pid_exists(h["pid"]):  # alive, unless the pid was reused
-            try:
-                alive = "tiermem" in " ".join(psutil.Process(h["pid"]).cmdline())
+        if h["pid"] != os.getpid() and owner_alive(h):  # (a header without the start time: alive, unless the pid
+            try:  # was reused by a process that is not tiermem's)
+                alive = "pid_start" in h or "tiermem" in " ".join(psutil.Process(h["pid"]).cmdline())
             except psutil.Error:
                 alive = False
             if alive:
                 raise StorageError(f"arena {path} is owned by running pid {h['pid']}")
         fd = os.open(path, os.O_RDWR)
         try:
-            header = MAGIC + json.dumps(dict(h, pid=os.getpid())).encode()
-            os.pwrite(fd, header.ljust(HEADER, b"\0"), 0)
+            os.pwrite(fd, _header(name, h["size"], h["created"], owner if owner is not None else h.get("owner")), 0)
             mm = mmap.mmap(fd, h["size"], mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
