@@ -61,6 +61,7 @@ BAD_VALUES = [
     ("adam_epsilon=0", "adam_epsilon"),
     ("adam_epsilon=1e-50", "adam_epsilon"),
     ("learning_rate=1e39", "learning_rate"),
+    ("weight_decay=1e39", "weight_decay"),
     ("warmup_steps=-5", "warmup_steps"),
     ("weight_decay=.nan", "weight_decay"),
     ("max_grad_norm=.inf", "max_grad_norm"),

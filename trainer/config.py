@@ -28,7 +28,7 @@ from trainer.paths import check_output_dir, expand_paths
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 REPORTERS = ("tensorboard",)  # what report_to may name, besides none
 FP32_TINY = 1.1754943508222875e-38  # the smallest normal fp32 number: adam_epsilon's least value
-FP32_MAX = 3.4028234663852886e38  # the largest fp32 number: learning_rate's largest value
+FP32_MAX = 3.4028234663852886e38  # the largest fp32 number: learning_rate's and weight_decay's largest value
 @dataclass
 class TrainConfig:
     # model
@@ -280,9 +280,10 @@ def validate(c: TrainConfig, problems: list[str] | None = None, here: bool = Tru
         for k in ("learning_rate", "weight_decay", "max_grad_norm", "warmup_steps"):
             if getattr(c, k) < 0:
                 bad(f"{k} must not be negative, got {getattr(c, k)}")
-        if c.learning_rate > FP32_MAX:
-            bad(f"learning_rate must be at most {FP32_MAX:.4g} (the largest fp32 number: the update computes in fp32), "
-                f"got {c.learning_rate}")
+        for k in ("learning_rate", "weight_decay"):
+            if getattr(c, k) > FP32_MAX:
+                bad(f"{k} must be at most {FP32_MAX:.4g} (the largest fp32 number: the update computes in fp32), "
+                    f"got {getattr(c, k)}")
         if not c.adam_epsilon >= FP32_TINY:  # (0 or less, or 0 once it is an fp32: the kernels compute in fp32)
             bad(f"adam_epsilon must be positive (at least {FP32_TINY:.3g}, the smallest normal fp32 number), got "
                 f"{c.adam_epsilon}: AdamW divides by sqrt(exp_avg_sq) + adam_epsilon, 0/0 = NaN wherever a gradient "
