@@ -176,10 +176,20 @@ def test_a_pinned_kind_stays_pinned():
     assert all(p.where[(g, "param")] == "dram" for g in ["embed", *range(6), "head"])
 
 
-def test_a_state_too_big_for_every_tier_is_refused_in_one_line():
+def test_a_state_too_big_for_every_tier_is_refused_in_one_line_with_every_way_out():
+    """The refusal names each way to the room it lacks, with the figure: a larger NVMe budget (or another disk of
+    the NVMe share plus the shortfall), a larger DRAM budget, fewer activations in HBM, a larger GPU budget."""
     with pytest.raises(BudgetError) as e:
         plan(layers=8, gpu=8 * GiB, dram=4 * GiB, nvme=4 * GiB)
-    assert "does not fit" in str(e.value) and "\n" not in str(e.value)
+    msg = str(e.value)
+    assert "does not fit" in msg and "\n" not in msg
+    more = msg.split("; ")[1].split(" more is needed")[0]  # (the shortfall, e.g. "3.0 GiB")
+    for way in (f"a tiers.nvme.budget {more} larger", "or a tiers.nvme.path on a disk with",
+                f"a tiers.dram.budget {more} larger", f"a tiers.gpu.budget {more} larger"):
+        assert way in msg, msg
+    with pytest.raises(BudgetError) as e:  # (activations of 40 GiB a pass: giving some up gives the room)
+        plan(layers=8, gpu=46 * GiB, dram=2 * GiB, nvme=2 * GiB, w=workload(8, working=40 * GiB))
+    assert "fewer activations in HBM (a pass holds" in str(e.value), str(e.value)
 
 
 def test_the_gpu_optimizer_gets_room_for_the_groups_it_streams_in_or_leaves_them_to_the_cpu():
@@ -898,3 +908,30 @@ def test_a_plan_of_several_ranks_predicts_the_rank_it_names():
     alone = predict(layout_of(p, mine=None, ranks=1), p.workload, p.machine, p.group_bytes, p.params)
     updates = ("gpu_adamw", "cpu")
     assert sum(again.busy[r] for r in updates) < sum(alone.busy[r] for r in updates)
+
+
+def test_micro_batches_run_in_pieces_where_hbm_is_short():
+    """The planner's physical micro-batch (trainer.run_plan.search_pieces): micro-batches of 4 rows whose layer
+    working set leaves too little HBM are refused whole but run as pieces of 2 rows (the working set scales with a
+    piece's rows, the loss's does not); where the state fits in HBM beside the whole micro-batch, it stays whole."""
+    from trainer.run_plan import search_pieces
+
+    specs = specs_for(8, 200_000_000, 100_000_000)  # (30.2 GiB of state)
+    w = dataclasses.replace(workload(8, micro_batches=4), micro_rows=4, layer_work_bytes=60 * GiB,
+                            head_work_bytes=2 * GiB, working_bytes=60 * GiB + 2 * GiB)
+    m = machine(gpu_memory=80 * GiB)
+
+    def plan_for(budgets):
+        return lambda wk: plan_step(specs, store_cfg(), wk, m, budgets, cuda=True)
+
+    tight = {"gpu": None, "dram": 4 * GiB, "nvme": 4 * GiB}  # (the state must mostly live in HBM)
+    with pytest.raises(BudgetError):
+        plan_for(tight)(w)
+    p = search_pieces(4, w, plan_for(tight))
+    assert (p.micro_rows, p.piece_rows) == (4, 2)
+    assert p.workload.micro_batches == 8 and p.workload.working_bytes == 30 * GiB + 2 * GiB
+    roomy = dataclasses.replace(w, layer_work_bytes=2 * GiB, working_bytes=4 * GiB)
+    p = search_pieces(4, roomy, plan_for({"gpu": None, "dram": 40 * GiB, "nvme": 200 * GiB}))
+    assert p.piece_rows == 4 and all(t == "gpu" for t in p.where.values())
+    with pytest.raises(BudgetError):  # (even one row a piece leaves the state no room)
+        search_pieces(4, w, plan_for({"gpu": 30 * GiB, "dram": 4 * GiB, "nvme": 4 * GiB}))

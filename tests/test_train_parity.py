@@ -149,6 +149,28 @@ def test_fp32_training_matches_plain_pytorch(tmp_path, family, gpu_share):
     assert [r["loss"] for r in log] == pytest.approx(losses, rel=1e-5)
 
 
+@pytest.mark.parametrize("budget", [None, "1KiB"])
+def test_a_micro_batch_computed_in_pieces_trains_the_same_weights(tmp_path, capsys, budget):
+    """tiermem_physical_batch_size 1 with micro-batches of 2 rows: each runs as 2 pieces of one row (trimmed to
+    its own length), in one pass or (a small activation budget) a pass a piece; the loss, the norms and the weights
+    are plain PyTorch's over the whole micro-batches."""
+    model_dir = save_tiny_model("llama", tmp_path / "model")
+    data_dir = tmp_path / "data"
+    name = write_tokenized_dataset(data_dir)
+    norms: list[float] = []
+    losses: list[float] = []
+    ref = reference_training(model_dir, data_dir, name, norms, losses)
+    over = {"tiermem_physical_batch_size": 1, **({"tiermem_activation_budget": budget} if budget else {})}
+    assert run_cli(tmp_path, model_dir, data_dir, name, nvme_moments(tmp_path), **over) == 0
+    out = capsys.readouterr().out
+    assert "each micro-batch of 2 rows runs as 2 pieces of 1 row" in out, out
+    assert ("each step runs as 4 layer-major passes" in out) == (budget is not None), out
+    assert_same_weights(tmp_path / "out", ref, tied=False)
+    log = [json.loads(line) for line in (tmp_path / "out" / "trainer_log.jsonl").read_text().splitlines()]
+    assert [r["grad_norm"] for r in log] == pytest.approx(norms, rel=1e-5)
+    assert [r["loss"] for r in log] == pytest.approx(losses, rel=1e-5)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])

@@ -104,6 +104,10 @@ class TrainConfig:
     # first ones whose weights live in HBM: a streamed layer's weights are gone before its backward); 0: none;
     # auto: the planner's choice, with the placement (a dense model's; a mixture of experts keeps none on auto)
     tiermem_keep_activations: Any = "auto"
+    # rows the GPU computes at once: a micro-batch of per_device_train_batch_size rows runs as pieces of at most
+    # this many (the same step: the loss is the mean over all of its tokens); auto: the planner's (smaller pieces
+    # where HBM is short; the micro-batch's own while a load-balancing loss is on, a micro-batch's statistic)
+    tiermem_physical_batch_size: Any = "auto"
     # torch.compile of the decoder layer (the template's dense layers; trainer.model.compiled): true, false, or
     # auto (on CUDA); Hugging Face's keys, with its backend and mode (modes with CUDA graphs are refused)
     torch_compile: Any = "auto"
@@ -304,6 +308,9 @@ def validate(c: TrainConfig, problems: list[str] | None = None, here: bool = Tru
     keep = c.tiermem_keep_activations
     if keep != "auto" and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 0):
         bad(f"tiermem_keep_activations must be a number of layers (0 or more) or auto, got {keep!r}")
+    rows = c.tiermem_physical_batch_size
+    if rows != "auto" and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+        bad(f"tiermem_physical_batch_size must be a number of rows (1 or more) or auto, got {rows!r}")
     if c.torch_compile != "auto" and not isinstance(c.torch_compile, bool):
         bad(f"torch_compile must be true, false or auto, got {c.torch_compile!r}")
     if c.torch_compile_mode not in (None, "default", "max-autotune-no-cudagraphs"):

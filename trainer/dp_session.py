@@ -81,7 +81,8 @@ def open_rank_session(world, specs, settings, scfg, plan) -> RankSession:
             store.close()
             raise
         told = dict(host.describe(), gpu_updates=None if plan.gpu_updates is None else list(plan.gpu_updates),
-                    activation_budget=plan.activation_budget, passes=plan.passes, hbm=hbm)
+                    activation_budget=plan.activation_budget, passes=plan.passes, hbm=hbm,
+                    micro_rows=plan.micro_rows, piece_rows=plan.piece_rows)
     try:
         told = world.from_host_lead(told)
         if host is None:
@@ -91,6 +92,7 @@ def open_rank_session(world, specs, settings, scfg, plan) -> RankSession:
             p = host.store.plan
             p.gpu_updates = None if told["gpu_updates"] is None else set(told["gpu_updates"])
             p.activation_budget, p.passes = told["activation_budget"], told["passes"]
+            p.micro_rows, p.piece_rows = told["micro_rows"], told["piece_rows"]
             if where:
                 p.where.update(where)
                 for s in specs:

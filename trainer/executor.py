@@ -31,6 +31,7 @@ from tiermem.futures import all_of
 from tiermem.optim.store_adamw import NonFiniteUpdate, all_finite
 from tiermem.store.catalog import state_name
 from tiermem.store.prefetch import Prefetcher
+from trainer import pieces
 from trainer.model.layers import shift_labels
 from trainer.model.select import model_stages
 from trainer.model.weights import all_weights
@@ -74,7 +75,8 @@ def squared_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 class Executor:
     def __init__(self, store, cfg, dtype: torch.dtype, optimizer, max_grad_norm: float,
-                 loss_chunk_tokens: int, activation_budget: int | None = None, keep_layers: int = 0, reducer=None):
+                 loss_chunk_tokens: int, activation_budget: int | None = None, keep_layers: int = 0, reducer=None,
+                 piece_rows: int | None = None):
         """``reducer`` (``trainer.dp.GradReducer``, several ranks): each group's gradient is reduced to the rank
         that owns it, which alone hands it to the store; the loss, the token counts and the norm are the world's."""
         self.store, self.cfg, self.dtype, self.optimizer = store, cfg, dtype, optimizer
@@ -103,6 +105,9 @@ class Executor:
         # their backward needs no recompute (tiermem_keep_activations)
         self.keep_layers = keep_layers
         self.last_kept = 0
+        # rows the GPU computes at once (tiermem_physical_batch_size: the planner's): a micro-batch of more rows
+        # runs as pieces of this many (trainer.pieces); None: the micro-batches as they are
+        self.piece_rows = piece_rows
         # before_commit(step, result): the step's figures, before the optimizer takes the step (a committed
         # step's figures must outlive a trainer killed before it logs them)
         self.before_commit = None
@@ -237,6 +242,7 @@ class Executor:
         self._phase_waits = {}
         trained = sum(int((shift_labels(b[1]) != -100).sum()) for b in batches)
         tokens = sum(b[2] for b in batches)
+        batches = pieces.cut(batches, self.piece_rows)
         groups = self.passes(batches) if batches else []
         self.last_passes = max(len(groups), 1)
         world = self.reducer.world if self.reducer is not None else None

@@ -32,7 +32,7 @@ from tiermem.sizes import format_size
 from tiermem.store.stats import StatsFile
 from tiermem.store.store import Store
 from trainer import checkpoint as ckpt
-from trainer import config_changes, run_plan
+from trainer import config_changes, pieces, run_plan
 from trainer import hf_outputs as hf
 from trainer.config import TrainConfig, resolved
 from trainer.data.batches import StepPlan, collate
@@ -192,7 +192,8 @@ def open_training_session(job: Job, say) -> Session:
         job.store_plan = plan_run(job, scfg, say)
         return open_session(specs, settings, config=scfg, plan=job.store_plan)
     label = {"model": str(cfg.model_name_or_path), "output_dir": str(job.out.resolve())}
-    workload, plan_input = run_plan.service_plan_input(mcfg, job.dtype, step_shape(job), cfg.loss_chunk_tokens)
+    workload, plan_input = run_plan.service_plan_input(mcfg, job.dtype, step_shape(job), cfg.loss_chunk_tokens,
+                                                       cfg.tiermem_physical_batch_size)
     run_id = run_identity(cfg, mcfg, job.dtype, job.rows)
     if world.several:  # (every rank attached to the host's service: trainer.dp_service)
         from trainer.dp_service import open_service_rank_session
@@ -204,7 +205,8 @@ def open_training_session(job: Job, say) -> Session:
     try:
         say(_attach_line(session))
         if session.attached.plan is not None:  # the service planned the run (as an embedded run plans)
-            job.store_plan = run_plan.from_service(session.attached.plan, specs, workload)
+            job.store_plan = run_plan.from_service(session.attached.plan, specs, workload,
+                                                   cfg.per_device_train_batch_size)
             for line in run_plan.lines(job.store_plan):
                 say(line)
         if session.continues_at is None:  # a new run in the service (from the checkpoint it names, if it lost one)
@@ -266,7 +268,8 @@ def check_placement(cfg: TrainConfig, mcfg, dtype: torch.dtype, world: World | N
     own = _owners(mcfg, dtype, world) if several else None
     if run_plan.make(mcfg, dtype, scfg, shape, machine, device, cfg.loss_chunk_tokens, time_it=False,
                      budgets=budgets, hbm_state=not several or own is not None,
-                     hbm_taken=_reductions(mcfg, dtype) if several else 0, owners=own) is None:
+                     hbm_taken=_reductions(mcfg, dtype) if several else 0, owners=own,
+                     piece_rows=cfg.tiermem_physical_batch_size) is None:
         make_plan(state_specs(mcfg, dtype), scfg, streamed_kinds=("param",), owners=own)  # every kind pinned
 
 
@@ -312,7 +315,7 @@ def plan_run(job: Job, scfg, say, hbm_state: bool = True, hbm_taken: int = 0, ow
     budgets = run_plan.local_budgets(scfg, job.mcfg, job.dtype, job.out, saves(job.cfg))
     plan = run_plan.make(job.mcfg, job.dtype, scfg, step_shape(job), machine, device, job.cfg.loss_chunk_tokens,
                          budgets=budgets, hbm_state=hbm_state, keep=job.cfg.tiermem_keep_activations,
-                         hbm_taken=hbm_taken, owners=owners)
+                         hbm_taken=hbm_taken, owners=owners, piece_rows=job.cfg.tiermem_physical_batch_size)
     if plan is not None:
         run_plan.keep_activations(plan, job.cfg.tiermem_keep_activations, job.mcfg)
         lines = run_plan.lines(plan)
@@ -420,7 +423,7 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
             if told["advice"]:  # (what `tiermem plan` would advise: more tokens a step, more DRAM, a faster disk)
                 say(f"plan: advice: {told['advice']}")
         executor = Executor(store, mcfg, dtype, optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens, budget, keep,
-                            reducer=getattr(session, "reducer", None))
+                            reducer=getattr(session, "reducer", None), piece_rows=piece_rows(cfg, job.store_plan))
         sync = None  # several hosts: their stores kept in step (trainer.dp_hosts)
         if world.nodes > 1:
             from trainer.dp_hosts import HostSync
@@ -503,7 +506,8 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                         f"{cfg.per_device_train_batch_size} rows x up to {cfg.cutoff_len} tokens, as "
                         f"{executor.last_passes or 1} layer-major passes, beside the state kept in HBM; in the "
                         f"{executor.phase}{_where(executor)}); lower "
-                        "per_device_train_batch_size or cutoff_len, tiermem_activation_budget (a step then runs as "
+                        "per_device_train_batch_size, tiermem_physical_batch_size or cutoff_len, "
+                        "tiermem_activation_budget (a step then runs as "
                         "several layer-major passes)" + (", tiermem_keep_activations" if executor.last_kept
                                                          else "") + " or tiers.gpu.budget") from None
                 if sync is not None:  # (every host's next forward reads the new weights)
@@ -513,6 +517,12 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                     say(f"note: the activations of {executor.last_kept} layers are kept ({asked} "
                         "tiermem_keep_activations asks for; only layers whose weights live in HBM can be, none with "
                         "a load-balancing loss): their backward skips the recompute")
+                if step == start and executor.piece_rows and executor.piece_rows < cfg.per_device_train_batch_size \
+                        and not getattr(job.store_plan, "piece_rows", 0):  # (a plan's line says it otherwise)
+                    say(f"note: each micro-batch of {cfg.per_device_train_batch_size} rows runs as "
+                        f"{pieces.count(cfg.per_device_train_batch_size, executor.piece_rows)} pieces of "
+                        f"{executor.piece_rows} row{'s' if executor.piece_rows > 1 else ''} "
+                        "(tiermem_physical_batch_size)")
                 if step == start and executor.last_passes > 1:
                     say(f"note: a step's boundary activations exceed the activation budget "
                         f"({format_size(executor.activation_budget)}): each step runs as {executor.last_passes} "
@@ -747,6 +757,15 @@ def _span(groups: list) -> str:
         if g is not None and not isinstance(g, int):
             parts.append(str(g))
     return ", ".join(parts)
+
+
+def piece_rows(cfg: TrainConfig, store_plan=None) -> int | None:
+    """Rows the GPU computes at once: the plan's (tiermem_physical_batch_size: auto, or the number it pins),
+    else the pinned number, else None (each micro-batch as it is)."""
+    if getattr(store_plan, "piece_rows", 0):
+        return store_plan.piece_rows
+    rows = cfg.tiermem_physical_batch_size
+    return rows if rows != "auto" else None
 
 
 def activation_budget(cfg: TrainConfig, store: Store, store_plan=None) -> int | None:

@@ -76,12 +76,14 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
             raise ConfigError(f"tiers.dram.budget {format_size(budgets['dram'])} is larger than the planned "
                               f"machine's memory ({format_size(machine.ram)})")
         p = run_plan.make(mcfg, dtype, scfg, shape, machine, device, cfg.loss_chunk_tokens, time_it=False,
-                          budgets=budgets, cuda=True, keep=cfg.tiermem_keep_activations, workload=measured)
+                          budgets=budgets, cuda=True, keep=cfg.tiermem_keep_activations, workload=measured,
+                          piece_rows=cfg.tiermem_physical_batch_size)
     else:
         store_config(cfg.tiermem)  # (the DRAM budget against this machine's memory)
         budgets = run_plan.local_budgets(scfg, mcfg, dtype, cfg.output_dir, saves(cfg))
         p = run_plan.make(mcfg, dtype, scfg, shape, machine, device, cfg.loss_chunk_tokens, budgets=budgets,
-                          keep=cfg.tiermem_keep_activations, workload=measured)
+                          keep=cfg.tiermem_keep_activations, workload=measured,
+                          piece_rows=cfg.tiermem_physical_batch_size)
     if p is None:
         raise ConfigError("the placement pins every kind to a tier: nothing to plan (leave some kind to auto)")
     run_plan.keep_activations(p, cfg.tiermem_keep_activations, mcfg)

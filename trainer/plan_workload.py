@@ -86,7 +86,8 @@ def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, mach
     embed_bwd = 0.0
     if timed is not None:
         f_mb, b_mb, h_mb, g_step, e_step = (x * IN_STEP for x in timed[:5])
-        work, kept = timed[5], timed[6]
+        (layer_work, head_work), kept = timed[5], timed[6]
+        work = max(layer_work, head_work)
         if kept is None:  # (measuring the kept graph ran out of memory: estimated as without timing)
             kept = rows * seq * (10 * cfg.hidden_size + 4 * _inter(cfg)) * itemsize
         fwd_l, bwd_l, head = f_mb * micro_batches, b_mb * micro_batches + g_step, h_mb * micro_batches
@@ -98,8 +99,10 @@ def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, mach
         f = layer_flops(cfg, seq) * tokens / rate
         fwd_l, bwd_l, head = f, 3 * f, head_flops(cfg) * tokens / rate
         # a layer's backward keeps about 14 hidden-sized and 4 intermediate-sized tensors per token
-        work = rows * seq * (14 * cfg.hidden_size + 4 * _inter(cfg)) * itemsize \
-            + rows * min(seq, loss_chunk) * cfg.vocab_size * 4 * 2 + 4 * head_p  # (+ the loss's fp32 gradient)
+        layer_work = rows * seq * (14 * cfg.hidden_size + 4 * _inter(cfg)) * itemsize
+        head_work = 0  # (estimated as held beside the layer's, below: only the layer's part scales with rows)
+        work = layer_work + rows * min(seq, loss_chunk) * cfg.vocab_size * 4 * 2 + 4 * head_p  # (+ the loss's fp32
+        # gradient)
         kept = rows * seq * (10 * cfg.hidden_size + 4 * _inter(cfg)) * itemsize  # (a layer's saved activations)
         how = (f"estimated from FLOPs at {rate / 1e12:.0f} TFLOP/s"
                + (" (an assumed figure)" if "gpu_tflops" in machine.assumed else f" ({machine.source})"))
@@ -109,7 +112,8 @@ def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, mach
     fwd["embed"], bwd["embed"] = 0.0, embed_bwd
     return Workload(list(range(cfg.num_layers)), "embed", "head", fwd, bwd, tokens, micro_batches, boundary,
                     int(work + grads), 6.0 * cfg.num_params(active=True), cfg.tie_word_embeddings, how,
-                    kept_bytes=int(kept), embed_grad_bytes=int(embed_grad))
+                    kept_bytes=int(kept), embed_grad_bytes=int(embed_grad), micro_rows=rows,
+                    layer_work_bytes=int(layer_work), head_work_bytes=int(head_work))
 
 
 def _inter(cfg) -> int:
@@ -122,7 +126,8 @@ def _time(cfg, dtype: torch.dtype, rows: int, seq: int, device: torch.device, lo
     """Seconds of one micro-batch's layer forward, layer backward with recompute (its gradient cast to fp32
     and added up), and loss with its backward; of a layer's gradient handled once a step (its squared norm,
     its copy home) and of the embedding's gradient; and the bytes of GPU memory they need beyond their
-    inputs. As the executor runs them (trainer.executor), through the model's stages (the heaviest layer)."""
+    inputs (the layer's, the loss's). As the executor runs them (trainer.executor), through the model's stages
+    (the heaviest layer)."""
     gen = torch.Generator(device=device).manual_seed(0)
     stages = model_stages(cfg, dtype, device)
     layer = heaviest_layer(cfg)
@@ -174,7 +179,7 @@ def _time(cfg, dtype: torch.dtype, rows: int, seq: int, device: torch.device, lo
     t_f = timed(fwd)
     t_b = timed(bwd)
     t_g = timed(grad_step)
-    work = torch.cuda.max_memory_allocated(device) - base if cuda else 0
+    layer_work = torch.cuda.max_memory_allocated(device) - base if cuda else 0
     gy = torch.randn(x.shape, device=device, dtype=dtype, generator=gen)
 
     def embed_grad():
@@ -188,9 +193,8 @@ def _time(cfg, dtype: torch.dtype, rows: int, seq: int, device: torch.device, lo
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     t_h = timed(lambda: stages.head_loss_backward(x, targets, head_w, tied, 1.0, loss_chunk), 2)
-    if cuda:
-        work = max(work, torch.cuda.max_memory_allocated(device) - base)
-    return t_f, t_b, t_h, t_g, t_e, work, kept
+    head_work = torch.cuda.max_memory_allocated(device) - base if cuda else 0
+    return t_f, t_b, t_h, t_g, t_e, (layer_work, head_work), kept
 
 
 def _kept_bytes(stages, layer, w: dict, x: torch.Tensor, ctx) -> int:

@@ -13,13 +13,14 @@ from dataclasses import dataclass
 import torch
 
 from tiermem.config import KINDS, StoreConfig
+from tiermem.errors import BudgetError
 from tiermem.plan.costmodel import describe_bound
 from tiermem.plan.machine import Machine, machine_for  # noqa: F401 - (machine_for: the callers' name)
 from tiermem.plan.placement import Plan
-from tiermem.plan.planner import ADVICE_GAIN, compute_bound_at, plan_step, recommended_at, tflops
+from tiermem.plan.planner import ADVICE_GAIN, TIE, compute_bound_at, plan_step, recommended_at, tflops
 from tiermem.plan.workload import Workload
 from tiermem.sizes import format_size
-from trainer import plan_workload
+from trainer import pieces, plan_workload
 from trainer.state import state_specs
 
 
@@ -37,7 +38,7 @@ class Shape:
 def make(mcfg, dtype: torch.dtype, scfg: StoreConfig, shape: Shape, machine: Machine, device: torch.device,
          loss_chunk: int, time_it: bool = True, budgets: dict | None = None, cuda: bool | None = None,
          keep=0, hbm_state: bool = True, hbm_taken: int = 0, workload: Workload | None = None,
-         owners: dict | None = None) -> Plan | None:
+         owners: dict | None = None, piece_rows="auto") -> Plan | None:
     """The planner's plan for this run, or None when the placement pins every kind (the fixed rule then
     places; nothing to decide). ``cuda``: plan for a CUDA GPU of ``machine``'s figures (default: whether
     ``device`` is one). ``keep``: tiermem_keep_activations (auto: the planner chooses the kept layers with
@@ -45,15 +46,62 @@ def make(mcfg, dtype: torch.dtype, scfg: StoreConfig, shape: Shape, machine: Mac
     number: ``keep_activations`` takes them after). ``hbm_state`` False: no state in HBM (several ranks share
     the hosts' stores); ``hbm_taken``: HBM the run takes besides (several ranks' gradients in flight); ``owners``:
     several ranks of a host, each group's state in its owner's HBM (``tiermem.plan.planner``);
-    ``workload``: the step as measured before (``tiermem plan --workload``), not timed here."""
+    ``workload``: the step as measured before (``tiermem plan --workload``), not timed here. ``piece_rows``
+    (tiermem_physical_batch_size): the rows the GPU computes at once, a number, or auto: the planner's (the
+    micro-batch's own, or halves of it while a smaller piece is predicted faster or the larger does not fit;
+    ``plan.piece_rows``)."""
     specs = state_specs(mcfg, dtype)
     if all(s.kind in scfg.pins() for s in specs):
         return None
-    w = workload or plan_workload.build(mcfg, dtype, shape.rows, shape.seq, shape.micro_batches, machine, device,
-                                        loss_chunk, time_it=time_it)
-    return plan_step(specs, scfg, w, machine, budgets, cuda=device.type == "cuda" if cuda is None else cuda,
-                     hbm_state=hbm_state, hbm_taken=hbm_taken, owners=owners,
-                     keep_auto=keep == "auto" and keeps_activations(mcfg) and getattr(mcfg, "moe", None) is None)
+
+    def measure(rows: int) -> Workload:
+        return plan_workload.build(mcfg, dtype, rows, shape.seq, shape.micro_batches * pieces.count(shape.rows, rows),
+                                   machine, device, loss_chunk, time_it=time_it)
+
+    def plan_for(w: Workload) -> Plan:
+        return plan_step(specs, scfg, w, machine, budgets, cuda=device.type == "cuda" if cuda is None else cuda,
+                         hbm_state=hbm_state, hbm_taken=hbm_taken, owners=owners,
+                         keep_auto=keep == "auto" and keeps_activations(mcfg) and getattr(mcfg, "moe", None) is None)
+
+    if piece_rows != "auto" or not keeps_activations(mcfg):  # (a load-balancing loss is a micro-batch's)
+        rows = shape.rows if piece_rows == "auto" else min(int(piece_rows), shape.rows)
+        w = workload.in_pieces(rows) if workload is not None else measure(rows)
+        return _with_pieces(plan_for(w), shape.rows, rows)
+    w = workload or measure(shape.rows)
+    best = search_pieces(shape.rows, w, plan_for)
+    if best.piece_rows == shape.rows or workload is not None or not time_it:
+        return best
+    for rows in [r for r in pieces.candidates(shape.rows) if r <= best.piece_rows]:  # (timed at that shape; where
+        try:  # its working set is larger than scaled, at a smaller one)
+            return _with_pieces(plan_for(measure(rows)), shape.rows, rows)
+        except BudgetError as e:
+            refused = e
+    raise refused
+
+
+def search_pieces(rows: int, w: Workload, plan_for) -> Plan:
+    """The plan (``plan_for(workload)``) of micro-batches of ``rows`` rows computed whole, or in pieces of halves
+    of them, down to one row, while a smaller piece is predicted faster (by more than the planner's tie) or the
+    larger piece's plan is refused (BudgetError): the first of near-equal plans (the largest pieces). Refused
+    when every piece is: the smallest's refusal (the nearest to fitting)."""
+    best = refused = None
+    for r in pieces.candidates(rows):
+        try:
+            plan = _with_pieces(plan_for(w.in_pieces(r)), rows, r)
+        except BudgetError as e:
+            refused = e
+            continue
+        if best is not None and plan.prediction.step >= best.prediction.step * (1 - TIE):
+            break
+        best = plan
+    if best is None:
+        raise refused
+    return best
+
+
+def _with_pieces(plan: Plan, micro_rows: int, rows: int) -> Plan:
+    plan.micro_rows, plan.piece_rows = micro_rows, rows
+    return plan
 
 
 def keeps_activations(mcfg) -> bool:
@@ -175,6 +223,10 @@ def lines(plan: Plan, ga: int | None = None) -> list[str]:
     else:
         n = len(plan.gpu_updates)
         updates = f"updates: GPU {n} groups, CPU {len(w.groups) - n}"
+    if plan.piece_rows and plan.piece_rows < plan.micro_rows:
+        n = pieces.count(plan.micro_rows, plan.piece_rows)
+        passes += (f"; each micro-batch of {plan.micro_rows} rows runs as {n} pieces of {plan.piece_rows} "
+                   f"row{'s' if plan.piece_rows > 1 else ''} (tiermem_physical_batch_size)")
     out = [f"plan: {'; '.join(where_lines(plan))}", f"plan: {updates}; {passes}",
            f"plan: predicted step {p.step:.2f}s = {w.tokens / p.step:,.0f} tokens/s, {tflops(w, p.step):.0f} TFLOP/s; "
            f"bound: {describe_bound(p.bound)} ({split_line(plan)})"]
@@ -195,7 +247,7 @@ def report(plan: Plan, ga: int) -> dict:
     bound_at = compute_bound_at(plan, ga)
     advised = recommended_at(plan, ga, bound_at)
     out = {"state_bytes": by_kind, "tiers": tiers, "activation_bytes": plan.activation_bytes,
-           "hbm_usable": plan.hbm_room, "passes": plan.passes,
+           "hbm_usable": plan.hbm_room, "passes": plan.passes, "piece_rows": plan.piece_rows or None,
            "gpu_updates": None if plan.gpu_updates is None else [str(g) for g in w.groups if g in plan.gpu_updates],
            "prediction": {**p.to_json(), "tokens_per_s": w.tokens / p.step, "tflops": tflops(w, p.step)},
            "tokens_per_step": w.tokens, "compute": w.timed, "machine": m.to_json(), "workload": w.to_json(),
@@ -230,9 +282,11 @@ def advice(plan: Plan, ga: int, bound_at, advised=None) -> str | None:
     return best[1] if best else None
 
 
-def service_plan_input(mcfg, dtype: torch.dtype, shape: Shape, loss_chunk: int):
+def service_plan_input(mcfg, dtype: torch.dtype, shape: Shape, loss_chunk: int, piece_rows="auto"):
     """What an attached trainer sends the service so that it plans the run: the step's workload, timed on this
-    process's GPU (the CPU stand-in's for a small model), and the HBM the step may use."""
+    process's GPU (the CPU stand-in's for a small model), and the HBM the step may use. ``piece_rows``
+    (tiermem_physical_batch_size): a number is the pieces' rows the workload is timed at; auto: the micro-batch's
+    own (the service plans the placement for the trainer's step as it is)."""
     import psutil
 
     from tiermem.plan.planner import HBM_RESERVE
@@ -240,7 +294,9 @@ def service_plan_input(mcfg, dtype: torch.dtype, shape: Shape, loss_chunk: int):
     cuda = torch.cuda.is_available()
     device = torch.device("cuda") if cuda else torch.device("cpu")
     m = Machine.h200("for the workload's estimate when the layer is not timed")
-    w = plan_workload.build(mcfg, dtype, shape.rows, shape.seq, shape.micro_batches, m, device, loss_chunk)
+    rows = shape.rows if piece_rows == "auto" else min(int(piece_rows), shape.rows)
+    w = plan_workload.build(mcfg, dtype, rows, shape.seq, shape.micro_batches * pieces.count(shape.rows, rows), m,
+                            device, loss_chunk)
     if cuda:
         room = int(torch.cuda.get_device_properties(device).total_memory * (1 - HBM_RESERVE)) - (1 << 30)
     else:  # (the CPU stand-in's "GPU" is a share of host memory, as an embedded run's)
@@ -248,9 +304,10 @@ def service_plan_input(mcfg, dtype: torch.dtype, shape: Shape, loss_chunk: int):
     return w, {"workload": w.to_json(), "hbm_room": int(room)}
 
 
-def from_service(told: dict, specs, w) -> Plan:
+def from_service(told: dict, specs, w, micro_rows: int = 0) -> Plan:
     """The plan the service made of this run (``tiermem.service.planning``), as the run's own: placement, split,
-    passes and the prediction, made again here from the same figures."""
+    passes and the prediction, made again here from the same figures (``w``: the workload sent, at the pieces'
+    rows; ``micro_rows``: a micro-batch's)."""
     from tiermem.plan.costmodel import Layout, predict
     from tiermem.plan.planner import sizes
 
@@ -263,7 +320,7 @@ def from_service(told: dict, specs, w) -> Plan:
     plan.activation_budget, plan.activation_bytes = told.get("activation_budget"), int(told["activation_bytes"])
     plan.hbm_room, plan.machine, plan.workload, plan.params = int(told["hbm_room"]), m, w, params
     plan.prediction = predict(Layout(where, gpu_updates or set(), plan.passes), w, m, group_bytes, params)
-    return plan
+    return _with_pieces(plan, micro_rows or w.micro_rows, w.micro_rows)
 
 
 def keep_activations(plan: Plan, n, mcfg) -> None:

@@ -53,6 +53,10 @@ class Plan:
     # several ranks of a host: group -> the rank whose GPU holds the group's HBM-resident state (its owner); every
     # rank has its own HBM, with its own streaming slots (None: one GPU holds all of it)
     owners: dict | None = None
+    # the rows of a micro-batch, and the rows the GPU computes at once (tiermem_physical_batch_size: a micro-batch
+    # of more rows runs as pieces of this many; the workload's micro-batches are the pieces). 0: not planned
+    micro_rows: int = 0
+    piece_rows: int = 0
 
     def need(self, rank: int | None = None) -> dict[str, int]:
         """Bytes each tier needs. With ``owners``, "gpu" is one rank's HBM: ``rank``'s, or (None) the fullest

@@ -33,6 +33,7 @@ import psutil
 
 from tiermem.config import StoreConfig
 from tiermem.errors import BudgetError
+from tiermem.plan import refusal
 from tiermem.plan.costmodel import SLOTS, Layout, Prediction, predict, rank_of
 from tiermem.plan.machine import Machine
 from tiermem.plan.placement import ALIGN, Plan, check_budgets, default_budgets
@@ -134,7 +135,7 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
         if state_room < 0:
             continue
         try:
-            first = _place(group_bytes, w, pins, state_room, budgets, cfg, fill=hbm_state, owners=owners)
+            first = _place(group_bytes, w, pins, state_room, budgets, cfg, fill=hbm_state, owners=owners, act=act)
         except BudgetError as e:
             if not k:  # (the last: the most passes, the most HBM left to state; none given to kept graphs)
                 short = e
@@ -150,7 +151,7 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
                 break
             if fill is not None:
                 try:
-                    where = _place(group_bytes, w, pins, where, budgets, cfg, fill, owners)
+                    where = _place(group_bytes, w, pins, where, budgets, cfg, fill, owners, act)
                 except BudgetError:
                     continue
             if home and not embed_resident(where, w):  # (the room counted on the embedding's home in HBM)
@@ -265,7 +266,7 @@ def _finish_plan(layout: Layout, group_bytes: dict, cfg: StoreConfig, budgets: d
 
 
 def _place(group_bytes: dict, w: Workload, pins: dict, state_room: int, budgets: dict,
-           cfg: StoreConfig, fill: bool = True, owners: dict | None = None) -> dict:
+           cfg: StoreConfig, fill: bool = True, owners: dict | None = None, act: int = 0) -> dict:
     """HBM takes whole groups in update order while they fit (``fill``; else only what is pinned there);
     DRAM the rest; NVMe what DRAM cannot hold. ``owners`` (several ranks): a group's state but its compute copy
     goes to its owner's HBM, while it fits there."""
@@ -321,19 +322,21 @@ def _place(group_bytes: dict, w: Workload, pins: dict, state_room: int, budgets:
     if dram_need() <= dram_budget:
         return where
     if cfg.tiers.nvme is None:
-        raise BudgetError(_short_line(group_bytes, budgets, state_room, "dram"))
+        raise BudgetError(_short_line(group_bytes, budgets, state_room, "dram", cfg=cfg, act=act))
     for key in order:
         where[key] = "nvme"
         if dram_need() <= dram_budget:
             break
     if dram_need() > dram_budget:  # (what DRAM still holds, and the staging of a group's NVMe state)
-        raise BudgetError(_short_line(group_bytes, budgets, state_room, "staging", dram_need() - dram_budget))
+        raise BudgetError(_short_line(group_bytes, budgets, state_room, "staging", dram_need() - dram_budget, cfg,
+                                      act))
     nvme = sum(b for key, b in group_bytes.items() if where[key] == "nvme")
     if budgets.get("nvme") is not None and nvme > budgets["nvme"]:  # (DRAM also stages a group's NVMe state)
-        raise BudgetError(_short_line(group_bytes, budgets, state_room, "nvme", nvme - budgets["nvme"]))
+        raise BudgetError(_short_line(group_bytes, budgets, state_room, "nvme", nvme - budgets["nvme"], cfg, act))
     kept = sum(b for key, b in group_bytes.items() if where[key] == "nvme" and key[1] not in DISCARDED_AT_END)
     if budgets.get("nvme_kept") is not None and kept > budgets["nvme_kept"]:  # (beside the exported model)
-        raise BudgetError(_short_line(group_bytes, budgets, state_room, "export", kept - budgets["nvme_kept"]))
+        raise BudgetError(_short_line(group_bytes, budgets, state_room, "export", kept - budgets["nvme_kept"], cfg,
+                                      act))
     return where
 
 
@@ -389,21 +392,16 @@ def resplit(plan: Plan, w: Workload, m: Machine) -> tuple[set, Prediction] | Non
     return best
 
 
-def _short_line(group_bytes: dict, budgets: dict, state_room: int, tier: str, short: int = 0) -> str:
+def _short_line(group_bytes: dict, budgets: dict, state_room: int, tier: str, short: int = 0,
+                cfg: StoreConfig | None = None, act: int = 0) -> str:
     """The refusal: what the tiers hold and how much more is needed (``short``: the shortfall the spill found,
-    which counts DRAM's staging of NVMe state; at least the state beyond the three budgets)."""
+    which counts DRAM's staging of NVMe state; at least the state beyond the three budgets), and every way out
+    (``tiermem.plan.refusal``; ``act``: the activations' HBM beside the state)."""
     total = sum(group_bytes.values())
     fits = {"gpu": max(state_room, 0), "dram": budgets.get("dram"), "nvme": budgets.get("nvme")}
     have = sum(v for v in fits.values() if v)
     more = max(total - have, short, 0)
-    what = {"dram": "an NVMe tier (tiers.nvme: {path: DIR}) or a larger tiers.dram.budget",
-            "nvme": "a larger tiers.nvme.budget or disk",
-            "staging": "a larger tiers.dram.budget (DRAM stages each group's NVMe state on its way)",
-            "export": "disk for the exported model beside the weights kept on NVMe, a larger tiers.dram.budget, "
-                      "or an output_dir on another disk"}[tier]
-    return (f"the training state ({format_size(total)}) does not fit: HBM {format_size(fits['gpu'] or 0)} beside the "
-            f"activations, DRAM {format_size(fits['dram'] or 0)}, NVMe {format_size(fits['nvme'] or 0)}"
-            + (f"; {format_size(more)} more is needed" if more else "") + f": add {what}")
+    return refusal.line(total, fits, more, tier, cfg, act, budgets.get("gpu"))
 
 
 def embed_resident(where: dict, w: Workload) -> bool:

@@ -7,7 +7,7 @@ layer on the GPU when there is one; the planner and the cost model read only the
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from tiermem.store.catalog import Group
 
@@ -29,6 +29,12 @@ class Workload:
     notes: list[str] = field(default_factory=list)
     kept_bytes: int = 0  # what one layer's forward graph keeps for one micro-batch (tiermem_keep_activations)
     embed_grad_bytes: int = 0  # of working_bytes: the embedding's fp32 gradient, summed in its home when in HBM
+    # the rows of a micro-batch these figures are for, and of working_bytes what a layer's forward + backward
+    # of one micro-batch takes (it grows with the micro-batch's tokens) and what the loss's takes (the larger of
+    # the two is in working_bytes): what ``in_pieces`` scales. 0: not known (nothing is scaled)
+    micro_rows: int = 0
+    layer_work_bytes: int = 0
+    head_work_bytes: int = 0
 
     @property
     def groups(self) -> list[Group]:
@@ -46,14 +52,28 @@ class Workload:
             - (self.embed_grad_bytes if embed_home else 0)
 
     def scaled(self, tokens: int, micro_batches: int) -> Workload:
-        """The same model at another number of tokens a step (compute scales with tokens)."""
+        """The same model at another number of tokens a step (compute scales with tokens; a micro-batch's working
+        set is taken as it is)."""
         f = tokens / self.tokens
         per_micro = (tokens / max(micro_batches, 1)) / (self.tokens / max(self.micro_batches, 1))
-        return Workload(self.layers, self.first, self.last, {g: s * f for g, s in self.fwd.items()},
-                        {g: s * f for g, s in self.bwd.items()}, tokens, micro_batches, self.boundary_bytes_per_token,
-                        self.working_bytes, self.flops_per_token, self.tied, self.timed, list(self.notes),
-                        int(self.kept_bytes * per_micro),  # (a kept graph grows with a micro-batch's tokens)
-                        self.embed_grad_bytes)
+        return replace(self, fwd={g: s * f for g, s in self.fwd.items()}, bwd={g: s * f for g, s in self.bwd.items()},
+                       tokens=tokens, micro_batches=micro_batches, notes=list(self.notes),
+                       kept_bytes=int(self.kept_bytes * per_micro))  # (a kept graph grows with a micro-batch's tokens)
+
+    def in_pieces(self, rows: int) -> Workload:
+        """The same step with each micro-batch of ``micro_rows`` rows computed as pieces of at most ``rows`` rows
+        (``trainer.pieces``): more, smaller micro-batches, the same tokens and compute; a layer's working set
+        and a kept graph shrink with a piece's rows (the loss's does not: its logits are chunked anyway)."""
+        if not self.micro_rows or rows >= self.micro_rows:
+            return self
+        n = -(-self.micro_rows // rows)  # (pieces a micro-batch)
+        f = rows / self.micro_rows
+        layer = int(self.layer_work_bytes * f)
+        working = self.working_bytes - max(self.layer_work_bytes, self.head_work_bytes) \
+            + max(layer, self.head_work_bytes)
+        return replace(self, micro_batches=self.micro_batches * n, working_bytes=working,
+                       kept_bytes=int(self.kept_bytes * f), micro_rows=rows, layer_work_bytes=layer,
+                       notes=list(self.notes))
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -99,4 +119,6 @@ class Workload:
                    number("micro_batches", 1, 4096), number("boundary_bytes_per_token", 0, 1 << 40),
                    number("working_bytes", 0, 1 << 50), float(number("flops_per_token", 0, 1e18, False)), tied,
                    timed[:200], [], number("kept_bytes", 0, 1 << 50) if "kept_bytes" in o else 0,
-                   number("embed_grad_bytes", 0, o.get("working_bytes", 0)) if "embed_grad_bytes" in o else 0)
+                   number("embed_grad_bytes", 0, o.get("working_bytes", 0)) if "embed_grad_bytes" in o else 0,
+                   *(number(k, 0, 1 << 50) if k in o else 0
+                     for k in ("micro_rows", "layer_work_bytes", "head_work_bytes")))
