@@ -278,3 +278,54 @@ def test_moe_grouped_experts_on_cuda_match_per_expert_matmuls():
             continue
         scale = b.abs().max().item()
         assert (a - b).abs().max().item() <= 2e-2 * scale + 1e-6, (i, (a - b).abs().max().item(), scale)
+
+
+@pytest.mark.parametrize("window", [128, None])
+def test_sink_attention_through_flex_matches_the_materialised_scores(window, monkeypatch):
+    """gpt-oss's attention on CUDA (flex attention compiled, the sinks from its log-sum-exp, whose gradient its
+    backward takes) gives the output and gradients of the materialised fp32 scores (the CPU's kernel), at 1024
+    tokens with 64 heads over 8 KV heads, a sliding window of 128 and full attention."""
+    from trainer.model.attention import attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, h, 1024, 64, device="cuda", generator=g) for h in (64, 8, 8))
+    sinks = torch.randn(64, device="cuda", generator=g)
+    dy = torch.randn(2, 64, 1024, 64, device="cuda", generator=g)
+
+    def run(flex: str):
+        monkeypatch.setenv("TIERMEM_FLEX_ATTENTION", flex)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        y = attention(*leaves, window)
+        return [y, *torch.autograd.grad(y, leaves, dy)]
+
+    for name, a, b in zip(["output", "q", "k", "v", "sinks"], run("1"), run("0")):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=name)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
+def test_gpt_oss_grouped_experts_on_cuda_match_per_expert_matmuls():
+    """gpt-oss-120B's expert shapes (hidden 2880, 128 experts of intermediate 2880, top-4, stacked as stored)
+    over 2048 tokens in bf16 on CUDA: the grouped matmuls and one matmul chain per expert (in fp32) give the same
+    output and gradients to bf16's rounding."""
+    from trainer.model.moe import grouped_available, route_top_logits, stacked_experts
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, hidden, inter, n_exp = 2048, 2880, 2880, 128
+    h = torch.randn(n, hidden, device="cuda", generator=g).bfloat16()
+    router_w = (torch.randn(n_exp, hidden, device="cuda", generator=g) * 0.02).bfloat16()
+    router_b = (torch.randn(n_exp, device="cuda", generator=g) * 0.02).bfloat16()
+    ws = [(torch.randn(*s, device="cuda", generator=g) * 0.02).bfloat16()
+          for s in ((n_exp, hidden, 2 * inter), (n_exp, 2 * inter), (n_exp, inter, hidden), (n_exp, hidden))]
+    assert grouped_available(h, inter)
+    _, top_w, top_i = route_top_logits(h, router_w, router_b, 4)
+
+    def run(grouped, dtype):
+        leaves = [t.to(dtype).requires_grad_() for t in ws]
+        x = h.to(dtype).requires_grad_()
+        y = stacked_experts(x, top_w.to(dtype), top_i, *leaves, 1.702, 7.0, grouped=grouped)
+        grads = torch.autograd.grad(y, [x, *leaves], torch.ones_like(y) / n)
+        return [y.float(), *[t.float() for t in grads]]
+
+    for i, (a, b) in enumerate(zip(run(True, torch.bfloat16), run(False, torch.float32))):
+        scale = b.abs().max().item()
+        assert (a - b).abs().max().item() <= 2e-2 * scale + 1e-6, (i, (a - b).abs().max().item(), scale)

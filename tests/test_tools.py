@@ -39,3 +39,23 @@ def test_profile_step_refuses_a_real_shape_without_cuda():
     run = subprocess.run([sys.executable, "tools/profile_step.py", "--shape", "3b"], cwd=ROOT, env=child_env(),
                          capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and "needs a CUDA GPU" in run.stderr
+
+
+@pytest.mark.slow
+def test_the_gpt_oss_shape_is_planned_at_the_depth_the_gpu_check_trains(tmp_path, capsys):
+    """tools/make_shape_run.py's gpt-oss-120B at 3 layers (tools/gpu_model_check.sh) is a template model with its
+    sliding windows alternating, and `tiermem plan` places its 64 x 4096-token step on the H200 machine's figures
+    (HBM and DRAM, no NVMe)."""
+    from tiermem.cli.main import main as tiermem
+
+    run = subprocess.run([sys.executable, "tools/make_shape_run.py", "--shape", "gpt-oss-120b", "--layers", "3",
+                          "--dir", str(tmp_path), "--accum", "64", "--steps", "1", "--seq", "16"], cwd=ROOT,
+                         env=child_env(), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    from trainer.model.config import load_model_config
+
+    cfg = load_model_config(tmp_path / "model")
+    assert cfg.family == "gpt_oss" and cfg.windows == (128, None, 128) and cfg.rope["rope_type"] == "yarn"
+    assert tiermem(["plan", str(tmp_path / "train.yaml"), "cutoff_len=4096"]) == 0
+    said = capsys.readouterr().out
+    assert "gpt_oss, 10.80 B params, 3 layers" in said and "64 x 1 rows x 4096 tokens" in said, said

@@ -1,6 +1,7 @@
 """Mixture-of-experts models train exactly: tiny Qwen3-MoE (a dense layer among sparse ones, renormalised
-top-k) and Mixtral, with the router's load-balancing loss on, end fp32 streamed training with the same
-weights, losses and gradient norms as transformers + torch AdamW; the export loads with from_pretrained. The
+top-k), Mixtral and gpt-oss (through the template: sinks, sliding windows, yarn, the clamped experts with biases),
+with the router's load-balancing loss on, end fp32 streamed training with the same weights, losses and gradient
+norms as transformers + torch AdamW; the export loads with from_pretrained. The
 grouped expert computation and the load-balancing loss match a plain per-token reading of them."""
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from trainer.model.moe import RouterStats, experts, grouped_available, moe_ffn, 
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("family,passes", [("qwen3_moe", 2), ("mixtral", 1)])
+@pytest.mark.parametrize("family,passes", [("qwen3_moe", 2), ("mixtral", 1),
+                                           pytest.param("gpt_oss", 2, marks=pytest.mark.slow)])
 def test_moe_training_matches_transformers(tmp_path, family, passes):
     model_dir = save_tiny_model(family, tmp_path / "model")
     data_dir = tmp_path / "data"
@@ -29,7 +31,8 @@ def test_moe_training_matches_transformers(tmp_path, family, passes):
     ref = reference_training(model_dir, data_dir, name, norms, losses)
     assert max(norms) > HP["max_grad_norm"], "the test must make clipping trigger"
     budget = {"tiermem_activation_budget": "1KiB"} if passes > 1 else {}  # one layer-major pass per micro-batch
-    assert run_cli(tmp_path, model_dir, data_dir, name, nvme_moments(tmp_path), **budget) == 0
+    assert run_cli(tmp_path, model_dir, data_dir, name, nvme_moments(tmp_path), tiermem_model_path="template",
+                   **budget) == 0
     out = tmp_path / "out"
     assert_same_weights(out, ref, tied=False)
     log = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
@@ -43,7 +46,7 @@ def test_moe_training_matches_transformers(tmp_path, family, passes):
     got = load_file(out / "model.safetensors")
     assert max(float((got[n] - without[n]).norm() / without[n].norm()) for n in got) > 1e-3
 
-    if family == "mixtral":  # the export loads in transformers and computes the reference weights' logits
+    if family in ("mixtral", "gpt_oss"):  # the export loads in transformers and computes the reference's logits
         ref_dir = tmp_path / "ref"
         ref_dir.mkdir()
         (ref_dir / "config.json").write_text(json.dumps(cfg))

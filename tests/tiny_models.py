@@ -45,7 +45,27 @@ def hf_config(family: str, **extra):
         return T.MixtralConfig(**{**COMMON, "intermediate_size": 24, "num_local_experts": 4, "num_experts_per_tok": 2,
                                   "sliding_window": None, "output_router_logits": True, "router_aux_loss_coef": 0.05,
                                   **extra})
+    if family == "gpt_oss":  # sinks; layers 0 and 2 slide over 6 tokens (shorter than the rows); a yarn RoPE that
+        # bends the frequencies at these lengths; top-2 of 4 experts whose SwiGLU limit clamps often
+        return T.GptOssConfig(**{**COMMON, "intermediate_size": 16, "head_dim": 8, "sliding_window": 6,
+                                 "num_local_experts": 4, "num_experts_per_tok": 2, "swiglu_limit": 0.1,
+                                 "output_router_logits": True, "router_aux_loss_coef": 0.05,
+                                 "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                     "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                                                     "original_max_position_embeddings": 32}, **extra})
     raise ValueError(family)
+
+
+def randomize(model) -> None:
+    """Non-trivial norms, biases and attention sinks, so that their gradients matter."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.8, 1.2)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.05)
+            elif name.endswith("sinks"):
+                p.normal_(0, 1.0)
 
 
 def save_tiny_model(family: str, path: Path, seed: int = 0, **extra) -> Path:
@@ -53,12 +73,7 @@ def save_tiny_model(family: str, path: Path, seed: int = 0, **extra) -> Path:
 
     torch.manual_seed(seed)
     model = T.AutoModelForCausalLM.from_config(hf_config(family, **extra), dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():  # non-trivial norms and biases, so their gradients matter
-            if name.endswith("norm.weight"):
-                p.uniform_(0.8, 1.2)
-            elif name.endswith(".bias"):
-                p.normal_(0, 0.05)
+    randomize(model)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

@@ -8,8 +8,11 @@ starts from `tiermem_init: random`), a dataset of random token rows, and the tra
 Shapes: 3b and 8b (Llama 3.2-3B-like untied, Llama-3.1-8B), 14b (Qwen2.5-14B: hidden 5120, 48 layers,
 intermediate 13824, 40 heads, 8 KV heads, vocab 152064, untied), qwen3-30b-a3b (Qwen3-30B-A3B: hidden 2048,
 48 layers of 128 experts of intermediate 768, top-8 renormalised, 32 heads, 4 KV heads, head_dim 128, vocab
-151936, the router's load-balancing loss on; 30.5 B params, 3.4 B active) and qwen3-moe-24l (the same with 24
-layers: 15.6 B params); `--layers N` changes a shape's depth. Rows are `--seq` tokens each (4096); a
+151936, the router's load-balancing loss on; 30.5 B params, 3.4 B active), qwen3-moe-24l (the same with 24
+layers: 15.6 B params) and gpt-oss-120b (hidden 2880, 36 layers of 128 experts of intermediate 2880, top-4, 64
+heads, 8 KV heads, head_dim 64, attention sinks, sliding windows of 128 tokens on alternate layers, yarn RoPE,
+vocab 201088, untied: 116.8 B params, 5.7 B active with the embedding and head; each layer 3.2 B); `--layers N`
+changes a shape's depth. Rows are `--seq` tokens each (4096); a
 step takes `--accum` micro-batches of `--batch` rows.
 """
 
@@ -39,6 +42,15 @@ SHAPES = {
                           output_router_logits=True, router_aux_loss_coef=0.001),
 }
 SHAPES["qwen3-moe-24l"] = dict(SHAPES["qwen3-30b-a3b"], num_hidden_layers=24)
+SHAPES["gpt-oss-120b"] = {  # (openai/gpt-oss-120b's config.json, less its quantization)
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880,
+    "num_hidden_layers": 36, "num_local_experts": 128, "num_experts_per_tok": 4, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 201088, "max_position_embeddings": 131072,
+    "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 18, "rms_norm_eps": 1e-5,
+    "rope_theta": 150000, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                           "truncate": False, "original_max_position_embeddings": 4096},
+    "attention_bias": True, "attention_dropout": 0.0, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+    "hidden_act": "silu", "initializer_range": 0.02, "output_router_logits": False, "router_aux_loss_coef": 0.9}
 
 
 def main() -> None:
@@ -59,6 +71,8 @@ def main() -> None:
     shape = dict(SHAPES[args.shape])
     if args.layers:
         shape["num_hidden_layers"] = args.layers
+        if "layer_types" in shape:  # (gpt-oss: the alternation kept)
+            shape["layer_types"] = [shape["layer_types"][i % 2] for i in range(args.layers)]
     (d / "model" / "config.json").write_text(json.dumps(shape))
     rng = random.Random(0)
     rows = args.batch * args.accum * args.steps

@@ -97,6 +97,9 @@ class TrainConfig:
     # which code computes the model: auto (the template where it covers the architecture, else the generic
     # path through transformers' own modules), template, or generic
     tiermem_model_path: Literal["auto", "template", "generic"] = "auto"
+    # LLaMA-Factory's RoPE scaling for rows longer than the model's positions (trainer.model.rope's
+    # llamafactory_scaling): config.json scaled as LLaMA-Factory scales it, and exported so
+    rope_scaling: Literal["linear", "dynamic", "yarn", "llama3"] | None = None
     # GPU memory a pass may fill with boundary activations; a step whose micro-batches need more runs as
     # several layer-major passes. auto: half the GPU memory free after the store's; no limit on the CPU.
     tiermem_activation_budget: Any = "auto"

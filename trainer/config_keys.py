@@ -55,7 +55,8 @@ LOADING = "tiermem reads the model's safetensors directly, tensor by tensor"
 
 KEYS: dict[str, Answer] = {
     # -- LLaMA-Factory model arguments ------------------------------------------------------------------
-    **_noop("tiermem builds the supported architectures itself (Llama, Mistral, Qwen2, Qwen3); no model code "
+    **_noop("tiermem builds the supported architectures itself (Llama, Mistral, Qwen2, Qwen3, gpt-oss) or through "
+            "transformers' own classes; no model code "
             "from the model directory is run", "trust_remote_code"),
     **_noop(LOADING, "low_cpu_mem_usage", "offload_folder", "cache_dir", "model_revision", "device_map",
             "use_fast_tokenizer"),
@@ -84,8 +85,6 @@ KEYS: dict[str, Answer] = {
               "resize_vocab", "add_tokens", "add_special_tokens", "new_special_tokens", "new_special_tokens_config",
               "split_special_tokens"),
     **_refuse("changing the tokenizer's vocabulary is not supported", "init_special_tokens", ok=("noise_init",)),
-    **_refuse("changing the model's RoPE scaling is not supported: tiermem uses the rope settings of the model's "
-              "config.json", "rope_scaling", ok=()),
     **_refuse("this changes the model's architecture, which tiermem does not support", "shift_attn",
               "mixture_of_depths", "use_unsloth", "upcast_layernorm", "upcast_lmhead_output"),
     **_refuse("KTransformers offload is not supported: tiermem keeps the state in its own tiered store", "use_kt"),

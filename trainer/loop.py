@@ -147,7 +147,7 @@ def prepare(cfg: TrainConfig, console: Console, say, world: World | None = None)
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     if not cfg.tiermem_server:  # the placement under the budgets, before any data is read
         check_placement(cfg, mcfg, dtype, world)
-    for note in cfg.notes:
+    for note in [*cfg.notes, *mcfg.notes]:
         say(note)
     torch.manual_seed(cfg.seed)
     if world.rank > 0:
@@ -644,11 +644,13 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
 
 
 def model_config(model_dir: Path, cfg: TrainConfig | None = None):
-    """The model's config.json read (for the path that computes it: ``tiermem_model_path``), with the run's
+    """The model's config.json read (for the path that computes it: ``tiermem_model_path``; scaled by
+    ``rope_scaling`` for cutoff_len as LLaMA-Factory scales it), with the run's
     load-balancing loss weight (``moe_aux_loss_coef``) and whether its layers are compiled (``torch_compile``);
     its problems reported as the user's (one line, exit code 2)."""
     try:
-        mcfg = load_model(model_dir, cfg.tiermem_model_path if cfg is not None else "auto")
+        mcfg = (load_model(model_dir) if cfg is None else
+                load_model(model_dir, cfg.tiermem_model_path, cfg.rope_scaling, cfg.cutoff_len))
     except ModelConfigError as e:
         raise ConfigError(str(e)) from None
     if cfg is None:

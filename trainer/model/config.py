@@ -1,7 +1,10 @@
 """The model's shape, read from a Hugging Face config.json: the Llama family (Llama 2/3, Mistral, Qwen2,
-Qwen3) and its mixture-of-experts members (Qwen3-MoE, Mixtral: ``MoeSpec``), with RoPE given as
-``rope_theta`` + ``rope_scaling`` (published checkpoints) or as transformers 5's ``rope_parameters``.
-Anything this trainer cannot compute exactly is refused with one line.
+Qwen3), its mixture-of-experts members (Qwen3-MoE, Mixtral: ``MoeSpec``) and gpt-oss (attention sinks, sliding
+windows on alternate layers, experts with biases and a clamped SwiGLU), with RoPE given as ``rope_theta`` +
+``rope_scaling`` (published checkpoints) or as transformers 5's ``rope_parameters``, of any type
+``trainer.model.rope`` computes. What the template does not compute raises ``NotCovered`` (the generic path may:
+``tiermem_model_path: auto`` falls back to it); what nothing here can compute exactly, or a malformed config,
+``ModelConfigError``: one line either way.
 """
 
 from __future__ import annotations
@@ -14,10 +17,17 @@ from pathlib import Path
 
 import torch
 
+from trainer.model import rope as rope_math
+
 
 class ModelConfigError(ValueError):
     """config.json asks for what this model code cannot compute, or is malformed: one line saying what, and
     what is supported (the trainer reports it as a user error)."""
+
+
+class NotCovered(ModelConfigError):
+    """config.json asks for what the template does not compute (a RoPE type, an activation); the generic path
+    over transformers' own modules may: ``tiermem_model_path: auto`` takes it there."""
 
 
 SUPPORTED = {
@@ -27,8 +37,9 @@ SUPPORTED = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "GptOssForCausalLM": "gpt_oss",
 }
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = rope_math.TYPES
 
 
 @dataclass(frozen=True)
@@ -46,9 +57,21 @@ class MoeSpec:
     block: str  # the layer's MoE module: "mlp" (Qwen3-MoE) or "block_sparse_moe" (Mixtral)
     proj: tuple[str, str, str]  # an expert's gate, up and down projections
     aux_loss_coef: float  # the router's load-balancing loss weight (0: off), see load_balancing_coef
+    # "swiglu": softmax over all experts, then the top-k; experts as one tensor per expert and projection.
+    # "gpt_oss": the top-k router logits (with the router's bias), softmax over them; the experts stacked in
+    # three tensors with biases as the checkpoints store them (gate_up_proj [E, H, 2I], its gate and up columns
+    # interleaved; down_proj [E, I, H]) and the clamped SwiGLU ``(clamp(up) + 1) * g * sigmoid(alpha g)`` with
+    # ``g = min(gate, limit)``, ``up`` clamped to +-limit
+    kind: str = "swiglu"
+    alpha: float = 0.0
+    limit: float = 0.0
 
     def expert_params(self, hidden: int) -> int:
-        return 3 * hidden * self.intermediate_size
+        biases = 2 * self.intermediate_size + hidden if self.kind == "gpt_oss" else 0
+        return 3 * hidden * self.intermediate_size + biases
+
+    def router_params(self, hidden: int) -> int:
+        return self.num_experts * (hidden + (1 if self.kind == "gpt_oss" else 0))
 
 
 @dataclass
@@ -68,12 +91,16 @@ class ModelConfig:
     mlp_bias: bool
     qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     rope: dict = field(default_factory=dict)  # rope_type, rope_theta, and the scaling parameters
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # (Mistral, Qwen2/3: the template attends causally within cutoff_len <= it)
+    sinks: bool = False  # gpt-oss: a learned sink logit per head in each softmax (self_attn.sinks)
+    windows: tuple = ()  # gpt-oss: each layer's sliding window (None: full causal attention); () none
+    norm_weight_fp32: bool = False  # gpt-oss: the RMSNorm's weight multiplies the fp32 normalised input
     initializer_range: float = 0.02
     max_position_embeddings: int = 4096
     pad_token_id: int | None = None  # the embedding row Hugging Face never trains (nn.Embedding padding_idx)
     moe: MoeSpec | None = None
-    raw: dict = field(default_factory=dict, repr=False)  # config.json as read, for export
+    raw: dict = field(default_factory=dict, repr=False)  # config.json as read (or as rope_scaling set it), for export
+    notes: list = field(default_factory=list, repr=False, compare=False)  # note: lines said at start
     # how this run computes its decoder layers: (backend, mode) of torch.compile, or None for the eager layer
     # (torch_compile; trainer.model.compiled)
     compile: tuple | None = field(default=None, repr=False, compare=False)
@@ -86,17 +113,14 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def inv_freq(self) -> torch.Tensor:
-        """RoPE inverse frequencies (float32), with the configured scaling applied."""
-        d = self.head_dim
-        theta = float(self.rope["rope_theta"])
-        inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-        kind = self.rope["rope_type"]
-        if kind == "linear":
-            inv = inv / float(self.rope["factor"])
-        elif kind == "llama3":
-            inv = _llama3_scale(inv, self.rope)
-        return inv
+    def inv_freq(self, seq_len: int | None = None) -> torch.Tensor:
+        """RoPE inverse frequencies (float32), with the configured scaling applied, for rows of ``seq_len``
+        tokens (None: the model's own length)."""
+        return rope_math.inv_freq(self.rope, self.head_dim, self.max_position_embeddings, seq_len)
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding attention window (None: full causal attention)."""
+        return self.windows[layer] if self.windows else None
 
     def is_sparse(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.sparse_layers
@@ -108,7 +132,7 @@ class ModelConfig:
         n = h * q + 2 * h * kv + q * h + 2 * h
         if self.is_sparse(layer):
             m = self.moe
-            n += m.num_experts * h + (m.top_k if active else m.num_experts) * m.expert_params(h)
+            n += m.router_params(h) + (m.top_k if active else m.num_experts) * m.expert_params(h)
         else:
             n += 3 * h * i
         if self.attention_bias:
@@ -119,6 +143,8 @@ class ModelConfig:
             n += 2 * i + h
         if self.qk_norm:
             n += 2 * self.head_dim
+        if self.sinks:
+            n += self.num_heads
         return n
 
     def num_params(self, active: bool = False) -> int:
@@ -128,38 +154,54 @@ class ModelConfig:
         return emb * (1 if self.tie_word_embeddings else 2) + self.hidden_size + layers
 
 
-def _llama3_scale(inv: torch.Tensor, p: dict) -> torch.Tensor:
-    factor = float(p["factor"])
-    low, high = float(p["low_freq_factor"]), float(p["high_freq_factor"])
-    old_len = float(p["original_max_position_embeddings"])
-    wavelen = 2 * math.pi / inv
-    long_wave = wavelen > old_len / low
-    short_wave = wavelen < old_len / high
-    scaled = torch.where(long_wave, inv / factor, inv)
-    smooth = (old_len / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    return torch.where(~long_wave & ~short_wave, blended, scaled)
-
-
-def _rope(raw: dict, where: str) -> dict:
+def _rope(raw: dict, where: str, head_dim: int, max_pos: int, default_theta: float = 10000.0,
+          default: dict | None = None) -> dict:
+    """The RoPE parameters of config.json (``rope_parameters``, else ``rope_scaling`` + ``rope_theta``, else
+    ``default``), standardised as transformers standardises them; a type or form the template does not compute
+    raises NotCovered, a malformed one ModelConfigError."""
     params = raw.get("rope_parameters")
-    if isinstance(params, dict) and "full_attention" in params:  # per-layer-type form
-        raise ModelConfigError(f"{where}: per-layer-type rope_parameters are not supported")
+    if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):  # per-layer-type form
+        raise NotCovered(f"{where}: per-layer-type rope_parameters are not supported by the template")
     if not isinstance(params, dict):
-        params = dict(raw.get("rope_scaling") or {})
-        params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+        params = raw.get("rope_scaling")
+        params = dict(params) if isinstance(params, dict) else dict(default or {})
     params = dict(params)
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     if kind not in ROPE_TYPES:
-        raise ModelConfigError(f"{where}: RoPE scaling '{kind}' is not supported yet; supported: "
-                               f"{', '.join(ROPE_TYPES)}")
+        raise NotCovered(f"{where}: RoPE type '{kind}' is not supported by the template; it computes "
+                         f"{', '.join(ROPE_TYPES)}")
     params["rope_type"] = kind
-    params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
-    need = {"linear": ("factor",),
-            "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    params.setdefault("rope_theta", raw.get("rope_theta", default_theta))
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if partial is not None and partial != 1:
+        raise NotCovered(f"{where}: partial_rotary_factor {partial} is not supported by the template (it rotates "
+                         "the whole head)")
+    orig = "original_max_position_embeddings"
+    if kind in ("llama3", "yarn", "longrope"):  # (transformers: a top-level value wins, else max_position_embeddings)
+        top = raw.get(orig)
+        params[orig] = top if isinstance(top, int) and not isinstance(top, bool) else params.get(orig, max_pos)
+        if isinstance(params[orig], bool) or not isinstance(params[orig], int) or params[orig] < 1:
+            raise ModelConfigError(f"{where}: RoPE {orig} must be a positive integer, got {params[orig]!r}")
+    need = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor"), "longrope": ("short_factor", "long_factor")}
     for key in need.get(kind, ()):
         if key not in params:
             raise ModelConfigError(f"{where}: RoPE type '{kind}' needs '{key}'")
+    numbers = [k for k in ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "attention_factor",
+                           "beta_fast", "beta_slow", "mscale", "mscale_all_dim") if params.get(k) is not None]
+    for key in numbers:  # (yarn's factor may be null: max_position_embeddings / original_max_position_embeddings)
+        value = params[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+                value <= 0 and key not in ("mscale", "mscale_all_dim", "beta_fast", "beta_slow")):
+            raise ModelConfigError(f"{where}: RoPE {key} must be a positive number, got {value!r}")
+    if kind == "dynamic" and head_dim <= 2:
+        raise ModelConfigError(f"{where}: dynamic RoPE needs a head_dim above 2, got {head_dim}")
+    if kind == "longrope":
+        for key in ("short_factor", "long_factor"):
+            value = params[key]
+            if not isinstance(value, list) or len(value) != head_dim // 2 or not all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in value):
+                raise ModelConfigError(f"{where}: RoPE {key} must be a list of {head_dim // 2} positive numbers")
     return params
 
 
@@ -189,30 +231,38 @@ def model_config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig
                           + ", ".join(SUPPORTED))
     family = SUPPORTED[arch]
     qwen3ish = family in ("qwen3", "qwen3_moe")
+    oss = family == "gpt_oss"
     act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise ModelConfigError(f"{where}: hidden_act '{act}' is not supported (only silu)")
+    if act != "silu" and not oss:  # (gpt-oss's experts have their own activation, whatever hidden_act says)
+        raise NotCovered(f"{where}: hidden_act '{act}' is not supported by the template (only silu)")
     try:
         h, heads = _int(raw, "hidden_size", where), _int(raw, "num_attention_heads", where)
+        head_dim = _int(raw, "head_dim", where, 1) if raw.get("head_dim") else (64 if oss else h // heads)
+        max_pos = _int(raw, "max_position_embeddings", where, 131072 if oss else 4096)
+        n_layers = _int(raw, "num_hidden_layers", where)
+        bias = bool(raw.get("attention_bias", oss))
         cfg = ModelConfig(
             family=family,
             vocab_size=_int(raw, "vocab_size", where),
             hidden_size=h,
             intermediate_size=_int(raw, "intermediate_size", where),
-            num_layers=_int(raw, "num_hidden_layers", where),
+            num_layers=n_layers,
             num_heads=heads,
             num_kv_heads=_int(raw, "num_key_value_heads", where, heads) if raw.get("num_key_value_heads") else heads,
-            head_dim=_int(raw, "head_dim", where, h // heads) if raw.get("head_dim") else h // heads,
-            rms_norm_eps=_float(raw, "rms_norm_eps", where, 1e-6),
+            head_dim=head_dim,
+            rms_norm_eps=_float(raw, "rms_norm_eps", where, 1e-5 if oss else 1e-6),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=family == "qwen2" or ((family == "llama" or qwen3ish) and bool(raw.get("attention_bias"))),
-            o_bias=(family == "llama" or qwen3ish) and bool(raw.get("attention_bias")),
+            attention_bias=family == "qwen2" or (family in ("llama", "gpt_oss") or qwen3ish) and bias,
+            o_bias=(family in ("llama", "gpt_oss") or qwen3ish) and bias,
             mlp_bias=family == "llama" and bool(raw.get("mlp_bias")),
             qk_norm=qwen3ish,
-            rope=_rope(raw, where),
+            rope=_rope(raw, where, head_dim, max_pos, *((150000.0, GPT_OSS_ROPE) if oss else ())),
             sliding_window=raw.get("sliding_window") if _uses_window(raw, family) else None,
+            sinks=oss,
+            windows=_windows(raw, n_layers, where) if oss else (),
+            norm_weight_fp32=oss,
             initializer_range=float(raw.get("initializer_range", 0.02)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            max_position_embeddings=max_pos,
             pad_token_id=raw.get("pad_token_id") if isinstance(raw.get("pad_token_id"), int) else None,
             moe=_moe(raw, family, where),
             raw=raw,
@@ -224,6 +274,23 @@ def model_config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig
     if cfg.num_heads % cfg.num_kv_heads:
         raise ModelConfigError(f"{where}: num_attention_heads must be a multiple of num_key_value_heads")
     return cfg
+
+
+# gpt-oss's RoPE where config.json gives none (transformers' GptOssConfig), and its rope_theta default 150000
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
+
+
+def _windows(raw: dict, n_layers: int, where: str) -> tuple:
+    """gpt-oss's sliding window of each layer: ``layer_types`` (default: sliding on even layers, full on odd
+    ones, as transformers'), ``sliding_window`` tokens (default 128) on the sliding ones."""
+    types = raw.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
+    if not isinstance(types, list) or len(types) != n_layers or not set(types) <= {"sliding_attention",
+                                                                                     "full_attention"}:
+        raise ModelConfigError(f"{where}: layer_types must list sliding_attention or full_attention for each of the "
+                               f"{n_layers} layers, got {types!r}")
+    window = _int(raw, "sliding_window", where, 128) if "sliding_attention" in types else None
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 def _moe(raw: dict, family: str, where: str) -> MoeSpec | None:
@@ -250,6 +317,13 @@ def _moe(raw: dict, family: str, where: str) -> MoeSpec | None:
         return MoeSpec(_int(raw, "num_local_experts", where, 8), _int(raw, "num_experts_per_tok", where, 2),
                        _int(raw, "intermediate_size", where), True, tuple(range(_int(raw, "num_hidden_layers", where))),
                        "block_sparse_moe", ("w1", "w3", "w2"), _coef(raw, where, 0.001))
+    if family == "gpt_oss":
+        key = "num_experts" if "num_experts" in raw else "num_local_experts"  # (transformers' attribute_map)
+        every = tuple(range(_int(raw, "num_hidden_layers", where)))
+        return MoeSpec(_int(raw, key, where, 128), _int(raw, "num_experts_per_tok", where, 4),
+                       _int(raw, "intermediate_size", where), False, every, "mlp",
+                       ("gate_up_proj", "gate_up_proj", "down_proj"), _coef(raw, where, 0.001), "gpt_oss",
+                       _float(raw, "swiglu_alpha", where, 1.702), _float(raw, "swiglu_limit", where, 7.0))
     return None
 
 

@@ -89,6 +89,7 @@ class GenericConfig:
     pad_token_id: int | None = None
     sliding_window: int | None = None  # (the model's own masks apply its windows)
     moe = None
+    notes: list = field(default_factory=list, repr=False)  # note: lines said at start (why auto came here)
     _weights: list[Weight] = field(default_factory=list, repr=False)
 
     def weights(self) -> list[Weight]:

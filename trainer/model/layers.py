@@ -4,7 +4,10 @@ Nothing here owns a parameter: ``decoder_layer(w, x, rope, cfg)`` computes one d
 tensors in ``w`` (names relative to the layer, e.g. "self_attn.q_proj.weight"), which may be views into
 a streaming slot. Llama 2/3 and Mistral, Qwen2 (q/k/v biases) and Qwen3 (q/k RMSNorm) differ only in
 which tensors ``w`` holds; a sparse layer of Qwen3-MoE or Mixtral has the experts' feed-forward
-(``trainer.model.moe``) instead of the MLP. Attention is SDPA, causal, with grouped KV heads.
+(``trainer.model.moe``) instead of the MLP. gpt-oss's layer has attention sinks and, on alternate layers, a
+sliding window (``trainer.model.attention``), biases on every projection, norms whose weight multiplies in fp32,
+and its own experts. Attention is causal with grouped KV heads; RoPE's cos/sin tables (``trainer.model.rope``)
+come with the micro-batch.
 """
 
 from __future__ import annotations
@@ -12,24 +15,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from trainer.model.attention import attention
 from trainer.model.config import ModelConfig
 from trainer.model.moe import RouterStats, moe_ffn
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_fp32: bool = False) -> torch.Tensor:
+    """RMSNorm in fp32, cast back to x's dtype before the weight multiplies (Llama's), or after (gpt-oss's:
+    ``weight_fp32``)."""
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
-
-
-def rope_tables(cfg: ModelConfig, seq_len: int, device: torch.device, dtype: torch.dtype):
-    """cos and sin of shape [seq_len, head_dim] for positions 0..seq_len-1."""
-    inv = cfg.inv_freq().to(device)
-    pos = torch.arange(seq_len, device=device, dtype=torch.float32)
-    freqs = torch.outer(pos, inv)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (weight * xf).to(dtype) if weight_fp32 else weight * xf.to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -42,11 +39,13 @@ def _linear(x, w, name):
 
 
 def decoder_layer(w: dict[str, torch.Tensor], x: torch.Tensor, rope, cfg: ModelConfig,
-                  router: RouterStats | None = None) -> torch.Tensor:
-    """One decoder layer: x [B, T, H] -> [B, T, H]; a sparse layer's routing goes to ``router``."""
+                  router: RouterStats | None = None, window: int | None = None) -> torch.Tensor:
+    """One decoder layer: x [B, T, H] -> [B, T, H]; a sparse layer's routing goes to ``router``; ``window``:
+    the layer's sliding attention window (None: full causal attention)."""
     b, t, _ = x.shape
     cos, sin = rope[0][:t], rope[1][:t]
-    h = rms_norm(x, w["input_layernorm.weight"], cfg.rms_norm_eps)
+    fp32w = cfg.norm_weight_fp32
+    h = rms_norm(x, w["input_layernorm.weight"], cfg.rms_norm_eps, fp32w)
     q = _linear(h, w, "self_attn.q_proj").view(b, t, cfg.num_heads, cfg.head_dim)
     k = _linear(h, w, "self_attn.k_proj").view(b, t, cfg.num_kv_heads, cfg.head_dim)
     v = _linear(h, w, "self_attn.v_proj").view(b, t, cfg.num_kv_heads, cfg.head_dim)
@@ -56,11 +55,10 @@ def decoder_layer(w: dict[str, torch.Tensor], x: torch.Tensor, rope, cfg: ModelC
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     q = q * cos + _rotate_half(q) * sin
     k = k * cos + _rotate_half(k) * sin
-    gqa = cfg.num_heads != cfg.num_kv_heads
-    a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    a = attention(q, k, v, w.get("self_attn.sinks"), window)
     a = a.transpose(1, 2).reshape(b, t, cfg.q_size)
     x = x + _linear(a, w, "self_attn.o_proj")
-    h = rms_norm(x, w["post_attention_layernorm.weight"], cfg.rms_norm_eps)
+    h = rms_norm(x, w["post_attention_layernorm.weight"], cfg.rms_norm_eps, fp32w)
     if "mlp.gate_proj.weight" not in w:
         return x + moe_ffn(w, h, cfg.moe, router)
     m = F.silu(_linear(h, w, "mlp.gate_proj")) * _linear(h, w, "mlp.up_proj")
@@ -73,7 +71,8 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
 
 
 def head_loss_backward(h: torch.Tensor, targets: torch.Tensor, norm_w: torch.Tensor, head_w: torch.Tensor,
-                       eps: float, scale: float, chunk_tokens: int, acc_hw: torch.Tensor | None = None):
+                       eps: float, scale: float, chunk_tokens: int, acc_hw: torch.Tensor | None = None,
+                       weight_fp32: bool = False):
     """Final norm + LM head + summed cross-entropy over ``targets`` (-100 ignored), and its backward for
     a loss of ``sum * scale``, chunked over tokens so no [tokens, vocab] logits tensor exists.
 
@@ -86,7 +85,7 @@ def head_loss_backward(h: torch.Tensor, targets: torch.Tensor, norm_w: torch.Ten
     nw = norm_w.detach().requires_grad_()
     hw = head_w.detach().requires_grad_()
     with torch.enable_grad():
-        normed = rms_norm(x, nw, eps)
+        normed = rms_norm(x, nw, eps, weight_fp32)
     flat = normed.detach().reshape(-1, hidden)
     tgt = targets.reshape(-1)
     grad_flat = torch.empty_like(flat)
@@ -107,9 +106,9 @@ def head_loss_backward(h: torch.Tensor, targets: torch.Tensor, norm_w: torch.Ten
 
 
 def head_loss(h: torch.Tensor, targets: torch.Tensor, norm_w: torch.Tensor, head_w: torch.Tensor, eps: float,
-              chunk_tokens: int) -> torch.Tensor:
+              chunk_tokens: int, weight_fp32: bool = False) -> torch.Tensor:
     """Summed cross-entropy of the final norm + LM head over ``targets`` (-100 ignored), chunked, no grad."""
-    flat = rms_norm(h, norm_w, eps).reshape(-1, h.shape[-1])
+    flat = rms_norm(h, norm_w, eps, weight_fp32).reshape(-1, h.shape[-1])
     tgt = targets.reshape(-1)
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
     for s in range(0, flat.shape[0], chunk_tokens):

@@ -1,4 +1,4 @@
-"""The mixture-of-experts feed-forward of a sparse layer (Qwen3-MoE, Mixtral) and the router's
+"""The mixture-of-experts feed-forward of a sparse layer (Qwen3-MoE, Mixtral, gpt-oss) and the router's
 load-balancing loss, as plain functions of the weights they are handed.
 
 Routing: the router's logits over the experts, their softmax in fp32, the top-k experts of each token and
@@ -8,6 +8,12 @@ it, as grouped matmuls (``torch._grouped_mm`` over the experts' weights stacked:
 host sync) where torch has them for the dtype and device (CPU; bf16 on CUDA) and the rows are 16-byte
 aligned, else one matmul chain per expert (a loop over experts, never over tokens;
 ``TIERMEM_MOE_GROUPED=0`` forces it). The weighted results are added back to their tokens.
+
+gpt-oss routes otherwise: the router has a bias, and each token's top-k logits are softmaxed among themselves.
+Its experts keep their weights stacked as its checkpoints store them, used in place (``gate_up_proj`` [E, H,
+2I] takes ``x @ W`` and its even columns are the gate, the odd ones the up projection; ``down_proj`` [E, I,
+H]), each projection with a bias per expert, and the activation is the clamped SwiGLU ``(clamp(up, -limit,
+limit) + 1) * g * sigmoid(alpha g)``, ``g = min(gate, limit)``; grouped the same way.
 
 The load-balancing loss of a micro-batch (transformers' ``load_balancing_loss_func`` with the attention
 mask) is ``E * sum_e F_e * P_e`` over the E experts, where ``F_e`` is the share of all (layer, token, k)
@@ -47,16 +53,59 @@ def grouped_available(h: torch.Tensor, inter: int) -> bool:
     return h.shape[-1] % align == 0 and inter % align == 0
 
 
+def route_top_logits(h: torch.Tensor, gate_w: torch.Tensor, gate_b: torch.Tensor, top_k: int):
+    """gpt-oss's router of tokens ``h`` [N, H]: (logits [N, E] with the bias, the softmax of each token's
+    top-k logits [N, k] in their dtype, expert ids [N, k])."""
+    logits = F.linear(h, gate_w, gate_b)
+    top_v, top_i = torch.topk(logits, top_k, dim=-1)
+    return logits, torch.softmax(top_v, dim=1, dtype=top_v.dtype), top_i
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation of an expert's interleaved gate and up columns [N, 2I] -> [N, I]."""
+    gate = gate_up[..., ::2].clamp(min=None, max=limit)
+    up = gate_up[..., 1::2].clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def _by_expert(top_i: torch.Tensor, n_experts: int):
+    """The token-expert assignments sorted by expert: (their order in the flat [N k] assignments, each one's
+    token, each one's expert, the count of each expert's)."""
+    k = top_i.shape[1]
+    flat = top_i.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    return order, order // k, flat[order], torch.bincount(flat, minlength=n_experts)
+
+
+def stacked_experts(h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, gate_up: torch.Tensor,
+                    gate_up_b: torch.Tensor, down: torch.Tensor, down_b: torch.Tensor, alpha: float, limit: float,
+                    grouped: bool | None = None) -> torch.Tensor:
+    """gpt-oss's experts: each token's weighted sum of its top-k experts' outputs, ``h`` [N, H] and the stacked
+    weights as stored (gate_up [E, H, 2I] and its bias [E, 2I], down [E, I, H] and its bias [E, H])."""
+    order, token, expert, counts = _by_expert(top_i, gate_up.shape[0])
+    xs = h[token]
+    if grouped if grouped is not None else grouped_available(h, down.shape[1]):
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        act = clamped_swiglu(torch._grouped_mm(xs, gate_up, offs=offs) + gate_up_b[expert], alpha, limit)
+        ys = torch._grouped_mm(act.contiguous(), down, offs=offs) + down_b[expert]
+    else:
+        outs, start = [], 0
+        for e, n in enumerate(counts.tolist()):  # (one host sync per layer and micro-batch)
+            if n:
+                act = clamped_swiglu(xs[start: start + n] @ gate_up[e] + gate_up_b[e], alpha, limit)
+                outs.append(act @ down[e] + down_b[e])
+            start += n
+        ys = torch.cat(outs)
+    ys = ys * top_w.reshape(-1)[order].unsqueeze(-1)
+    return torch.zeros_like(h).index_add(0, token, ys)
+
+
 def experts(h: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, weights: list[tuple],
             grouped: bool | None = None) -> torch.Tensor:
     """Each token's weighted sum of its top-k experts' SwiGLU outputs: ``h`` [N, H], ``weights`` the
     experts' (gate [I, H], up [I, H], down [H, I]). Assignments sorted by expert; grouped matmuls over all
     experts at once (``grouped``; None: where available), else one matmul chain per expert over its tokens."""
-    k = top_i.shape[1]
-    flat = top_i.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    token = order // k  # the token of each assignment, in expert order
-    counts = torch.bincount(flat, minlength=len(weights))
+    order, token, _, counts = _by_expert(top_i, len(weights))
     xs = h[token]
     if grouped if grouped is not None else grouped_available(h, weights[0][0].shape[0]):
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
@@ -82,6 +131,13 @@ def moe_ffn(w: dict[str, torch.Tensor], h: torch.Tensor, moe, router: RouterStat
     b, t, hidden = h.shape
     flat = h.reshape(-1, hidden)
     p = moe.block + "."
+    if moe.kind == "gpt_oss":
+        logits, top_w, top_i = route_top_logits(flat, w[p + "router.weight"], w[p + "router.bias"], moe.top_k)
+        if router is not None:
+            router.observe(logits, top_i)
+        e = p + "experts."
+        return stacked_experts(flat, top_w, top_i, w[e + "gate_up_proj"], w[e + "gate_up_proj_bias"],
+                               w[e + "down_proj"], w[e + "down_proj_bias"], moe.alpha, moe.limit).view(b, t, hidden)
     logits, top_w, top_i = route(flat, w[p + "gate.weight"], moe.top_k, moe.norm_topk_prob)
     if router is not None:
         router.observe(logits, top_i)

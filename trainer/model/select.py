@@ -1,6 +1,8 @@
 """Which path computes a model: the hand-written template (``trainer.model.stages``) for the architectures
 it covers (the fast path), else the generic path (``trainer.model.generic``: the transformers model's own
-modules run over the streamed weights), else one line naming what is missing.
+modules run over the streamed weights), else one line naming what is missing. A config.json of a template
+architecture that asks for what the template does not compute (a RoPE type, an activation: ``NotCovered``)
+goes to the generic path under ``auto``, with a ``note:`` line saying why (the config's ``note``).
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from trainer.model.config import SUPPORTED, ModelConfigError, load_model_config, model_config_from_dict
+from trainer.model.config import SUPPORTED, ModelConfigError, NotCovered, load_model_config, model_config_from_dict
+from trainer.model.rope import llamafactory_scaling
 from trainer.model.stages import TemplateStages
 
 
@@ -30,9 +33,21 @@ def model_from_dict(raw: dict, where: str = "config.json", path: str = "auto"):
     architecture, else the generic path), "template" or "generic"."""
     archs = raw.get("architectures") if isinstance(raw, dict) else None
     arch = archs[0] if isinstance(archs, list) and archs else None
-    if not isinstance(raw, dict) or path == "template" or (path == "auto" and arch in SUPPORTED):
+    if not isinstance(raw, dict) or path == "template":
         return model_config_from_dict(raw, where)
     from trainer.model.generic import generic_config
+
+    if path == "auto" and arch in SUPPORTED:
+        try:
+            return model_config_from_dict(raw, where)
+        except NotCovered as uncovered:
+            try:
+                cfg = generic_config(raw, where)
+            except ModelConfigError:
+                raise uncovered from None
+            why = str(uncovered).removeprefix(f"{where}: ")
+            cfg.notes.append(f"note: the template does not cover this model ({why}): the generic path computes it")
+            return cfg
 
     try:
         return generic_config(raw, where)
@@ -42,9 +57,17 @@ def model_from_dict(raw: dict, where: str = "config.json", path: str = "auto"):
         raise ModelConfigError(f"{e}; the template takes {', '.join(SUPPORTED)}") from None
 
 
-def load_model(model_dir: str | Path, path: str = "auto"):
+def load_model(model_dir: str | Path, path: str = "auto", rope_scaling: str | None = None, cutoff_len: int = 0):
+    """The model of ``model_dir`` for ``path``; with LLaMA-Factory's ``rope_scaling`` for rows of ``cutoff_len``
+    tokens, its config.json scaled first (what changed in the config's notes)."""
     raw, where = read_config(model_dir)
-    return model_from_dict(raw, where, path)
+    note = None
+    if rope_scaling is not None and isinstance(raw, dict):
+        raw, note = llamafactory_scaling(raw, rope_scaling, cutoff_len)
+    cfg = model_from_dict(raw, where, path)
+    if note:
+        cfg.notes.insert(0, note)
+    return cfg
 
 
 def model_stages(cfg, dtype: torch.dtype, device: torch.device):

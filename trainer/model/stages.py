@@ -2,7 +2,7 @@
 layer forward, its backward by recompute, the final norm + LM head loss, and the embedding's gradient.
 
 The executor (``trainer.executor``) runs a step layer-major over these, whatever computes them: this
-hand-written template for the Llama family and its MoE members, or ``trainer.model.generic`` for other
+hand-written template for the Llama family, its MoE members and gpt-oss, or ``trainer.model.generic`` for other
 transformers models (the same methods). Weights come as dicts: the embedding's and the head's by full
 name, a layer's by names relative to the layer. Gradients come back in fp32.
 
@@ -20,8 +20,9 @@ import torch.nn.functional as F
 
 from trainer.model.compiled import layer_function
 from trainer.model.config import ModelConfig
-from trainer.model.layers import head_loss, head_loss_backward, rope_tables
+from trainer.model.layers import head_loss, head_loss_backward
 from trainer.model.moe import RouterStats
+from trainer.model.rope import Rope
 from trainer.model.weights import EMBED, LM_HEAD, NORM
 
 
@@ -41,26 +42,21 @@ class TemplateStages:
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device):
         self.cfg, self.dtype, self.device = cfg, dtype, device
-        self._rope = None
+        self._rope = Rope(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, device, dtype)
         self._layer = layer_function(cfg.compile)  # (decoder_layer, or compiled: torch_compile)
 
     @property
     def aux_loss_coef(self) -> float:
         return self.cfg.moe.aux_loss_coef if self.cfg.moe is not None else 0.0
 
-    def _rope_for(self, t: int):
-        if self._rope is None or self._rope[0].shape[0] < t:
-            self._rope = rope_tables(self.cfg, t, self.device, self.dtype)
-        return self._rope
-
     def contexts(self, ids: list[torch.Tensor], masks: list, n_micro: int, train: bool) -> list[MicroBatch]:
         """One context per micro-batch of ``ids`` (with their padding ``masks``, None: no padding); on a
         training step of ``n_micro`` micro-batches in all, a sparse model's router statistics, each weighted
         for the step's loss (the mean over its micro-batches of their load-balancing losses, times the
         coefficient)."""
-        rope = self._rope_for(max(x.shape[1] for x in ids))
         coef = self.aux_loss_coef if train else 0.0
-        return [MicroBatch(rope, RouterStats(m, x.numel(), self.cfg.moe, coef / n_micro, self.device) if coef else None)
+        return [MicroBatch(self._rope.tables(x.shape[1]),
+                           RouterStats(m, x.numel(), self.cfg.moe, coef / n_micro, self.device) if coef else None)
                 for x, m in zip(ids, masks)]
 
     def embed(self, w: dict[str, torch.Tensor], ids: torch.Tensor, ctx: MicroBatch) -> torch.Tensor:
@@ -68,7 +64,7 @@ class TemplateStages:
 
     def layer(self, i: int, w: dict[str, torch.Tensor], x: torch.Tensor, ctx: MicroBatch) -> torch.Tensor:
         """Decoder layer ``i`` over ``x`` with its weights ``w`` (no gradient)."""
-        return self._layer(w, x, ctx.rope, self.cfg, ctx.router)
+        return self._layer(w, x, ctx.rope, self.cfg, ctx.router, self.cfg.window(i))
 
     def forward_done(self, ctxs: list[MicroBatch]) -> torch.Tensor | None:
         """The forward of these micro-batches is complete: freeze their router statistics; the weighted sum
@@ -82,7 +78,7 @@ class TemplateStages:
         x = x.detach().requires_grad_()
         leaves = {k: t.detach().requires_grad_() for k, t in w.items()}
         with torch.enable_grad():
-            y = self._layer(leaves, x, ctx.rope, self.cfg, ctx.router)
+            y = self._layer(leaves, x, ctx.rope, self.cfg, ctx.router, self.cfg.window(i))
             outs, grads = [y], [gy]
             term = ctx.router.take_term() if ctx.router is not None else None
             if term is not None:
@@ -94,7 +90,8 @@ class TemplateStages:
     def layer_graph(self, i: int, w: dict[str, torch.Tensor], x: torch.Tensor, ctx: MicroBatch):
         """Decoder layer ``i``'s forward keeping its autograd graph (its activations), for a backward without
         the recompute: (output, graph). Not for a layer whose router feeds the load-balancing loss."""
-        return keep_graph(lambda leaves, x_: self._layer(leaves, x_, ctx.rope, self.cfg, ctx.router), w, x)
+        window = self.cfg.window(i)
+        return keep_graph(lambda leaves, x_: self._layer(leaves, x_, ctx.rope, self.cfg, ctx.router, window), w, x)
 
     def graph_backward(self, graph, gy: torch.Tensor):
         return backward_of(graph, gy)
@@ -109,7 +106,7 @@ class TemplateStages:
         head_w = tied[EMBED] if tied is not None else w[LM_HEAD]
         into = tied_acc if tied is not None else (acc[LM_HEAD] if acc is not None else None)
         loss, gh, gnw, ghw = head_loss_backward(h, targets, w[NORM], head_w, self.cfg.rms_norm_eps, scale, chunk,
-                                                into)
+                                                into, self.cfg.norm_weight_fp32)
         if acc is not None:
             acc[NORM].add_(gnw)
             gnw = acc[NORM]
@@ -120,7 +117,7 @@ class TemplateStages:
     def head_loss(self, h: torch.Tensor, targets: torch.Tensor, w: dict[str, torch.Tensor],
                   tied: dict[str, torch.Tensor] | None, chunk: int) -> torch.Tensor:
         head_w = tied[EMBED] if tied is not None else w[LM_HEAD]
-        return head_loss(h, targets, w[NORM], head_w, self.cfg.rms_norm_eps, chunk)
+        return head_loss(h, targets, w[NORM], head_w, self.cfg.rms_norm_eps, chunk, self.cfg.norm_weight_fp32)
 
     def embed_grads(self, w: dict[str, torch.Tensor], ids: list[torch.Tensor], grads_h: list[torch.Tensor],
                     ctxs: list[MicroBatch], tied_grad: torch.Tensor | None,

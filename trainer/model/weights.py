@@ -8,6 +8,10 @@ A sparse (mixture-of-experts) layer's experts are tensors of that layer's group,
 projection, named as the published checkpoints name them (``mlp.experts.7.gate_proj.weight``,
 ``block_sparse_moe.experts.7.w1.weight``): every expert is needed by every layer's compute of a batch of
 thousands of tokens, so the group is the unit to stream, and the store places its kinds like any other.
+gpt-oss's checkpoints keep a layer's experts stacked in four tensors (``mlp.experts.gate_up_proj`` [E, H, 2I]
+with gate and up columns interleaved, its bias, ``down_proj`` [E, I, H], its bias) beside the router's weight
+and bias: the store holds them so, and the export writes them back unchanged. Weight decay follows the Hugging
+Face Trainer's rule (none on biases and norm weights; gpt-oss's attention sinks are decayed as it decays them).
 A model taken by the generic path (``trainer.model.generic``) lists its own weights.
 """
 
@@ -56,6 +60,8 @@ def layer_weights(cfg: ModelConfig, i: int) -> list[Weight]:
     if cfg.qk_norm:
         out.append(Weight(p + "self_attn.q_norm.weight", (cfg.head_dim,), i, False))
         out.append(Weight(p + "self_attn.k_norm.weight", (cfg.head_dim,), i, False))
+    if cfg.sinks:
+        out.append(Weight(p + "self_attn.sinks", (cfg.num_heads,), i, True))
     out.append(Weight(p + "post_attention_layernorm.weight", (h,), i, False))
     if cfg.is_sparse(i):
         return out + expert_weights(cfg, i)
@@ -70,6 +76,13 @@ def expert_weights(cfg: ModelConfig, i: int) -> list[Weight]:
     """A sparse layer's router and experts (each expert's gate, up and down projections)."""
     m, h = cfg.moe, cfg.hidden_size
     p = f"model.layers.{i}.{m.block}."
+    if m.kind == "gpt_oss":
+        e, inter = m.num_experts, m.intermediate_size
+        return [Weight(p + "router.weight", (e, h), i, True), Weight(p + "router.bias", (e,), i, False),
+                Weight(p + "experts.gate_up_proj", (e, h, 2 * inter), i, True),
+                Weight(p + "experts.gate_up_proj_bias", (e, 2 * inter), i, False),
+                Weight(p + "experts.down_proj", (e, inter, h), i, True),
+                Weight(p + "experts.down_proj_bias", (e, h), i, False)]
     out = [Weight(p + "gate.weight", (m.num_experts, h), i, True)]
     gate, up, down = m.proj
     for e in range(m.num_experts):
@@ -99,12 +112,12 @@ def group_order(cfg: ModelConfig) -> list[int | str]:
 
 def init_weight(w: Weight, cfg: ModelConfig, gen: torch.Generator, device: torch.device) -> torch.Tensor:
     """A freshly initialised fp32 tensor, as Hugging Face initialises these models (normal(0, std) for
-    matrices and embeddings, ones for norms, zeros for biases)."""
+    matrices, embeddings, gpt-oss's sinks and router bias; ones for norms, zeros for other biases)."""
     if hasattr(cfg, "init_weight"):  # a model of the generic path: as its transformers class initialises it
         return cfg.init_weight(w, gen, device)
     if w.name.endswith("norm.weight"):
         return torch.ones(w.shape, device=device)
-    if w.name.endswith(".bias"):
+    if w.name.endswith((".bias", "_bias")) and not w.name.endswith("router.bias"):
         return torch.zeros(w.shape, device=device)
     t = torch.empty(w.shape, device=device)
     t.normal_(0.0, cfg.initializer_range, generator=gen)
