@@ -415,7 +415,9 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
             keep = len(getattr(job.store_plan, "keep", ()) or ())
         args = dict(resolved(cfg, scfg, budget, store),
                     tiermem_model_path="generic" if getattr(mcfg, "generic", False) else "template",
-                    torch_compile=mcfg.compile is not None, tiermem_keep_activations=keep)
+                    torch_compile=mcfg.compile is not None, tiermem_keep_activations=keep,
+                    tiermem_physical_batch_size=min(piece_rows(cfg, job.store_plan) or cfg.per_device_train_batch_size,
+                                                    cfg.per_device_train_batch_size))
         (out / "training_args.yaml").write_text(yaml.safe_dump(args, sort_keys=False))
         if getattr(job.store_plan, "prediction", None) is not None:  # (replayable: tiermem plan --workload FILE)
             told = run_plan.report(job.store_plan, cfg.gradient_accumulation_steps)

@@ -68,7 +68,8 @@ def make(mcfg, dtype: torch.dtype, scfg: StoreConfig, shape: Shape, machine: Mac
         w = workload.in_pieces(rows) if workload is not None else measure(rows)
         return _with_pieces(plan_for(w), shape.rows, rows)
     w = workload or measure(shape.rows)
-    best = search_pieces(shape.rows, w, plan_for)
+    # (the CPU stand-in measures no working set: its micro-batches are cut only where they are refused whole)
+    best = search_pieces(shape.rows, w, plan_for, faster=device.type == "cuda" if cuda is None else cuda)
     if best.piece_rows == shape.rows or workload is not None or not time_it:
         return best
     for rows in [r for r in pieces.candidates(shape.rows) if r <= best.piece_rows]:  # (timed at that shape; where
@@ -79,11 +80,11 @@ def make(mcfg, dtype: torch.dtype, scfg: StoreConfig, shape: Shape, machine: Mac
     raise refused
 
 
-def search_pieces(rows: int, w: Workload, plan_for) -> Plan:
+def search_pieces(rows: int, w: Workload, plan_for, faster: bool = True) -> Plan:
     """The plan (``plan_for(workload)``) of micro-batches of ``rows`` rows computed whole, or in pieces of halves
-    of them, down to one row, while a smaller piece is predicted faster (by more than the planner's tie) or the
-    larger piece's plan is refused (BudgetError): the first of near-equal plans (the largest pieces). Refused
-    when every piece is: the smallest's refusal (the nearest to fitting)."""
+    of them, down to one row, while a smaller piece is predicted faster (by more than the planner's tie; not
+    ``faster``: never) or the larger piece's plan is refused (BudgetError): the first of near-equal plans (the
+    largest pieces). Refused when every piece is: the smallest's refusal (the nearest to fitting)."""
     best = refused = None
     for r in pieces.candidates(rows):
         try:
@@ -91,9 +92,11 @@ def search_pieces(rows: int, w: Workload, plan_for) -> Plan:
         except BudgetError as e:
             refused = e
             continue
-        if best is not None and plan.prediction.step >= best.prediction.step * (1 - TIE):
+        if best is not None and (not faster or plan.prediction.step >= best.prediction.step * (1 - TIE)):
             break
         best = plan
+        if not faster:
+            break
     if best is None:
         raise refused
     return best
