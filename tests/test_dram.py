@@ -122,7 +122,7 @@ def test_a_read_tensor_is_not_kept_alive_by_the_store(store_name):
     import weakref
 
     from tiermem.config import load_store_config
-    from tiermem.store.catalog import TensorSpec
+    from tiermem.specs import TensorSpec
     from tiermem.store.store import Store
 
     cfg = load_store_config({"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}},

@@ -187,7 +187,7 @@ def _attach_raw(sock_path: Path):
     """A connection that attached a one-tensor run of its own with hello (as _unit_service's)."""
     import torch
 
-    from tiermem.store.catalog import TensorSpec
+    from tiermem.specs import TensorSpec
     from tiermem.store.layout import spec_to_json
 
     specs = [TensorSpec(n, (4, 4), torch.float32, k, 0) for n, k in

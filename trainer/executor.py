@@ -28,7 +28,7 @@ import torch
 from tiermem.errors import UserError
 from tiermem.faults import HOOKS
 from tiermem.futures import all_of
-from tiermem.store.catalog import state_name
+from tiermem.specs import state_name
 from tiermem.store.prefetch import Prefetcher
 from trainer.model.layers import shift_labels
 from trainer.model.select import model_stages

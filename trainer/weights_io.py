@@ -19,7 +19,7 @@ import crc32c
 import torch
 
 from tiermem.errors import ConfigError, StorageError
-from tiermem.store.catalog import state_name
+from tiermem.specs import state_name
 from trainer.model.config import ModelConfig
 from trainer.model.weights import LM_HEAD, Weight, all_weights, init_weight
 

@@ -42,7 +42,7 @@ from tiermem.optim.interface import Gate
 from tiermem.optim.kernels import adamw_out_of_place, fused_adamw
 from tiermem.plan.machine import worker_threads
 from tiermem.plan.resolve import resolve_auto
-from tiermem.store.catalog import Group, state_name
+from tiermem.specs import Group, state_name
 from tiermem.tiers.extents import OutOfSpace
 from tiermem.tiers.gpu import host_sync
 

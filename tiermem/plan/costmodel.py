@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from tiermem.plan.machine import Machine
 from tiermem.plan.workload import Workload
-from tiermem.store.catalog import Group
+from tiermem.specs import Group
 
 RESOURCES = ("gpu", "gpu_adamw", "h2d", "d2h", "nvme", "cpu")
 # several ranks of a host: the other ranks' GPUs, links and CPU workers together, which update the groups this rank

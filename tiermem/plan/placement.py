@@ -25,7 +25,7 @@ from tiermem.errors import BudgetError
 from tiermem.plan.hostmem import available_memory
 from tiermem.plan.resolve import compute_device
 from tiermem.sizes import align_up, format_size
-from tiermem.store.catalog import Group, TensorSpec
+from tiermem.specs import Group, TensorSpec
 
 ALIGN = 4096
 HOT_FIRST = KINDS  # param, grad, master, exp_avg, exp_avg_sq

@@ -38,7 +38,7 @@ from tiermem.plan.machine import Machine
 from tiermem.plan.placement import ALIGN, Plan, check_budgets, default_budgets
 from tiermem.plan.workload import Workload
 from tiermem.sizes import align_up, format_size
-from tiermem.store.catalog import TensorSpec
+from tiermem.specs import TensorSpec
 
 SPILL_ORDER = ("exp_avg_sq", "exp_avg", "master", "grad", "param")  # coldest first
 DISCARDED_AT_END = ("grad", "exp_avg", "exp_avg_sq")  # on NVMe: given back to the disk before the export

@@ -28,7 +28,7 @@ from tiermem.futures import done_future
 from tiermem.optim import Gate, OptimSettings
 from tiermem.plan.resolve import compute_device
 from tiermem.service import protocol
-from tiermem.store.catalog import Group, TensorSpec
+from tiermem.specs import Group, TensorSpec
 from tiermem.store.layout import apply_layout, attach_store, spec_from_json, spec_to_json
 from tiermem.tiers.extents import Extent
 

@@ -18,7 +18,7 @@ from tiermem.plan.planner import plan_step
 from tiermem.plan.resolve import compute_device
 from tiermem.plan.workload import Workload
 from tiermem.service.requests import RequestError
-from tiermem.store.catalog import TensorSpec
+from tiermem.specs import TensorSpec
 
 # the service's crash-safe CPU AdamW (out of place, or in place behind an undo copy) against plain fused
 # AdamW on the same cores: 0.26-0.38x measured on the H200 host (docs/measurements.md, tools/bench_optim.py)

@@ -66,7 +66,7 @@ from tiermem.service.replace import Replacement
 from tiermem.service.requests import RequestError, field_of, is_key, object_of
 from tiermem.service.runs import Client, Run, label_of, newest_checkpoint, no_room_note, room_for_new_state
 from tiermem.service.updates import UpdateRequests
-from tiermem.store.catalog import TensorSpec
+from tiermem.specs import TensorSpec
 from tiermem.store.layout import create_store, layout_of, nvme_description, reopen_store, spec_from_json, spec_to_json
 from tiermem.store.stats import snapshot
 from tiermem.tiers.dram import on_disk

@@ -21,7 +21,7 @@ import torch
 from tiermem.config import KINDS, StoreConfig
 from tiermem.plan.placement import Plan, default_budgets
 from tiermem.sizes import align_up
-from tiermem.store.catalog import TensorSpec
+from tiermem.specs import TensorSpec
 from tiermem.store.store import Store
 from tiermem.tiers.dram import HEADER, DramArena
 from tiermem.tiers.extents import Extent, ExtentAllocator

@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tiermem.futures import forward
-from tiermem.store.catalog import Group
+from tiermem.specs import Group
 
 LOOKAHEAD = 4  # requests past the first one that may start out of order
 

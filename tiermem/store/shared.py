@@ -37,7 +37,7 @@ import torch
 
 from tiermem.config import KINDS
 from tiermem.sizes import align_up
-from tiermem.store.catalog import Group, TensorSpec
+from tiermem.specs import Group, TensorSpec
 from tiermem.store.layout import attach_store, layout_of, nvme_description
 from tiermem.store.store import Store
 from tiermem.tiers.extents import Extent

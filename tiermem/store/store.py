@@ -27,7 +27,8 @@ from tiermem.futures import all_of, done_future, forward, then
 from tiermem.plan.placement import Plan, make_plan
 from tiermem.plan.resolve import arena_pinned, compute_device
 from tiermem.sizes import align_up, format_size
-from tiermem.store.catalog import Catalog, Entry, Group, TensorSpec
+from tiermem.specs import Group, TensorSpec
+from tiermem.store.catalog import Catalog, Entry
 from tiermem.tiers.dram import DramArena
 from tiermem.tiers.extents import Extent, OutOfSpace
 from tiermem.tiers.gpu import ALIGN as GPU_ALIGN
