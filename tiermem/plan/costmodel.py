@@ -1,23 +1,24 @@
 """The cost model: one steady training step, simulated on the machine's figures, per resource.
 
     p = predict(layout, workload, machine, group_bytes, group_params)
-    p.step, p.busy["nvme"], p.bound, p.waits
+    p.step, p.busy["h2d"], p.bound, p.waits
 
-The step is the schedule of DESIGN.md, as the trainer and the store run it: the previous step's update
+The step is the schedule of docs/architecture.md, as the trainer and the store run it: the previous step's update
 starts when its backward ends (t = 0) and runs group by group in forward order, on the GPU worker (state
-streamed to the GPU and back, or updated in place when it lives in HBM) or the CPU worker (NVMe-resident
-state staged into DRAM one group ahead); the forward of a group waits for its update and for its weights
+streamed to the GPU and back, or updated in place when it lives in HBM) or the CPU worker (state on a storage
+tier staged into DRAM one group ahead); the forward of a group waits for its update and for its weights
 (streamed through a few GPU slots unless they live in HBM); the loss; the backward with recompute in
 reverse order, each group's gradient copied home when the CPU updates it; with several passes the partial
 gradients go home and come back between passes. Every operation takes one resource for bytes / rate
-seconds: ``gpu`` (the compute stream), ``gpu_adamw`` (the optimizer's stream), the PCIe link each way
-(``h2d``, ``d2h``), the disk (``nvme``: one resource that reads and writes, each at its rate alone times the
-machine's ``nvme_both``, the gain of both directions at once: the H200 machine's virtio disk served one direction
-at a time in the 14B runs, 0.94) and the CPU's AdamW (``cpu``). A resource serves the ready operation that
-became ready first (a list schedule). The link's copies run at the machine's ``duplex`` share of its rate alone
-(both directions copy through most of a step), and the compute is stretched by ``copy_drag`` of the time both
-directions are busy (on the H200 machine: 0.92, and matmuls at 0.94 beside copies both ways; one direction costs
-them nothing).
+seconds: ``gpu`` (the compute stream), ``gpu_adamw`` (the optimizer's stream), the PCIe link each way (``h2d``,
+``d2h``), each storage tier's disk (its ``resource``: one resource that reads and writes, each at its rate alone
+times the tier's ``both``, the gain of both directions at once: the NVMe tier's are the machine's figures, and the
+H200 machine's virtio disk served one direction at a time in the 14B runs, 0.94) and the CPU's AdamW (``cpu``).
+Where state lives is told by its tier's role (``tiermem.tiers.base``): the device tier's is computed on in place, a
+host tier's crosses the link, a storage tier's its disk first. A resource serves the ready operation that became
+ready first (a list schedule). The link's copies run at the machine's ``duplex`` share of its rate alone (both
+directions copy through most of a step), and the compute is stretched by ``copy_drag`` of the time both directions
+are busy (on the H200 machine: 0.92, and matmuls at 0.94 beside copies both ways; one direction costs them nothing).
 
 Several ranks of a host (``Layout.mine``, ``ranks``): the rank updates the groups it owns, on its GPU and its
 share of the host's cores; the peers (their GPUs, links and cores as one of their summed rates) update the rest,
@@ -37,8 +38,9 @@ from dataclasses import dataclass, field
 from tiermem.plan.machine import Machine
 from tiermem.plan.workload import Workload
 from tiermem.specs import Group
+from tiermem.tiers import registry
+from tiermem.tiers.base import DEVICE, HOST, STORAGE
 
-RESOURCES = ("gpu", "gpu_adamw", "h2d", "d2h", "nvme", "cpu")
 # several ranks of a host: the other ranks' GPUs, links and CPU workers together, which update the groups this rank
 # does not own (the disk is one, shared)
 PEERS = ("peer_gpu_adamw", "peer_h2d", "peer_d2h", "peer_cpu")
@@ -84,12 +86,14 @@ def rank_of(owners: dict | None, group_params: dict) -> dict:
 class Prediction:
     step: float  # seconds
     busy: dict[str, float]  # resource -> seconds busy in a step
-    bytes: dict[str, float]  # link -> bytes moved in a step (h2d, d2h, nvme_read, nvme_write)
+    bytes: dict[str, float]  # link -> bytes moved in a step (h2d, d2h, and <disk>_read, <disk>_write of each disk)
     compute: float  # the GPU compute of the step
     wait_optimizer: float  # the compute stream idle, waiting for an update
     wait_transfer: float  # ... waiting for weights or partial gradients
     bound: str
-    nvme_read: float = 0.0  # seconds the disk spends reading, writing (at once: busy["nvme"] is the larger)
+    # seconds the disks (every storage tier's, the NVMe tier's alone by default) spend reading, writing (at once:
+    # their busy seconds are the larger); named for the NVMe tier in the plan's JSON
+    nvme_read: float = 0.0
     nvme_write: float = 0.0
     details: dict = field(default_factory=dict)
 
@@ -100,10 +104,18 @@ class Prediction:
                 "nvme_read_seconds": self.nvme_read, "nvme_write_seconds": self.nvme_write}
 
 
+def resources() -> tuple[str, ...]:
+    """The resources a step takes: the GPU's compute and its optimizer's stream, the PCIe link each way (every
+    host tier's: the link is one), each storage tier's disk (its ``resource``), and the CPU's AdamW."""
+    disks = dict.fromkeys(registry.tier_type(t).resource for t in registry.of_role(STORAGE))
+    return ("gpu", "gpu_adamw", "h2d", "d2h", *disks, "cpu")
+
+
 class _Sim:
     """Operations on resources with dependencies; ``run`` list-schedules them."""
 
-    def __init__(self):
+    def __init__(self, resources: tuple[str, ...]):
+        self.resources = resources + PEERS
         self.ops: list[tuple[str, float, list[int], str]] = []  # (resource, seconds, deps, tag)
 
     def op(self, resource: str, seconds: float, deps=(), tag: str = "") -> int:
@@ -119,9 +131,9 @@ class _Sim:
             for d in deps:
                 users[d].append(i)
         ready_at = [0.0] * n
-        free = dict.fromkeys(RESOURCES + PEERS, 0.0)
-        busy = dict.fromkeys(RESOURCES + PEERS, 0.0)
-        queues: dict[str, list] = {r: [] for r in RESOURCES + PEERS}
+        free = dict.fromkeys(self.resources, 0.0)
+        busy = dict.fromkeys(self.resources, 0.0)
+        queues: dict[str, list] = {r: [] for r in self.resources}
         for i in range(n):
             if not waiting[i]:
                 heapq.heappush(queues[self.ops[i][0]], (0.0, i))
@@ -173,14 +185,22 @@ def predict(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_pa
 
 
 def _simulate(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_params: dict) -> Prediction:
-    """The step of ``layout`` simulated pass by pass."""
+    """The step of ``layout`` simulated pass by pass. Where a (group, kind) lives decides what reaching it costs:
+    on the device tier nothing (it is computed on in place), on a host tier the PCIe link, on a storage tier
+    its disk (its ``resource``, at its ``rates``) and then the link, or (the CPU worker) its disk into the host
+    tier that stages it."""
     where = layout.where
-    sim = _Sim()
-    moved = {"h2d": 0.0, "d2h": 0.0, "nvme_read": 0.0, "nvme_write": 0.0}
+    kinds = {t: registry.tier_type(t) for t in set(where.values())}
+    roles = {t: cls.role for t, cls in kinds.items()}
+    rates = {t: cls.rates(m) for t, cls in kinds.items() if cls.role == STORAGE}
+    resources_ = resources()
+    disks = [r for r in resources_ if r not in ("gpu", "gpu_adamw", "h2d", "d2h", "cpu")]
+    sim = _Sim(resources_)
+    moved = {"h2d": 0.0, "d2h": 0.0, **{f"{r}_{d}": 0.0 for r in disks for d in ("read", "write")}}
     disk = {"read": 0.0, "write": 0.0}
 
-    def tier(g, k):
-        return where.get((g, k))
+    def role(g, k):
+        return roles.get(where.get((g, k)))
 
     def nbytes(g, k):
         return group_bytes.get((g, k), 0)
@@ -200,16 +220,19 @@ def _simulate(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_
         moved["d2h"] += n
         return sim.op("d2h", n / (m.d2h * m.duplex), deps, tag)
 
-    def nvme(n, write: bool, deps=(), tag=""):
-        moved["nvme_write" if write else "nvme_read"] += n
-        s = n / ((m.nvme_write if write else m.nvme_read) * m.nvme_both)
+    def storage(g, k, write: bool, deps=(), tag=""):
+        """The disk of the storage tier (g, k) lives on reads or writes its bytes."""
+        t = where[(g, k)]
+        r, res, n = rates[t], kinds[t].resource, nbytes(g, k)
+        moved[f"{res}_{'write' if write else 'read'}"] += n
+        s = n / ((r.write if write else r.read) * r.both)
         disk["write" if write else "read"] += s
-        return sim.op("nvme", s, deps, tag)
+        return sim.op(res, s, deps, tag)
 
     groups = w.groups
     has_master = any(k == "master" for (_, k) in group_bytes)
     state_kinds = ["master" if has_master else "param", "exp_avg", "exp_avg_sq"]
-    resident = {g for g in groups if all(tier(g, k) == "gpu" for k in (*state_kinds, "grad") if (g, k) in group_bytes)}
+    resident = {g for g in groups if all(role(g, k) == DEVICE for k in (*state_kinds, "grad") if (g, k) in group_bytes)}
     on_gpu = resident | (set(layout.gpu_updates or ()) & set(groups))
 
     # -- the update of the step before (starts at t = 0, when that step's backward ended) ----------------
@@ -228,32 +251,32 @@ def _simulate(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_
             prev2, prev = gpu_prev[own]
             reads = []
             for k in state_kinds:
-                if tier(g, k) == "nvme":
-                    reads.append(h2d(nbytes(g, k), [nvme(nbytes(g, k), False, [prev2])], peer=peer))
-                elif tier(g, k) == "dram":
+                if role(g, k) == STORAGE:
+                    reads.append(h2d(nbytes(g, k), [storage(g, k, False, [prev2])], peer=peer))
+                elif role(g, k) == HOST:
                     reads.append(h2d(nbytes(g, k), [prev2], peer=peer))
-            if tier(g, "grad") not in ("gpu", None) and g not in on_gpu:
+            if role(g, "grad") not in (DEVICE, None) and g not in on_gpu:
                 reads.append(h2d(nbytes(g, "grad"), peer=peer))
             rate = m.gpu_adamw * (1 if own else peers)
             adam = sim.op("gpu_adamw" if own else "peer_gpu_adamw", params / rate, [*reads, prev], f"adam {g}")
             for k in state_kinds:
-                if tier(g, k) in ("dram", "nvme") and not (k == "param" and has_master):
+                if role(g, k) in (HOST, STORAGE) and not (k == "param" and has_master):
                     back = d2h(nbytes(g, k), [adam], peer=peer)
-                    if tier(g, k) == "nvme":
-                        nvme(nbytes(g, k), True, [back])
-            if has_master and tier(g, "param") != "gpu":
+                    if role(g, k) == STORAGE:
+                        storage(g, k, True, [back])
+            if has_master and role(g, "param") != DEVICE:
                 done[g] = d2h(nbytes(g, "param"), [adam], f"param home {g}", peer=peer)
                 if own:  # (a peer's new compute copy reaches this rank through the arena, fetched as ever)
                     offered.add(g)
-                if tier(g, "param") == "nvme":
-                    nvme(nbytes(g, "param"), True, [done[g]])
+                if role(g, "param") == STORAGE:
+                    storage(g, "param", True, [done[g]])
             else:
                 done[g] = adam
             gpu_prev[own] = [prev, adam]
         else:
             stage_prev, prev = cpu_prev[own]
-            stage = [nvme(nbytes(g, k), False, [stage_prev]) for k in (*state_kinds, "grad", "param")
-                     if tier(g, k) == "nvme"]
+            stage = [storage(g, k, False, [stage_prev]) for k in (*state_kinds, "grad", "param")
+                     if role(g, k) == STORAGE]
             # (at the worker's rates beside the link's copies, which the step runs alongside; several ranks split
             # the host's cores: this rank's worker has a share, the peers' together the rest)
             share = 1.0 / ranks if own else peers / ranks
@@ -261,12 +284,12 @@ def _simulate(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_
             upd = sim.op("cpu" if own else "peer_cpu", seconds, [*stage, prev], f"cpu adam {g}")
             cpu_prev[own] = [prev, upd]
             for k in state_kinds:
-                if tier(g, k) == "nvme":
-                    nvme(nbytes(g, k), True, [upd])
-            if tier(g, "param") == "gpu":
+                if role(g, k) == STORAGE:
+                    storage(g, k, True, [upd])
+            if role(g, "param") == DEVICE:
                 done[g] = h2d(nbytes(g, "param"), [upd], peer=peer)
-            elif tier(g, "param") == "nvme" and has_master:
-                done[g] = nvme(nbytes(g, "param"), True, [upd])
+            elif role(g, "param") == STORAGE and has_master:
+                done[g] = storage(g, "param", True, [upd])
             else:
                 done[g] = upd
 
@@ -279,7 +302,7 @@ def _simulate(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_
 
     def fetch(g, deps):
         """The group's weights on the GPU: a slot filled over PCIe (or on the GPU from an offer)."""
-        if tier(g, "param") == "gpu":
+        if role(g, "param") == DEVICE:
             return None
         slot = slot_free[-layout.slots] if layout.slots and len(slot_free) >= layout.slots else None
         return h2d(nbytes(g, "param"), [*deps, slot], f"fetch {g}")
@@ -300,7 +323,7 @@ def _simulate(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_
                 f = fetch(g, [upd])
             partial = None
             own = g in mine  # (several ranks: a layer's gradient goes to its owner, which keeps the partial sums)
-            if not first and phase in ("bwd", "loss", "embed_bwd") and tier(g, "grad") != "gpu":
+            if not first and phase in ("bwd", "loss", "embed_bwd") and role(g, "grad") != DEVICE:
                 partial = h2d(nbytes(g, "grad"), [partial_home.get(g)], f"partial {g}", peer=not own)
             bwd = w.bwd.get(g, 0.0) - (w.fwd.get(g, 0.0) if g in layout.keep else 0.0)  # (the recompute)
             seconds = (w.fwd.get(g, 0.0) if phase in ("fwd",) else max(bwd, 0.0)
@@ -311,7 +334,7 @@ def _simulate(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_
             last_compute = c
             if f is not None:
                 slot_free.append(c)
-            if phase in ("bwd", "loss", "embed_bwd") and tier(g, "grad") != "gpu":
+            if phase in ("bwd", "loss", "embed_bwd") and role(g, "grad") != DEVICE:
                 if last_pass and g not in on_gpu:
                     last_grad.append(d2h(nbytes(g, "grad"), [c], f"grad {g}", peer=not own))
                 elif not last_pass:
@@ -337,7 +360,7 @@ def _simulate(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_
     # the GPU's two streams share it: the compute and the optimizer's kernels add up
     # (the peers' resources too: a peer busier than the step delays the next one as well)
     peer_busy = [totals.pop(r) for r in PEERS]
-    step = max(finish, *(totals[r] for r in RESOURCES if r not in ("gpu", "gpu_adamw")),
+    step = max(finish, *(totals[r] for r in resources_ if r not in ("gpu", "gpu_adamw")),
                totals["gpu"] + totals["gpu_adamw"], *peer_busy)
     bound = _bound(step, totals, wait_opt, wait_xfer)
     return Prediction(step, totals, moved, compute, wait_opt, wait_xfer, bound, disk["read"], disk["write"],
@@ -345,7 +368,7 @@ def _simulate(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_
 
 
 NAMES = {"gpu": "GPU compute", "gpu_adamw": "GPU AdamW", "h2d": "PCIe to the GPU", "d2h": "PCIe from the GPU",
-         "nvme": "NVMe", "cpu": "CPU AdamW"}
+         "cpu": "CPU AdamW"}
 
 
 def _bound(step: float, busy: dict, wait_opt: float, wait_xfer: float) -> str:
@@ -358,5 +381,6 @@ def _bound(step: float, busy: dict, wait_opt: float, wait_xfer: float) -> str:
 
 
 def describe_bound(bound: str) -> str:
-    return {**NAMES, "wait_optimizer": "the next forward waiting for the update",
+    disks = {registry.tier_type(t).resource: registry.tier_type(t).label for t in registry.of_role(STORAGE)}
+    return {**NAMES, **disks, "wait_optimizer": "the next forward waiting for the update",
             "wait_transfer": "the compute waiting for weights"}.get(bound, bound)

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import getpass
 
-from tiermem.config import MOMENTS, StoreConfig, load_store_config
+from tiermem.config import StoreConfig, load_store_config
 from tiermem.errors import ConfigError
 from tiermem.plan.resolve import compute_device, resolve_auto
+from tiermem.specs import MOMENTS
+from tiermem.tiers import registry
+from tiermem.tiers.base import DEVICE, HOST, STORAGE
 from tiermem.tiers.dram import check_budget
 
 MOVABLE = ("master", *MOMENTS)  # kinds only the service touches between steps (SIGHUP may re-place them)
@@ -22,6 +25,11 @@ def service_config(path: str) -> StoreConfig:
     if isinstance(cfg.placement, dict) and "gpu" in cfg.placement.values():
         raise ConfigError(f"{path}: placement on gpu is not possible in service mode (the state must outlive the "
                           "trainer's GPU memory); place every kind on dram or nvme")
+    shared = {registry.primary(DEVICE), registry.primary(HOST), *registry.of_role(STORAGE)[:1]}
+    other = [t for t in cfg.tiers.configured() if t not in shared]
+    if other:
+        raise ConfigError(f"{path}: a service shares its arena and one storage tier with its trainers: the tiers "
+                          f"{', '.join(other)} are not supported in service mode yet")
     if cfg.name is None:
         cfg.name = f"tiermem-{getpass.getuser()}"
     check_machine(cfg, path)

@@ -34,11 +34,10 @@ from pathlib import Path
 import crc32c
 import torch
 
-from tiermem.config import MOMENTS
 from tiermem.errors import StorageError
 from tiermem.faults import HOOKS
 from tiermem.sizes import align_up
-from tiermem.specs import Group
+from tiermem.specs import MOMENTS, Group
 from tiermem.store.checkpoint import crc32c_of
 from tiermem.store.parallel_crc import piece_crcs
 from tiermem.tiers.extents import Extent, OutOfSpace
