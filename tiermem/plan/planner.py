@@ -111,12 +111,9 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
     chosen without them: they never add passes (each pass moves the streamed groups' partial gradients both
     ways, which the GPU runs have shown costs more than the cost model counts). ``owners`` (several ranks of a
     host: group -> rank): each group's HBM-resident state lives in its owner's HBM (see the module)."""
-    device = registry.primary(DEVICE)
-    if budgets is None:  # (the device tier's: its budget or, unset, all of its HBM, activations included)
-        budgets = {**default_budgets(cfg), device: cfg.tiers.device_tier.budget}
-    budgets = dict(budgets)
-    group_bytes, params = sizes(specs)
-    pins = cfg.pins()
+    device = registry.primary(DEVICE)  # (its budget: the device tier's, or unset all of its HBM, activations too)
+    budgets = dict(budgets) if budgets is not None else {**default_budgets(cfg), device: cfg.tiers.device_tier.budget}
+    (group_bytes, params), pins = sizes(specs), cfg.pins()
     room = hbm_room(m, budgets, cuda) - hbm_taken
     need_total = sum(group_bytes.values())
     best: tuple | None = None
