@@ -42,6 +42,8 @@ def register(name: str, cls: type) -> None:
         missing += [a for a in ("resource", "label") if not hasattr(cls, a)]
     if missing:
         raise ValueError(f"{cls.__name__} is not a {role} tier: it lacks {', '.join(missing)}")
+    if role == DEVICE and of_role(DEVICE):
+        raise ValueError(f"a store has one device tier, and {of_role(DEVICE)[0]!r} is it")
     if role in (DEVICE, HOST) and not of_role(role) and cls.optional:
         raise ValueError(f"the first {role} tier is the store's own and cannot be optional")
     _TYPES[name] = cls
