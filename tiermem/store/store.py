@@ -65,7 +65,7 @@ class Store:
         self.keep_files = False  # close() leaves the arena and NVMe files in place (the service's state)
 
     def __getattr__(self, name: str):
-        """A tier of the store by its name (``store.dram``); None for a registered tier the store did not make."""
+        """A tier of the store by its name (``store.<name>``); None for a registered tier the store did not make."""
         tiers = self.__dict__.get("tiers")
         if tiers is not None and (name in tiers or name in registry.names()):
             return tiers.get(name)

@@ -1,9 +1,9 @@
 """The store's tiers: made from the config for a plan's capacities (or taken ready-made, over an existing arena
 and files), found by name and by role, closed together.
 
-    tiers = make_tiers(cfg, {"gpu": ..., "dram": ..., "nvme": ...}, Making(name, device, pin, slot, n))
+    tiers = make_tiers(cfg, plan.need(), Making(name, device, pin, slot, n))   # bytes each tier needs
     tiers.device, tiers.host              # the device tier (HBM, the slots), the host tier that stages storage
-    tiers.role("nvme")                     # -> "storage"
+    tiers.role(name)                       # -> "device", "host" or "storage"
 
 Each configured tier is made in the registry's order (an optional one only when the plan puts state on it), and
 closed in the reverse order.
