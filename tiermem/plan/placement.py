@@ -115,15 +115,16 @@ def staging_bytes(where: dict, group_bytes: dict) -> int:
     """Host memory that stages storage-resident state: two groups' worth (one group's read ahead while the last
     one's is written back)."""
     on_storage: dict = defaultdict(int)
+    storage = {t for t in set(where.values()) if registry.role_of(t) == STORAGE}
     for (g, k), tier in where.items():
-        if registry.role_of(tier) == STORAGE:
+        if tier in storage:
             on_storage[g] += group_bytes[(g, k)]
     return 2 * max(on_storage.values(), default=0)
 
 
 def _finish(group_bytes, where, cfg, streamed_kinds, budgets) -> Plan:
-    streamed = [b for (g, k), b in group_bytes.items() if k in streamed_kinds
-                and registry.role_of(where[(g, k)]) != DEVICE]
+    device = registry.primary(DEVICE)
+    streamed = [b for (g, k), b in group_bytes.items() if k in streamed_kinds and where[(g, k)] != device]
     slot = max(streamed, default=0)
     n_slots = cfg.tiers.device_tier.slots if slot else 0
     return Plan(dict(where), dict(group_bytes), slot, n_slots, staging_bytes(where, group_bytes), budgets)
