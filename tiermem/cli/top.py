@@ -37,9 +37,12 @@ BAR = 24
 def probe_links() -> dict[str, str]:
     """``tiermem probe``'s rows (by the start of their label) -> the links of the store they measured: the arena
     is the host tier, the GPU the device tier, NVMe the first storage tier."""
-    host, dev, disk = registry.primary(HOST), registry.primary(DEVICE), registry.of_role(STORAGE)[0]
-    return {"arena -> GPU": f"{host}->{dev}", "GPU -> arena": f"{dev}->{host}", "arena -> NVMe": f"{host}->{disk}",
-            "NVMe -> arena": f"{disk}->{host}", "NVMe -> GPU": f"{disk}->{dev}"}
+    host, dev = registry.primary(HOST), registry.primary(DEVICE)
+    out = {"arena -> GPU": f"{host}->{dev}", "GPU -> arena": f"{dev}->{host}"}
+    for disk in registry.of_role(STORAGE)[:1]:
+        out.update({"arena -> NVMe": f"{host}->{disk}", "NVMe -> arena": f"{disk}->{host}",
+                    "NVMe -> GPU": f"{disk}->{dev}"})
+    return out
 
 
 def stats_path(run_dir: str | Path) -> Path:
