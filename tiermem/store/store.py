@@ -347,7 +347,7 @@ class Store:
                 except OutOfSpace:
                     for _, t in temps:
                         host.free(t.extent)
-                    raise BudgetError(f"no DRAM room to stage {e.tier}-resident state; raise "
+                    raise BudgetError(f"no DRAM room to stage {self.tiers[e.tier].label}-resident state; raise "
                                       f"tiers.{self.tiers.host_name}.budget") from None
                 temps.append((e, tmp))
                 views[e.spec.name] = typed(self.mover.view(tmp), e.spec)

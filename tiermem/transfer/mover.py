@@ -221,8 +221,9 @@ class Mover:
             try:
                 tmp = Location(self.host_name, host.allocate(n), n)
             except OutOfSpace as e:
-                raise BudgetError(f"no DRAM room to stage a transfer between {self.tier_of(src)} and "
-                                  f"{self.tier_of(dst)} ({e}); raise tiers.{self.host_name}.budget") from None
+                disk = self.tiers[self.tier_of(src if self._roles.get(self.tier_of(src)) == STORAGE else dst)]
+                raise BudgetError(f"no DRAM room to stage an {disk.label}<->GPU transfer ({e}); raise "
+                                  f"tiers.{self.host_name}.budget") from None
         else:
             tmp = torch.empty(n, dtype=torch.uint8, pin_memory=self.cuda)
         # ``wait_event`` orders the leg that touches the GPU: the read of a GPU source, or the write of a
