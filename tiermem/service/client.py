@@ -278,7 +278,7 @@ def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: Optim
     first) says which groups it ``owns``: of each update's groups the service leaves to the trainers' GPU
     workers, it takes those.
 
-    The trainer computes on the service config's ``tiers.gpu.device`` (the CPU when there is no CUDA); a rank of
+    The trainer computes on the service config's device tier's ``device`` (the CPU when there is no CUDA); a rank of
     several on CUDA, on ``cuda:local_rank``."""
     client = ServiceClient(path)
     try:
@@ -295,7 +295,7 @@ def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: Optim
             raise UserError("the service's run holds other tensors than this model's; restart the service with "
                             "--fresh to discard its run")
         store = attach_store(cfg, theirs, reply["layout"], reply["arena"], reply["nvme"], device,
-                             cfg.tiers.gpu.slots)
+                             cfg.tiers.device_tier.slots)
     except BaseException:
         client.close()
         raise

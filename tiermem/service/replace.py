@@ -20,7 +20,7 @@ class Replacement:
         except UserError as e:
             self.say(f"SIGHUP: config not reloaded: {e}")
             return
-        if cfg.store_name() != self.cfg.store_name() or cfg.tiers.dram.path != self.cfg.tiers.dram.path:
+        if cfg.store_name() != self.cfg.store_name() or cfg.tiers.host_tier.path != self.cfg.tiers.host_tier.path:
             self.say("SIGHUP: the store's name and arena directory cannot change while it runs; not reloaded")
             return
         with self.lock:
