@@ -9,17 +9,24 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-BASICS = {"tiermem", "tiermem.errors", "tiermem.sizes", "tiermem.schema", "tiermem.futures", "tiermem.config",
-          "tiermem.faults"}
+BASICS = {"tiermem", "tiermem.errors", "tiermem.sizes", "tiermem.schema", "tiermem.futures", "tiermem.faults",
+          "tiermem.specs"}
+# tiermem's parts: its subpackages, its top-level modules that are not basics, and the basics as one
+PARTS = ("tiermem.tiers", "tiermem.config", "tiermem.transfer", "tiermem.store", "tiermem.plan", "tiermem.optim",
+         "tiermem.service", "tiermem.session", "tiermem.cli")
 
 # part -> prefixes of the modules it must not import
 RULES = {
     "tiermem": ["trainer"],
-    "tiermem.tiers": ["tiermem.transfer", "tiermem.store", "tiermem.plan", "tiermem.optim", "tiermem.service",
-                      "tiermem.cli"],
+    "tiermem.tiers": ["tiermem.config", "tiermem.transfer", "tiermem.store", "tiermem.plan", "tiermem.optim",
+                      "tiermem.service", "tiermem.session", "tiermem.cli"],
+    # (the config reads each tier's section through the tiers' registry)
+    "tiermem.config": ["tiermem.transfer", "tiermem.store", "tiermem.plan", "tiermem.optim", "tiermem.service",
+                       "tiermem.session", "tiermem.cli"],
     "tiermem.transfer": ["tiermem.store", "tiermem.plan", "tiermem.optim", "tiermem.service", "tiermem.cli"],
     "tiermem.store": ["tiermem.optim", "tiermem.service", "tiermem.session", "tiermem.cli"],
-    "tiermem.plan": ["tiermem.transfer", "tiermem.optim", "tiermem.service", "tiermem.cli"],
+    "tiermem.plan": ["tiermem.transfer", "tiermem.store", "tiermem.optim", "tiermem.service", "tiermem.session",
+                     "tiermem.cli"],
     "tiermem.optim": ["tiermem.service", "tiermem.session", "tiermem.cli"],
     "tiermem.service": ["tiermem.session", "tiermem.cli"],
     "tiermem.session": ["tiermem.cli"],
@@ -70,6 +77,65 @@ def test_the_basics_import_only_basics():
     ours = [f"{mod} imports {imp}" for mod, imps in modules().items() if mod in BASICS
             for imp in sorted(imps) if within(imp, "tiermem") and not basic(imp)]
     assert not ours, "; ".join(ours)
+
+
+def part_of(name: str) -> str | None:
+    """The part of tiermem a module (or a name imported from one) belongs to; None outside tiermem."""
+    if not within(name, "tiermem"):
+        return None
+    if name in BASICS or name.rsplit(".", 1)[0] in BASICS - {"tiermem"}:
+        return "basics"
+    return next((p for p in PARTS if within(name, p)), "basics" if name.count(".") == 1 else None)
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every cycle of ``graph`` (part -> the parts it imports) found by a depth-first walk, as its parts in order."""
+    found, done = [], set()
+
+    def walk(node: str, path: list[str]) -> None:
+        if node in path:
+            found.append(path[path.index(node):] + [node])
+            return
+        if node in done:
+            return
+        for nxt in sorted(graph.get(node, ())):
+            walk(nxt, path + [node])
+        done.add(node)
+
+    for node in sorted(graph):
+        walk(node, [])
+    return found
+
+
+def part_graph() -> tuple[dict[str, set[str]], dict[tuple[str, str], str]]:
+    """tiermem's parts -> the parts they import, and one import that makes each edge (to name it)."""
+    graph: dict[str, set[str]] = {}
+    why: dict[tuple[str, str], str] = {}
+    for mod, imps in modules().items():
+        a = part_of(mod)
+        if a is None:
+            continue
+        for imp in sorted(imps):
+            b = part_of(imp)
+            if b is not None and b != a:
+                graph.setdefault(a, set()).add(b)
+                why.setdefault((a, b), f"{mod} imports {imp}")
+    return graph, why
+
+
+def test_no_two_parts_of_tiermem_import_each_other():
+    """The parts of tiermem (its subpackages, session, and the basics) import one way: no cycle among them."""
+    graph, why = part_graph()
+    found = cycles(graph)
+    assert not found, "; ".join(" -> ".join(c) + " (" + ", ".join(why[(a, b)] for a, b in zip(c, c[1:])) + ")"
+                                for c in found)
+
+
+def test_the_cycle_check_would_catch_a_cycle():
+    assert cycles({"store": {"plan"}, "plan": {"store", "basics"}}) == [["plan", "store", "plan"]]
+    assert cycles({"store": {"plan", "tiers"}, "plan": {"tiers"}, "tiers": {"basics"}}) == []
+    assert part_of("tiermem.store.catalog.Group") == "tiermem.store" and part_of("tiermem.specs.TensorSpec") == "basics"
+    assert part_of("tiermem.session") == "tiermem.session" and part_of("trainer.loop") is None
 
 
 def test_the_rules_would_catch_a_break(tmp_path):

@@ -8,7 +8,7 @@ import torch
 
 from tests.test_service import env  # noqa: F401 - the service fixture
 from tiermem.config import load_store_config
-from tiermem.store.catalog import TensorSpec
+from tiermem.specs import TensorSpec
 from tiermem.store.store import Store
 from tiermem.tiers.dram import DramArena
 

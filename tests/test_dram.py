@@ -100,7 +100,7 @@ def test_a_process_attached_to_the_arena_never_allocates_in_it(store_name, nvme_
         ext = nvme.allocate(4096)
         nvme.pwrite(data.view(torch.uint8), ext).result()
         gpu = GpuTier(torch.device("cpu"), 0, 4096, 1)  # the CPU stand-in: a slot of "GPU" memory
-        mover = Mover(gpu, attached, nvme)
+        mover = Mover({"gpu": gpu, "dram": attached, "nvme": nvme})
         try:
             slot = gpu.acquire_slot()
             mover.copy(Location("nvme", ext, 4096), Location("gpu", slot.extent, 4096), bulk=True).result()
@@ -122,7 +122,7 @@ def test_a_read_tensor_is_not_kept_alive_by_the_store(store_name):
     import weakref
 
     from tiermem.config import load_store_config
-    from tiermem.store.catalog import TensorSpec
+    from tiermem.specs import TensorSpec
     from tiermem.store.store import Store
 
     cfg = load_store_config({"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}},

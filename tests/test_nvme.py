@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tiermem.errors import StorageError
-from tiermem.store.catalog import TensorSpec
+from tiermem.specs import TensorSpec
 from tiermem.store.store import Store
 from tiermem.tiers.nvme import NvmeTier, choose_backend
 

@@ -9,7 +9,7 @@ import torch
 
 from tiermem.errors import BudgetError
 from tiermem.plan.placement import make_plan
-from tiermem.store.catalog import TensorSpec
+from tiermem.specs import TensorSpec
 from tiermem.store.store import Store
 from tiermem.tiers.dram import list_arenas
 
@@ -88,7 +88,7 @@ def test_an_update_is_done_only_when_its_last_nvme_write_back_is(make_cfg):
 
     cfg = make_cfg(placement={"param": "dram", "grad": "dram", "master": "dram", "exp_avg": "nvme",
                               "exp_avg_sq": "nvme"}, optimizer={"gpu_share": 0.0})
-    from tiermem.store.catalog import state_name
+    from tiermem.specs import state_name
 
     specs = [TensorSpec(state_name(f"layers.{i}.w", kind), (MiB // 4,), torch.float32, kind, i)
              for i in range(4) for kind in ("param", "grad", "master", "exp_avg", "exp_avg_sq")]
@@ -131,7 +131,7 @@ def test_the_cpu_workers_threads_yield_and_the_stores_threads_do_not(make_cfg):
     import threading
 
     from tiermem.optim import AdamWConfig, StoreAdamW
-    from tiermem.store.catalog import state_name
+    from tiermem.specs import state_name
 
     def nice(tid: int) -> int:
         with open(f"/proc/self/task/{tid}/stat") as f:
@@ -174,7 +174,7 @@ def test_the_gpu_workers_kept_views_follow_a_tensor_that_moves_in_hbm(make_cfg):
     mixture-of-experts layer has hundreds of tensors); when one of its tensors gets a new home in HBM the views
     are built again: three updates, one tensor moved between the second and the third, end as torch's AdamW."""
     from tiermem.optim import AdamWConfig, StoreAdamW
-    from tiermem.store.catalog import state_name
+    from tiermem.specs import state_name
 
     kinds = ("param", "grad", "exp_avg", "exp_avg_sq")
     cfg = make_cfg(placement={k: "gpu" for k in kinds}, gpu_budget="16MiB")

@@ -22,7 +22,7 @@ from tiermem.plan.costmodel import Layout, predict, rank_of
 from tiermem.plan.machine import Machine
 from tiermem.plan.planner import gpu_update_bytes, plan_step, resplit, sizes
 from tiermem.plan.workload import Workload
-from tiermem.store.catalog import TensorSpec, state_name
+from tiermem.specs import TensorSpec, state_name
 
 GiB = 1 << 30
 KINDS5 = ("param", "master", "grad", "exp_avg", "exp_avg_sq")

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from tiermem.store.catalog import TensorSpec
+from tiermem.specs import TensorSpec
 from tiermem.store.prefetch import Prefetcher
 from tiermem.store.store import Store
 

@@ -513,7 +513,7 @@ def _unit_service(tmp_path, share):
     """An in-process service over a one-tensor model, a trainer connection and another one."""
     from tiermem.service.runs import Client
     from tiermem.service.server import Service as Svc
-    from tiermem.store.catalog import TensorSpec
+    from tiermem.specs import TensorSpec
     from tiermem.store.layout import spec_to_json
 
     (tmp_path / "shm").mkdir()
@@ -836,7 +836,8 @@ def test_versions_pushed_while_attaching_are_applied_in_order(tmp_path):
     import torch
 
     from tiermem.service.client import ServiceClient
-    from tiermem.store.catalog import Catalog, TensorSpec
+    from tiermem.specs import TensorSpec
+    from tiermem.store.catalog import Catalog
     from tiermem.tiers.extents import Extent
 
     path = tmp_path / "s.sock"

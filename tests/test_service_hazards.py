@@ -187,7 +187,7 @@ def _attach_raw(sock_path: Path):
     """A connection that attached a one-tensor run of its own with hello (as _unit_service's)."""
     import torch
 
-    from tiermem.store.catalog import TensorSpec
+    from tiermem.specs import TensorSpec
     from tiermem.store.layout import spec_to_json
 
     specs = [TensorSpec(n, (4, 4), torch.float32, k, 0) for n, k in
@@ -306,7 +306,7 @@ def _service_on_nvme(tmp_path, say=lambda _: None):
     import torch
 
     from tiermem.service.runs import Client
-    from tiermem.store.catalog import TensorSpec
+    from tiermem.specs import TensorSpec
     from tiermem.store.layout import spec_to_json
 
     specs = [TensorSpec(n, (4, 4), torch.float32, k, 0) for n, k in

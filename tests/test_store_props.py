@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from tiermem.config import KINDS, TIERS
 from tiermem.errors import BudgetError
-from tiermem.store.catalog import TensorSpec
+from tiermem.specs import TensorSpec
 from tiermem.store.store import Store
 
 DTYPES = [torch.float32, torch.bfloat16, torch.uint8, torch.int64]

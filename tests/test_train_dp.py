@@ -167,7 +167,7 @@ def test_a_killed_rank_stops_the_run_and_the_rerun_resumes(tmp_path, tiny, capsy
 
 
 def test_owners_are_balanced_by_bytes_and_rows_split_as_hugging_face_shards():
-    from tiermem.store.catalog import TensorSpec
+    from tiermem.specs import TensorSpec
 
     specs = [TensorSpec(f"w{g}", (n,), torch.float32, "param", g) for g, n in
              [("embed", 300), (0, 100), (1, 100), (2, 100), ("head", 300)]]
@@ -189,7 +189,7 @@ def test_the_plan_leaves_hbm_for_the_gradients_in_flight_to_their_owners():
     from tiermem.plan.machine import Machine
     from tiermem.plan.planner import plan_step
     from tiermem.plan.workload import Workload
-    from tiermem.store.catalog import TensorSpec, state_name
+    from tiermem.specs import TensorSpec, state_name
     from trainer.dp import reduction_bytes
     from trainer.state import store_config
 
@@ -212,7 +212,7 @@ def test_the_plan_leaves_hbm_for_the_gradients_in_flight_to_their_owners():
 def test_a_second_process_attaches_to_the_host_store(make_cfg):
     """The host's store mapped twice: a tensor written through one is read through the other, the counters go
     from the writer to the follower's catalog, and each attached mapping allocates only in its region."""
-    from tiermem.store.catalog import TensorSpec
+    from tiermem.specs import TensorSpec
     from tiermem.store.shared import HostStore
     from tiermem.store.store import Store
 

@@ -108,7 +108,7 @@ def test_the_planner_keeps_every_ranks_hbm_within_its_budget():
     from tiermem.plan.machine import Machine
     from tiermem.plan.planner import gpu_update_bytes, hbm_by_rank, plan_step
     from tiermem.plan.workload import Workload
-    from tiermem.store.catalog import TensorSpec, state_name
+    from tiermem.specs import TensorSpec, state_name
     from trainer.dp import owners, reduction_bytes
     from trainer.state import store_config
 
@@ -154,7 +154,7 @@ def test_the_planner_gives_several_ranks_the_passes_one_process_takes():
     from tiermem.plan.machine import Machine
     from tiermem.plan.planner import plan_step
     from tiermem.plan.workload import Workload
-    from tiermem.store.catalog import TensorSpec, state_name
+    from tiermem.specs import TensorSpec, state_name
     from trainer.dp import owners
     from trainer.state import store_config
 
@@ -182,7 +182,7 @@ def test_each_rank_store_holds_only_its_own_hbm_state(make_cfg):
     from pathlib import Path
 
     from tiermem.plan.placement import make_plan
-    from tiermem.store.catalog import TensorSpec
+    from tiermem.specs import TensorSpec
     from tiermem.store.shared import HostStore
     from tiermem.store.store import Store
     from trainer.dp_session import hbm_specs

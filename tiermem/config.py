@@ -20,72 +20,64 @@ from typing import Any, Literal
 
 from tiermem.errors import ConfigError, nearest
 from tiermem.schema import load_dataclass, read_yaml
-from tiermem.sizes import parse_size
+from tiermem.specs import KINDS, MOMENTS  # noqa: F401 - (MOMENTS: the trainer's name for them, from here)
+from tiermem.tiers import registry
+from tiermem.tiers.base import DEVICE, HOST
 
-KINDS = ("param", "grad", "master", "exp_avg", "exp_avg_sq")
-MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's two moments, fp32
-TIERS = ("gpu", "dram", "nvme")
-
-
-def _size(value: Any, where: str) -> int:
-    return parse_size(value, where)
+TIERS = registry.names()  # the tiers registered when the config is first imported: the built-in ones
 
 
-def _opt_size(value: Any, where: str) -> int | None:
-    return None if value in (None, "auto") else parse_size(value, where)
+class TiersConfig(dict):
+    """``tiers:``: each registered tier's name -> its section (the tier class's ``Config``), or None for an
+    optional tier the config leaves out; in the registry's order. A section reads as an attribute too
+    (``cfg.tiers.dram.budget``)."""
+
+    def __getattr__(self, name: str):
+        if name in self:
+            return self[name]
+        raise AttributeError(name)
+
+    def configured(self) -> list[str]:
+        """The tiers the config has, in the registry's order."""
+        return [n for n, s in self.items() if s is not None]
+
+    def of_role(self, role: str) -> list[str]:
+        """The configured tiers of ``role`` (``tiermem.tiers.base``), in the registry's order."""
+        return [n for n in self.configured() if registry.role_of(n) == role]
+
+    @property
+    def device_tier(self):
+        """The device tier's section (the store's HBM, and the device it computes on)."""
+        return self[registry.primary(DEVICE)]
+
+    @property
+    def host_tier(self):
+        """The host tier's section (the store's arena)."""
+        return self[registry.primary(HOST)]
 
 
-def _device(value: Any, where: str) -> str:
-    text = str(value).strip() if isinstance(value, str) else None
-    if text in ("auto", "cpu", "cuda") or (text and text.startswith("cuda:") and text[5:].isdigit()):
-        return text
-    raise ConfigError(f"{where}: {value!r} is not a device tiermem computes on: auto, cuda, cuda:N or cpu")
+def default_tiers() -> TiersConfig:
+    return TiersConfig({n: None if registry.tier_type(n).optional else registry.tier_type(n).Config()
+                        for n in registry.names()})
 
 
-def _slots(value: Any, where: str) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 64:
-        return value
-    raise ConfigError(f"{where}: expected a number of streaming slots from 1 to 64, got {value!r}")
-
-
-@dataclass
-class GpuTierConfig:
-    """HBM for streamed layer slots and resident groups. ``budget: auto`` = what the placement needs."""
-
-    budget: int | None = field(default=None, metadata={"convert": _opt_size})
-    # "auto" (CUDA when there is a GPU, else the CPU), "cuda", "cuda:N", or "cpu" (the CPU stand-in)
-    device: str = field(default="auto", metadata={"convert": _device})
-    # streamed-layer slots per kind fetched to the GPU (current, next, the one being freed)
-    slots: int = field(default=3, metadata={"convert": _slots})
-
-
-@dataclass
-class DramTierConfig:
-    """The shared-memory arena; registered with CUDA as pinned memory when a GPU is present."""
-
-    budget: int | None = field(default=None, metadata={"convert": _opt_size})
-    path: str = "/dev/shm"  # directory that holds the arena file, or "anonymous" (private huge pages)
-    pin: Literal["auto", "true", "false"] = "auto"
-    preallocate: bool = False  # fallocate first: a /dev/shm filled meanwhile fails cleanly (~0.2 s/GiB)
-
-
-@dataclass
-class NvmeTierConfig:
-    """Preallocated files in a directory, read and written through kvikio or POSIX I/O."""
-
-    path: str | None = None
-    budget: int | None = field(default=None, metadata={"convert": _opt_size})
-    backend: Literal["auto", "kvikio", "posix"] = "auto"
-    threads: int = 8  # I/O threads (posix) or kvikio's thread pool size
-    io_chunk: int = field(default=16 << 20, metadata={"convert": _size})  # split large requests
-    direct: bool = True  # O_DIRECT where the filesystem allows it
-
-
-@dataclass
-class TiersConfig:
-    gpu: GpuTierConfig = field(default_factory=GpuTierConfig)
-    dram: DramTierConfig = field(default_factory=DramTierConfig)
-    nvme: NvmeTierConfig | None = None
+def _tiers(value: Any, where: str) -> TiersConfig:
+    """``tiers:`` read section by section, each checked by its tier's class."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+    out = default_tiers()
+    for name, section in value.items():
+        if name not in out:
+            raise ConfigError(f"unknown config key '{where}.{name}'{nearest(str(name), list(out))}")
+        cls, at = registry.tier_type(name), f"{where}.{name}"
+        if section is None and cls.optional:
+            out[name] = None
+            continue
+        if not isinstance(section, dict):
+            raise ConfigError(f"{at}: expected a mapping, got {section!r}")
+        out[name] = load_dataclass(cls.Config, section, at)
+        cls.check_section(out[name], at)
+    return out
 
 
 def _placement(value: Any, where: str) -> str | dict[str, str]:
@@ -100,9 +92,10 @@ def _placement(value: Any, where: str) -> str | dict[str, str]:
         if kind not in KINDS:
             raise ConfigError(f"{where}: unknown kind '{kind}'{nearest(str(kind), KINDS)}; kinds are "
                               + ", ".join(KINDS))
-        if tier not in (*TIERS, "auto"):
-            raise ConfigError(f"{where}.{kind}: unknown tier '{tier}'{nearest(str(tier), TIERS)}; tiers are "
-                              + ", ".join(TIERS) + " (or auto: planned)")
+        tiers = registry.names()
+        if tier not in (*tiers, "auto"):
+            raise ConfigError(f"{where}.{kind}: unknown tier '{tier}'{nearest(str(tier), tiers)}; tiers are "
+                              + ", ".join(tiers) + " (or auto: planned)")
         out[kind] = tier
     return out
 
@@ -137,7 +130,7 @@ class OptimizerConfig:
 class StoreConfig:
     """The whole tiermem config."""
 
-    tiers: TiersConfig = field(default_factory=TiersConfig)
+    tiers: TiersConfig = field(default_factory=default_tiers, metadata={"convert": _tiers})
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     placement: str | dict[str, str] = field(default="auto", metadata={"convert": _placement})
     name: str | None = None  # names the arena and NVMe files; default tiermem-<pid>
@@ -161,17 +154,18 @@ def load_store_config(source: str | Path | dict[str, Any] | None, where: str = "
         data = source
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping at the top level")
+    if "tiers" in data and data["tiers"] is None:
+        raise ConfigError("tiers: expected a mapping, got None")
     cfg = load_dataclass(StoreConfig, data, "")
     for kind, tier in (cfg.placement.items() if isinstance(cfg.placement, dict) else ()):
-        if tier == "nvme" and cfg.tiers.nvme is None:
-            raise ConfigError(f"placement puts '{kind}' on nvme but tiers.nvme is not configured; "
-                              "add tiers: {nvme: {path: DIR, budget: SIZE}}")
-    if cfg.tiers.nvme is not None and not (cfg.tiers.nvme.path or "").strip():
-        raise ConfigError("tiers.nvme.path is required: the directory that holds the NVMe tier's files")
-    for key, holder, attr in (("tiers.dram.path", cfg.tiers.dram, "path"), ("tiers.nvme.path", cfg.tiers.nvme, "path"),
-                              ("probe", cfg, "probe")):
+        if tier != "auto" and cfg.tiers.get(tier) is None:
+            raise ConfigError(f"placement puts '{kind}' on {tier} but tiers.{tier} is not configured; "
+                              f"add tiers: {{{tier}: {{path: DIR, budget: SIZE}}}}")
+    paths = [(f"tiers.{n}.path", sec, "path") for n, sec in cfg.tiers.items()
+             if sec is not None and hasattr(sec, "path")]
+    for key, holder, attr in (*paths, ("probe", cfg, "probe")):
         value = getattr(holder, attr, None)
-        if value is None:
+        if value is None or not isinstance(value, str):
             continue
         if not value.strip():
             raise ConfigError(f"{key} is an empty path: name the directory (or file), or leave the key out")

@@ -21,7 +21,7 @@ from tiermem.optim import Optimizer, OptimSettings
 from tiermem.plan.placement import Plan
 from tiermem.service import protocol
 from tiermem.service.client import Attached, attach
-from tiermem.store.catalog import TensorSpec
+from tiermem.specs import TensorSpec
 from tiermem.store.store import Store
 
 

@@ -36,6 +36,11 @@ def parse_size(value: int | float | str, what: str = "size") -> int:
     )
 
 
+def size_or_auto(value, what: str = "size") -> int | None:
+    """A config's size that may be ``auto`` (None: decided from what the machine has)."""
+    return None if value in (None, "auto") else parse_size(value, what)
+
+
 def format_size(n: float) -> str:
     """Human-readable binary size: 1536 -> '1.5 KiB'."""
     n = float(n)

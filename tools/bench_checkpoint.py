@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import SHAPE  # noqa: E402
 
 from tiermem.sizes import parse_size  # noqa: E402
-from tiermem.store.catalog import state_name  # noqa: E402
+from tiermem.specs import state_name  # noqa: E402
 
 
 def evict(path: Path) -> None:

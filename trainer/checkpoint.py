@@ -41,7 +41,7 @@ import torch
 from tiermem.config import MOMENTS
 from tiermem.errors import ConfigError, StorageError
 from tiermem.faults import HOOKS
-from tiermem.store.catalog import state_name
+from tiermem.specs import state_name
 from tiermem.store.checkpoint import StateReader, StateWriter, file_crc32c, fsync_dir, fsync_tree
 from tiermem.store.checkpoint import complete_checkpoints as checkpoints
 from trainer.model.weights import all_weights, group_order

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tiermem.config import MOMENTS
 from tiermem.faults import HOOKS
-from tiermem.store.catalog import state_name
+from tiermem.specs import state_name
 from tiermem.store.checkpoint import StateWriter
 from trainer.checkpoint import ReleaseGate, part_tmp
 from trainer.model.weights import all_weights, group_order

@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from tiermem.store.catalog import Group
+from tiermem.specs import Group
 from tiermem.store.shared import PeerLost
 from trainer.executor import squared_norm
 

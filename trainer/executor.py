@@ -28,8 +28,8 @@ import torch
 from tiermem.errors import UserError
 from tiermem.faults import HOOKS
 from tiermem.futures import all_of
-from tiermem.optim.store_adamw import NonFiniteUpdate, all_finite
-from tiermem.store.catalog import state_name
+from tiermem.optim.finite import NonFiniteUpdate, all_finite
+from tiermem.specs import state_name
 from tiermem.store.prefetch import Prefetcher
 from trainer import pieces
 from trainer.model.layers import shift_labels

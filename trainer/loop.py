@@ -596,7 +596,7 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
             return {}
         session.refresh_layout()
         if session.attached is None:  # (the service keeps its state) the disk's room goes to the export
-            store.discard_on_nvme(DISCARDED_AT_END)
+            store.discard_stored(DISCARDED_AT_END)
         with _bar(console) as bar:
             task = bar.add_task("exporting", total=n_params)
             export_model(store, mcfg, out, "master" if cfg.bf16 else "param", dtype, model_dir,

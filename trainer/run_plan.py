@@ -123,8 +123,8 @@ def local_budgets(scfg: StoreConfig, mcfg, dtype: torch.dtype, out_dir, saves: b
     discarded before the export."""
     import os
 
-    from tiermem.plan.placement import default_budgets, existing_parent
-    from tiermem.tiers.nvme import can_punch_holes
+    from tiermem.plan.placement import default_budgets
+    from tiermem.tiers.nvme import can_punch_holes, existing_parent
 
     b = {**default_budgets(scfg), "gpu": scfg.tiers.gpu.budget}
     nv = scfg.tiers.nvme

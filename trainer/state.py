@@ -11,7 +11,7 @@ import torch
 from tiermem.config import MOMENTS, StoreConfig, load_store_config
 from tiermem.plan.resolve import resolve_auto
 from tiermem.schema import read_yaml
-from tiermem.store.catalog import TensorSpec, state_name
+from tiermem.specs import TensorSpec, state_name
 from tiermem.tiers.dram import check_budget
 from trainer.model.weights import all_weights
 

@@ -20,8 +20,8 @@ import crc32c
 import torch
 
 from tiermem.errors import ConfigError, StorageError, UserError
-from tiermem.optim.store_adamw import all_finite, weights_norm
-from tiermem.store.catalog import state_name
+from tiermem.optim.finite import all_finite, weights_norm
+from tiermem.specs import state_name
 from trainer.model.config import ModelConfig
 from trainer.model.weights import LM_HEAD, Weight, all_weights, init_weight
 

@@ -22,6 +22,7 @@ import torch
 
 from tiermem.plan.machine import adamw_rate, copy_rate, cpu_share_beside_copies, disk_rates, link_both_ways
 from tiermem.sizes import format_size
+from tiermem.tiers import registry
 from tiermem.tiers.dram import DramArena
 from tiermem.tiers.gpu import GpuTier
 from tiermem.tiers.nvme import NvmeTier
@@ -69,9 +70,10 @@ def probe_gpu(arena: DramArena, size: int, reps: int) -> list[dict]:
                 _row("GPU -> arena", None, None, note="no CUDA on this machine")]
     dev = torch.device("cuda")
     gpu = GpuTier(dev, size, 0, 0)
-    mover = Mover(gpu, arena, None)
-    src = Location("dram", arena.allocate(size), size)
-    dst = Location("gpu", gpu.allocate(size), size)
+    host, device = _names(arena, gpu)
+    mover = Mover({device: gpu, host: arena})
+    src = Location(host, arena.allocate(size), size)
+    dst = Location(device, gpu.allocate(size), size)
     arena.view(src.extent).random_(0, 255)
     pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
     g = gpu.view(dst.extent)
@@ -148,15 +150,17 @@ def probe_nvme(arena: DramArena, directory: Path, size: int, reps: int, name: st
     rows = []
     usable, why = kvikio_usable(directory)
     backends = ["posix"] + (["kvikio"] if usable else [])
-    buf_loc = Location("dram", arena.allocate(size), size)
+    host = _names(arena)[0]
+    buf_loc = Location(host, arena.allocate(size), size)
     buf = arena.view(buf_loc.extent)
     buf.random_(0, 255)
     for backend in backends:
         tier = NvmeTier(directory, f"{name}-{backend}", size, backend=backend)
         drop = lambda: _drop_cache(tier.path)
         try:
-            mover = Mover(None, arena, tier)
-            loc = Location("nvme", tier.allocate(size), size)
+            disk = _names(tier)[0]
+            mover = Mover({host: arena, disk: tier})
+            loc = Location(disk, tier.allocate(size), size)
             w, rw = _paired_rates(_synced(lambda: mover.copy(buf_loc, loc).result(), tier.path),
                                   _synced(lambda: _raw_direct(tier.path, buf, True), tier.path), size, reps)
             r, rr = _paired_rates(lambda: mover.copy(loc, buf_loc).result(),
@@ -168,8 +172,9 @@ def probe_nvme(arena: DramArena, directory: Path, size: int, reps: int, name: st
                      _row(f"NVMe -> arena ({backend})", r, rr, note=note, raw_what=raw_what)]
             if backend == "kvikio" and torch.cuda.is_available():
                 gpu = GpuTier(torch.device("cuda"), size, 0, 0)
-                m2 = Mover(gpu, arena, tier)
-                g = Location("gpu", gpu.allocate(size), size)
+                device = _names(gpu)[0]
+                m2 = Mover({device: gpu, host: arena, disk: tier})
+                g = Location(device, gpu.allocate(size), size)
                 rg, rr = _paired_rates(lambda: m2.copy(loc, g).result(),
                                        lambda: _raw_direct(tier.path, buf, False), size, reps, before=drop)
                 rows.append(_row("NVMe -> GPU (kvikio)", rg, rr, note=note, raw_what=raw_what))
@@ -186,6 +191,11 @@ def probe_nvme(arena: DramArena, directory: Path, size: int, reps: int, name: st
             "at the rates alone, over the time both took")
     rows.append(_row("disk both ways", both.get("nvme_both"), None, unit="x one way after the other", note=note))
     return rows
+
+
+def _names(*tiers) -> list[str]:
+    """The registered name of each tier's class (the names its links are accounted under)."""
+    return [next(n for n in registry.names() if registry.tier_type(n) is type(t)) for t in tiers]
 
 
 def pin_memory_baseline(size: int) -> float | None:

@@ -26,12 +26,23 @@ from rich.text import Text
 
 from tiermem.errors import UserError
 from tiermem.sizes import format_size
+from tiermem.tiers import registry
+from tiermem.tiers.base import DEVICE, HOST, STORAGE
 
 KIND_MARK = {"param": ("P", "cyan"), "grad": ("G", "magenta"), "master": ("M", "green"),
              "exp_avg": ("1", "yellow"), "exp_avg_sq": ("2", "blue")}
-PROBE_LINKS = {"arena -> GPU": "dram->gpu", "GPU -> arena": "gpu->dram", "arena -> NVMe": "dram->nvme",
-               "NVMe -> arena": "nvme->dram", "NVMe -> GPU": "nvme->gpu"}
 BAR = 24
+
+
+def probe_links() -> dict[str, str]:
+    """``tiermem probe``'s rows (by the start of their label) -> the links of the store they measured: the arena
+    is the host tier, the GPU the device tier, NVMe the first storage tier."""
+    host, dev = registry.primary(HOST), registry.primary(DEVICE)
+    out = {"arena -> GPU": f"{host}->{dev}", "GPU -> arena": f"{dev}->{host}"}
+    for disk in registry.of_role(STORAGE)[:1]:
+        out.update({"arena -> NVMe": f"{host}->{disk}", "NVMe -> arena": f"{disk}->{host}",
+                    "NVMe -> GPU": f"{disk}->{dev}"})
+    return out
 
 
 def stats_path(run_dir: str | Path) -> Path:
@@ -61,7 +72,7 @@ def ceilings(probe_file: str | Path | None) -> dict[str, float]:
         raise UserError(f"--probe {probe_file}: not a file written by tiermem probe --save") from None
     out: dict[str, float] = {}
     for r in rows:
-        for prefix, link in PROBE_LINKS.items():
+        for prefix, link in probe_links().items():
             if r.get("link", "").startswith(prefix) and r.get("raw"):
                 out[link] = max(out.get(link, 0.0), float(r["raw"]))
     return out
@@ -77,6 +88,16 @@ def _bar(by_kind: dict[str, int], capacity: int) -> Text:
         used_cells += cells
     t.append("." * (BAR - used_cells), style="dim")
     return t
+
+
+def _notes(t: dict) -> str:
+    """What a tier's stats say besides its sizes: a device tier's slots, a storage tier's backend, a memory
+    tier's path."""
+    if "slots" in t:
+        return f"{t.get('slots', 0)} slots of {format_size(t.get('slot_bytes', 0))}, {t.get('slots_free', 0)} free"
+    if "backend" in t:
+        return f"{t.get('backend')}"
+    return f"{t.get('path')}{', pinned' if t.get('pinned') else ''}"
 
 
 def _hms(seconds) -> str:
@@ -122,19 +143,22 @@ def plan_rows(snap: dict) -> list[tuple[str, str, str]]:
     opt = (run.get("optimizer") or {}).get("split") or {}
     s = lambda v: f"{v:.3f} s"
     b = lambda v: format_size(int(v))
+    host, dev = registry.primary(HOST), registry.primary(DEVICE)
+    measured = lambda links: sum(measured_bytes.get(k, 0) for k in links)  # noqa: E731
     rows = [("step", s(plan["predicted_step_s"]), s(run.get("step_s") or 0.0)),
             ("GPU compute", s(plan["compute"]), s(split["compute"])),
             ("waiting for the update", s(plan["wait_optimizer"]), s(split.get("wait_optimizer", 0.0))),
             ("waiting for transfers", s(plan["wait_transfer"]), s(split.get("wait_transfer", 0.0))),
-            ("PCIe to the GPU", b(moved.get("h2d", 0)), b(measured_bytes.get("dram->gpu", 0))),
-            ("PCIe from the GPU", b(moved.get("d2h", 0)), b(measured_bytes.get("gpu->dram", 0))),
-            ("NVMe read", b(moved.get("nvme_read", 0)),
-             b(measured_bytes.get("nvme->dram", 0) + measured_bytes.get("nvme->gpu", 0))),
-            ("NVMe write", b(moved.get("nvme_write", 0)),
-             b(measured_bytes.get("dram->nvme", 0) + measured_bytes.get("gpu->nvme", 0))),
-            ("NVMe busy (either way)", s(busy.get("nvme", 0.0)), s(run.get("disk_busy_s_per_step") or 0.0)),
-            ("CPU AdamW", s(busy.get("cpu", 0.0)), s(opt.get("cpu_adamw", 0.0) + opt.get("cpu_compute_copy", 0.0))),
-            ("GPU AdamW", s(busy.get("gpu_adamw", 0.0)), s(opt.get("gpu_in_place", 0.0) + opt.get("gpu_path", 0.0)))]
+            ("PCIe to the GPU", b(moved.get("h2d", 0)), b(measured_bytes.get(f"{host}->{dev}", 0))),
+            ("PCIe from the GPU", b(moved.get("d2h", 0)), b(measured_bytes.get(f"{dev}->{host}", 0)))]
+    for disk in registry.of_role(STORAGE):  # (each storage tier: its disk's reads, writes and busy time)
+        kind, (reads, writes) = registry.tier_type(disk), registry.storage_links(disk)
+        rows += [(f"{kind.label} read", b(moved.get(f"{kind.resource}_read", 0)), b(measured(reads))),
+                 (f"{kind.label} write", b(moved.get(f"{kind.resource}_write", 0)), b(measured(writes))),
+                 (f"{kind.label} busy (either way)", s(busy.get(kind.resource, 0.0)),
+                  s(run.get("disk_busy_s_per_step") or 0.0))]
+    rows += [("CPU AdamW", s(busy.get("cpu", 0.0)), s(opt.get("cpu_adamw", 0.0) + opt.get("cpu_compute_copy", 0.0))),
+             ("GPU AdamW", s(busy.get("gpu_adamw", 0.0)), s(opt.get("gpu_in_place", 0.0) + opt.get("gpu_path", 0.0)))]
     return rows
 
 
@@ -174,14 +198,7 @@ def render(snap: dict, ceiling: dict[str, float] | None = None):
         tiers.add_column(col, no_wrap=True, min_width=width)
     tiers.add_column("notes")
     for name, t in store.get("tiers", {}).items():
-        notes = []
-        if name == "gpu":
-            notes.append(f"{t.get('slots', 0)} slots of {format_size(t.get('slot_bytes', 0))}, "
-                         f"{t.get('slots_free', 0)} free")
-        elif name == "dram":
-            notes.append(f"{t.get('path')}{', pinned' if t.get('pinned') else ''}")
-        else:
-            notes.append(f"{t.get('backend')}")
+        notes = [_notes(t)]
         budget = t.get("budget")
         tiers.add_row(name, _bar(t.get("by_kind", {}), t.get("capacity", 0)), format_size(t.get("used", 0)),
                       format_size(t.get("capacity", 0)), format_size(budget) if budget else "-", "; ".join(notes))

@@ -13,7 +13,7 @@ import concurrent.futures as cf
 from collections.abc import Callable
 from typing import Protocol
 
-from tiermem.store.catalog import Group
+from tiermem.specs import Group
 
 # gate(group, update) blocks until update number ``update`` may change the group's state (a checkpoint being
 # written reads it first); returns the seconds it waited

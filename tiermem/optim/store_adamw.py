@@ -35,7 +35,6 @@ loss or gradient norm is not finite, by the trainer before it says which (``trai
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import math
 import os
 import threading
@@ -44,40 +43,20 @@ from dataclasses import dataclass
 
 import torch
 
-from tiermem.config import MOMENTS
-from tiermem.errors import BudgetError, UserError
+from tiermem.errors import BudgetError
 from tiermem.futures import all_of, done_future
+from tiermem.optim.finite import NonFiniteUpdate, all_finite, weights_norm  # noqa: F401 - (the trainer's names)
+from tiermem.optim.gpu_worker import GpuWorker
 from tiermem.optim.interface import Gate
 from tiermem.optim.kernels import adamw_out_of_place, fused_adamw
 from tiermem.plan.machine import worker_threads
 from tiermem.plan.resolve import resolve_auto
-from tiermem.store.catalog import Group, state_name
+from tiermem.specs import MOMENTS, Group, state_name
+from tiermem.tiers.base import DEVICE, HOST
 from tiermem.tiers.extents import OutOfSpace
 from tiermem.tiers.gpu import host_sync
 
 default_threads = worker_threads  # CPU AdamW's threads (tiermem.plan.machine: the probe measures on as many)
-
-
-class NonFiniteUpdate(UserError):
-    """An update made some of a group's new weights inf or NaN: the run stops, and they are neither saved nor
-    exported."""
-
-    def __init__(self, step: int, group: Group):
-        super().__init__(f"update {step} made weights of group {group} inf or NaN (from a finite loss and gradient "
-                         "norm): the run stops, they are neither saved nor exported, the last checkpoint is intact; "
-                         "lower learning_rate (or weight_decay), or raise adam_epsilon")
-        self.step, self.group = step, group
-
-
-def weights_norm(tensors) -> torch.Tensor:
-    """The L2 norm of ``tensors`` together (one multi-tensor kernel on their device, not waited for): inf or NaN when
-    an element is, and also when the squares of weights beyond ~1e19 overflow (``all_finite`` tells those apart)."""
-    return torch.stack(torch._foreach_norm(tensors)).float().norm()
-
-
-def all_finite(tensors) -> bool:
-    """Whether every element of ``tensors`` is finite (exact, and slower: a non-finite ``weights_norm``'s check)."""
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def worker_nice() -> int:
@@ -148,7 +127,7 @@ class OptimSettings:
         return StoreAdamW(store, self.groups, self.decay, self.adamw, self.has_master, **kw)
 
 
-class StoreAdamW:
+class StoreAdamW(GpuWorker):
     """AdamW over ``groups`` of ``store`` (the order the next forward needs them).
 
     ``gpu_share`` and ``cpu_groups`` (optimizer.gpu_share and optimizer.cpu_groups; by default the store
@@ -167,6 +146,7 @@ class StoreAdamW:
                  *, gpu_share: float | None = None, cpu_groups: str | None = None, on_gpu=None,
                  threads: int | None = None, guard=None, offer_params: bool = True, cpu_takes_over: bool = True):
         self.store, self.groups, self.decay, self.cfg = store, list(groups), dict(decay), cfg
+        self.hbm = store.tiers.device_name  # the device tier: state there is updated where it is
         self.has_master = has_master
         self.p_kind = "master" if has_master else "param"
         self.threads = threads or default_threads()
@@ -188,7 +168,7 @@ class StoreAdamW:
         # with a guard, the GPU worker's flips (a group's new state landed -> journaled, made its home) run
         # here, in order, while the worker goes on with the next group
         self._flips = cf.ThreadPoolExecutor(1, "tiermem-optim-flip")
-        self._stream = torch.cuda.Stream(store.gpu.device) if store.gpu.is_cuda else None
+        self._stream = torch.cuda.Stream(store.device) if store.tiers.device.is_cuda else None
         self._pending: cf.Future | None = None
         self._error: BaseException | None = None
         self.last_step_seconds = 0.0  # the last finished step's update, from its start to the last bump
@@ -224,7 +204,7 @@ class StoreAdamW:
         workers progress together (cpu_groups spread); or (last) the first ones, the CPU worker taking the
         ones the next forward needs last."""
         streamed = [g for g in self.groups
-                    if any(e.tier != "gpu" for e in self.store.catalog.group_entries(g, self.p_kind))]
+                    if any(e.tier != self.hbm for e in self.store.catalog.group_entries(g, self.p_kind))]
         if self.cpu_groups == "last":
             return set(streamed[:int(len(streamed) * share)])
         return {g for n, g in enumerate(streamed) if int((n + 1) * share) > int(n * share)}
@@ -232,7 +212,7 @@ class StoreAdamW:
     def _all_on_gpu(self, g: Group) -> bool:
         kinds = (self.p_kind, "grad", *MOMENTS, "param")
         entries = [e for k in kinds for e in self.store.catalog.group_entries(g, k)]
-        return bool(entries) and all(e.tier == "gpu" for e in entries)
+        return bool(entries) and all(e.tier == self.hbm for e in entries)
 
     def grads_on_gpu(self, g: Group) -> bool:
         """True when ``g`` is updated by the GPU worker from a gradient that lives elsewhere: the gradient,
@@ -248,7 +228,7 @@ class StoreAdamW:
         if self.guard is not None:
             return False
         grads = self.store.catalog.group_entries(g, "grad")
-        return g in self.resident or (bool(grads) and all(e.tier == "gpu" for e in grads))
+        return g in self.resident or (bool(grads) and all(e.tier == self.hbm for e in grads))
 
     # -- public --------------------------------------------------------------------------------
     def step(self, step: int, lr: float, grad_scale: float | None = None, only: set | None = None) -> cf.Future:
@@ -376,8 +356,8 @@ class StoreAdamW:
         return out
 
     def _update_in_place(self, g: Group, views, step: int, lr: float, grad_scale: float | None):
-        """AdamW in place on the staged views; returns whether the new compute copy, where it lives on the GPU tier,
-        has a weight inf or NaN."""
+        """AdamW in place on the staged views; returns whether the new compute copy, where it lives on the device
+        tier, has a weight inf or NaN."""
         cat, pk = self.store.catalog, self.p_kind
         entries = cat.group_entries(g, pk)
         dev = views[pk].tensors[entries[0].spec.name].device
@@ -411,7 +391,8 @@ class StoreAdamW:
             for e in cat.group_entries(g, "param"):
                 views["param"].tensors[e.spec.name].copy_(views["master"].tensors[state_name(e.spec.name, "master")])
         # (a group resident in HBM, updated here by this same code: checked there, where it costs nothing)
-        check = self._check(t for n, t in views["param"].tensors.items() if cat[n].tier == "gpu")
+        role = self.store.tiers.role
+        check = self._check(t for n, t in views["param"].tensors.items() if role(cat[n].tier) == DEVICE)
         if any(t.is_cuda for v in views.values() for t in v.tensors.values()):
             host_sync(torch.cuda.current_stream())
         self._split["cpu_adamw"] += t1 - t0
@@ -427,7 +408,7 @@ class StoreAdamW:
         of them live elsewhere (NVMe: staged copies, updated with the undo copy) or the arena has no room
         (fragmented): then the update goes in place behind the undo copy."""
         names = self.state_names(g)
-        if any(self.store.catalog[n].tier != "dram" for n in names):
+        if any(self.store.tiers.role(self.store.catalog[n].tier) != HOST for n in names):
             return None
         try:
             return self.store.allocate_elsewhere(names)
@@ -497,179 +478,3 @@ class StoreAdamW:
             hook = self.on_state_home
             fut.add_done_callback(lambda f: f.exception() is None and hook(g, step))
         return fut
-
-    # -- the GPU worker ------------------------------------------------------------------------------
-    def _run_gpu(self, groups: list[Group], step: int, lr: float, grad_scale: float | None) -> None:
-        """Three groups in flight: the next one's state arriving, this one updating, the last one's going home."""
-        ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
-        with ctx:
-            incoming = self._fetch_state(groups[0]) if groups and not self._in_place(groups[0]) else None
-            leaving, handed = done_future(), []
-            for n, g in enumerate(groups):
-                t0 = time.perf_counter()
-                if self._in_place(g):
-                    if n + 1 < len(groups) and incoming is None and not self._in_place(groups[n + 1]):
-                        incoming = self._fetch_state(groups[n + 1])
-                    self._wait_gate(g, step)
-                    self._update_resident(g, step, lr, grad_scale)
-                    self._split["gpu_in_place"] = self._split.get("gpu_in_place", 0.0) + time.perf_counter() - t0
-                    continue
-                if incoming is None:
-                    incoming = self._fetch_state(g)
-                work, reads = incoming
-                self.store.wait(reads, "optimizer_fetch")
-                incoming = None
-                if n + 1 < len(groups) and not self._in_place(groups[n + 1]):
-                    leaving.result()  # bounds the GPU memory in use to three groups
-                    incoming = self._fetch_state(groups[n + 1])
-                self._wait_gate(g, step)
-                places = self.guard.allocate(g, step, self.state_names(g)) if self.guard is not None else None
-                if self.guard is not None and places is None:  # no room to write it out of place
-                    if self.cpu_takes_over:
-                        handed.append(self.update_on_cpu([g], step, lr, grad_scale))
-                    continue  # (``leaving`` stays the last group's flip: flips finish in order)
-                leaving = self._update_streamed(g, work, step, lr, grad_scale, places)
-                self._split["gpu_path"] += time.perf_counter() - t0
-            leaving.result()
-            for f in handed:
-                f.result()
-
-    def _in_place(self, g: Group) -> bool:
-        return g in self.resident and self.guard is None
-
-    def _update_resident(self, g: Group, step: int, lr: float, grad_scale: float | None) -> None:
-        """AdamW of a group whose whole state lives in HBM, in place on the optimizer's stream; its version
-        moves on once the kernels have run."""
-        store, cat, pk = self.store, self.store.catalog, self.p_kind
-        lists, params, masters, moments, kinds = self._resident_work(g)
-        for e, t in moments:
-            if not e.valid:
-                t.zero_()
-        self._adamw(lists, step, lr, grad_scale, store.gpu.device)
-        if self.has_master:
-            torch._foreach_copy_(params, masters)
-        check = self._check(params if self.has_master else lists[True][0] + lists[False][0])
-        if self._stream is not None:
-            host_sync(self._stream)
-        for k in (pk, *MOMENTS, "param"):
-            if k in kinds:
-                store.mark_valid(g, k)
-        if self._nonfinite(check):
-            raise NonFiniteUpdate(step, g)
-        cat.bump(g, to=step)
-        self._home(g, step, done_future())
-
-    def _resident_work(self, g: Group):
-        """What an update of a group living in HBM computes on: the fused AdamW's lists by weight decay, the
-        compute copy's params and masters, each moment's (entry, view), and the kinds. Built from the store's
-        views once and kept while the tensors stay where they are: a mixture-of-experts layer has hundreds of
-        tensors, and building their views each step held the interpreter for tens of milliseconds a group
-        beside the next forward's kernel launches."""
-        store, cat, pk = self.store, self.store.catalog, self.p_kind
-        kinds = [k for k in (pk, "grad", *MOMENTS, "param") if cat.group_entries(g, k)]
-        where = tuple((e.tier, e.extent.offset) for k in kinds for e in cat.group_entries(g, k))
-        kept = self._resident_work_of.get(g)
-        if kept is not None and kept[0] == where:
-            for k in kinds:
-                store.settle(g, k)
-            return kept[1]
-        views = {k: store.gpu_views(g, k) for k in kinds}
-        lists = {True: ([], [], [], []), False: ([], [], [], [])}
-        moments = []
-        for e in cat.group_entries(g, pk):
-            base = self._base(e.spec.name)
-            row = [views[pk][e.spec.name], views["grad"][state_name(base, "grad")]]
-            for k in MOMENTS:
-                name = state_name(base, k)
-                moments.append((cat[name], views[k][name]))
-                row.append(views[k][name])
-            for lst, t in zip(lists[self.decay.get(base, True)], row):
-                lst.append(t)
-        params, masters = [], []
-        if self.has_master:
-            for e in cat.group_entries(g, "param"):
-                params.append(views["param"][e.spec.name])
-                masters.append(views["master"][state_name(e.spec.name, "master")])
-        work = (lists, params, masters, moments, set(kinds))
-        self._resident_work_of[g] = (where, work)
-        return work
-
-    def _fetch_state(self, g: Group):
-        store, dev = self.store, self.store.gpu.device
-        work, reads = {}, []
-        offered = store.take_offer(g, "grad")
-        if offered is not None:
-            grads, ready = offered
-            if ready is not None:
-                torch.cuda.current_stream(dev).wait_event(ready)
-            work.update(grads)
-        for k in (self.p_kind, "grad", *MOMENTS):
-            if k == "grad" and offered is not None:
-                continue
-            entries = store.catalog.group_entries(g, k)
-            if self.guard is None and entries and all(e.tier == "gpu" for e in entries):
-                views = store.gpu_views(g, k)  # (it lives in HBM: updated where it is, nothing copied)
-                for e in entries:
-                    if k in MOMENTS and not e.valid:
-                        views[e.spec.name].zero_()
-                    work[e.spec.name] = views[e.spec.name]
-                continue
-            for e in entries:
-                t = torch.empty(e.spec.shape, dtype=e.spec.dtype, device=dev)
-                if k in MOMENTS and not e.valid:
-                    t.zero_()
-                else:
-                    reads.append(store.read(e.spec.name, out=t, bulk=True))
-                work[e.spec.name] = t
-        return work, all_of(reads)
-
-    def _update_streamed(self, g: Group, work, step: int, lr: float, grad_scale: float | None,
-                         places: dict | None) -> cf.Future:
-        store, cat, pk, dev = self.store, self.store.catalog, self.p_kind, self.store.gpu.device
-        lists = {True: ([], [], [], []), False: ([], [], [], [])}
-        for e in cat.group_entries(g, pk):
-            base = self._base(e.spec.name)
-            row = [work[state_name(base, k)] for k in (pk, "grad", *MOMENTS)]
-            for lst, t in zip(lists[self.decay.get(base, True)], row):
-                lst.append(t)
-        self._adamw(lists, step, lr, grad_scale, dev)
-        if self.has_master:
-            params = {e.spec.name: work[state_name(e.spec.name, "master")].to(e.spec.dtype)
-                      for e in cat.group_entries(g, "param")}
-        check = self._check(params.values() if self.has_master else lists[True][0] + lists[False][0])
-        computed = None
-        if check is not None and check[0].is_cuda:  # (read once the event says the kernel ran: no wait here)
-            computed = torch.cuda.Event()
-            computed.record()
-        if self._stream is not None and any(cat[n].tier == "gpu" for n in work):  # (updated in HBM, in place: done
-            host_sync(self._stream)  # before the version says so, as nothing is copied home after it)
-        if self.has_master:
-            home = store.store_group(g, "param", params)
-            if self.offer_params:
-                store.offer(g, "param", params)  # the next forward copies them on the GPU, not over PCIe
-        if self.guard is not None:  # out of place: a crash leaves the old state whole; redo recomputes param
-            if self.has_master:  # the next forward may use the new weights once home, before the flip
-                home.add_done_callback(lambda f: f.exception() is None and cat.params_ready(g, step))
-            landed = store.write_elsewhere({n: work[n] for n in places}, places, bulk=True)
-
-            def flip(home=home if self.has_master else None):
-                landed.result()
-                if home is not None:
-                    home.result()
-                self.guard.flip(g, step, places)
-                if computed is not None:
-                    computed.synchronize()
-                if self._nonfinite(check):  # (journaled whole: a recovery does not redo it)
-                    raise NonFiniteUpdate(step, g)
-                cat.bump(g, to=step)
-
-            return self._flips.submit(flip)  # the loop waits on it before fetching the group after next
-        back = [store.store_group(g, k, {e.spec.name: work[e.spec.name] for e in cat.group_entries(g, k)},
-                                  bulk=True) for k in (pk, *MOMENTS)]
-        (home if self.has_master else back[0]).result()
-        if computed is not None:
-            computed.synchronize()
-        if self._nonfinite(check):
-            raise NonFiniteUpdate(step, g)
-        cat.bump(g, to=step)
-        return self._home(g, step, all_of(back))

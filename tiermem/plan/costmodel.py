@@ -1,23 +1,24 @@
 """The cost model: one steady training step, simulated on the machine's figures, per resource.
 
     p = predict(layout, workload, machine, group_bytes, group_params)
-    p.step, p.busy["nvme"], p.bound, p.waits
+    p.step, p.busy["h2d"], p.bound, p.waits
 
-The step is the schedule of DESIGN.md, as the trainer and the store run it: the previous step's update
+The step is the schedule of docs/architecture.md, as the trainer and the store run it: the previous step's update
 starts when its backward ends (t = 0) and runs group by group in forward order, on the GPU worker (state
-streamed to the GPU and back, or updated in place when it lives in HBM) or the CPU worker (NVMe-resident
-state staged into DRAM one group ahead); the forward of a group waits for its update and for its weights
+streamed to the GPU and back, or updated in place when it lives in HBM) or the CPU worker (state on a storage
+tier staged into DRAM one group ahead); the forward of a group waits for its update and for its weights
 (streamed through a few GPU slots unless they live in HBM); the loss; the backward with recompute in
 reverse order, each group's gradient copied home when the CPU updates it; with several passes the partial
 gradients go home and come back between passes. Every operation takes one resource for bytes / rate
-seconds: ``gpu`` (the compute stream), ``gpu_adamw`` (the optimizer's stream), the PCIe link each way
-(``h2d``, ``d2h``), the disk (``nvme``: one resource that reads and writes, each at its rate alone times the
-machine's ``nvme_both``, the gain of both directions at once: the H200 machine's virtio disk served one direction
-at a time in the 14B runs, 0.94) and the CPU's AdamW (``cpu``). A resource serves the ready operation that
-became ready first (a list schedule). The link's copies run at the machine's ``duplex`` share of its rate alone
-(both directions copy through most of a step), and the compute is stretched by ``copy_drag`` of the time both
-directions are busy (on the H200 machine: 0.92, and matmuls at 0.94 beside copies both ways; one direction costs
-them nothing).
+seconds: ``gpu`` (the compute stream), ``gpu_adamw`` (the optimizer's stream), the PCIe link each way (``h2d``,
+``d2h``), each storage tier's disk (its ``resource``: one resource that reads and writes, each at its rate alone
+times the tier's ``both``, the gain of both directions at once: the NVMe tier's are the machine's figures, and the
+H200 machine's virtio disk served one direction at a time in the 14B runs, 0.94) and the CPU's AdamW (``cpu``).
+Where state lives is told by its tier's role (``tiermem.tiers.base``): the device tier's is computed on in place, a
+host tier's crosses the link, a storage tier's its disk first. A resource serves the ready operation that became
+ready first (a list schedule). The link's copies run at the machine's ``duplex`` share of its rate alone (both
+directions copy through most of a step), and the compute is stretched by ``copy_drag`` of the time both directions
+are busy (on the H200 machine: 0.92, and matmuls at 0.94 beside copies both ways; one direction costs them nothing).
 
 Several ranks of a host (``Layout.mine``, ``ranks``): the rank updates the groups it owns, on its GPU and its
 share of the host's cores; the peers (their GPUs, links and cores as one of their summed rates) update the rest,
@@ -36,9 +37,10 @@ from dataclasses import dataclass, field
 
 from tiermem.plan.machine import Machine
 from tiermem.plan.workload import Workload
-from tiermem.store.catalog import Group
+from tiermem.specs import Group
+from tiermem.tiers import registry
+from tiermem.tiers.base import DEVICE, HOST, STORAGE
 
-RESOURCES = ("gpu", "gpu_adamw", "h2d", "d2h", "nvme", "cpu")
 # several ranks of a host: the other ranks' GPUs, links and CPU workers together, which update the groups this rank
 # does not own (the disk is one, shared)
 PEERS = ("peer_gpu_adamw", "peer_h2d", "peer_d2h", "peer_cpu")
@@ -84,12 +86,14 @@ def rank_of(owners: dict | None, group_params: dict) -> dict:
 class Prediction:
     step: float  # seconds
     busy: dict[str, float]  # resource -> seconds busy in a step
-    bytes: dict[str, float]  # link -> bytes moved in a step (h2d, d2h, nvme_read, nvme_write)
+    bytes: dict[str, float]  # link -> bytes moved in a step (h2d, d2h, and <disk>_read, <disk>_write of each disk)
     compute: float  # the GPU compute of the step
     wait_optimizer: float  # the compute stream idle, waiting for an update
     wait_transfer: float  # ... waiting for weights or partial gradients
     bound: str
-    nvme_read: float = 0.0  # seconds the disk spends reading, writing (at once: busy["nvme"] is the larger)
+    # seconds the disks (every storage tier's, the NVMe tier's alone by default) spend reading, writing (at once:
+    # their busy seconds are the larger); named for the NVMe tier in the plan's JSON
+    nvme_read: float = 0.0
     nvme_write: float = 0.0
     details: dict = field(default_factory=dict)
 
@@ -100,10 +104,18 @@ class Prediction:
                 "nvme_read_seconds": self.nvme_read, "nvme_write_seconds": self.nvme_write}
 
 
+def resources() -> tuple[str, ...]:
+    """The resources a step takes: the GPU's compute and its optimizer's stream, the PCIe link each way (every
+    host tier's: the link is one), each storage tier's disk (its ``resource``), and the CPU's AdamW."""
+    disks = dict.fromkeys(registry.tier_type(t).resource for t in registry.of_role(STORAGE))
+    return ("gpu", "gpu_adamw", "h2d", "d2h", *disks, "cpu")
+
+
 class _Sim:
     """Operations on resources with dependencies; ``run`` list-schedules them."""
 
-    def __init__(self):
+    def __init__(self, resources: tuple[str, ...]):
+        self.resources = resources + PEERS
         self.ops: list[tuple[str, float, list[int], str]] = []  # (resource, seconds, deps, tag)
 
     def op(self, resource: str, seconds: float, deps=(), tag: str = "") -> int:
@@ -119,9 +131,9 @@ class _Sim:
             for d in deps:
                 users[d].append(i)
         ready_at = [0.0] * n
-        free = dict.fromkeys(RESOURCES + PEERS, 0.0)
-        busy = dict.fromkeys(RESOURCES + PEERS, 0.0)
-        queues: dict[str, list] = {r: [] for r in RESOURCES + PEERS}
+        free = dict.fromkeys(self.resources, 0.0)
+        busy = dict.fromkeys(self.resources, 0.0)
+        queues: dict[str, list] = {r: [] for r in self.resources}
         for i in range(n):
             if not waiting[i]:
                 heapq.heappush(queues[self.ops[i][0]], (0.0, i))
@@ -173,179 +185,213 @@ def predict(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_pa
 
 
 def _simulate(layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_params: dict) -> Prediction:
-    """The step of ``layout`` simulated pass by pass."""
-    where = layout.where
-    sim = _Sim()
-    moved = {"h2d": 0.0, "d2h": 0.0, "nvme_read": 0.0, "nvme_write": 0.0}
-    disk = {"read": 0.0, "write": 0.0}
+    """The step of ``layout`` simulated pass by pass: the update of the step before, then the step's forward, loss
+    and backward (``_Step``), list-scheduled on the resources."""
+    step = _Step(layout, w, m, group_bytes, group_params)
+    step.update()
+    step.passes()
+    return step.result()
 
-    def tier(g, k):
-        return where.get((g, k))
 
-    def nbytes(g, k):
-        return group_bytes.get((g, k), 0)
+class _Step:
+    """The operations of one steady step. Where a (group, kind) lives decides what reaching it costs: on the
+    device tier nothing (it is computed on in place), on a host tier the PCIe link, on a storage tier its disk
+    (its ``resource``, at its ``rates``) and then the link, or (the CPU worker) its disk into the host tier that
+    stages it."""
 
-    ranks = max(1, layout.ranks)
-    peers = ranks - 1
+    def __init__(self, layout: Layout, w: Workload, m: Machine, group_bytes: dict, group_params: dict):
+        self.layout, self.w, self.m, self.group_bytes, self.group_params = layout, w, m, group_bytes, group_params
+        self.where = where = layout.where
+        self.kinds = {t: registry.tier_type(t) for t in set(where.values())}
+        self.roles = {t: cls.role for t, cls in self.kinds.items()}
+        self.rates = {t: cls.rates(m) for t, cls in self.kinds.items() if cls.role == STORAGE}
+        self.resources = resources()
+        disks = [r for r in self.resources if r not in ("gpu", "gpu_adamw", "h2d", "d2h", "cpu")]
+        self.sim = _Sim(self.resources)
+        self.moved = {"h2d": 0.0, "d2h": 0.0, **{f"{r}_{d}": 0.0 for r in disks for d in ("read", "write")}}
+        self.disk = {"read": 0.0, "write": 0.0}
+        self.ranks = max(1, layout.ranks)
+        self.peers = self.ranks - 1
+        groups = w.groups
+        self.has_master = any(k == "master" for (_, k) in group_bytes)
+        self.state_kinds = ["master" if self.has_master else "param", "exp_avg", "exp_avg_sq"]
+        resident = {g for g in groups
+                    if all(self.role(g, k) == DEVICE for k in (*self.state_kinds, "grad") if (g, k) in group_bytes)}
+        self.on_gpu = resident | (set(layout.gpu_updates or ()) & set(groups))
+        self.mine = set(groups) if layout.mine is None or self.ranks == 1 else set(layout.mine)
+        self.done: dict[Group, int] = {}  # group -> the op after which its new compute copy is home
+        self.offered: set = set()  # groups whose new compute copy the GPU worker offers on the GPU
+        self.compute_ops: list[tuple[int, Group, int | None]] = []  # (op, group, the update it waits on)
+        self.last_compute = None
+        self.last_grad: list = []
 
-    def h2d(n, deps=(), tag="", peer=False):
+    def role(self, g, k):
+        return self.roles.get(self.where.get((g, k)))
+
+    def nbytes(self, g, k):
+        return self.group_bytes.get((g, k), 0)
+
+    def h2d(self, n, deps=(), tag="", peer=False):
+        m = self.m
         if peer:  # (the owner's link: the peers' links together)
-            return sim.op("peer_h2d", n / (m.h2d * m.duplex * peers), deps, tag)
-        moved["h2d"] += n
-        return sim.op("h2d", n / (m.h2d * m.duplex), deps, tag)
+            return self.sim.op("peer_h2d", n / (m.h2d * m.duplex * self.peers), deps, tag)
+        self.moved["h2d"] += n
+        return self.sim.op("h2d", n / (m.h2d * m.duplex), deps, tag)
 
-    def d2h(n, deps=(), tag="", peer=False):
+    def d2h(self, n, deps=(), tag="", peer=False):
+        m = self.m
         if peer:
-            return sim.op("peer_d2h", n / (m.d2h * m.duplex * peers), deps, tag)
-        moved["d2h"] += n
-        return sim.op("d2h", n / (m.d2h * m.duplex), deps, tag)
+            return self.sim.op("peer_d2h", n / (m.d2h * m.duplex * self.peers), deps, tag)
+        self.moved["d2h"] += n
+        return self.sim.op("d2h", n / (m.d2h * m.duplex), deps, tag)
 
-    def nvme(n, write: bool, deps=(), tag=""):
-        moved["nvme_write" if write else "nvme_read"] += n
-        s = n / ((m.nvme_write if write else m.nvme_read) * m.nvme_both)
-        disk["write" if write else "read"] += s
-        return sim.op("nvme", s, deps, tag)
+    def storage(self, g, k, write: bool, deps=(), tag=""):
+        """The disk of the storage tier (g, k) lives on reads or writes its bytes."""
+        t = self.where[(g, k)]
+        r, res, n = self.rates[t], self.kinds[t].resource, self.nbytes(g, k)
+        self.moved[f"{res}_{'write' if write else 'read'}"] += n
+        s = n / ((r.write if write else r.read) * r.both)
+        self.disk["write" if write else "read"] += s
+        return self.sim.op(res, s, deps, tag)
 
-    groups = w.groups
-    has_master = any(k == "master" for (_, k) in group_bytes)
-    state_kinds = ["master" if has_master else "param", "exp_avg", "exp_avg_sq"]
-    resident = {g for g in groups if all(tier(g, k) == "gpu" for k in (*state_kinds, "grad") if (g, k) in group_bytes)}
-    on_gpu = resident | (set(layout.gpu_updates or ()) & set(groups))
-
-    # -- the update of the step before (starts at t = 0, when that step's backward ended) ----------------
-    done: dict[Group, int] = {}
-    offered: set = set()
-    mine = set(groups) if layout.mine is None or ranks == 1 else set(layout.mine)
-    # (a worker's last two GPU updates, three groups in flight; its last CPU update and the one before): this
-    # rank's, and the peers' for the groups it does not own
-    gpu_prev = {True: [None, None], False: [None, None]}
-    cpu_prev = {True: [None, None], False: [None, None]}
-    for g in groups:
-        params = group_params.get(g, 0)
-        own = g in mine
-        peer = not own
-        if g in on_gpu:
-            prev2, prev = gpu_prev[own]
-            reads = []
-            for k in state_kinds:
-                if tier(g, k) == "nvme":
-                    reads.append(h2d(nbytes(g, k), [nvme(nbytes(g, k), False, [prev2])], peer=peer))
-                elif tier(g, k) == "dram":
-                    reads.append(h2d(nbytes(g, k), [prev2], peer=peer))
-            if tier(g, "grad") not in ("gpu", None) and g not in on_gpu:
-                reads.append(h2d(nbytes(g, "grad"), peer=peer))
-            rate = m.gpu_adamw * (1 if own else peers)
-            adam = sim.op("gpu_adamw" if own else "peer_gpu_adamw", params / rate, [*reads, prev], f"adam {g}")
-            for k in state_kinds:
-                if tier(g, k) in ("dram", "nvme") and not (k == "param" and has_master):
-                    back = d2h(nbytes(g, k), [adam], peer=peer)
-                    if tier(g, k) == "nvme":
-                        nvme(nbytes(g, k), True, [back])
-            if has_master and tier(g, "param") != "gpu":
-                done[g] = d2h(nbytes(g, "param"), [adam], f"param home {g}", peer=peer)
-                if own:  # (a peer's new compute copy reaches this rank through the arena, fetched as ever)
-                    offered.add(g)
-                if tier(g, "param") == "nvme":
-                    nvme(nbytes(g, "param"), True, [done[g]])
+    def update(self) -> None:
+        """The update of the step before (starts at t = 0, when that step's backward ended), group by group."""
+        role, nbytes, h2d, d2h, storage = self.role, self.nbytes, self.h2d, self.d2h, self.storage
+        m, sim, has_master, state_kinds = self.m, self.sim, self.has_master, self.state_kinds
+        done, offered, on_gpu, peers, ranks = self.done, self.offered, self.on_gpu, self.peers, self.ranks
+        # (a worker's last two GPU updates, three groups in flight; its last CPU update and the one before): this
+        # rank's, and the peers' for the groups it does not own
+        gpu_prev = {True: [None, None], False: [None, None]}
+        cpu_prev = {True: [None, None], False: [None, None]}
+        for g in self.w.groups:
+            params = self.group_params.get(g, 0)
+            own = g in self.mine
+            peer = not own
+            if g in on_gpu:
+                prev2, prev = gpu_prev[own]
+                reads = []
+                for k in state_kinds:
+                    if role(g, k) == STORAGE:
+                        reads.append(h2d(nbytes(g, k), [storage(g, k, False, [prev2])], peer=peer))
+                    elif role(g, k) == HOST:
+                        reads.append(h2d(nbytes(g, k), [prev2], peer=peer))
+                if role(g, "grad") not in (DEVICE, None) and g not in on_gpu:
+                    reads.append(h2d(nbytes(g, "grad"), peer=peer))
+                rate = m.gpu_adamw * (1 if own else peers)
+                adam = sim.op("gpu_adamw" if own else "peer_gpu_adamw", params / rate, [*reads, prev], f"adam {g}")
+                for k in state_kinds:
+                    if role(g, k) in (HOST, STORAGE) and not (k == "param" and has_master):
+                        back = d2h(nbytes(g, k), [adam], peer=peer)
+                        if role(g, k) == STORAGE:
+                            storage(g, k, True, [back])
+                if has_master and role(g, "param") != DEVICE:
+                    done[g] = d2h(nbytes(g, "param"), [adam], f"param home {g}", peer=peer)
+                    if own:  # (a peer's new compute copy reaches this rank through the arena, fetched as ever)
+                        offered.add(g)
+                    if role(g, "param") == STORAGE:
+                        storage(g, "param", True, [done[g]])
+                else:
+                    done[g] = adam
+                gpu_prev[own] = [prev, adam]
             else:
-                done[g] = adam
-            gpu_prev[own] = [prev, adam]
-        else:
-            stage_prev, prev = cpu_prev[own]
-            stage = [nvme(nbytes(g, k), False, [stage_prev]) for k in (*state_kinds, "grad", "param")
-                     if tier(g, k) == "nvme"]
-            # (at the worker's rates beside the link's copies, which the step runs alongside; several ranks split
-            # the host's cores: this rank's worker has a share, the peers' together the rest)
-            share = 1.0 / ranks if own else peers / ranks
-            seconds = (params / m.cpu_adamw + (params / m.cpu_copy if has_master else 0.0)) / m.cpu_in_run / share
-            upd = sim.op("cpu" if own else "peer_cpu", seconds, [*stage, prev], f"cpu adam {g}")
-            cpu_prev[own] = [prev, upd]
-            for k in state_kinds:
-                if tier(g, k) == "nvme":
-                    nvme(nbytes(g, k), True, [upd])
-            if tier(g, "param") == "gpu":
-                done[g] = h2d(nbytes(g, "param"), [upd], peer=peer)
-            elif tier(g, "param") == "nvme" and has_master:
-                done[g] = nvme(nbytes(g, "param"), True, [upd])
-            else:
-                done[g] = upd
+                stage_prev, prev = cpu_prev[own]
+                stage = [storage(g, k, False, [stage_prev]) for k in (*state_kinds, "grad", "param")
+                         if role(g, k) == STORAGE]
+                # (at the worker's rates beside the link's copies, which the step runs alongside; several ranks
+                # split the host's cores: this rank's worker has a share, the peers' together the rest)
+                share = 1.0 / ranks if own else peers / ranks
+                seconds = (params / m.cpu_adamw + (params / m.cpu_copy if has_master else 0.0)) / m.cpu_in_run / share
+                upd = sim.op("cpu" if own else "peer_cpu", seconds, [*stage, prev], f"cpu adam {g}")
+                cpu_prev[own] = [prev, upd]
+                for k in state_kinds:
+                    if role(g, k) == STORAGE:
+                        storage(g, k, True, [upd])
+                if role(g, "param") == DEVICE:
+                    done[g] = h2d(nbytes(g, "param"), [upd], peer=peer)
+                elif role(g, "param") == STORAGE and has_master:
+                    done[g] = storage(g, "param", True, [upd])
+                else:
+                    done[g] = upd
 
-    # -- the step: forward, loss, backward, per pass -------------------------------------------------------
-    p = max(1, layout.passes)
-    compute_ops: list[tuple[int, Group, int | None]] = []  # (op, group, the update it waits on)
-    last_compute = None
-    slot_free: list = []  # compute ops whose end frees a slot, in order
-    partial_home: dict[Group, int] = {}
+    def passes(self) -> None:
+        """The step: forward, loss, backward, per pass."""
+        layout, w, role, nbytes, h2d, d2h = self.layout, self.w, self.role, self.nbytes, self.h2d, self.d2h
+        done, offered = self.done, self.offered
+        p = max(1, layout.passes)
+        slot_free: list = []  # compute ops whose end frees a slot, in order
+        partial_home: dict[Group, int] = {}
 
-    def fetch(g, deps):
-        """The group's weights on the GPU: a slot filled over PCIe (or on the GPU from an offer)."""
-        if tier(g, "param") == "gpu":
-            return None
-        slot = slot_free[-layout.slots] if layout.slots and len(slot_free) >= layout.slots else None
-        return h2d(nbytes(g, "param"), [*deps, slot], f"fetch {g}")
+        def fetch(g, deps):
+            """The group's weights on the GPU: a slot filled over PCIe (or on the GPU from an offer)."""
+            if role(g, "param") == DEVICE:
+                return None
+            slot = slot_free[-layout.slots] if layout.slots and len(slot_free) >= layout.slots else None
+            return h2d(nbytes(g, "param"), [*deps, slot], f"fetch {g}")
 
-    last_grad = []
-    for n in range(p):
-        first, last_pass = n == 0, n == p - 1
-        seq = [*((g, "fwd") for g in [w.first, *w.layers]), (w.last, "loss"),
-               *((g, "bwd") for g in reversed(w.layers)), (w.first, "embed_bwd")]
-        for g, phase in seq:
-            upd = done.get(g) if first and phase in ("fwd", "loss") else None
-            tied_upd = done.get(w.first) if first and phase == "loss" and w.tied else None
-            if phase == "embed_bwd":
-                f = None
-            elif first and phase == "fwd" and g in offered:
-                f = None  # the GPU worker offered the new compute copy: copied on the GPU
-            else:
-                f = fetch(g, [upd])
-            partial = None
-            own = g in mine  # (several ranks: a layer's gradient goes to its owner, which keeps the partial sums)
-            if not first and phase in ("bwd", "loss", "embed_bwd") and tier(g, "grad") != "gpu":
-                partial = h2d(nbytes(g, "grad"), [partial_home.get(g)], f"partial {g}", peer=not own)
-            bwd = w.bwd.get(g, 0.0) - (w.fwd.get(g, 0.0) if g in layout.keep else 0.0)  # (the recompute)
-            seconds = (w.fwd.get(g, 0.0) if phase in ("fwd",) else max(bwd, 0.0)
-                       if phase != "loss" else w.fwd.get(g, 0.0) + w.bwd.get(g, 0.0)) / p
-            # (a peer's partial sums are its own to add)
-            c = sim.op("gpu", seconds, [last_compute, upd, tied_upd, f, partial if own else None], f"{phase} {g}")
-            compute_ops.append((c, g, upd if upd is not None else tied_upd))
-            last_compute = c
-            if f is not None:
-                slot_free.append(c)
-            if phase in ("bwd", "loss", "embed_bwd") and tier(g, "grad") != "gpu":
-                if last_pass and g not in on_gpu:
-                    last_grad.append(d2h(nbytes(g, "grad"), [c], f"grad {g}", peer=not own))
-                elif not last_pass:
-                    partial_home[g] = d2h(nbytes(g, "grad"), [c], f"partial home {g}", peer=not own)
+        for n in range(p):
+            first, last_pass = n == 0, n == p - 1
+            seq = [*((g, "fwd") for g in [w.first, *w.layers]), (w.last, "loss"),
+                   *((g, "bwd") for g in reversed(w.layers)), (w.first, "embed_bwd")]
+            for g, phase in seq:
+                upd = done.get(g) if first and phase in ("fwd", "loss") else None
+                tied_upd = done.get(w.first) if first and phase == "loss" and w.tied else None
+                if phase == "embed_bwd":
+                    f = None
+                elif first and phase == "fwd" and g in offered:
+                    f = None  # the GPU worker offered the new compute copy: copied on the GPU
+                else:
+                    f = fetch(g, [upd])
+                partial = None
+                own = g in self.mine  # (several ranks: a layer's gradient goes to its owner, which keeps the sums)
+                if not first and phase in ("bwd", "loss", "embed_bwd") and role(g, "grad") != DEVICE:
+                    partial = h2d(nbytes(g, "grad"), [partial_home.get(g)], f"partial {g}", peer=not own)
+                bwd = w.bwd.get(g, 0.0) - (w.fwd.get(g, 0.0) if g in layout.keep else 0.0)  # (the recompute)
+                seconds = (w.fwd.get(g, 0.0) if phase in ("fwd",) else max(bwd, 0.0)
+                           if phase != "loss" else w.fwd.get(g, 0.0) + w.bwd.get(g, 0.0)) / p
+                # (a peer's partial sums are its own to add)
+                c = self.sim.op("gpu", seconds, [self.last_compute, upd, tied_upd, f, partial if own else None],
+                                f"{phase} {g}")
+                self.compute_ops.append((c, g, upd if upd is not None else tied_upd))
+                self.last_compute = c
+                if f is not None:
+                    slot_free.append(c)
+                if phase in ("bwd", "loss", "embed_bwd") and role(g, "grad") != DEVICE:
+                    if last_pass and g not in self.on_gpu:
+                        self.last_grad.append(d2h(nbytes(g, "grad"), [c], f"grad {g}", peer=not own))
+                    elif not last_pass:
+                        partial_home[g] = d2h(nbytes(g, "grad"), [c], f"partial home {g}", peer=not own)
 
-    start, end, busy = sim.run()
-    drag = m.copy_drag * min(busy["h2d"], busy["d2h"])  # (the compute beside copies both ways)
-    busy["gpu"] += drag
-    finish = max([end[last_compute] + drag, *(end[i] for i in last_grad)])
-    compute = busy["gpu"]
-    wait_opt = wait_xfer = 0.0
-    prev_end = 0.0
-    for c, _g, upd in compute_ops:
-        idle = start[c] - prev_end
-        if idle > 1e-12:
-            # the wait until the update ended is the update's (a fetch of its new weights starts there), the
-            # rest the transfer's
-            on_update = min(max(end[upd] - prev_end, 0.0), idle) if upd is not None else 0.0
-            wait_opt += on_update
-            wait_xfer += idle - on_update
-        prev_end = end[c]
-    totals = dict(busy)
-    # the GPU's two streams share it: the compute and the optimizer's kernels add up
-    # (the peers' resources too: a peer busier than the step delays the next one as well)
-    peer_busy = [totals.pop(r) for r in PEERS]
-    step = max(finish, *(totals[r] for r in RESOURCES if r not in ("gpu", "gpu_adamw")),
-               totals["gpu"] + totals["gpu_adamw"], *peer_busy)
-    bound = _bound(step, totals, wait_opt, wait_xfer)
-    return Prediction(step, totals, moved, compute, wait_opt, wait_xfer, bound, disk["read"], disk["write"],
-                      {"finish": finish})
+    def result(self) -> Prediction:
+        """The schedule run: the step's time, each resource's busy time, the waits and the bound."""
+        start, end, busy = self.sim.run()
+        drag = self.m.copy_drag * min(busy["h2d"], busy["d2h"])  # (the compute beside copies both ways)
+        busy["gpu"] += drag
+        finish = max([end[self.last_compute] + drag, *(end[i] for i in self.last_grad)])
+        compute = busy["gpu"]
+        wait_opt = wait_xfer = 0.0
+        prev_end = 0.0
+        for c, _g, upd in self.compute_ops:
+            idle = start[c] - prev_end
+            if idle > 1e-12:
+                # the wait until the update ended is the update's (a fetch of its new weights starts there), the
+                # rest the transfer's
+                on_update = min(max(end[upd] - prev_end, 0.0), idle) if upd is not None else 0.0
+                wait_opt += on_update
+                wait_xfer += idle - on_update
+            prev_end = end[c]
+        totals = dict(busy)
+        # the GPU's two streams share it: the compute and the optimizer's kernels add up
+        # (the peers' resources too: a peer busier than the step delays the next one as well)
+        peer_busy = [totals.pop(r) for r in PEERS]
+        step = max(finish, *(totals[r] for r in self.resources if r not in ("gpu", "gpu_adamw")),
+                   totals["gpu"] + totals["gpu_adamw"], *peer_busy)
+        bound = _bound(step, totals, wait_opt, wait_xfer)
+        return Prediction(step, totals, self.moved, compute, wait_opt, wait_xfer, bound, self.disk["read"],
+                          self.disk["write"], {"finish": finish})
 
 
 NAMES = {"gpu": "GPU compute", "gpu_adamw": "GPU AdamW", "h2d": "PCIe to the GPU", "d2h": "PCIe from the GPU",
-         "nvme": "NVMe", "cpu": "CPU AdamW"}
+         "cpu": "CPU AdamW"}
 
 
 def _bound(step: float, busy: dict, wait_opt: float, wait_xfer: float) -> str:
@@ -358,5 +404,6 @@ def _bound(step: float, busy: dict, wait_opt: float, wait_xfer: float) -> str:
 
 
 def describe_bound(bound: str) -> str:
-    return {**NAMES, "wait_optimizer": "the next forward waiting for the update",
+    disks = {registry.tier_type(t).resource: registry.tier_type(t).label for t in registry.of_role(STORAGE)}
+    return {**NAMES, **disks, "wait_optimizer": "the next forward waiting for the update",
             "wait_transfer": "the compute waiting for weights"}.get(bound, bound)

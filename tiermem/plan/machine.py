@@ -23,6 +23,7 @@ import psutil
 import torch
 
 from tiermem.errors import ConfigError
+from tiermem.tiers.base import STORAGE
 
 GB = 1e9
 
@@ -418,7 +419,8 @@ def machine_for(scfg, device: torch.device, probe: str | None = None) -> Machine
         if device.type == "cuda":
             m.gpu_memory = torch.cuda.get_device_properties(device).total_memory
         return m
-    if device.type == "cuda":
-        return Machine.measure(scfg.tiers.nvme.path if scfg.tiers.nvme else None, device)
+    if device.type == "cuda":  # (the disk measured: the first storage tier's, whose figures are the machine's)
+        disk = next((getattr(scfg.tiers[t], "path", None) for t in scfg.tiers.of_role(STORAGE)), None)
+        return Machine.measure(disk, device)
     return Machine.h200("the H200 machine's figures (no GPU here and no probe file: "
                         "`tiermem probe --save FILE` on the GPU machine, then --probe FILE)")

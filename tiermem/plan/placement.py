@@ -12,20 +12,17 @@ of the last layers first. The GPU also holds ``slots`` streaming slots sized fro
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-import psutil
-import torch
-
-from tiermem.config import KINDS, StoreConfig
+from tiermem.config import StoreConfig
 from tiermem.errors import BudgetError
 from tiermem.plan.hostmem import available_memory
 from tiermem.plan.resolve import compute_device
 from tiermem.sizes import align_up, format_size
-from tiermem.store.catalog import Group, TensorSpec
+from tiermem.specs import KINDS, Group, TensorSpec
+from tiermem.tiers import registry
+from tiermem.tiers.base import DEVICE, HOST, STORAGE
 
 ALIGN = 4096
 HOT_FIRST = KINDS  # param, grad, master, exp_avg, exp_avg_sq
@@ -59,55 +56,42 @@ class Plan:
     piece_rows: int = 0
 
     def need(self, rank: int | None = None) -> dict[str, int]:
-        """Bytes each tier needs. With ``owners``, "gpu" is one rank's HBM: ``rank``'s, or (None) the fullest
-        rank's (what every rank's budget must hold)."""
-        out = {"gpu": self.slot_bytes * self.n_slots, "dram": self.staging_bytes, "nvme": 0}
+        """Bytes each registered tier needs (the device tier: the streaming slots too; the host tier: the staging of
+        storage-resident state too). With ``owners``, the device tier's is one rank's HBM: ``rank``'s, or (None)
+        the fullest rank's (what every rank's budget must hold)."""
+        device = registry.primary(DEVICE)
+        out = dict.fromkeys(registry.names(), 0)
+        out[device] += self.slot_bytes * self.n_slots
+        out[registry.primary(HOST)] += self.staging_bytes
         by_rank: dict = defaultdict(int)
         for key, tier in self.where.items():
-            if tier == "gpu" and self.owners is not None:
+            if tier == device and self.owners is not None:
                 by_rank[self.owners[key[0]]] += self.group_bytes[key]
             else:
                 out[tier] += self.group_bytes[key]
         if self.owners is not None:
-            out["gpu"] += by_rank.get(rank, 0) if rank is not None else max(by_rank.values(), default=0)
+            out[device] += by_rank.get(rank, 0) if rank is not None else max(by_rank.values(), default=0)
         return out
 
     def bytes_by_kind(self) -> dict[str, dict[str, int]]:
-        out: dict[str, dict[str, int]] = {t: defaultdict(int) for t in ("gpu", "dram", "nvme")}
+        out: dict[str, dict[str, int]] = {t: defaultdict(int) for t in registry.names()}
         for key, tier in self.where.items():
             out[tier][key[1]] += self.group_bytes[key]
         return {t: dict(v) for t, v in out.items()}
 
 
 def default_budgets(cfg: StoreConfig) -> dict[str, int | None]:
-    """Budgets from config; unset ones from what the machine has."""
-    t = cfg.tiers
-    gpu = t.gpu.budget
+    """Each registered tier's budget: the config's; unset, its class's default from what the machine has (the
+    host's memory: the cgroup's limit where there is one, ``tiermem.plan.hostmem``); None for a tier the config
+    leaves out."""
     device = compute_device(cfg)
-    if gpu is None and device.type == "cuda":
-        gpu = torch.cuda.get_device_properties(device).total_memory // 2
-    elif gpu is None:  # the CPU stand-in is host memory: a quarter of what is available
-        gpu = psutil.virtual_memory().available // 4
-    dram = t.dram.budget
-    if dram is None:  # (the host's memory: the cgroup's limit where there is one, tiermem.plan.hostmem)
-        mem = available_memory()
-        if t.dram.path == "anonymous":
-            shm = mem
-        else:
-            shm = shutil.disk_usage(t.dram.path).free if os.path.isdir(t.dram.path) else 0
-        dram = int(min(shm, mem) * 0.9)
-    nvme = None
-    if t.nvme is not None:
-        nvme = t.nvme.budget
-        if nvme is None:
-            nvme = int(shutil.disk_usage(existing_parent(t.nvme.path)).free * 0.9)
-    return {"gpu": gpu, "dram": dram, "nvme": nvme}
-
-
-def existing_parent(path: str) -> str:
-    while path and not os.path.isdir(path):
-        path = os.path.dirname(path.rstrip("/")) or "/"
-    return path or "/"
+    out: dict[str, int | None] = {}
+    for name, section in cfg.tiers.items():
+        budget = None if section is None else section.budget
+        if section is not None and budget is None:
+            budget = registry.tier_type(name).default_budget(section, device, available_memory)
+        out[name] = budget
+    return out
 
 
 def make_plan(specs: list[TensorSpec], cfg: StoreConfig, streamed_kinds: tuple[str, ...] = ("param",),
@@ -122,7 +106,7 @@ def make_plan(specs: list[TensorSpec], cfg: StoreConfig, streamed_kinds: tuple[s
     if isinstance(cfg.placement, dict):  # (without a workload to plan for, kinds not pinned live in DRAM)
         pins = cfg.pins()
         for key in group_bytes:
-            where[key] = pins.get(key[1], "dram")
+            where[key] = pins.get(key[1], registry.primary(HOST))
     else:
         _auto(group_bytes, where, budgets, cfg, streamed_kinds)
     plan = _finish(group_bytes, where, cfg, streamed_kinds, budgets)
@@ -131,23 +115,31 @@ def make_plan(specs: list[TensorSpec], cfg: StoreConfig, streamed_kinds: tuple[s
     return plan
 
 
-def _finish(group_bytes, where, cfg, streamed_kinds, budgets) -> Plan:
-    streamed = [b for (g, k), b in group_bytes.items() if k in streamed_kinds and where[(g, k)] != "gpu"]
-    slot = max(streamed, default=0)
-    n_slots = cfg.tiers.gpu.slots if slot else 0
-    on_nvme = defaultdict(int)
+def staging_bytes(where: dict, group_bytes: dict) -> int:
+    """Host memory that stages storage-resident state: two groups' worth (one group's read ahead while the last
+    one's is written back)."""
+    on_storage: dict = defaultdict(int)
+    storage = {t for t in set(where.values()) if registry.role_of(t) == STORAGE}
     for (g, k), tier in where.items():
-        if tier == "nvme":
-            on_nvme[g] += group_bytes[(g, k)]
-    staging = 2 * max(on_nvme.values(), default=0)
-    return Plan(dict(where), dict(group_bytes), slot, n_slots, staging, budgets)
+        if tier in storage:
+            on_storage[g] += group_bytes[(g, k)]
+    return 2 * max(on_storage.values(), default=0)
+
+
+def _finish(group_bytes, where, cfg, streamed_kinds, budgets) -> Plan:
+    device = registry.primary(DEVICE)
+    streamed = [b for (g, k), b in group_bytes.items() if k in streamed_kinds and where[(g, k)] != device]
+    slot = max(streamed, default=0)
+    n_slots = cfg.tiers.device_tier.slots if slot else 0
+    return Plan(dict(where), dict(group_bytes), slot, n_slots, staging_bytes(where, group_bytes), budgets)
 
 
 def _auto(group_bytes, where, budgets, cfg, streamed_kinds) -> None:
+    device, host, spill = registry.primary(DEVICE), registry.primary(HOST), cfg.tiers.of_role(STORAGE)
     for key in group_bytes:
-        where[key] = "dram"
+        where[key] = host
     # shared (string-named) groups wholly on the GPU while they fit beside the slots
-    gpu_budget = budgets.get("gpu")
+    gpu_budget = budgets.get(device)
     probe = _finish(group_bytes, where, cfg, streamed_kinds, budgets)
     gpu_used = probe.slot_bytes * probe.n_slots
     for g in sorted({g for g, _ in group_bytes if isinstance(g, str)}):
@@ -155,19 +147,19 @@ def _auto(group_bytes, where, budgets, cfg, streamed_kinds) -> None:
         if gpu_budget is None or gpu_used + size <= gpu_budget:
             for key in group_bytes:
                 if key[0] == g:
-                    where[key] = "gpu"
+                    where[key] = device
             gpu_used += size
-    # spill to NVMe, coldest kinds of the last groups first, until DRAM fits
-    dram_budget = budgets.get("dram")
-    if dram_budget is None or cfg.tiers.nvme is None:
+    # spill to the (first) storage tier, coldest kinds of the last groups first, until DRAM fits
+    dram_budget = budgets.get(host)
+    if dram_budget is None or not spill:
         return
-    order = sorted((key for key, tier in where.items() if tier == "dram"),
+    order = sorted((key for key, tier in where.items() if tier == host),
                    key=lambda k: (-HOT_FIRST.index(k[1]), -_order(k[0])))
     for key in order:
         plan = _finish(group_bytes, where, cfg, streamed_kinds, budgets)
-        if plan.need()["dram"] <= dram_budget:
+        if plan.need()[host] <= dram_budget:
             return
-        where[key] = "nvme"
+        where[key] = spill[0]
 
 
 def _order(group: Group) -> int:
@@ -175,20 +167,32 @@ def _order(group: Group) -> int:
 
 
 def check_budgets(plan: Plan) -> None:
+    """Refuse (one line) a plan a tier's budget cannot hold, or one that puts state on a tier not configured."""
     need = plan.need()
-    over = [t for t in ("gpu", "dram", "nvme") if plan.budgets.get(t) is not None and need[t] > plan.budgets[t]]
-    if need["nvme"] and plan.budgets.get("nvme") is None:
-        raise BudgetError("placement puts state on nvme but no NVMe tier is configured; add tiers.nvme "
-                          "with a path and budget, or place every kind on gpu or dram")
+    names = registry.names()
+    over = [t for t in names if plan.budgets.get(t) is not None and need[t] > plan.budgets[t]]
+    for t in registry.of_role(STORAGE):
+        if need[t] and plan.budgets.get(t) is None:
+            raise BudgetError(f"placement puts state on {t} but no {registry.tier_type(t).label} tier is "
+                              f"configured; add tiers.{t} with a path and budget, or place every kind on "
+                              + " or ".join(registry.of_role(DEVICE) + registry.of_role(HOST)))
     if not over:
         return
+
     def budget(t: str) -> str:
         b = plan.budgets.get(t)
         return "no limit" if b is None else f"budget {format_size(b)}"
 
-    parts = ", ".join(f"{t} {format_size(need[t])} ({budget(t)})" for t in ("gpu", "dram", "nvme")
-                      if need[t] or t in over)
-    fix = {"gpu": "raise tiers.gpu.budget or place fewer kinds on gpu",
-           "dram": "raise tiers.dram.budget or move cold kinds (exp_avg, exp_avg_sq, master) to nvme",
-           "nvme": "raise tiers.nvme.budget or choose a larger disk"}
-    raise BudgetError(f"placement does not fit: needs {parts}; " + "; ".join(fix[t] for t in over))
+    parts = ", ".join(f"{t} {format_size(need[t])} ({budget(t)})" for t in names if need[t] or t in over)
+    raise BudgetError(f"placement does not fit: needs {parts}; " + "; ".join(_fix(t) for t in over))
+
+
+def _fix(tier: str) -> str:
+    """What to change when ``tier`` is over its budget."""
+    role = registry.role_of(tier)
+    if role == DEVICE:
+        return f"raise tiers.{tier}.budget or place fewer kinds on {tier}"
+    if role == HOST:
+        return (f"raise tiers.{tier}.budget or move cold kinds (exp_avg, exp_avg_sq, master) to "
+                + (" or ".join(registry.of_role(STORAGE)) or "a storage tier"))
+    return f"raise tiers.{tier}.budget or choose a larger disk"

@@ -19,7 +19,7 @@ Several ranks of a host (``owners``: group -> owning rank) each have an HBM of t
 optimizer-side state (grad, master, exp_avg, exp_avg_sq) may live in its owner's, never its compute copy (every
 rank streams it from the shared arena, so every rank keeps the streaming slots). Each rank's HBM — its owned
 state, its slots, the activations, what the caller takes besides (``hbm_taken``: the gradients in flight) and
-its GPU worker's copies — must fit; the plan's ``need()["gpu"]`` is the fullest rank's. Several ranks run as many
+its GPU worker's copies — must fit; the plan's need of the device tier is the fullest rank's. Several ranks run as many
 layer-major passes as one process would with a rank's micro-batches (each pass's gradients reduced to their
 owners, which keep the partial sums: ``trainer.dp``).
 """
@@ -33,13 +33,15 @@ import psutil
 
 from tiermem.config import StoreConfig
 from tiermem.errors import BudgetError
-from tiermem.plan import refusal
 from tiermem.plan.costmodel import SLOTS, Layout, Prediction, predict, rank_of
 from tiermem.plan.machine import Machine
-from tiermem.plan.placement import ALIGN, Plan, check_budgets, default_budgets
+from tiermem.plan.placement import ALIGN, Plan, check_budgets, default_budgets, staging_bytes
+from tiermem.plan.refusals import does_not_fit, short_line
 from tiermem.plan.workload import Workload
 from tiermem.sizes import align_up, format_size
-from tiermem.store.catalog import TensorSpec
+from tiermem.specs import TensorSpec
+from tiermem.tiers import registry
+from tiermem.tiers.base import DEVICE, HOST, STORAGE
 
 SPILL_ORDER = ("exp_avg_sq", "exp_avg", "master", "grad", "param")  # coldest first
 DISCARDED_AT_END = ("grad", "exp_avg", "exp_avg_sq")  # on NVMe: given back to the disk before the export
@@ -67,9 +69,11 @@ def sizes(specs: list[TensorSpec]) -> tuple[dict, dict]:
 def hbm_room(machine: Machine, budgets: dict, cuda: bool) -> int:
     """HBM the state, the slots and the activations may take together."""
     if not cuda:  # the CPU stand-in: its "GPU" budget is a share of host memory
-        return int(budgets["gpu"]) if budgets.get("gpu") is not None else psutil.virtual_memory().available // 4
+        gpu = budgets.get(registry.primary(DEVICE))
+        return int(gpu) if gpu is not None else psutil.virtual_memory().available // 4
     total = int(machine.gpu_memory * (1 - HBM_RESERVE)) - (1 << 30)
-    return total if budgets.get("gpu") is None else min(total, int(budgets["gpu"]))
+    gpu = budgets.get(registry.primary(DEVICE))
+    return total if gpu is None else min(total, int(gpu))
 
 
 def _partials_bytes(group_bytes: dict) -> int:
@@ -107,11 +111,9 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
     chosen without them: they never add passes (each pass moves the streamed groups' partial gradients both
     ways, which the GPU runs have shown costs more than the cost model counts). ``owners`` (several ranks of a
     host: group -> rank): each group's HBM-resident state lives in its owner's HBM (see the module)."""
-    if budgets is None:  # (the GPU's: tiers.gpu.budget or, unset, all of its HBM, activations included)
-        budgets = {**default_budgets(cfg), "gpu": cfg.tiers.gpu.budget}
-    budgets = dict(budgets)
-    group_bytes, params = sizes(specs)
-    pins = cfg.pins()
+    device = registry.primary(DEVICE)  # (its budget: the device tier's, or unset all of its HBM, activations too)
+    budgets = dict(budgets) if budgets is not None else {**default_budgets(cfg), device: cfg.tiers.device_tier.budget}
+    (group_bytes, params), pins = sizes(specs), cfg.pins()
     room = hbm_room(m, budgets, cuda) - hbm_taken
     need_total = sum(group_bytes.values())
     best: tuple | None = None
@@ -167,11 +169,11 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
                 if need > free:
                     short = BudgetError(f"the GPU's optimizer needs {format_size(need)} of HBM beside the state "
                                         f"to update the groups it streams in, {format_size(max(free, 0))} is left: "
-                                        "raise tiers.gpu.budget, or pin fewer kinds off the GPU")
+                                        f"raise tiers.{device}.budget, or pin fewer kinds off the GPU")
                     continue
                 fits = True
                 kept = kept_layers(where, w.layers, k + ((free - need) // per_kept if more and per_kept else 0))
-                layout = Layout(where, gpu_updates, p, cfg.tiers.gpu.slots, kept, **rank_of(owners, params))
+                layout = Layout(where, gpu_updates, p, cfg.tiers.device_tier.slots, kept, **rank_of(owners, params))
                 pred = predict(layout, w, m, group_bytes, params)
                 # (state moved off HBM for kept graphs must earn its keep)
                 moved = best is not None and kept and (_hbm_used(where, group_bytes, cfg)
@@ -180,9 +182,9 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
                 if best is None or pred.step < best[0] * (1 - tie):  # (the first of near-equal layouts: fewer
                     best = (pred.step, layout, pred, state_room, act, home)  # passes, more state in HBM)
     if best is None:
-        raise short or BudgetError(_does_not_fit(need_total, room, w, budgets, partials))
+        raise short or BudgetError(does_not_fit(need_total, room, w, budgets, partials))
     _, layout, pred, state_room, act, home = best
-    plan = _finish_plan(layout, group_bytes, cfg, {**budgets, "gpu": state_room})
+    plan = _finish_plan(layout, group_bytes, cfg, {**budgets, device: state_room})
     plan.owners = owners
     plan.prediction, plan.passes, plan.gpu_updates = pred, layout.passes, set(layout.gpu_updates)
     plan.activation_bytes = act
@@ -211,7 +213,8 @@ def keep_counts(w: Workload, search: bool) -> list[int]:
 def kept_layers(where: dict, layers: list, n: int) -> frozenset:
     """The layers that keep their graphs: the first ``n`` whose weights live in HBM (a streamed layer's weights
     are gone before its backward; the executor picks the same)."""
-    return frozenset([g for g in layers if where.get((g, "param")) == "gpu"][:max(n, 0)])
+    device = registry.primary(DEVICE)
+    return frozenset([g for g in layers if where.get((g, "param")) == device][:max(n, 0)])
 
 
 def gpu_update_bytes(where: dict, group_bytes: dict, gpu_updates: set, owners: dict | None = None) -> int:
@@ -223,12 +226,13 @@ def gpu_update_bytes(where: dict, group_bytes: dict, gpu_updates: set, owners: d
     if owners is not None:
         return max((gpu_update_bytes(where, group_bytes, {g for g in gpu_updates if owners[g] == r})
                     for r in set(owners.values())), default=0)
+    device = registry.primary(DEVICE)
     streamed = [g for g in gpu_updates
-                if any(t != "gpu" for (h, k), t in where.items() if h == g)]
+                if any(t != device for (h, k), t in where.items() if h == g)]
     if not streamed:
         return 0
-    grads = sum(group_bytes.get((g, "grad"), 0) for g in streamed if where.get((g, "grad")) != "gpu")
-    state = max(sum(b for (h, k), b in group_bytes.items() if h == g and k != "grad" and where[(h, k)] != "gpu")
+    grads = sum(group_bytes.get((g, "grad"), 0) for g in streamed if where.get((g, "grad")) != device)
+    state = max(sum(b for (h, k), b in group_bytes.items() if h == g and k != "grad" and where[(h, k)] != device)
                 for g in streamed)
     return grads + 3 * state
 
@@ -236,52 +240,53 @@ def gpu_update_bytes(where: dict, group_bytes: dict, gpu_updates: set, owners: d
 def hbm_by_rank(where: dict, group_bytes: dict, cfg: StoreConfig, owners: dict, gpu_updates=()) -> dict:
     """Several ranks: each rank's HBM for state, its streaming slots and its GPU worker's copies (of the
     ``gpu_updates`` groups it owns)."""
+    device = registry.primary(DEVICE)
     out = {r: 0 for r in set(owners.values())}
     for (g, k), b in group_bytes.items():
-        if where[(g, k)] == "gpu":
+        if where[(g, k)] == device:
             out[owners[g]] += b
-    streamed = [b for (g, k), b in group_bytes.items() if k == "param" and where[(g, k)] != "gpu"]
-    slots = cfg.tiers.gpu.slots * max(streamed) if streamed else 0
+    streamed = [b for (g, k), b in group_bytes.items() if k == "param" and where[(g, k)] != device]
+    slots = cfg.tiers.device_tier.slots * max(streamed) if streamed else 0
     return {r: used + slots + gpu_update_bytes(where, group_bytes, {g for g in gpu_updates if owners[g] == r})
             for r, used in out.items()}
 
 
 def _hbm_used(where: dict, group_bytes: dict, cfg: StoreConfig) -> int:
     """HBM the placed state and the streaming slots take."""
-    used = sum(b for key, b in group_bytes.items() if where[key] == "gpu")
-    streamed = [b for (g, k), b in group_bytes.items() if k == "param" and where[(g, k)] != "gpu"]
-    return used + (cfg.tiers.gpu.slots * max(streamed) if streamed else 0)
+    device = registry.primary(DEVICE)
+    used = sum(b for key, b in group_bytes.items() if where[key] == device)
+    streamed = [b for (g, k), b in group_bytes.items() if k == "param" and where[(g, k)] != device]
+    return used + (cfg.tiers.device_tier.slots * max(streamed) if streamed else 0)
 
 
 def _finish_plan(layout: Layout, group_bytes: dict, cfg: StoreConfig, budgets: dict) -> Plan:
-    streamed = [b for (g, k), b in group_bytes.items() if k == "param" and layout.where[(g, k)] != "gpu"]
+    device = registry.primary(DEVICE)
+    streamed = [b for (g, k), b in group_bytes.items() if k == "param" and layout.where[(g, k)] != device]
     slot = max(streamed, default=0)
-    n_slots = cfg.tiers.gpu.slots if slot else 0
-    on_nvme: dict = defaultdict(int)
-    for (g, k), tier in layout.where.items():
-        if tier == "nvme":
-            on_nvme[g] += group_bytes[(g, k)]
-    staging = 2 * max(on_nvme.values(), default=0)
-    return Plan(dict(layout.where), dict(group_bytes), slot, n_slots, staging, budgets)
+    n_slots = cfg.tiers.device_tier.slots if slot else 0
+    return Plan(dict(layout.where), dict(group_bytes), slot, n_slots, staging_bytes(layout.where, group_bytes),
+                budgets)
 
 
 def _place(group_bytes: dict, w: Workload, pins: dict, state_room: int, budgets: dict,
            cfg: StoreConfig, fill: bool = True, owners: dict | None = None, act: int = 0) -> dict:
-    """HBM takes whole groups in update order while they fit (``fill``; else only what is pinned there);
-    DRAM the rest; NVMe what DRAM cannot hold. ``owners`` (several ranks): a group's state but its compute copy
-    goes to its owner's HBM, while it fits there."""
+    """HBM (the device tier) takes whole groups in update order while they fit (``fill``; else only what is
+    pinned there); DRAM (the host tier) the rest; the first storage tier what DRAM cannot hold. ``owners``
+    (several ranks): a group's state but its compute copy goes to its owner's HBM, while it fits there. ``act``:
+    the activations' HBM beside the state, for a refusal's ways out."""
+    device, host, spill = registry.primary(DEVICE), registry.primary(HOST), cfg.tiers.of_role(STORAGE)
     groups = w.groups
     kinds_of: dict = defaultdict(list)
     for g, k in group_bytes:
         kinds_of[g].append(k)
-    where = {key: pins.get(key[1], "dram") for key in group_bytes}
+    where = {key: pins.get(key[1], host) for key in group_bytes}
     rank = (lambda g: owners[g]) if owners is not None else (lambda g: 0)
     used: dict = defaultdict(int)  # HBM of each rank (one GPU: rank 0)
     for key, b in group_bytes.items():
-        if where[key] == "gpu":
+        if where[key] == device:
             used[rank(key[0])] += b
-    slots = cfg.tiers.gpu.slots * max((b for (g, k), b in group_bytes.items() if k == "param"), default=0)
-    left_out = owners is not None or any(where.get((g, "param")) not in (None, "gpu") for g in groups
+    slots = cfg.tiers.device_tier.slots * max((b for (g, k), b in group_bytes.items() if k == "param"), default=0)
+    left_out = owners is not None or any(where.get((g, "param")) not in (None, device) for g in groups
                                          if "param" in pins)
     for g in groups if fill else []:  # (left_out: some group's weights stream: the slots are needed)
         free_kinds = [k for k in kinds_of[g] if k not in pins and not (owners is not None and k == "param")]
@@ -292,51 +297,45 @@ def _place(group_bytes: dict, w: Workload, pins: dict, state_room: int, budgets:
         all_up = not left_out and _rest_fits(groups, g, group_bytes, kinds_of, used[r] + size, state_room)
         if used[r] + size + (0 if all_up else slots) <= state_room:
             for k in free_kinds:
-                where[(g, k)] = "gpu"
+                where[(g, k)] = device
             used[r] += size
         elif "param" in free_kinds:
             left_out = True
-    streamed = [b for (g, k), b in group_bytes.items() if k == "param" and where[(g, k)] != "gpu"]
+    streamed = [b for (g, k), b in group_bytes.items() if k == "param" and where[(g, k)] != device]
     used = max(used.values(), default=0)  # (the fullest rank's)
     if streamed:  # (the slots hold the largest streamed group's weights)
-        used += cfg.tiers.gpu.slots * max(streamed)
+        used += cfg.tiers.device_tier.slots * max(streamed)
     if used > state_room:
         raise BudgetError(f"the GPU needs {format_size(used)} for the state it holds and its streaming slots, "
                           f"{format_size(max(state_room, 0))} is left beside the activations")
-    dram_budget = budgets.get("dram")
+    dram_budget = budgets.get(host)
     if dram_budget is None:
         return where
     order = [(g, k) for k in SPILL_ORDER for g in reversed(groups)
-             if (g, k) in group_bytes and where[(g, k)] == "dram" and k not in pins]
+             if (g, k) in group_bytes and where[(g, k)] == host and k not in pins]
 
-    def dram_need():
-        on_nvme: dict = defaultdict(int)
-        need = 0
-        for key, t in where.items():
-            if t == "dram":
-                need += group_bytes[key]
-            elif t == "nvme":
-                on_nvme[key[0]] += group_bytes[key]
-        return need + 2 * max(on_nvme.values(), default=0)
+    def dram_need():  # (what DRAM holds, and its staging of storage-resident state)
+        return sum(b for key, b in group_bytes.items() if where[key] == host) + staging_bytes(where, group_bytes)
 
     if dram_need() <= dram_budget:
         return where
-    if cfg.tiers.nvme is None:
-        raise BudgetError(_short_line(group_bytes, budgets, state_room, "dram", cfg=cfg, act=act))
+    if not spill:
+        raise BudgetError(short_line(group_bytes, budgets, state_room, "host", cfg=cfg, act=act))
     for key in order:
-        where[key] = "nvme"
+        where[key] = spill[0]
         if dram_need() <= dram_budget:
             break
     if dram_need() > dram_budget:  # (what DRAM still holds, and the staging of a group's NVMe state)
-        raise BudgetError(_short_line(group_bytes, budgets, state_room, "staging", dram_need() - dram_budget, cfg,
-                                      act))
-    nvme = sum(b for key, b in group_bytes.items() if where[key] == "nvme")
-    if budgets.get("nvme") is not None and nvme > budgets["nvme"]:  # (DRAM also stages a group's NVMe state)
-        raise BudgetError(_short_line(group_bytes, budgets, state_room, "nvme", nvme - budgets["nvme"], cfg, act))
-    kept = sum(b for key, b in group_bytes.items() if where[key] == "nvme" and key[1] not in DISCARDED_AT_END)
-    if budgets.get("nvme_kept") is not None and kept > budgets["nvme_kept"]:  # (beside the exported model)
-        raise BudgetError(_short_line(group_bytes, budgets, state_room, "export", kept - budgets["nvme_kept"], cfg,
-                                      act))
+        raise BudgetError(short_line(group_bytes, budgets, state_room, "staging", dram_need() - dram_budget,
+                                     spill[0], cfg, act))
+    for t in spill:
+        on = sum(b for key, b in group_bytes.items() if where[key] == t)
+        if budgets.get(t) is not None and on > budgets[t]:  # (DRAM also stages a group's NVMe state)
+            raise BudgetError(short_line(group_bytes, budgets, state_room, "storage", on - budgets[t], t, cfg, act))
+        kept = sum(b for key, b in group_bytes.items() if where[key] == t and key[1] not in DISCARDED_AT_END)
+        if budgets.get(f"{t}_kept") is not None and kept > budgets[f"{t}_kept"]:  # (beside the exported model)
+            raise BudgetError(short_line(group_bytes, budgets, state_room, "export", kept - budgets[f"{t}_kept"],
+                                         t, cfg, act))
     return where
 
 
@@ -350,7 +349,8 @@ def _rest_fits(groups, g, group_bytes, kinds_of, used, room) -> bool:
 
 def _up_and_streamed(where: dict, groups: list) -> tuple[list, list]:
     """The groups with state in HBM (the GPU always updates them), and the others, in the forward's order."""
-    up = [g for g in groups if any(t == "gpu" for (h, k), t in where.items() if h == g and k != "param")]
+    device = registry.primary(DEVICE)
+    up = [g for g in groups if any(t == device for (h, k), t in where.items() if h == g and k != "param")]
     return up, [g for g in groups if g not in up]
 
 
@@ -379,7 +379,7 @@ def resplit(plan: Plan, w: Workload, m: Machine) -> tuple[set, Prediction] | Non
     where, gb = plan.where, plan.group_bytes
     up, streamed = _up_and_streamed(where, w.groups)
     per_kept = w.kept_bytes * -(-w.micro_batches // max(plan.passes, 1))
-    used = (plan.activation_bytes + sum(b for key, b in gb.items() if where[key] == "gpu")
+    used = (plan.activation_bytes + sum(b for key, b in gb.items() if where[key] == registry.primary(DEVICE))
             + plan.slot_bytes * plan.n_slots + len(plan.keep) * per_kept)
     best = None
     for n_cpu in range(len(streamed), -1, -1):  # (the CPU's largest share first: it wins near-equal ones)
@@ -392,37 +392,10 @@ def resplit(plan: Plan, w: Workload, m: Machine) -> tuple[set, Prediction] | Non
     return best
 
 
-def _short_line(group_bytes: dict, budgets: dict, state_room: int, tier: str, short: int = 0,
-                cfg: StoreConfig | None = None, act: int = 0) -> str:
-    """The refusal: what the tiers hold and how much more is needed (``short``: the shortfall the spill found,
-    which counts DRAM's staging of NVMe state; at least the state beyond the three budgets), and every way out
-    (``tiermem.plan.refusal``; ``act``: the activations' HBM beside the state)."""
-    total = sum(group_bytes.values())
-    fits = {"gpu": max(state_room, 0), "dram": budgets.get("dram"), "nvme": budgets.get("nvme")}
-    have = sum(v for v in fits.values() if v)
-    more = max(total - have, short, 0)
-    return refusal.line(total, fits, more, tier, cfg, act, budgets.get("gpu"))
-
-
 def embed_resident(where: dict, w: Workload) -> bool:
     """Whether a layout keeps the embedding's whole state in HBM (its gradient then summed in its home there)."""
     kinds = [t for (g, _), t in where.items() if g == w.first]
-    return bool(kinds) and all(t == "gpu" for t in kinds)
-
-
-def _does_not_fit(total: int, room: int, w: Workload, budgets: dict, partials: int = 0) -> str:
-    act = w.activation_bytes(w.micro_batches)  # (a pass of one micro-batch: the least a step may hold)
-    extra = partials if w.micro_batches > 1 else 0
-    if act > room:
-        return (f"one micro-batch's activations ({format_size(act)}) do not fit in the GPU's "
-                f"{format_size(max(room, 0))}: lower per_device_train_batch_size or cutoff_len")
-    if act + extra > room:
-        return (f"a pass of one micro-batch needs {format_size(act + extra)} of HBM (its activations "
-                f"{format_size(act)}, and the largest group's gradient partial sums {format_size(extra)}, read back "
-                f"on each pass after the first) and the GPU has {format_size(max(room, 0))}: raise tiers.gpu.budget, "
-                "or lower per_device_train_batch_size or cutoff_len")
-    return (f"the training state ({format_size(total)}) does not fit in HBM, DRAM "
-            f"({format_size(budgets.get('dram') or 0)}) and NVMe ({format_size(budgets.get('nvme') or 0)})")
+    return bool(kinds) and all(t == registry.primary(DEVICE) for t in kinds)
 
 
 def predict_at(plan: Plan, ga: int, k: int) -> tuple[Prediction, float]:
@@ -431,7 +404,7 @@ def predict_at(plan: Plan, ga: int, k: int) -> tuple[Prediction, float]:
     w, base = plan.workload, plan.workload.micro_batches
     mb = max(1, round(base / ga * k))  # (micro-batches per accumulation step x k)
     wk = w.scaled(w.tokens * k // ga, mb)
-    act_room = plan.hbm_room - plan.need()["gpu"]  # (the state and the slots; several ranks: the fullest's)
+    act_room = plan.hbm_room - plan.need()[registry.primary(DEVICE)]  # (state, slots; several ranks: the fullest's)
     p, partials = 1, _partials_bytes(plan.group_bytes)
     home = bool(w.embed_grad_bytes) and not w.tied and plan.owners is None and embed_resident(plan.where, w)
     while wk.activation_bytes(p, embed_home=home) + (partials if p > 1 else 0) > act_room and p < mb:

@@ -28,6 +28,8 @@ import torch
 
 from tiermem.config import StoreConfig
 from tiermem.errors import ConfigError
+from tiermem.tiers import registry
+from tiermem.tiers.base import DEVICE
 
 # measured best on the H200 machine (docs/measurements.md: streamed training; the service: attached vs embedded)
 EMBEDDED_GPU_SHARE = 0.7
@@ -39,9 +41,9 @@ Role = Literal["embedded", "service"]
 
 
 def compute_device(cfg: StoreConfig) -> torch.device:
-    """The device a store of ``cfg`` computes on: ``tiers.gpu.device``; ``auto`` is CUDA when there is a
+    """The device a store of ``cfg`` computes on: its device tier's ``device``; ``auto`` is CUDA when there is a
     GPU, else the CPU (the stand-in of the GPU tier). A CUDA device this machine does not have is refused."""
-    want = cfg.tiers.gpu.device
+    want = cfg.tiers.device_tier.device
     if want == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if want.startswith("cuda"):
@@ -49,8 +51,8 @@ def compute_device(cfg: StoreConfig) -> torch.device:
         index = int(want[5:]) if want.startswith("cuda:") else 0
         if index >= n:
             have = f"has {n} CUDA device{'s' if n != 1 else ''}" if n else "has no CUDA"
-            raise ConfigError(f"tiers.gpu.device: {want}, but this machine {have}; set device: cpu (the CPU "
-                              "stand-in) or auto")
+            raise ConfigError(f"tiers.{registry.primary(DEVICE)}.device: {want}, but this machine {have}; set "
+                              "device: cpu (the CPU stand-in) or auto")
     return torch.device(want)
 
 
@@ -60,23 +62,24 @@ def on_cuda(cfg: StoreConfig) -> bool:
 
 
 def arena_pinned(cfg: StoreConfig) -> bool:
-    """Whether the arena is registered with CUDA: ``tiers.dram.pin``, or (auto) when the store computes on
-    a CUDA device."""
-    pin = cfg.tiers.dram.pin
+    """Whether the arena (the host tier) is registered with CUDA: its ``pin``, or (auto) when the store computes
+    on a CUDA device."""
+    pin = cfg.tiers.host_tier.pin
     return on_cuda(cfg) if pin == "auto" else pin == "true"
 
 
 def resolve_auto(cfg: StoreConfig, role: Role = "embedded") -> StoreConfig:
     """A copy of ``cfg`` with every ``auto`` above decided for ``role`` on this machine."""
     c = copy.deepcopy(cfg)
-    c.tiers.gpu.device = str(compute_device(c))
-    cuda = c.tiers.gpu.device.startswith("cuda")
+    device, host = c.tiers.device_tier, c.tiers.host_tier
+    device.device = str(compute_device(c))
+    cuda = device.device.startswith("cuda")
     if role == "service":  # (a service always pins with a GPU: its trainer's copies read the arena)
-        c.tiers.gpu.slots = 0
-        c.tiers.gpu.budget = 0
-        c.tiers.dram.pin = "auto"
-    if c.tiers.dram.pin == "auto":  # (as arena_pinned, on the device just decided)
-        c.tiers.dram.pin = "true" if cuda else "false"
+        device.slots = 0
+        device.budget = 0
+        host.pin = "auto"
+    if host.pin == "auto":  # (as arena_pinned, on the device just decided)
+        host.pin = "true" if cuda else "false"
     if c.optimizer.gpu_share is None:
         c.optimizer.gpu_share = (SERVICE_GPU_SHARE if role == "service" else EMBEDDED_GPU_SHARE) if cuda else 0.0
     if c.optimizer.cpu_groups == "auto":

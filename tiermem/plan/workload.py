@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from tiermem.store.catalog import Group
+from tiermem.specs import Group
 
 
 @dataclass

@@ -28,7 +28,7 @@ from tiermem.futures import done_future
 from tiermem.optim import Gate, OptimSettings
 from tiermem.plan.resolve import compute_device
 from tiermem.service import protocol
-from tiermem.store.catalog import Group, TensorSpec
+from tiermem.specs import Group, TensorSpec
 from tiermem.store.layout import apply_layout, attach_store, spec_from_json, spec_to_json
 from tiermem.tiers.extents import Extent
 
@@ -278,7 +278,7 @@ def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: Optim
     first) says which groups it ``owns``: of each update's groups the service leaves to the trainers' GPU
     workers, it takes those.
 
-    The trainer computes on the service config's ``tiers.gpu.device`` (the CPU when there is no CUDA); a rank of
+    The trainer computes on the service config's device tier's ``device`` (the CPU when there is no CUDA); a rank of
     several on CUDA, on ``cuda:local_rank``."""
     client = ServiceClient(path)
     try:
@@ -295,7 +295,7 @@ def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: Optim
             raise UserError("the service's run holds other tensors than this model's; restart the service with "
                             "--fresh to discard its run")
         store = attach_store(cfg, theirs, reply["layout"], reply["arena"], reply["nvme"], device,
-                             cfg.tiers.gpu.slots)
+                             cfg.tiers.device_tier.slots)
     except BaseException:
         client.close()
         raise

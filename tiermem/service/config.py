@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import getpass
 
-from tiermem.config import MOMENTS, StoreConfig, load_store_config
+from tiermem.config import StoreConfig, load_store_config
 from tiermem.errors import ConfigError
 from tiermem.plan.resolve import compute_device, resolve_auto
+from tiermem.specs import MOMENTS
+from tiermem.tiers import registry
+from tiermem.tiers.base import DEVICE, HOST, STORAGE
 from tiermem.tiers.dram import check_budget
 
 MOVABLE = ("master", *MOMENTS)  # kinds only the service touches between steps (SIGHUP may re-place them)
@@ -16,12 +19,18 @@ MOVABLE = ("master", *MOMENTS)  # kinds only the service touches between steps (
 def service_config(path: str) -> StoreConfig:
     """The service's tiermem config, checked for what a service needs."""
     cfg = load_store_config(path, path)
-    if cfg.tiers.dram.path == "anonymous":
-        raise ConfigError(f"{path}: the service's arena must be a shared file: set tiers.dram.path to a tmpfs "
+    device, host, disks = registry.primary(DEVICE), registry.primary(HOST), registry.of_role(STORAGE)
+    if cfg.tiers.host_tier.path == "anonymous":
+        raise ConfigError(f"{path}: the service's arena must be a shared file: set tiers.{host}.path to a tmpfs "
                           "directory such as /dev/shm")
-    if isinstance(cfg.placement, dict) and "gpu" in cfg.placement.values():
-        raise ConfigError(f"{path}: placement on gpu is not possible in service mode (the state must outlive the "
-                          "trainer's GPU memory); place every kind on dram or nvme")
+    if isinstance(cfg.placement, dict) and device in cfg.placement.values():
+        raise ConfigError(f"{path}: placement on {device} is not possible in service mode (the state must outlive "
+                          f"the trainer's GPU memory); place every kind on {' or '.join([host, *disks])}")
+    shared = {device, host, *disks[:1]}
+    other = [t for t in cfg.tiers.configured() if t not in shared]
+    if other:
+        raise ConfigError(f"{path}: a service shares its arena and one storage tier with its trainers: the tiers "
+                          f"{', '.join(other)} are not supported in service mode yet")
     if cfg.name is None:
         cfg.name = f"tiermem-{getpass.getuser()}"
     check_machine(cfg, path)
@@ -33,7 +42,7 @@ def check_machine(cfg: StoreConfig, path: str) -> None:
     stand-in) and a DRAM budget larger than the arena's filesystem are refused in one line."""
     try:
         compute_device(cfg)
-        check_budget(cfg.tiers.dram.budget, cfg.tiers.dram.path)
+        check_budget(cfg.tiers.host_tier.budget, cfg.tiers.host_tier.path)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
 

@@ -34,23 +34,24 @@ from pathlib import Path
 import crc32c
 import torch
 
-from tiermem.config import MOMENTS
 from tiermem.errors import StorageError
 from tiermem.faults import HOOKS
 from tiermem.sizes import align_up
-from tiermem.store.catalog import Group
+from tiermem.specs import MOMENTS, Group
 from tiermem.store.checkpoint import crc32c_of
 from tiermem.store.parallel_crc import piece_crcs
+from tiermem.tiers.base import STORAGE
 from tiermem.tiers.extents import Extent, OutOfSpace
 
 COMPACT_BYTES = 256 << 10
 
 
 def state_dir(cfg) -> Path:
-    """Where a service keeps its run record and journal: the NVMe tier's directory (persistent disk), else
-    $XDG_STATE_HOME/tiermem (~/.local/state/tiermem)."""
-    if cfg.tiers.nvme is not None:
-        return Path(cfg.tiers.nvme.path)
+    """Where a service keeps its run record and journal: its storage tier's directory (the NVMe tier's: a
+    persistent disk), else $XDG_STATE_HOME/tiermem (~/.local/state/tiermem)."""
+    disk = next(iter(cfg.tiers.of_role(STORAGE)), None)
+    if disk is not None:
+        return Path(cfg.tiers[disk].path)
     return default_state_dir()
 
 
@@ -253,7 +254,7 @@ class UndoGuard:
                 off += align_up(e.spec.nbytes, 4096)
 
     def begin(self, g: Group, step: int, views) -> None:
-        undo = self.store.dram.view(self.extent)
+        undo = self.store.tiers.host.view(self.extent)
         end = 0
         for k, e, off in self._pieces(g):
             src = views[k].tensors[e.spec.name].detach().reshape(-1).view(torch.uint8)
@@ -288,7 +289,7 @@ class UndoGuard:
     def restore(self, g: Group, crc: str | list | None = None) -> None:
         """Put the undo copy of group g back (recovery of an update cut short), after checking it against
         ``crc`` (journaled with its begin: its pieces' CRCs, or one CRC32C from a journal of an earlier version)."""
-        undo = self.store.dram.view(self.extent)
+        undo = self.store.tiers.host.view(self.extent)
         end = max((off + e.spec.nbytes for _, e, off in self._pieces(g)), default=0)
         data = undo[:end].numpy()
         if crc is not None and (piece_crcs(data) if isinstance(crc, list) else crc32c_of(data)) != crc:

@@ -18,7 +18,9 @@ from tiermem.plan.planner import plan_step
 from tiermem.plan.resolve import compute_device
 from tiermem.plan.workload import Workload
 from tiermem.service.requests import RequestError
-from tiermem.store.catalog import TensorSpec
+from tiermem.specs import TensorSpec
+from tiermem.tiers import registry
+from tiermem.tiers.base import DEVICE
 
 # the service's crash-safe CPU AdamW (out of place, or in place behind an undo copy) against plain fused
 # AdamW on the same cores: 0.26-0.38x measured on the H200 host (docs/measurements.md, tools/bench_optim.py)
@@ -55,11 +57,11 @@ def plan_run(specs: list[TensorSpec], plan_cfg: StoreConfig, raw_cfg: StoreConfi
     if set(w.groups) != groups:
         raise RequestError("the workload's groups are not the specs' groups")
     cuda = compute_device(plan_cfg).type == "cuda"
-    budgets = {**default_budgets(plan_cfg), "gpu": room}
+    budgets = {**default_budgets(plan_cfg), registry.primary(DEVICE): room}
     base = machine()  # (the service's CPU AdamW writes out of place or behind an undo copy)
     m = dataclasses.replace(base, assumed=list(base.assumed), cpu_adamw=base.cpu_adamw * CRASH_SAFE_CPU)
     cfg = copy.deepcopy(plan_cfg)  # (the service's own store has no slots; its trainer streams through these)
-    cfg.tiers.gpu.slots = raw_cfg.tiers.gpu.slots
+    cfg.tiers.device_tier.slots = raw_cfg.tiers.device_tier.slots
     plan = plan_step(specs, cfg, w, m, budgets, cuda=False, hbm_state=False, gpu_worker=cuda)
     explicit = raw_cfg.optimizer.gpu_share is not None
     # (no state in HBM: every group streams, and the planner's split is a share of them all)

@@ -22,17 +22,19 @@ def _where(path) -> str | None:
 
 
 def moved_files(old, new) -> list[str]:
-    """What a reloaded config ``new`` changes of where a running store's files are (its name, the arena's directory,
-    the NVMe tier's, which holds the run's record): one phrase each."""
+    """What a reloaded config ``new`` changes of where a running store's files are (its name, each tier's directory:
+    the arena's, the NVMe tier's, which holds the run's record): one phrase each."""
     changes = []
     if new.store_name() != old.store_name():
         changes.append(f"name {old.store_name()} -> {new.store_name()}")
-    if _where(new.tiers.dram.path) != _where(old.tiers.dram.path):
-        changes.append(f"tiers.dram.path {old.tiers.dram.path} -> {new.tiers.dram.path}")
-    nvme = [_where(c.tiers.nvme.path) if c.tiers.nvme is not None else None for c in (old, new)]
-    if nvme[0] != nvme[1]:
-        said = [c.tiers.nvme.path if c.tiers.nvme is not None else "(no nvme tier)" for c in (old, new)]
-        changes.append(f"tiers.nvme.path {said[0]} -> {said[1]}")
+    for name in dict.fromkeys([*old.tiers, *new.tiers]):
+        sections = [c.tiers.get(name) for c in (old, new)]
+        if not any(hasattr(sec, "path") for sec in sections):
+            continue
+        where = [_where(sec.path) if sec is not None else None for sec in sections]
+        if where[0] != where[1]:
+            said = [sec.path if sec is not None else f"(no {name} tier)" for sec in sections]
+            changes.append(f"tiers.{name}.path {said[0]} -> {said[1]}")
     return changes
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from tiermem.optim import StoreAdamW
 from tiermem.service import protocol
 from tiermem.service.journal import Journal, RunState, UndoGuard
-from tiermem.store.catalog import TensorSpec
+from tiermem.specs import TensorSpec
 from tiermem.store.checkpoint import complete_checkpoints
 
 

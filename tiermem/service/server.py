@@ -52,7 +52,7 @@ import time
 import traceback
 from pathlib import Path
 
-from tiermem.config import MOMENTS, StoreConfig
+from tiermem.config import StoreConfig
 from tiermem.errors import ConfigError, UserError
 from tiermem.optim import OptimSettings
 from tiermem.plan.placement import default_budgets, make_plan
@@ -60,15 +60,16 @@ from tiermem.schema import to_plain
 from tiermem.service import protocol
 from tiermem.service.config import gpu_share, planning_config, service_config
 from tiermem.service.journal import Journal, UndoGuard, make_private, state_dir, undo_bytes, write_atomic
+from tiermem.service.listening import Listening
+from tiermem.service.monitor import Monitoring
 from tiermem.service.owner import Ownership
 from tiermem.service.planning import plan_run, service_machine
 from tiermem.service.replace import Replacement
 from tiermem.service.requests import RequestError, field_of, is_key, object_of
 from tiermem.service.runs import Client, Run, label_of, newest_checkpoint, no_room_note, room_for_new_state
 from tiermem.service.updates import UpdateRequests
-from tiermem.store.catalog import TensorSpec
-from tiermem.store.layout import create_store, layout_of, nvme_description, reopen_store, spec_from_json, spec_to_json
-from tiermem.store.stats import snapshot
+from tiermem.specs import MOMENTS, TensorSpec
+from tiermem.store.layout import create_store, layout_of, reopen_store, shared_description, spec_from_json, spec_to_json
 from tiermem.tiers.dram import on_disk
 from tiermem.tiers.extents import Extent
 from tiermem.tiers.nvme import check_directory
@@ -76,7 +77,7 @@ from tiermem.tiers.nvme import check_directory
 log = logging.getLogger(__name__)
 
 
-class Service(UpdateRequests, Replacement):
+class Service(UpdateRequests, Replacement, Monitoring, Listening):
     def __init__(self, config_path: str, socket_path: str | None, fresh: bool = False, say=print):
         self.config_path, self.say = config_path, say
         self.cfg = service_config(config_path)
@@ -344,7 +345,7 @@ class Service(UpdateRequests, Replacement):
                     "versions": [[g, run.store.catalog.version(g)] for g in run.optimizer.groups],
                     "layout": layout_of(run.store), "specs": run.record["specs"],
                     "arena": {"name": cfg.store_name(), "dir": cfg.tiers.dram.path},
-                    "nvme": nvme_description(nvme, cfg.tiers.nvme),
+                    "nvme": shared_description(nvme, cfg.tiers.nvme),
                     "config": to_plain(cfg), "gpu_share": run.record["gpu_share"], "plan": run.record.get("plan"),
                     "trainer_groups": [g for g in run.optimizer.groups if g in client.groups]}
 
@@ -434,103 +435,6 @@ class Service(UpdateRequests, Replacement):
         self.say(f"trainer pid {client.pid} stopped run {label_of(run)}: {reason}; the run stays at step "
                  f"{run.state.committed}")
         return {"committed": run.state.committed}
-
-    def _stats(self, client: Client, msg: dict) -> dict:
-        return {"snapshot": self.snapshot()}
-
-    # -- stats --------------------------------------------------------------------------------------------
-    def snapshot(self) -> dict:
-        """What ``tiermem top --socket`` shows: the service's store (tiers, NVMe link, optimizer) merged with
-        the attached trainer's (GPU tier, PCIe links, waits) and its progress."""
-        run = self.run
-        if run is None:
-            return {"pid": os.getpid(), "service": {"socket": str(self.socket_path), "run": None},
-                    "store": {"store": self.cfg.store_name(), "tiers": {}, "links": {}, "waits_s": {}},
-                    "run": {"phase": "idle: no run attached"}}
-        snap = snapshot(run.store)
-        snap["tiers"].pop("gpu", None)
-        ts = run.trainer_store
-        if ts.get("tiers", {}).get("gpu"):
-            snap["tiers"] = {"gpu": ts["tiers"]["gpu"], **snap["tiers"]}
-        links = {k: v for k, v in (ts.get("links") or {}).items() if "gpu" in k}
-        links.update({k: v for k, v in snap["links"].items() if "nvme" in k})
-        snap["links"], snap["waits_s"] = links, ts.get("waits_s", {})
-        st = run.state
-        versions = [run.store.catalog.version(g) for g in run.optimizer.groups]
-        live = dict(run.live)
-        if run.trainer is None:
-            live["phase"] = "no trainer attached"
-        theirs = dict(live.get("optimizer") or {})  # the trainer's: the whole update as it saw it, its GPU share
-        split = {k: v for k, v in (theirs.get("split") or {}).items() if k.startswith("trainer_")}
-        split.update({f"service_{k}": v for k, v in run.optimizer.last_split.items()})
-        live["optimizer"] = dict(theirs, committed=st.committed, updated=st.updated,
-                                 lag_groups=sum(v < st.committed for v in versions), gpu_share=run.record["gpu_share"],
-                                 cpu_groups=self.plan_cfg.optimizer.cpu_groups,
-                                 last_update_s=theirs.get("last_update_s") or run.optimizer.last_step_seconds,
-                                 split=split)
-        return {"pid": os.getpid(), "store": snap, "run": live,
-                "service": {"socket": str(self.socket_path), "run": run.record["run"], "label": run.record["label"],
-                            "trainer_pid": run.trainer.pid if run.trainer else None, "error": run.error}}
-
-    # -- serving ------------------------------------------------------------------------------------------
-    def listen(self) -> None:
-        path = self.socket_path
-        protocol.make_way(path)
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
-        try:
-            s.bind(str(path))
-        except OSError as e:
-            s.close()
-            raise UserError(f"cannot listen on {path}: {os.strerror(e.errno)}") from None
-        finally:
-            os.umask(old)
-        os.chmod(path, 0o600)
-        s.listen(socket.SOMAXCONN)  # many peers at once wait to be accepted, not refused
-        self._listener = s
-        threading.Thread(target=self._accept, name="tiermem-accept", daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._stopping:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), name="tiermem-conn", daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        client = Client(conn)
-        try:
-            uid = protocol.peer_uid(conn)
-            if not protocol.peer_allowed(uid):
-                client.send({"id": None, "ok": False, "error": f"refused: uid {uid} is not the service's user"})
-                return
-            while not self._stopping:
-                try:
-                    msg = protocol.recv(conn)
-                except protocol.ProtocolError as e:
-                    client.send({"id": None, "ok": False, "error": f"bad message: {e}"})
-                    return
-                if msg is None:
-                    return
-                client.send(self.dispatch(client, msg))
-        except OSError:
-            pass
-        finally:
-            with self.lock:
-                run = self.run
-                lost_peer = run is not None and run.peers.get(client.rank) is client and not client.done
-                if run is not None and (run.trainer is client or lost_peer):
-                    self._detach(run)
-                    who = f"rank {client.rank}" if lost_peer else "trainer"
-                    self.say(f"{who} pid {client.pid} detached from "
-                             f"run {label_of(run)} (step {run.state.committed} committed)"
-                             + ("; the run's other ranks with it" if lost_peer or run.world > 1 else ""))
-                    if not run.state.initialized:  # nothing of value yet: do not block other runs
-                        self._close_run(keep=False)
-                elif run is not None and run.peers.get(client.rank) is client:
-                    del run.peers[client.rank]  # (done: its share of the last update is whole)
-            conn.close()
 
     def shutdown(self) -> None:
         """Stop: no new requests, the in-flight update finishes, the run's state stays for the next start."""

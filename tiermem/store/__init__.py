@@ -3,4 +3,5 @@ they live as JSON (``layout``), the prefetcher that follows the trainer's schedu
 stats snapshot (``stats``) and its state on disk (``checkpoint``).
 
 Import the modules (``from tiermem.store.store import Store``): this package imports nothing itself, so
-the planner and the optimizer can use the catalog without loading the store."""
+the optimizer can use the catalog without loading the store. (The specs the store shares with the planner
+are a basic module, ``tiermem.specs``.)"""

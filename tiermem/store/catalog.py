@@ -1,8 +1,7 @@
 """The catalog: every named tensor of the store, where it lives, and a version per group.
 
-A tensor has a name, shape, dtype, kind (param, grad, master, exp_avg, exp_avg_sq) and a group (a layer
-index, or a named shared group such as "embed"). An entry records its home tier and extent and whether
-its bytes there are valid: an extent becomes valid only when a write to it has completed. Each group has
+A tensor is described by its spec (``tiermem.specs.TensorSpec``). An entry records its home tier and extent
+and whether its bytes there are valid: an extent becomes valid only when a write to it has completed. Each group has
 a version a reader can wait on ("group g at version >= v"): the optimizer bumps it after an update, and a
 checkpoint reads the state at it. The next forward pass waits for the params version, which may run
 ahead of it: the update's compute copy is home, the rest of its state not yet.
@@ -10,41 +9,12 @@ ahead of it: the update's compute copy is home, the rest of its state not yet.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from dataclasses import dataclass, field
 
-import torch
-
-from tiermem.config import KINDS
+from tiermem.specs import Group, TensorSpec
 from tiermem.tiers.extents import Extent
-
-Group = int | str
-
-
-def state_name(base: str, kind: str) -> str:
-    """The store's name for one kind of state of a tensor: the base name for the compute copy
-    (``param``), ``kind/base`` for the others (``grad/…``, ``master/…``, ``exp_avg/…``, ``exp_avg_sq/…``)."""
-    return base if kind == "param" else f"{kind}/{base}"
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    kind: str
-    group: Group
-
-    def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown kind {self.kind!r}; kinds are {', '.join(KINDS)}")
-        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass

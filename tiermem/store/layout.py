@@ -18,16 +18,14 @@ import math
 
 import torch
 
-from tiermem.config import KINDS, StoreConfig
+from tiermem.config import StoreConfig
 from tiermem.plan.placement import Plan, default_budgets
 from tiermem.sizes import align_up
-from tiermem.store.catalog import TensorSpec
+from tiermem.specs import KINDS, TensorSpec
 from tiermem.store.store import Store
-from tiermem.tiers.dram import HEADER, DramArena
-from tiermem.tiers.extents import Extent, ExtentAllocator
-from tiermem.tiers.gpu import ALIGN as GPU_ALIGN
-from tiermem.tiers.gpu import GpuTier
-from tiermem.tiers.nvme import NvmeTier
+from tiermem.tiers import registry
+from tiermem.tiers.base import DEVICE, HOST, STORAGE, Making
+from tiermem.tiers.extents import Extent
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_NAME = 512
@@ -66,15 +64,11 @@ def layout_of(store: Store, group=None) -> dict[str, list]:
     return {e.spec.name: [e.tier, e.extent.offset, e.extent.nbytes] for e in entries}
 
 
-def nvme_description(nvme: NvmeTier | None, tier_cfg, chosen: bool = False) -> dict | None:
-    """What another process needs to map an NVMe tier's file (``attach_store``'s ``nvme``), from the tier and
-    its config (``tiers.nvme``); the backend as configured, or (``chosen``) the one the tier chose. None
-    without an NVMe tier."""
-    if nvme is None:
-        return None
-    return {"dir": str(tier_cfg.path), "capacity": nvme.capacity,
-            "backend": nvme.backend_name if chosen else tier_cfg.backend, "threads": tier_cfg.threads,
-            "io_chunk": tier_cfg.io_chunk, "direct": tier_cfg.direct}
+def shared_description(tier, section, chosen: bool = False) -> dict | None:
+    """What another process needs to map a tier of a store (``attach_store``'s ``host`` and ``disk``), from the
+    tier and its config section; (``chosen``) as the tier decided what its config left to it. None without
+    the tier."""
+    return None if tier is None else tier.describe(section, chosen)
 
 
 def apply_layout(catalog, layout: dict[str, list]) -> None:
@@ -87,7 +81,7 @@ def apply_layout(catalog, layout: dict[str, list]) -> None:
                 e.tier, e.extent = tier, Extent(int(offset), int(nbytes))
 
 
-def _over(cfg: StoreConfig, specs: list[TensorSpec], layout: dict[str, list], tiers: tuple) -> Store:
+def _over(cfg: StoreConfig, specs: list[TensorSpec], layout: dict[str, list], tiers: dict) -> Store:
     """A store over existing tiers with every spec at its recorded place (extents reserved, bytes valid).
     It keeps the files when closed: a reopened service store until its recovery is done (a failure must
     not delete the state), an attached trainer's always (the state is the service's)."""
@@ -113,68 +107,89 @@ def _plan_of(specs: list[TensorSpec], layout: dict[str, list], cfg: StoreConfig)
     return Plan(where, group_bytes, 0, 0, 0, default_budgets(cfg))
 
 
-def create_store(cfg: StoreConfig, specs: list[TensorSpec], plan: Plan, extra_dram: int, extra_nvme: int = 0,
+def _shared_tiers() -> tuple[str, str]:
+    """The tiers a service's store shares with its trainers: the host tier (the arena) and the first storage
+    tier (the NVMe file)."""
+    return registry.primary(HOST), registry.primary(STORAGE)
+
+
+def create_store(cfg: StoreConfig, specs: list[TensorSpec], plan: Plan, extra_host: int, extra_disk: int = 0,
                  owner: dict | None = None) -> Store:
-    """The service's store for a new run: the arena sized to ``plan`` (+ ``extra_dram``), the NVMe file to
-    its budget when one is set (room to move optimizer state there later), else to the plan (+ ``extra_nvme``).
-    The arena is pinned when the config's GPU device is CUDA; its header records ``owner`` (the service)."""
-    need = plan.need()
-    nvme = need["nvme"] + extra_nvme if need["nvme"] else 0
-    if cfg.tiers.nvme is not None and cfg.tiers.nvme.budget is not None:
-        nvme = max(nvme, cfg.tiers.nvme.budget)
-    store = Store(cfg, {"gpu": 0, "dram": need["dram"] + extra_dram, "nvme": nvme}, plan=plan, owner=owner)
+    """The service's store for a new run: the arena (the host tier) sized to ``plan`` (+ ``extra_host``), the NVMe
+    file (the first storage tier's) to its budget when one is set (room to move optimizer state there later),
+    else to the plan (+ ``extra_disk``). The arena is pinned when the config's GPU device is CUDA; its header
+    records ``owner`` (the service)."""
+    host, disk = _shared_tiers()
+    cap = plan.need()
+    cap[registry.primary(DEVICE)] = 0
+    cap[host] += extra_host
+    cap[disk] = cap[disk] + extra_disk if cap[disk] else 0
+    if cfg.tiers[disk] is not None and cfg.tiers[disk].budget is not None:
+        cap[disk] = max(cap[disk], cfg.tiers[disk].budget)
+    store = Store(cfg, cap, plan=plan, owner=owner)
     return store.create_all(specs, plan.where)
 
 
-def reopen_store(cfg: StoreConfig, specs: list[TensorSpec], layout: dict[str, list], nvme_capacity: int,
+def _in_order(tiers: dict) -> dict:
+    """``tiers`` in the registry's order (the store closes them in the reverse one)."""
+    return {n: tiers[n] for n in registry.names() if tiers.get(n) is not None}
+
+
+def _close_all(tiers: dict) -> None:
+    for tier in reversed(list(tiers.values())):
+        tier.close(remove=False)
+
+
+def reopen_store(cfg: StoreConfig, specs: list[TensorSpec], layout: dict[str, list], disk_capacity: int,
                  owner: dict | None = None) -> Store:
     """The service's store over the arena and NVMe file a previous service process left behind (its arena's header
     then names this process, and ``owner``)."""
     name, t = cfg.store_name(), cfg.tiers
-    device = torch.device(t.gpu.device)
-    dram = DramArena.reopen(name, t.dram.path, pin=device.type == "cuda", owner=owner)
-    nvme = gpu = None
+    device = torch.device(t.device_tier.device)
+    (host, disk), dev = _shared_tiers(), registry.primary(DEVICE)
+    tiers: dict = {}
     try:
-        if nvme_capacity:
-            nvme = NvmeTier(t.nvme.path, name, nvme_capacity, t.nvme.backend, t.nvme.threads, t.nvme.io_chunk,
-                            t.nvme.direct, reopen=True)
-        gpu = GpuTier(device, 0, 0, 0)
+        tiers[host] = registry.tier_type(host).reopen_left(t[host], name, 0, device, owner=owner)
+        if disk_capacity:
+            tiers[disk] = registry.tier_type(disk).reopen_left(t[disk], name, disk_capacity, device)
+        tiers[dev] = registry.tier_type(dev).make(t[dev], 0, Making(name, device))
     except BaseException:
-        dram.close(remove=False)
+        _close_all(tiers)
         raise
-    return _over(cfg, specs, layout, (gpu, dram, nvme))
+    return _over(cfg, specs, layout, _in_order(tiers))
 
 
-def attach_store(cfg: StoreConfig, specs: list[TensorSpec], layout: dict[str, list], arena: dict,
-                 nvme: dict | None, device: torch.device, n_slots: int,
+def attach_store(cfg: StoreConfig, specs: list[TensorSpec], layout: dict[str, list], host_desc: dict,
+                 disk_desc: dict | None, device: torch.device, n_slots: int,
                  resident: list[TensorSpec] = ()) -> Store:
-    """A trainer's store: the service's arena and NVMe file mapped here, GPU slots of its own, and (``resident``)
-    tensors of its own in its HBM (a rank's share of the host's HBM-resident state; invalid until written).
+    """A trainer's store: the service's arena and NVMe file mapped here (as ``shared_description`` told them),
+    GPU slots of its own, and (``resident``) tensors of its own in its HBM (a rank's share of the host's
+    HBM-resident state; invalid until written).
 
     Closing it unmaps and never removes anything: the state belongs to the service.
     """
-    dram = DramArena.attach(arena["name"], arena["dir"], pin=device.type == "cuda")
-    dram.allocator = ExtentAllocator(dram.size - HEADER, 4096, base=HEADER)
-    nvme_tier = gpu = None
+    (host, disk), dev = _shared_tiers(), registry.primary(DEVICE)
+    tiers: dict = {}
     try:
-        if nvme is not None:
-            nvme_tier = NvmeTier(nvme["dir"], arena["name"], nvme["capacity"], nvme["backend"], nvme["threads"],
-                                 nvme["io_chunk"], nvme["direct"], reopen=True)
+        tiers[host] = registry.tier_type(host).map_shared(host_desc, host_desc["name"], device)
+        if disk_desc is not None:
+            tiers[disk] = registry.tier_type(disk).map_shared(disk_desc, host_desc["name"], device)
+        align = registry.tier_type(dev).alignment
         per_group: dict = {}
         for s in specs:
             if s.kind == "param":
-                per_group[s.group] = per_group.get(s.group, 0) + align_up(s.nbytes, GPU_ALIGN)
+                per_group[s.group] = per_group.get(s.group, 0) + align_up(s.nbytes, align)
         slot = max(per_group.values(), default=0)
-        gpu = GpuTier(device, sum(align_up(s.nbytes, GPU_ALIGN) for s in resident), slot, n_slots)
+        resident_bytes = sum(align_up(s.nbytes, align) for s in resident)
+        tiers[dev] = registry.tier_type(dev).make(cfg.tiers[dev], resident_bytes,
+                                                  Making(host_desc["name"], device, slot_bytes=slot, n_slots=n_slots))
     except BaseException:
-        if nvme_tier is not None:
-            nvme_tier.close(remove=False)
-        dram.close(remove=False)
+        _close_all(tiers)
         raise
-    store = _over(cfg, specs, layout, (gpu, dram, nvme_tier))
+    store = _over(cfg, specs, layout, _in_order(tiers))
     try:
         for s in resident:
-            store.create(s, "gpu")
+            store.create(s, dev)
     except BaseException:
         store.close()
         raise

@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tiermem.futures import forward
-from tiermem.store.catalog import Group
+from tiermem.specs import Group
 
 LOOKAHEAD = 4  # requests past the first one that may start out of order
 
@@ -55,7 +55,8 @@ class Prefetcher:
         return have >= req.version
 
     def _resident(self, req: Request) -> bool:
-        return all(e.tier == "gpu" for e in self.store.catalog.group_entries(req.group, req.kind))
+        hbm = self.store.tiers.device_name
+        return all(e.tier == hbm for e in self.store.catalog.group_entries(req.group, req.kind))
 
     def _start(self, req: Request) -> None:
         req.version_at = req.version_at or time.perf_counter()
@@ -99,7 +100,7 @@ class Prefetcher:
             for req in list(pending)[1: LOOKAHEAD + 1]:
                 if req.group in blocked:
                     continue
-                if self._ready(req) and (self._resident(req) or self.store.gpu.slots_free() > 1):
+                if self._ready(req) and (self._resident(req) or self.store.tiers.device.slots_free() > 1):
                     pending.remove(req)
                     self._start(req)
                 else:

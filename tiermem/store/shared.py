@@ -35,11 +35,13 @@ import time
 import psutil
 import torch
 
-from tiermem.config import KINDS
+from tiermem.errors import UserError
 from tiermem.sizes import align_up
-from tiermem.store.catalog import Group, TensorSpec
-from tiermem.store.layout import attach_store, layout_of, nvme_description
+from tiermem.specs import KINDS, Group, TensorSpec
+from tiermem.store.layout import attach_store, layout_of, shared_description
 from tiermem.store.store import Store
+from tiermem.tiers import registry
+from tiermem.tiers.base import DEVICE
 from tiermem.tiers.extents import Extent
 
 FOLLOW_S = 0.001  # how often a follower reads the counters
@@ -60,7 +62,7 @@ class HostStore:
         self.store, self.groups, self.processes = store, list(groups), processes
         self.index = {g: i for i, g in enumerate(self.groups)}
         self.counters, self.regions = counters, regions
-        self._c = store.dram.view(counters, 8 * self._n_counters(len(groups), processes)).view(torch.int64)
+        self._c = store.tiers.host.view(counters, 8 * self._n_counters(len(groups), processes)).view(torch.int64)
         self.lost: PeerLost | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -78,10 +80,16 @@ class HostStore:
     @classmethod
     def create(cls, store: Store, groups: list[Group], processes: int, staging: int) -> HostStore:
         """The first process's side, over its freshly opened ``store`` (sized with ``room``)."""
-        counters = store.dram.allocate(8 * cls._n_counters(len(groups), processes))
+        shared = {store.tiers.device_name, store.tiers.host_name, *store.tiers.storage()[:1]}
+        if set(store.tiers) - shared:
+            raise UserError(f"several ranks of a host share the arena and one storage tier only: the tiers "
+                            f"{', '.join(sorted(set(store.tiers) - shared))} are not supported with several "
+                            "ranks yet")
+        host = store.tiers.host
+        counters = host.allocate(8 * cls._n_counters(len(groups), processes))
         regions: list[Extent | None] = [None]
         for _ in range(1, processes):
-            regions.append(store.dram.allocate(staging) if staging else None)
+            regions.append(host.allocate(staging) if staging else None)
         host = cls(store, groups, processes, counters, regions)
         host._c.zero_()
         return host
@@ -89,9 +97,11 @@ class HostStore:
     def describe(self) -> dict:
         """What another process needs to attach (JSON)."""
         store, cfg = self.store, self.store.cfg
-        nvme = nvme_description(store.nvme, cfg.tiers.nvme, chosen=True)
-        return {"layout": layout_of(store), "arena": {"name": store.dram.name, "dir": str(cfg.tiers.dram.path)},
-                "nvme": nvme, "groups": self.groups, "processes": self.processes,
+        tiers = store.tiers
+        disk = next(iter(tiers.storage()), None)
+        return {"layout": layout_of(store), "host": shared_description(tiers.host, cfg.tiers[tiers.host_name]),
+                "disk": shared_description(tiers.get(disk), cfg.tiers.get(disk), chosen=True),
+                "groups": self.groups, "processes": self.processes,
                 "counters": [self.counters.offset, self.counters.nbytes],
                 "regions": [None if r is None else [r.offset, r.nbytes] for r in self.regions]}
 
@@ -100,12 +110,13 @@ class HostStore:
                slots: int, resident: list[TensorSpec] = ()) -> HostStore:
         """Another process's side: the first one's arena and NVMe file mapped here, GPU slots of its own, and
         its own HBM-resident tensors (``resident``; of ``specs`` only those the layout shares are mapped)."""
-        layout = {n: p for n, p in told["layout"].items() if p[0] != "gpu"}  # (the first process's HBM: not here)
+        hbm = registry.primary(DEVICE)  # (the first process's HBM: not here)
+        layout = {n: p for n, p in told["layout"].items() if p[0] != hbm}
         shared = [s for s in specs if s.name in layout]
-        store = attach_store(cfg, shared, layout, told["arena"], told["nvme"], device, slots, resident)
+        store = attach_store(cfg, shared, layout, told["host"], told["disk"], device, slots, resident)
         try:
             region = told["regions"][local_rank]
-            store.dram.use_region(Extent(*region) if region else Extent(0, 0))
+            store.tiers.host.use_region(Extent(*region) if region else Extent(0, 0))
             regions = [None if r is None else Extent(*r) for r in told["regions"]]
             return cls(store, told["groups"], int(told["processes"]), Extent(*told["counters"]), regions)
         except BaseException:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from tiermem.config import TIERS
+from tiermem.tiers.base import DEVICE
 
 
 def snapshot(store) -> dict:
-    by_kind: dict[str, dict[str, int]] = {t: defaultdict(int) for t in TIERS}
+    tiers_of = store.tiers
+    by_kind: dict[str, dict[str, int]] = {t: defaultdict(int) for t in tiers_of}
     valid: dict[str, int] = defaultdict(int)
     for e in store.catalog.entries():
         by_kind[e.tier][e.spec.kind] += e.extent.nbytes
@@ -17,12 +18,10 @@ def snapshot(store) -> dict:
     budgets = store.plan.budgets if store.plan is not None else {}
     # a trainer attached to a service maps the service's arena and NVMe file: its allocators only hold the
     # layout it attached with, so free space and fragmentation are the service's to say (tiermem stats)
-    attached = store.dram is not None and not store.dram.owner
+    host = tiers_of.host
+    attached = host is not None and not host.owner
     tiers = {}
-    for name in TIERS:
-        tier = store.tier(name)
-        if tier is None:
-            continue
+    for name, tier in tiers_of.items():
         alloc = tier.allocator
         info = {
             "capacity": alloc.capacity,
@@ -33,15 +32,9 @@ def snapshot(store) -> dict:
             "valid_bytes": valid[name],
             "fragmentation": round(alloc.fragmentation(), 4),
         }
-        if attached and name != "gpu":
+        if attached and tier.role != DEVICE:
             info.update(used=sum(by_kind[name].values()), free=None, fragmentation=None, owner="service")
-        if name == "gpu":
-            info.update(device=str(tier.device), slots=tier.n_slots, slots_free=tier.slots_free(),
-                        slot_bytes=tier.slot_bytes)
-        elif name == "dram":
-            info.update(path=str(tier.path or "anonymous"), pinned=tier.pinned)
-        else:
-            info.update(path=str(tier.path), backend=tier.backend_name, backend_mode=tier.backend.reason)
+        info.update(tier.stats())
         tiers[name] = info
     groups = {str(g): store.catalog.version(g) for g in store.catalog.groups()}
     return {
@@ -49,7 +42,7 @@ def snapshot(store) -> dict:
         "store": store.name,
         "tiers": tiers,
         "links": store.mover.stats(),
-        "disk": store.mover.disk.snapshot(),  # (the NVMe links together: busy while either carries a transfer)
+        "disk": store.mover.disk.snapshot(),  # (the storage links together: busy while any carries a transfer)
         "waits_s": {k: round(v, 6) for k, v in store.waits.items()},
         "group_versions": groups,
     }

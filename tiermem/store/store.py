@@ -1,11 +1,14 @@
 """The store: tiers + catalog + mover + placement behind one API, used embedded or by the service.
 
+It reaches its tiers by their roles (``tiermem.tiers.base``): groups are fetched into the device tier's slots,
+storage-resident state is staged through the host tier, and any tier the config names is made for the plan.
+
     store = Store.open(cfg, specs)                  # plan under the budgets, make the tiers, allocate
     store.write(name, tensor).result()              # load a tensor into its home tier
     view = store.fetch(group, "param").result()     # the group's tensors on the GPU (resident or a slot)
     ... compute with view.tensors ...; view.release()
     store.store_group(group, "grad", grads)         # hand tensors back to their home
-    store.move(name, "nvme")                        # re-place one tensor
+    store.move(name, tier)                          # re-place one tensor
     store.stats()                                   # JSON-serialisable snapshot
 
 Operations on the same (group, kind) run in the order they were submitted.
@@ -17,69 +20,32 @@ import concurrent.futures as cf
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 import torch
 
-from tiermem.config import KINDS, TIERS, StoreConfig
+from tiermem.config import StoreConfig
 from tiermem.errors import BudgetError
 from tiermem.futures import all_of, done_future, forward, then
 from tiermem.plan.placement import Plan, make_plan
 from tiermem.plan.resolve import arena_pinned, compute_device
 from tiermem.sizes import align_up, format_size
-from tiermem.store.catalog import Catalog, Entry, Group, TensorSpec
-from tiermem.tiers.dram import DramArena
+from tiermem.specs import Group, TensorSpec
+from tiermem.store.catalog import Catalog, Entry
+from tiermem.store.tierset import Tiers, make_tiers
+from tiermem.store.views import GroupView, event_now, span_of, typed
+from tiermem.store.views import mark_valid as mark_entry_valid
+from tiermem.tiers import registry
+from tiermem.tiers.base import DEVICE, Making
 from tiermem.tiers.extents import Extent, OutOfSpace
-from tiermem.tiers.gpu import ALIGN as GPU_ALIGN
-from tiermem.tiers.gpu import GpuTier
-from tiermem.tiers.nvme import NvmeTier
 from tiermem.transfer.mover import Location, Mover
-
-
-@dataclass
-class GroupView:
-    """One group's tensors of one kind, as typed views in some memory; ``release`` gives the memory back."""
-
-    group: Group
-    kind: str
-    tensors: dict[str, torch.Tensor] = field(repr=False)  # may alias memory gone after release
-    _release: object = field(default=None, repr=False)
-
-    def release(self, write_back: bool = False) -> cf.Future:
-        fn, self._release = self._release, None
-        return fn(write_back) if fn is not None else done_future()
-
-
-def _span(entries: list[Entry]) -> Location | None:
-    """The place that holds ``entries`` end to end, in order (off HBM: one tier, each one starting where the
-    last one's extent ends), so one copy brings them all; None when they are not laid out so."""
-    first, tier = entries[0], entries[0].tier
-    if tier == "gpu" or first.extent is None:
-        return None
-    end = first.extent.end
-    for e in entries[1:]:
-        if e.tier != tier or e.extent is None or e.extent.offset != end:
-            return None
-        end = e.extent.end
-    last = entries[-1]
-    n = last.extent.offset + last.spec.nbytes - first.extent.offset
-    return Location(tier, Extent(first.extent.offset, n), n)
-
-
-def _typed(raw: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
-    """A typed tensor over ``raw``'s bytes. It aliases the tier's memory without being an autograd view
-    of the tier's buffer, so in-place writes elsewhere in the buffer do not bump its version counter."""
-    t = raw[: spec.nbytes].view(spec.dtype)
-    alias = torch.empty(0, dtype=spec.dtype, device=t.device)
-    return alias.set_(t.untyped_storage(), t.storage_offset(), spec.shape)
 
 
 class Store:
     def __init__(self, cfg: StoreConfig, capacity: dict[str, int], slot_bytes: int = 0, n_slots: int = 0,
-                 pin: bool | None = None, plan: Plan | None = None, tiers: tuple | None = None,
+                 pin: bool | None = None, plan: Plan | None = None, tiers: dict | None = None,
                  owner: dict | None = None):
-        """Make the tiers for ``capacity`` (or take ready ones: ``tiers`` = (gpu, dram, nvme), as the
-        service's and an attached trainer's stores do over an existing arena and files). ``owner``: who makes the
+        """Make the tiers for ``capacity`` (tier name -> bytes), or take ready ones (``tiers``: name -> tier, as
+        the service's and an attached trainer's stores do over an existing arena and files). ``owner``: who makes the
         store, recorded in its arena's header (a service's state directory, config and socket)."""
         self.cfg, self.plan = cfg, plan
         self.name = cfg.store_name()
@@ -87,12 +53,12 @@ class Store:
         device = compute_device(cfg)
         if pin is None:
             pin = arena_pinned(cfg)
-        self.gpu = self.dram = self.nvme = None
         if tiers is not None:
-            self.gpu, self.dram, self.nvme = tiers
+            self.tiers = Tiers(tiers)
         else:
-            self._make_tiers(device, capacity, slot_bytes, n_slots, pin, owner)
-        self.mover = Mover(self.gpu, self.dram, self.nvme)
+            self.tiers = make_tiers(cfg, capacity, Making(self.name, device, pin, slot_bytes, n_slots,
+                                                                       owner))
+        self.mover = Mover(self.tiers)
         self._tails: dict[tuple[Group, str], cf.Future] = {}
         self._views: dict[tuple[Group, str], tuple] = {}  # (group, kind) -> (offsets, views) of HBM tensors
         self._tail_lock = threading.Lock()
@@ -101,18 +67,17 @@ class Store:
         self._closed = False
         self.keep_files = False  # close() leaves the arena and NVMe files in place (the service's state)
 
-    def _make_tiers(self, device, capacity, slot_bytes, n_slots, pin, owner=None) -> None:
-        t = self.cfg.tiers
-        try:
-            self.gpu = GpuTier(device, capacity.get("gpu", 0), slot_bytes, n_slots)
-            self.dram = DramArena.create(self.name, max(capacity.get("dram", 0), 4096), t.dram.path, pin=pin,
-                                         preallocate=t.dram.preallocate, owner=owner)
-            if t.nvme is not None and capacity.get("nvme", 0) > 0:
-                self.nvme = NvmeTier(t.nvme.path, self.name, capacity["nvme"], t.nvme.backend, t.nvme.threads,
-                                     t.nvme.io_chunk, t.nvme.direct)
-        except BaseException:
-            self._close_tiers()
-            raise
+    def __getattr__(self, name: str):
+        """A tier of the store by its name (``store.<name>``); None for a registered tier the store did not make."""
+        tiers = self.__dict__.get("tiers")
+        if tiers is not None and (name in tiers or name in registry.names()):
+            return tiers.get(name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def device(self) -> torch.device:
+        """The device the store computes on (its device tier's)."""
+        return self.tiers.device.device
 
     @classmethod
     def open(cls, cfg: StoreConfig, specs: list[TensorSpec], streamed_kinds: tuple[str, ...] = ("param",),
@@ -122,10 +87,11 @@ class Store:
         the cost model's planner made, then allocate them (``rank``: several ranks, ``plan.owners``: the GPU
         tier is that rank's, ``specs`` leave out the other ranks' HBM-resident tensors)."""
         plan = plan or make_plan(specs, cfg, streamed_kinds, budgets)
-        need = plan.need(rank)
-        resident = need["gpu"] - plan.slot_bytes * plan.n_slots
-        cap = {"gpu": resident + GPU_ALIGN * len(specs), "dram": need["dram"], "nvme": need["nvme"]}
-        store = cls(cfg, cap, plan.slot_bytes + GPU_ALIGN * len(specs), plan.n_slots, pin=pin, plan=plan)
+        cap = plan.need(rank)
+        device = registry.primary(DEVICE)
+        align = registry.tier_type(device).alignment * len(specs)  # (each tensor's start aligned)
+        cap[device] += align - plan.slot_bytes * plan.n_slots
+        store = cls(cfg, cap, plan.slot_bytes + align, plan.n_slots, pin=pin, plan=plan)
         return store.create_all(specs, plan.where)
 
     def create_all(self, specs: list[TensorSpec], where: dict) -> Store:
@@ -140,11 +106,12 @@ class Store:
 
     # -- tensors ------------------------------------------------------------------------------
     def tier(self, name: str):
-        return {"gpu": self.gpu, "dram": self.dram, "nvme": self.nvme}[name]
+        """The store's tier ``name`` (None: it has none of that name)."""
+        return self.tiers.get(name)
 
     def create(self, spec: TensorSpec, tier: str) -> Entry:
         """Reserve room for ``spec`` on ``tier``; its bytes are invalid until written."""
-        if tier not in TIERS or self.tier(tier) is None:
+        if self.tier(tier) is None:
             raise BudgetError(f"cannot place {spec.name} on {tier}: that tier is not configured")
         try:
             extent = self.tier(tier).allocate(spec.nbytes)
@@ -163,18 +130,22 @@ class Store:
 
         return self._ordered(entry, run)
 
-    def discard_on_nvme(self, kinds: tuple[str, ...]) -> int:
-        """The state of ``kinds`` on the NVMe tier will not be read again (the run's last step and checkpoint
+    def discard_stored(self, kinds: tuple[str, ...]) -> int:
+        """The state of ``kinds`` on the storage tiers will not be read again (the run's last step and checkpoint
         are done): remove it, giving its disk space back for what the run writes next (the exported model).
         Returns the bytes given back."""
-        if self.nvme is None:
+        stores = self.tiers.storage()
+        if not stores:
             return 0
         for k in kinds:
             self.flush(k)
-        gone = [e for e in self.catalog.entries() if e.spec.kind in kinds and e.tier == "nvme"]
-        for e in gone:
-            self.catalog.remove(e.spec.name)
-        return self.nvme.discard([e.extent for e in gone])
+        back = 0
+        for name in stores:
+            gone = [e for e in self.catalog.entries() if e.spec.kind in kinds and e.tier == name]
+            for e in gone:
+                self.catalog.remove(e.spec.name)
+            back += self.tiers[name].discard([e.extent for e in gone])
+        return back
 
     def location(self, entry: Entry) -> Location:
         return Location(entry.tier, entry.extent, entry.spec.nbytes)
@@ -202,12 +173,12 @@ class Store:
                              f"{list(tensor.shape)}")
         self._offered.pop((spec.group, spec.kind), None)
         src = tensor.contiguous()
-        wait = _event_now(src)
+        wait = event_now(src)
 
         def run(_):
             entry.valid = False
             fut = self.mover.copy(src, self.location(entry), wait)
-            return then(fut, lambda _: _mark_valid(entry, src))
+            return then(fut, lambda _: mark_entry_valid(entry, src))
 
         return self._ordered(entry, run)
 
@@ -221,7 +192,7 @@ class Store:
         # ``out`` on the GPU came from the caching allocator on the caller's stream, which hands a block out
         # again as soon as the caller's last use of it is *queued*: the copy (on a lane's stream) must wait
         # until those kernels have run, or they and the copy write the same memory
-        wait = _event_now(out)
+        wait = event_now(out)
 
         def run(_):
             if not entry.valid:
@@ -288,20 +259,21 @@ class Store:
         entries = self.catalog.group_entries(group, kind)
         if not entries:
             raise KeyError(f"no {kind} tensors in group {group!r}")
-        if all(e.tier == "gpu" for e in entries):
+        hbm = self.tiers.device
+        if all(e.tier == self.tiers.device_name for e in entries):
             return done_future(GroupView(group, kind, self._hbm_views(group, kind, entries)))
         t0 = time.perf_counter()
-        slot = self.gpu.acquire_slot()
+        slot = hbm.acquire_slot()
         self.waits["gpu_slot"] += time.perf_counter() - t0
         views, copies, off = {}, [], 0
-        span = _span(entries)
+        span = span_of(entries, self.tiers.device_name)
         whole = span is not None and span.nbytes <= slot.extent.nbytes
-        base = self.gpu.view(slot.extent)
+        base = hbm.view(slot.extent)
         for e in entries:
             at = e.extent.offset - span.extent.offset if whole else off
             raw = base[at: at + e.spec.nbytes]
-            off += align_up(e.spec.nbytes, GPU_ALIGN)
-            views[e.spec.name] = _typed(raw, e.spec)
+            off += align_up(e.spec.nbytes, hbm.alignment)
+            views[e.spec.name] = typed(raw, e.spec)
             copies.append((e, raw))
 
         def run(_):
@@ -314,7 +286,7 @@ class Store:
 
         def release(write_back: bool) -> cf.Future:
             fut = self.store_group(group, kind, views) if write_back else done_future()
-            self.gpu.release_slot(slot)
+            hbm.release_slot(slot)
             return fut
 
         view = GroupView(group, kind, views, release)
@@ -333,7 +305,7 @@ class Store:
         operation on them (a gradient being copied home) is done."""
         self.settle(group, kind)
         entries = self.catalog.group_entries(group, kind)
-        if any(e.tier != "gpu" for e in entries):
+        if any(e.tier != self.tiers.device_name for e in entries):
             raise ValueError(f"group {group!r} {kind} does not live in HBM")
         return self._hbm_views(group, kind, entries)
 
@@ -344,7 +316,8 @@ class Store:
         where = tuple(e.extent.offset for e in entries)
         kept = self._views.get((group, kind))
         if kept is None or kept[0] != where:
-            kept = (where, {e.spec.name: _typed(self.gpu.view(e.extent), e.spec) for e in entries})
+            hbm = self.tiers.device
+            kept = (where, {e.spec.name: typed(hbm.view(e.extent), e.spec) for e in entries})
             self._views[(group, kind)] = kept
         return dict(kept[1])
 
@@ -352,7 +325,7 @@ class Store:
         """Say that ``tensors`` (GPU memory) hold the current bytes of the group's ``kind`` tensors, so the
         next ``fetch`` copies from them on the GPU instead of over PCIe (the GPU-side optimizer offers the
         compute copy it has just made). Any later write to the group's ``kind`` withdraws the offer."""
-        self._offered[(group, kind)] = (dict(tensors), _event_now(*tensors.values()))
+        self._offered[(group, kind)] = (dict(tensors), event_now(*tensors.values()))
 
     def take_offer(self, group: Group, kind: str):
         """The tensors offered for the group's ``kind`` and an event marking them ready (or None), removed."""
@@ -361,24 +334,26 @@ class Store:
     def stage(self, group: Group, kind: str) -> cf.Future:
         """The group's tensors of ``kind`` in memory the CPU (DRAM) or GPU can compute on.
 
-        DRAM- and GPU-resident tensors are handed out as views. NVMe-resident ones are read into
-        temporary arena extents; ``release(write_back=True)`` writes them back and frees the extents.
+        Tensors on a memory tier (DRAM, the GPU's) are handed out as views. Those on a storage tier (NVMe) are
+        read into temporary extents of the host tier (the arena) that stages them; ``release(write_back=True)``
+        writes them back and frees the extents.
         """
         entries = self.catalog.group_entries(group, kind)
         views, temps = {}, []
+        host = self.tiers.host
         for e in entries:
-            if e.tier in ("dram", "gpu"):
-                views[e.spec.name] = _typed(self.mover.view(self.location(e)), e.spec)
-            else:
+            if self.tiers.is_memory(e.tier):
+                views[e.spec.name] = typed(self.mover.view(self.location(e)), e.spec)
+            else:  # (a storage tier's: staged in the host tier)
                 try:
-                    tmp = Location("dram", self.dram.allocate(e.spec.nbytes), e.spec.nbytes)
+                    tmp = Location(self.tiers.host_name, host.allocate(e.spec.nbytes), e.spec.nbytes)
                 except OutOfSpace:
                     for _, t in temps:
-                        self.dram.free(t.extent)
-                    raise BudgetError("no DRAM room to stage NVMe-resident state; raise tiers.dram.budget") \
-                        from None
+                        host.free(t.extent)
+                    raise BudgetError(f"no DRAM room to stage {self.tiers[e.tier].label}-resident state; raise "
+                                      f"tiers.{self.tiers.host_name}.budget") from None
                 temps.append((e, tmp))
-                views[e.spec.name] = _typed(self.mover.view(tmp), e.spec)
+                views[e.spec.name] = typed(self.mover.view(tmp), e.spec)
 
         def run(_):
             return all_of([self.mover.copy(self.location(e), tmp) for e, tmp in temps if e.valid])
@@ -388,7 +363,7 @@ class Store:
                 fut = self.store_group(group, kind, {e.spec.name: views[e.spec.name] for e, _ in temps})
             else:
                 fut = done_future()
-            return then(fut, lambda _: _freeall_of(self.dram, [t for _, t in temps]), run_on_error=True)
+            return then(fut, lambda _: _freeall_of(host, [t for _, t in temps]), run_on_error=True)
 
         view = GroupView(group, kind, views, release)
         return then(self._ordered((group, kind), run), lambda _: done_future(view))
@@ -404,19 +379,20 @@ class Store:
             if e is None:
                 raise KeyError(f"{name!r} is not a {kind} tensor of group {group!r}")
             work.append((e, t.contiguous()))
-        wait = _event_now(*[t for _, t in work])
+        wait = event_now(*[t for _, t in work])
 
         def run(_):
             futs = []
             for e, t in work:
-                same = (e.tier != "nvme" and self.mover.view(self.location(e)).data_ptr() == t.data_ptr())
+                same = (self.tiers.is_memory(e.tier)
+                        and self.mover.view(self.location(e)).data_ptr() == t.data_ptr())
                 if same:  # a view of its own home: nothing to copy, but the kernels that wrote it must have run
                     futs.append(self.mover.after(wait) if wait is not None else done_future())
                     e.valid = True
                     continue
                 e.valid = False
                 futs.append(then(self.mover.copy(t, self.location(e), wait, bulk=bulk),
-                                 lambda _, e=e, t=t: _mark_valid(e, t)))
+                                 lambda _, e=e, t=t: mark_entry_valid(e, t)))
             return all_of(futs)
 
         return self._ordered((group, kind), run)
@@ -442,7 +418,7 @@ class Store:
         tiers), leaving its current bytes untouched; the future is done once every write has landed.
         ``switch`` then makes them the tensors' homes (an out-of-place update: a crash before the switch
         leaves the old state whole)."""
-        wait = _event_now(*tensors.values())
+        wait = event_now(*tensors.values())
         futs = []
         try:
             for name, t in tensors.items():
@@ -460,7 +436,7 @@ class Store:
         """The tensor ``name`` as if it lived at ``extent`` of its (DRAM or GPU) tier: a typed view to write
         its new value into before ``switch``."""
         e = self.catalog[name]
-        return _typed(self.mover.view(Location(e.tier, extent, e.spec.nbytes)), e.spec)
+        return typed(self.mover.view(Location(e.tier, extent, e.spec.nbytes)), e.spec)
 
     def switch(self, name: str, extent: Extent, free: bool = True) -> None:
         """Make ``extent`` (written by ``write_elsewhere``) the tensor's home and free the old one (``free``
@@ -488,14 +464,6 @@ class Store:
 
         return snapshot(self)
 
-    def _close_tiers(self) -> None:
-        keep = getattr(self, "keep_files", False)
-        if self.nvme is not None:
-            self.nvme.close(remove=not keep)
-        if self.dram is not None:
-            self.dram.close(remove=not keep)
-        if self.gpu is not None:
-            self.gpu.close()
 
     def flush(self, kind: str) -> None:
         """Wait until every operation submitted so far on tensors of ``kind`` has completed (raising the
@@ -518,7 +486,7 @@ class Store:
                 pass
         if hasattr(self, "mover"):
             self.mover.close()
-        self._close_tiers()
+        self.tiers.close(keep=self.keep_files)
 
     def __enter__(self) -> Store:
         return self
@@ -527,25 +495,8 @@ class Store:
         self.close()
 
 
-def _event_now(*tensors: torch.Tensor):
-    """A CUDA event on the current stream when any tensor is on the GPU, so copies wait for its producer."""
-    for t in tensors:
-        if t.is_cuda:
-            ev = torch.cuda.Event(blocking=True)
-            ev.record(torch.cuda.current_stream(t.device))
-            return ev
-    return None
-
-
-def _mark_valid(entry: Entry, keep_alive: torch.Tensor) -> cf.Future:
-    entry.valid = True
-    return done_future()
-
-
-def _freeall_of(dram: DramArena, temps: list[Location]) -> cf.Future:
+def _freeall_of(host, temps: list[Location]) -> cf.Future:
     for t in temps:
-        dram.free(t.extent)
+        host.free(t.extent)
     return done_future()
 
-
-__all__ = ["Store", "GroupView", "TensorSpec", "KINDS"]

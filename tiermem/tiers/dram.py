@@ -23,15 +23,18 @@ import json
 import logging
 import mmap
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import psutil
 import torch
 
 from tiermem.errors import ConfigError, StorageError
-from tiermem.sizes import align_up, format_size
+from tiermem.sizes import align_up, format_size, size_or_auto
+from tiermem.tiers.base import HOST, Making
 from tiermem.tiers.extents import Extent, ExtentAllocator
 
 log = logging.getLogger(__name__)
@@ -40,6 +43,16 @@ ANONYMOUS = "anonymous"
 TOUCH_STEP = 256 << 20
 MAGIC = b"TIERMEM-ARENA-1\n"
 SUFFIX = ".arena"
+
+
+@dataclass
+class DramTierConfig:
+    """The shared-memory arena; registered with CUDA as pinned memory when a GPU is present."""
+
+    budget: int | None = field(default=None, metadata={"convert": size_or_auto})
+    path: str = "/dev/shm"  # directory that holds the arena file, or "anonymous" (private huge pages)
+    pin: Literal["auto", "true", "false"] = "auto"
+    preallocate: bool = False  # fallocate first: a /dev/shm filled meanwhile fails cleanly (~0.2 s/GiB)
 
 
 @dataclass
@@ -176,7 +189,51 @@ def _touch_parallel(base: torch.Tensor) -> None:
 
 
 class DramArena:
-    """A shared-memory arena with an extent allocator. Create with ``create``, map another's with ``attach``."""
+    """A shared-memory arena with an extent allocator. Create with ``create``, map another's with ``attach``.
+    The host tier (``tiermem.tiers.base``): configured under ``tiers.dram``, always there."""
+
+    role = HOST
+    optional = False
+    Config = DramTierConfig
+
+    @classmethod
+    def make(cls, section: DramTierConfig, capacity: int, at: Making) -> DramArena:
+        return cls.create(at.store_name, max(capacity, 4096), section.path, pin=at.pin,
+                          preallocate=section.preallocate, owner=at.owner)
+
+    @classmethod
+    def default_budget(cls, section: DramTierConfig, device: torch.device, host_memory) -> int:
+        """90% of the host's memory (``host_memory()``) or of what the arena's directory has free, the less."""
+        mem = host_memory()
+        if section.path == ANONYMOUS:
+            shm = mem
+        else:
+            shm = shutil.disk_usage(section.path).free if os.path.isdir(section.path) else 0
+        return int(min(shm, mem) * 0.9)
+
+    @classmethod
+    def check_section(cls, section: DramTierConfig, where: str) -> None:
+        pass
+
+    # -- shared with other processes (a service's trainer, the ranks of a host) ----------------------------
+    def describe(self, section: DramTierConfig, chosen: bool = False) -> dict:
+        """What another process needs to map this arena (``map_shared``)."""
+        return {"name": self.name, "dir": str(section.path)}
+
+    @classmethod
+    def map_shared(cls, desc: dict, store_name: str, device: torch.device) -> DramArena:
+        """Another process's arena (``describe``) mapped here, pinned when ``device`` is CUDA; its allocator
+        spans the whole arena, for rebuilding a recorded layout."""
+        arena = cls.attach(desc["name"], desc["dir"], pin=device.type == "cuda")
+        arena.allocator = ExtentAllocator(arena.size - HEADER, 4096, base=HEADER)
+        return arena
+
+    @classmethod
+    def reopen_left(cls, section: DramTierConfig, store_name: str, capacity: int, device: torch.device,
+                    owner: dict | None = None) -> DramArena:
+        """The arena a stopped or killed owner left behind, taken over (``reopen``; its header then names this
+        process, and ``owner``)."""
+        return cls.reopen(store_name, section.path, pin=device.type == "cuda", owner=owner)
 
     def __init__(self, path: Path | None, name: str, size: int, mm: mmap.mmap, owner: bool, pin: bool,
                  touch: bool = True):
@@ -330,6 +387,9 @@ class DramArena:
 
     def address(self, extent: Extent) -> int:
         return self._base.data_ptr() + extent.offset
+
+    def stats(self) -> dict:
+        return {"path": str(self.path or ANONYMOUS), "pinned": self.pinned}
 
     def close(self, remove: bool = True) -> None:
         """Unpin, unmap, and (for the owner, unless ``remove`` is False) remove the arena file."""

@@ -11,14 +11,41 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
+import psutil
 import torch
 
-from tiermem.errors import BudgetError
-from tiermem.sizes import align_up, format_size
+from tiermem.errors import BudgetError, ConfigError
+from tiermem.sizes import align_up, format_size, size_or_auto
+from tiermem.tiers.base import DEVICE, Making
 from tiermem.tiers.extents import Extent, ExtentAllocator, OutOfSpace
 
 ALIGN = 512
+
+
+def _device(value: Any, where: str) -> str:
+    text = str(value).strip() if isinstance(value, str) else None
+    if text in ("auto", "cpu", "cuda") or (text and text.startswith("cuda:") and text[5:].isdigit()):
+        return text
+    raise ConfigError(f"{where}: {value!r} is not a device tiermem computes on: auto, cuda, cuda:N or cpu")
+
+
+def _slots(value: Any, where: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 64:
+        return value
+    raise ConfigError(f"{where}: expected a number of streaming slots from 1 to 64, got {value!r}")
+
+
+@dataclass
+class GpuTierConfig:
+    """HBM for streamed layer slots and resident groups. ``budget: auto`` = what the placement needs."""
+
+    budget: int | None = field(default=None, metadata={"convert": size_or_auto})
+    # "auto" (CUDA when there is a GPU, else the CPU), "cuda", "cuda:N", or "cpu" (the CPU stand-in)
+    device: str = field(default="auto", metadata={"convert": _device})
+    # streamed-layer slots per kind fetched to the GPU (current, next, the one being freed)
+    slots: int = field(default=3, metadata={"convert": _slots})
 
 
 def host_sync(stream) -> None:
@@ -37,6 +64,29 @@ class Slot:
 
 
 class GpuTier:
+    """The device tier (``tiermem.tiers.base``): configured under ``tiers.gpu``, always there."""
+
+    role = DEVICE
+    optional = False
+    Config = GpuTierConfig
+    owner = True
+    alignment = ALIGN  # every extent's, a slot's tensors' too
+
+    @classmethod
+    def make(cls, section: GpuTierConfig, capacity: int, at: Making) -> GpuTier:
+        return cls(at.device, capacity, at.slot_bytes, at.n_slots)
+
+    @classmethod
+    def default_budget(cls, section: GpuTierConfig, device: torch.device, host_memory) -> int:
+        """Half of the GPU's memory; the CPU stand-in (host memory): a quarter of what is available."""
+        if device.type == "cuda":
+            return torch.cuda.get_device_properties(device).total_memory // 2
+        return psutil.virtual_memory().available // 4
+
+    @classmethod
+    def check_section(cls, section: GpuTierConfig, where: str) -> None:
+        pass
+
     def __init__(self, device: torch.device, resident_bytes: int, slot_bytes: int, n_slots: int):
         self.device = device
         self.slot_bytes = align_up(slot_bytes, ALIGN) if n_slots else 0
@@ -104,5 +154,9 @@ class GpuTier:
             self._free.append(slot)
             self._cond.notify()
 
-    def close(self) -> None:
+    def stats(self) -> dict:
+        return {"device": str(self.device), "slots": self.n_slots, "slots_free": self.slots_free(),
+                "slot_bytes": self.slot_bytes}
+
+    def close(self, remove: bool = True) -> None:
         self._buffer = None

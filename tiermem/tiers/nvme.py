@@ -15,12 +15,15 @@ import logging
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 
-from tiermem.errors import StorageError
-from tiermem.sizes import align_up, format_size
+from tiermem.errors import ConfigError, StorageError
+from tiermem.sizes import align_up, format_size, parse_size, size_or_auto
+from tiermem.tiers.base import STORAGE, DiskRates, Making
 from tiermem.tiers.extents import Extent, ExtentAllocator
 from tiermem.tiers.nvme_kvikio import KvikioBackend, kvikio_usable
 from tiermem.tiers.nvme_posix import PosixBackend
@@ -29,6 +32,25 @@ log = logging.getLogger(__name__)
 SUFFIX = ".nvme"
 _PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE (linux/falloc.h)
 _libc = None
+
+
+@dataclass
+class NvmeTierConfig:
+    """Preallocated files in a directory, read and written through kvikio or POSIX I/O."""
+
+    path: str | None = None
+    budget: int | None = field(default=None, metadata={"convert": size_or_auto})
+    backend: Literal["auto", "kvikio", "posix"] = "auto"
+    threads: int = 8  # I/O threads (posix) or kvikio's thread pool size
+    io_chunk: int = field(default=16 << 20, metadata={"convert": parse_size})  # split large requests
+    direct: bool = True  # O_DIRECT where the filesystem allows it
+
+
+def existing_parent(path: str) -> str:
+    """``path``, or its nearest ancestor that exists (a directory the NVMe tier is yet to create)."""
+    while path and not os.path.isdir(path):
+        path = os.path.dirname(path.rstrip("/")) or "/"
+    return path or "/"
 
 
 def punch_hole(fd: int, offset: int, length: int) -> bool:
@@ -88,6 +110,53 @@ def choose_backend(want: str, directory: Path) -> tuple[str, str]:
 
 
 class NvmeTier:
+    """A storage tier (``tiermem.tiers.base``): configured under ``tiers.nvme``, made where state lives there."""
+
+    role = STORAGE
+    optional = True
+    Config = NvmeTierConfig
+    resource = "nvme"
+    label = "NVMe"
+
+    @classmethod
+    def make(cls, section: NvmeTierConfig, capacity: int, at: Making) -> NvmeTier:
+        return cls(section.path, at.store_name, capacity, section.backend, section.threads, section.io_chunk,
+                   section.direct)
+
+    @classmethod
+    def default_budget(cls, section: NvmeTierConfig, device: torch.device, host_memory) -> int:
+        """90% of the free space of the disk that holds ``path``."""
+        return int(shutil.disk_usage(existing_parent(section.path)).free * 0.9)
+
+    @classmethod
+    def check_section(cls, section: NvmeTierConfig, where: str) -> None:
+        if not section.path:
+            raise ConfigError(f"{where}.path is required: the directory that holds the NVMe tier's files")
+
+    @classmethod
+    def rates(cls, machine) -> DiskRates:
+        """The machine's disk figures (``nvme_read``, ``nvme_write``, ``nvme_both``: a probe's, measured on this
+        tier's disk)."""
+        return DiskRates(machine.nvme_read, machine.nvme_write, machine.nvme_both)
+
+    # -- shared with other processes (a service's trainer, the ranks of a host) ----------------------------
+    def describe(self, section: NvmeTierConfig, chosen: bool = False) -> dict:
+        """What another process needs to map this tier's file (``map_shared``): the backend as configured, or
+        (``chosen``) the one this tier chose."""
+        return {"dir": str(section.path), "capacity": self.capacity,
+                "backend": self.backend_name if chosen else section.backend, "threads": section.threads,
+                "io_chunk": section.io_chunk, "direct": section.direct}
+
+    @classmethod
+    def map_shared(cls, desc: dict, store_name: str, device: torch.device) -> NvmeTier:
+        return cls(desc["dir"], store_name, desc["capacity"], desc["backend"], desc["threads"], desc["io_chunk"],
+                   desc["direct"], reopen=True)
+
+    @classmethod
+    def reopen_left(cls, section: NvmeTierConfig, store_name: str, capacity: int, device: torch.device) -> NvmeTier:
+        return cls(section.path, store_name, capacity, section.backend, section.threads, section.io_chunk,
+                   section.direct, reopen=True)
+
     def __init__(self, directory: str | Path, name: str, capacity: int, backend: str = "auto",
                  threads: int = 8, io_chunk: int = 16 << 20, direct: bool = True, reopen: bool = False):
         """Create the tier's file (``reopen``: open the existing one, keeping its bytes; the caller rebuilds
@@ -176,6 +245,9 @@ class NvmeTier:
     @property
     def direct_to_gpu(self) -> bool:
         return self.backend_name == "kvikio"
+
+    def stats(self) -> dict:
+        return {"path": str(self.path), "backend": self.backend_name, "backend_mode": self.backend.reason}
 
     @staticmethod
     def _check(buf: torch.Tensor, extent: Extent) -> None:

@@ -1,10 +1,12 @@
 """The mover: asynchronous transfers between any two tiers, with per-link accounting.
 
 A transfer goes from one ``Location`` (tier, extent, bytes) to another and returns a future that
-completes when the bytes have arrived. GPU copies run on one CUDA stream per direction and are
-completed in order by a watcher thread that waits on their events; without CUDA the same copies run
-on one worker thread per direction. NVMe transfers go through the tier's backend; NVMe <-> GPU goes
-straight through kvikio when that backend is in use, else through a temporary extent of the arena.
+completes when the bytes have arrived. The tiers it is given decide the way by their roles
+(``tiermem.tiers.base``): copies between host memory and the device run on one CUDA stream per direction
+and are completed in order by a watcher thread that waits on their events (without CUDA the same copies run
+on one worker thread per direction); a storage tier reads into memory and writes from it itself; storage <->
+device goes straight when the tier can (kvikio), else through a temporary extent of the host tier. Each
+link (``a->b``) is accounted on its own.
 """
 
 from __future__ import annotations
@@ -19,14 +21,11 @@ import torch
 
 from tiermem.errors import BudgetError
 from tiermem.futures import forward, started, then
-from tiermem.tiers.dram import DramArena
+from tiermem.tiers import registry
+from tiermem.tiers.base import DEVICE, HOST, STORAGE
 from tiermem.tiers.extents import Extent, OutOfSpace
-from tiermem.tiers.gpu import GpuTier, host_sync
-from tiermem.tiers.nvme import NvmeTier
+from tiermem.tiers.gpu import host_sync
 from tiermem.transfer.links import LinkStats
-
-LINKS = ("dram->gpu", "gpu->dram", "dram->gpu bulk", "gpu->dram bulk", "nvme->dram", "dram->nvme", "nvme->gpu",
-         "gpu->nvme", "dram->dram", "gpu->gpu")
 
 
 @dataclass(frozen=True)
@@ -42,8 +41,8 @@ class _StreamLane:
     Without CUDA it is a single worker thread that does the copy itself.
     """
 
-    def __init__(self, name: str, device: torch.device, link: LinkStats):
-        self.device, self.link = device, link
+    def __init__(self, name: str, device: torch.device):
+        self.device = device
         self.cuda = device.type == "cuda"
         self._queue: queue.Queue = queue.Queue()
         self.stream = torch.cuda.Stream(device) if self.cuda else None
@@ -51,11 +50,11 @@ class _StreamLane:
         self._thread = threading.Thread(target=self._run, name=f"tiermem-{name}", daemon=True)
         self._thread.start()
 
-    def submit(self, dst: torch.Tensor, src: torch.Tensor, wait_event=None) -> cf.Future:
+    def submit(self, dst: torch.Tensor, src: torch.Tensor, link: LinkStats, wait_event=None) -> cf.Future:
         fut: cf.Future = cf.Future()
         nbytes = src.numel() * src.element_size()
         if not self.cuda:
-            self._queue.put((None, fut, nbytes, dst, src, time.perf_counter()))
+            self._queue.put((None, fut, nbytes, dst, src, time.perf_counter(), link))
             return fut
         with self._lock:  # enqueue order = completion order
             with torch.cuda.stream(self.stream):
@@ -64,7 +63,7 @@ class _StreamLane:
                 dst.copy_(src, non_blocking=True)
                 ev = torch.cuda.Event(blocking=True)  # waiters sleep: spinning threads starve CPU AdamW
                 ev.record(self.stream)
-            self._queue.put((ev, fut, nbytes, dst, src, time.perf_counter()))
+            self._queue.put((ev, fut, nbytes, dst, src, time.perf_counter(), link))
         return fut
 
     def _run(self) -> None:
@@ -73,7 +72,7 @@ class _StreamLane:
             item = self._queue.get()
             if item is None:
                 return
-            ev, fut, nbytes, dst, src, t_submit = item
+            ev, fut, nbytes, dst, src, t_submit, link = item
             try:
                 if ev is None:
                     dst.copy_(src)
@@ -84,7 +83,7 @@ class _StreamLane:
                 continue
             end = time.perf_counter()
             # a lane runs its copies back to back: this one was busy from when it could start
-            self.link.add_busy(end - max(t_submit, last_end), nbytes)
+            link.add_busy(end - max(t_submit, last_end), nbytes)
             last_end = end
             fut.set_result(nbytes)
 
@@ -94,38 +93,52 @@ class _StreamLane:
 
 
 class Mover:
-    def __init__(self, gpu: GpuTier | None, dram: DramArena | None, nvme: NvmeTier | None):
-        self.gpu, self.dram, self.nvme = gpu, dram, nvme
-        self.links = {name: LinkStats(name) for name in LINKS}
-        # the disk in either direction (the union of the NVMe links' busy time): what the cost model's one
-        # disk resource spends, which the run measures its disk's rate against (trainer.plan_watch)
-        self.disk = LinkStats("nvme both ways")
+    def __init__(self, tiers: dict):
+        """Copies between ``tiers`` (name -> tier). Its links are every registered tier's (``registry.links``),
+        and any other pair's as it is first used."""
+        self.tiers = dict(tiers)
+        self._roles = {n: t.role for n, t in self.tiers.items() if t is not None}
+        self.device_name = next((n for n, r in self._roles.items() if r == DEVICE), None)
+        self.host_name = next((n for n, r in self._roles.items() if r == HOST), None)
+        self.links = {name: LinkStats(name) for name in registry.links()}
+        self._links_lock = threading.Lock()
+        # the disks in either direction (the union of the storage links' busy time): what the cost model's disk
+        # resource spends, which the run measures its disk's rate against (trainer.plan_watch)
+        self.disk = LinkStats("disk both ways")
+        gpu = self.tiers.get(self.device_name)
         dev = gpu.device if gpu is not None else torch.device("cpu")
         self.cuda = dev.type == "cuda"
-        self._h2d = _StreamLane("h2d", dev, self.links["dram->gpu"])
-        self._d2h = _StreamLane("d2h", dev, self.links["gpu->dram"])
+        self._h2d = _StreamLane("h2d", dev)
+        self._d2h = _StreamLane("d2h", dev)
         # bulk lanes: long transfers (the optimizer's state) on their own streams, so a layer fetch the
         # GPU is waiting for never queues behind them (they share the link's bandwidth instead)
-        self._h2d_bulk = _StreamLane("h2d-bulk", dev, self.links["dram->gpu bulk"])
-        self._d2h_bulk = _StreamLane("d2h-bulk", dev, self.links["gpu->dram bulk"])
+        self._h2d_bulk = _StreamLane("h2d-bulk", dev)
+        self._d2h_bulk = _StreamLane("d2h-bulk", dev)
         self._local = started(cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tiermem-copy"), 2)
+
+    def link(self, name: str) -> LinkStats:
+        """The accounting of link ``name`` (made on first use)."""
+        link = self.links.get(name)
+        if link is None:
+            with self._links_lock:
+                link = self.links.setdefault(name, LinkStats(name))
+        return link
 
     # -- endpoints ---------------------------------------------------------------------------
     # An endpoint is a Location in a tier, or a plain tensor (on the GPU, or in host memory).
     def tier_of(self, ep) -> str:
         if isinstance(ep, Location):
             return ep.tier
-        return "gpu" if ep.device.type == "cuda" or (self.gpu is not None and _same_buffer(ep, self.gpu)) \
-            else "dram"
+        gpu = self.tiers.get(self.device_name)
+        return self.device_name if ep.device.type == "cuda" or (gpu is not None and _same_buffer(ep, gpu)) \
+            else self.host_name
 
     def view(self, ep) -> torch.Tensor:
         if not isinstance(ep, Location):
             return ep.reshape(-1).view(torch.uint8)
-        if ep.tier == "gpu":
-            return self.gpu.view(ep.extent, ep.nbytes)
-        if ep.tier == "dram":
-            return self.dram.view(ep.extent, ep.nbytes)
-        raise ValueError("NVMe locations have no memory view")
+        if self._roles.get(ep.tier) in (DEVICE, HOST):
+            return self.tiers[ep.tier].view(ep.extent, ep.nbytes)
+        raise ValueError(f"{ep.tier} locations have no memory view")
 
     @staticmethod
     def nbytes(ep) -> int:
@@ -136,34 +149,35 @@ class Mover:
         """Move the bytes of ``src`` to ``dst`` (Locations or tensors of equal size).
 
         ``wait_event`` (a CUDA event) orders a copy after the compute that produced its source or last
-        read its destination. ``bulk`` sends DRAM <-> GPU copies through the bulk lanes.
+        read its destination. ``bulk`` sends host <-> device copies through the bulk lanes.
         """
         n = self.nbytes(src)
         if n != self.nbytes(dst):
             raise ValueError(f"size mismatch: {n} -> {self.nbytes(dst)}")
-        key = f"{self.tier_of(src)}->{self.tier_of(dst)}"
-        if key == "dram->gpu":
-            return (self._h2d_bulk if bulk else self._h2d).submit(self.view(dst), self.view(src), wait_event)
-        if key == "gpu->dram":
-            return (self._d2h_bulk if bulk else self._d2h).submit(self.view(dst), self.view(src), wait_event)
-        if key == "nvme->dram":
-            return self._io(self.links[key], self.nvme.pread, self.view(dst), src.extent)
-        if key == "dram->nvme":
-            return self._io(self.links[key], self.nvme.pwrite, self.view(src), dst.extent)
-        if key == "nvme->gpu":
-            if self.nvme.direct_to_gpu:
+        a, b = self.tier_of(src), self.tier_of(dst)
+        key = f"{a}->{b}"
+        way = (self._roles.get(a), self._roles.get(b))
+        if way == (HOST, DEVICE):
+            return (self._h2d_bulk if bulk else self._h2d).submit(self.view(dst), self.view(src),
+                                                                  self.link(key + " bulk" if bulk else key), wait_event)
+        if way == (DEVICE, HOST):
+            return (self._d2h_bulk if bulk else self._d2h).submit(self.view(dst), self.view(src),
+                                                                  self.link(key + " bulk" if bulk else key), wait_event)
+        if way == (STORAGE, HOST):
+            return self._io(self.link(key), self.tiers[a].pread, self.view(dst), src.extent)
+        if way == (HOST, STORAGE):
+            return self._io(self.link(key), self.tiers[b].pwrite, self.view(src), dst.extent)
+        if way in ((STORAGE, DEVICE), (DEVICE, STORAGE)):
+            disk = self.tiers[a if way[0] == STORAGE else b]
+            if disk.direct_to_gpu:
                 if wait_event is not None:
                     wait_event.synchronize()
-                return self._io(self.links[key], self.nvme.pread, self.view(dst), src.extent)
+                if way[0] == STORAGE:
+                    return self._io(self.link(key), disk.pread, self.view(dst), src.extent)
+                return self._io(self.link(key), disk.pwrite, self.view(src), dst.extent)
             return self._staged(src, dst, wait_event, bulk)
-        if key == "gpu->nvme":
-            if self.nvme.direct_to_gpu:
-                if wait_event is not None:
-                    wait_event.synchronize()
-                return self._io(self.links[key], self.nvme.pwrite, self.view(src), dst.extent)
-            return self._staged(src, dst, wait_event, bulk)
-        if key in ("dram->dram", "gpu->gpu"):
-            link = self.links[key]
+        if way in ((HOST, HOST), (DEVICE, DEVICE)):
+            link = self.link(key)
             s, d = self.view(src), self.view(dst)
 
             def local() -> int:
@@ -197,29 +211,31 @@ class Mover:
         return fut
 
     def _staged(self, src, dst, wait_event=None, bulk: bool = False) -> cf.Future:
-        """NVMe <-> GPU through host memory (posix backend): a temporary extent of the arena when this
-        process owns it; else (a trainer attached to the service's arena, whose free space is the service's)
-        a pinned buffer of its own. ``bulk``: the PCIe leg goes through a bulk lane."""
+        """Storage <-> device through host memory (the posix backend): a temporary extent of the host tier when
+        this process owns it; else (a trainer attached to the service's arena, whose free space is the
+        service's) a pinned buffer of its own. ``bulk``: the PCIe leg goes through a bulk lane."""
         n = self.nbytes(src)
-        owned = self.dram is not None and self.dram.owner
+        host = self.tiers.get(self.host_name)
+        owned = host is not None and host.owner
         if owned:
             try:
-                tmp = Location("dram", self.dram.allocate(n), n)
+                tmp = Location(self.host_name, host.allocate(n), n)
             except OutOfSpace as e:
-                raise BudgetError(f"no DRAM room to stage an NVMe<->GPU transfer ({e}); raise tiers.dram.budget") \
-                    from None
+                disk = self.tiers[self.tier_of(src if self._roles.get(self.tier_of(src)) == STORAGE else dst)]
+                raise BudgetError(f"no DRAM room to stage an {disk.label}<->GPU transfer ({e}); raise "
+                                  f"tiers.{self.host_name}.budget") from None
         else:
             tmp = torch.empty(n, dtype=torch.uint8, pin_memory=self.cuda)
         # ``wait_event`` orders the leg that touches the GPU: the read of a GPU source, or the write of a
         # GPU destination (whose memory earlier kernels may still use)
-        to_gpu = self.tier_of(dst) == "gpu"
+        to_gpu = self._roles.get(self.tier_of(dst)) == DEVICE
         first = self.copy(src, tmp, None if to_gpu else wait_event, bulk=bulk)
         fut = then(first, lambda _: self.copy(tmp, dst, wait_event if to_gpu else None, bulk=bulk))
         out: cf.Future = cf.Future()
 
         def release(f: cf.Future, tmp=tmp) -> None:  # (holds a pinned buffer until both copies are done)
             if owned:
-                self.dram.free(tmp.extent)
+                host.free(tmp.extent)
 
         fut.add_done_callback(release)
         forward(fut, out)
@@ -234,7 +250,7 @@ class Mover:
         self._local.shutdown(wait=True)
 
 
-def _same_buffer(t: torch.Tensor, gpu: GpuTier) -> bool:
+def _same_buffer(t: torch.Tensor, gpu) -> bool:
     """True when ``t`` is a view into the GPU tier's buffer (the CPU stand-in has host tensors there)."""
     buf = gpu.view(Extent(0, gpu.capacity))
     return buf.device == t.device and buf.data_ptr() <= t.data_ptr() < buf.data_ptr() + max(gpu.capacity, 1)

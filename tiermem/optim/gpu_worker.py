@@ -1,0 +1,196 @@
+"""The GPU worker of ``StoreAdamW`` (``tiermem.optim.store_adamw``): it updates the groups the optimizer gives
+it on the GPU, three groups in flight (the next one's state arriving, one updating, the last one's going home),
+in place for a group whose state lives in the device tier (HBM), else by streaming the state to the GPU and
+back; with a guard (the service's) the new state is written out of place and flipped to once it has landed.
+
+A mixin: ``StoreAdamW`` holds the state it works on (the store, the groups, the guard, the streams)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import time
+
+import torch
+
+from tiermem.futures import all_of, done_future
+from tiermem.optim.finite import NonFiniteUpdate
+from tiermem.specs import MOMENTS, Group, state_name
+from tiermem.tiers.gpu import host_sync
+
+
+class GpuWorker:
+    def _run_gpu(self, groups: list[Group], step: int, lr: float, grad_scale: float | None) -> None:
+        """Three groups in flight: the next one's state arriving, this one updating, the last one's going home."""
+        ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+        with ctx:
+            incoming = self._fetch_state(groups[0]) if groups and not self._in_place(groups[0]) else None
+            leaving, handed = done_future(), []
+            for n, g in enumerate(groups):
+                t0 = time.perf_counter()
+                if self._in_place(g):
+                    if n + 1 < len(groups) and incoming is None and not self._in_place(groups[n + 1]):
+                        incoming = self._fetch_state(groups[n + 1])
+                    self._wait_gate(g, step)
+                    self._update_resident(g, step, lr, grad_scale)
+                    self._split["gpu_in_place"] = self._split.get("gpu_in_place", 0.0) + time.perf_counter() - t0
+                    continue
+                if incoming is None:
+                    incoming = self._fetch_state(g)
+                work, reads = incoming
+                self.store.wait(reads, "optimizer_fetch")
+                incoming = None
+                if n + 1 < len(groups) and not self._in_place(groups[n + 1]):
+                    leaving.result()  # bounds the GPU memory in use to three groups
+                    incoming = self._fetch_state(groups[n + 1])
+                self._wait_gate(g, step)
+                places = self.guard.allocate(g, step, self.state_names(g)) if self.guard is not None else None
+                if self.guard is not None and places is None:  # no room to write it out of place
+                    if self.cpu_takes_over:
+                        handed.append(self.update_on_cpu([g], step, lr, grad_scale))
+                    continue  # (``leaving`` stays the last group's flip: flips finish in order)
+                leaving = self._update_streamed(g, work, step, lr, grad_scale, places)
+                self._split["gpu_path"] += time.perf_counter() - t0
+            leaving.result()
+            for f in handed:
+                f.result()
+
+    def _in_place(self, g: Group) -> bool:
+        return g in self.resident and self.guard is None
+
+    def _update_resident(self, g: Group, step: int, lr: float, grad_scale: float | None) -> None:
+        """AdamW of a group whose whole state lives in HBM, in place on the optimizer's stream; its version
+        moves on once the kernels have run."""
+        store, cat, pk = self.store, self.store.catalog, self.p_kind
+        lists, params, masters, moments, kinds = self._resident_work(g)
+        for e, t in moments:
+            if not e.valid:
+                t.zero_()
+        self._adamw(lists, step, lr, grad_scale, store.device)
+        if self.has_master:
+            torch._foreach_copy_(params, masters)
+        check = self._check(params if self.has_master else lists[True][0] + lists[False][0])
+        if self._stream is not None:
+            host_sync(self._stream)
+        for k in (pk, *MOMENTS, "param"):
+            if k in kinds:
+                store.mark_valid(g, k)
+        if self._nonfinite(check):
+            raise NonFiniteUpdate(step, g)
+        cat.bump(g, to=step)
+        self._home(g, step, done_future())
+
+    def _resident_work(self, g: Group):
+        """What an update of a group living in HBM computes on: the fused AdamW's lists by weight decay, the
+        compute copy's params and masters, each moment's (entry, view), and the kinds. Built from the store's
+        views once and kept while the tensors stay where they are: a mixture-of-experts layer has hundreds of
+        tensors, and building their views each step held the interpreter for tens of milliseconds a group
+        beside the next forward's kernel launches."""
+        store, cat, pk = self.store, self.store.catalog, self.p_kind
+        kinds = [k for k in (pk, "grad", *MOMENTS, "param") if cat.group_entries(g, k)]
+        where = tuple((e.tier, e.extent.offset) for k in kinds for e in cat.group_entries(g, k))
+        kept = self._resident_work_of.get(g)
+        if kept is not None and kept[0] == where:
+            for k in kinds:
+                store.settle(g, k)
+            return kept[1]
+        views = {k: store.gpu_views(g, k) for k in kinds}
+        lists = {True: ([], [], [], []), False: ([], [], [], [])}
+        moments = []
+        for e in cat.group_entries(g, pk):
+            base = self._base(e.spec.name)
+            row = [views[pk][e.spec.name], views["grad"][state_name(base, "grad")]]
+            for k in MOMENTS:
+                name = state_name(base, k)
+                moments.append((cat[name], views[k][name]))
+                row.append(views[k][name])
+            for lst, t in zip(lists[self.decay.get(base, True)], row):
+                lst.append(t)
+        params, masters = [], []
+        if self.has_master:
+            for e in cat.group_entries(g, "param"):
+                params.append(views["param"][e.spec.name])
+                masters.append(views["master"][state_name(e.spec.name, "master")])
+        work = (lists, params, masters, moments, set(kinds))
+        self._resident_work_of[g] = (where, work)
+        return work
+
+    def _fetch_state(self, g: Group):
+        store, dev = self.store, self.store.device
+        work, reads = {}, []
+        offered = store.take_offer(g, "grad")
+        if offered is not None:
+            grads, ready = offered
+            if ready is not None:
+                torch.cuda.current_stream(dev).wait_event(ready)
+            work.update(grads)
+        for k in (self.p_kind, "grad", *MOMENTS):
+            if k == "grad" and offered is not None:
+                continue
+            entries = store.catalog.group_entries(g, k)
+            if self.guard is None and entries and all(e.tier == self.hbm for e in entries):
+                views = store.gpu_views(g, k)  # (it lives in HBM: updated where it is, nothing copied)
+                for e in entries:
+                    if k in MOMENTS and not e.valid:
+                        views[e.spec.name].zero_()
+                    work[e.spec.name] = views[e.spec.name]
+                continue
+            for e in entries:
+                t = torch.empty(e.spec.shape, dtype=e.spec.dtype, device=dev)
+                if k in MOMENTS and not e.valid:
+                    t.zero_()
+                else:
+                    reads.append(store.read(e.spec.name, out=t, bulk=True))
+                work[e.spec.name] = t
+        return work, all_of(reads)
+
+    def _update_streamed(self, g: Group, work, step: int, lr: float, grad_scale: float | None,
+                         places: dict | None) -> cf.Future:
+        store, cat, pk, dev = self.store, self.store.catalog, self.p_kind, self.store.device
+        lists = {True: ([], [], [], []), False: ([], [], [], [])}
+        for e in cat.group_entries(g, pk):
+            base = self._base(e.spec.name)
+            row = [work[state_name(base, k)] for k in (pk, "grad", *MOMENTS)]
+            for lst, t in zip(lists[self.decay.get(base, True)], row):
+                lst.append(t)
+        self._adamw(lists, step, lr, grad_scale, dev)
+        if self.has_master:
+            params = {e.spec.name: work[state_name(e.spec.name, "master")].to(e.spec.dtype)
+                      for e in cat.group_entries(g, "param")}
+        check = self._check(params.values() if self.has_master else lists[True][0] + lists[False][0])
+        computed = None
+        if check is not None and check[0].is_cuda:  # (read once the event says the kernel ran: no wait here)
+            computed = torch.cuda.Event()
+            computed.record()
+        if self._stream is not None and any(cat[n].tier == self.hbm for n in work):  # (updated in HBM, in place: done
+            host_sync(self._stream)  # before the version says so, as nothing is copied home after it)
+        if self.has_master:
+            home = store.store_group(g, "param", params)
+            if self.offer_params:
+                store.offer(g, "param", params)  # the next forward copies them on the GPU, not over PCIe
+        if self.guard is not None:  # out of place: a crash leaves the old state whole; redo recomputes param
+            if self.has_master:  # the next forward may use the new weights once home, before the flip
+                home.add_done_callback(lambda f: f.exception() is None and cat.params_ready(g, step))
+            landed = store.write_elsewhere({n: work[n] for n in places}, places, bulk=True)
+
+            def flip(home=home if self.has_master else None):
+                landed.result()
+                if home is not None:
+                    home.result()
+                self.guard.flip(g, step, places)
+                if computed is not None:
+                    computed.synchronize()
+                if self._nonfinite(check):  # (journaled whole: a recovery does not redo it)
+                    raise NonFiniteUpdate(step, g)
+                cat.bump(g, to=step)
+
+            return self._flips.submit(flip)  # the loop waits on it before fetching the group after next
+        back = [store.store_group(g, k, {e.spec.name: work[e.spec.name] for e in cat.group_entries(g, k)},
+                                  bulk=True) for k in (pk, *MOMENTS)]
+        (home if self.has_master else back[0]).result()
+        if computed is not None:
+            computed.synchronize()
+        if self._nonfinite(check):
+            raise NonFiniteUpdate(step, g)
+        cat.bump(g, to=step)
+        return self._home(g, step, all_of(back))

@@ -1,0 +1,73 @@
+"""A service's control socket: listening (the user's alone), accepting peers, serving each one's requests, and
+detaching a trainer whose connection closes. A mixin of ``tiermem.service.server.Service``."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+from tiermem.errors import UserError
+from tiermem.service import protocol
+from tiermem.service.runs import Client, label_of
+
+
+class Listening:
+    def listen(self) -> None:
+        path = self.socket_path
+        protocol.make_way(path)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            s.bind(str(path))
+        except OSError as e:
+            s.close()
+            raise UserError(f"cannot listen on {path}: {os.strerror(e.errno)}") from None
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+        s.listen(socket.SOMAXCONN)  # many peers at once wait to be accepted, not refused
+        self._listener = s
+        threading.Thread(target=self._accept, name="tiermem-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._stopping:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="tiermem-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        client = Client(conn)
+        try:
+            uid = protocol.peer_uid(conn)
+            if not protocol.peer_allowed(uid):
+                client.send({"id": None, "ok": False, "error": f"refused: uid {uid} is not the service's user"})
+                return
+            while not self._stopping:
+                try:
+                    msg = protocol.recv(conn)
+                except protocol.ProtocolError as e:
+                    client.send({"id": None, "ok": False, "error": f"bad message: {e}"})
+                    return
+                if msg is None:
+                    return
+                client.send(self.dispatch(client, msg))
+        except OSError:
+            pass
+        finally:
+            with self.lock:
+                run = self.run
+                lost_peer = run is not None and run.peers.get(client.rank) is client and not client.done
+                if run is not None and (run.trainer is client or lost_peer):
+                    self._detach(run)
+                    who = f"rank {client.rank}" if lost_peer else "trainer"
+                    self.say(f"{who} pid {client.pid} detached from "
+                             f"run {label_of(run)} (step {run.state.committed} committed)"
+                             + ("; the run's other ranks with it" if lost_peer or run.world > 1 else ""))
+                    if not run.state.initialized:  # nothing of value yet: do not block other runs
+                        self._close_run(keep=False)
+                elif run is not None and run.peers.get(client.rank) is client:
+                    del run.peers[client.rank]  # (done: its share of the last update is whole)
+            conn.close()
