@@ -3,6 +3,7 @@ every way to give it with its figure, for a run whose state or activations do no
 
 from __future__ import annotations
 
+import os
 import shutil
 
 from tiermem.plan.workload import Workload
@@ -13,11 +14,12 @@ from tiermem.tiers.base import DEVICE, HOST, STORAGE
 
 def disk_free(path) -> int | None:
     """Free bytes of the disk ``path`` (or its nearest existing parent) lies on; None when unknown."""
-    from tiermem.plan.placement import existing_parent
-
     try:
-        return shutil.disk_usage(existing_parent(str(path))).free
-    except (OSError, TypeError):
+        where = os.path.abspath(os.path.expanduser(str(path)))
+        while not os.path.isdir(where) and where != os.path.dirname(where):
+            where = os.path.dirname(where)
+        return shutil.disk_usage(where).free
+    except (OSError, TypeError, ValueError):
         return None
 
 
