@@ -265,3 +265,76 @@ def test_a_flipped_model_shard_checked_in_the_background_stops_the_resume_before
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "model.safetensors does not match its checksum" in err, err
     assert not (out / "trainer_log.jsonl").exists()
+
+
+# -- config files: the one YAML loader (tiermem.yamlfile) --------------------------------------------------------
+
+@pytest.fixture
+def bare(tmp_path):
+    """A config whose problems are found before any model or data is read (none is there)."""
+    cfg = {"model_name_or_path": str(tmp_path / "model"), "dataset": "toy", "dataset_dir": str(tmp_path / "data"),
+           "output_dir": str(tmp_path / "out"), "max_steps": 2,
+           "tiermem": {"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}}}}
+    return tmp_path, cfg
+
+
+LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
+
+
+def test_a_billion_laughs_is_refused_as_it_is_read(bare, capsys):
+    """Nine aliases of nine: a billion strings once expanded (what writes or prints the config walks them all)."""
+    tmp, cfg = bare
+    raw = (yaml.safe_dump(cfg) + LAUGHS.replace("a: &a", "lora_a: &a")).encode()
+    expect_one_line(capsys, run(tmp, cfg, raw=raw), "train.yaml", "aliases expanded", out=tmp / "out")
+
+
+def test_a_billion_laughs_in_an_override_and_a_recursive_alias(bare, capsys):
+    tmp, cfg = bare
+    expect_one_line(capsys, run(tmp, cfg, "template=" + _nested_bomb()), "bad override 'template=[&l0",
+                    "aliases expanded", out=tmp / "out")
+    expect_one_line(capsys, run(tmp, cfg, "template=&r [*r]"), "recursive", out=tmp / "out")
+    expect_one_line(capsys, run(tmp, cfg, "template=" + "[" * 200 + "]" * 200), "nested more than", out=tmp / "out")
+
+
+def _nested_bomb() -> str:
+    """A flow-style billion laughs: each level a list of nine aliases of the one before."""
+    text = "[&l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"
+    for i in range(1, 10):
+        text += f", &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]"
+    return text + "]"
+
+
+def test_a_key_given_twice_is_refused_naming_both_lines(bare, capsys):
+    tmp, cfg = bare
+    raw = (yaml.safe_dump(cfg) + "learning_rate: 1e-5\nseed: 1\nlearning_rate: 2e-5\n").encode()
+    text = raw.decode().splitlines()
+    first, second = [i + 1 for i, line in enumerate(text) if line.startswith("learning_rate")]
+    expect_one_line(capsys, run(tmp, cfg, raw=raw), "'learning_rate' is given twice", f"lines {first} and {second}",
+                    out=tmp / "out")
+
+
+def test_a_key_given_twice_in_a_tiermem_config_file(bare, capsys):
+    tmp, cfg = bare
+    (tmp / "store.yaml").write_text("tiers:\n  dram: {budget: 64MiB}\n  dram: {budget: 1GiB}\n")
+    expect_one_line(capsys, run(tmp, dict(cfg, tiermem=str(tmp / "store.yaml"))), "store.yaml", "'dram' is given twice",
+                    out=tmp / "out")
+
+
+def test_a_merge_key_overridden_is_no_duplicate(bare):
+    from trainer.config import load_train_config
+
+    tmp, cfg = bare
+    raw = yaml.safe_dump({k: v for k, v in cfg.items() if k != "tiermem"}) + (
+        "tiermem:\n  tiers:\n    dram: {budget: 64MiB}\n"
+        "    gpu:\n      <<: {device: cuda, slots: 2}\n      device: cpu\n")
+    (tmp / "train.yaml").write_text(raw)
+    cfg = load_train_config(tmp / "train.yaml")
+    assert cfg.tiermem["tiers"]["gpu"] == {"device": "cpu", "slots": 2}
+
+
+def test_a_fifo_as_the_config_file_is_refused_without_waiting(bare, capsys):
+    tmp, _ = bare
+    os.mkfifo(tmp / "train.yaml")
+    expect_one_line(capsys, main([str(tmp / "train.yaml")]), "train.yaml", "not a regular file")
+    expect_one_line(capsys, main(["/dev/zero"]), "/dev/zero", "not a regular file")

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tiermem.errors import ConfigError, nearest
-from tiermem.schema import load_dataclass, read_yaml
+from tiermem.schema import load_dataclass
 from tiermem.sizes import parse_size
+from tiermem.yamlfile import read_yaml
 
 KINDS = ("param", "grad", "master", "exp_avg", "exp_avg_sq")
 MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's two moments, fp32

@@ -128,30 +128,6 @@ def load_dataclass(cls: type, data: dict[str, Any], where: str = "", problems: l
     return cls(**kwargs)
 
 
-def read_yaml(path, what: str = "config file") -> dict:
-    """A YAML file's top-level mapping (an empty file is an empty mapping), or a one-line ConfigError."""
-    from pathlib import Path
-
-    import yaml
-
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{what} not found: {p}")
-    try:
-        data = yaml.safe_load(p.read_bytes().decode())
-    except UnicodeDecodeError:
-        raise ConfigError(f"{p}: not a text file (YAML must be UTF-8 text)") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{p}: not valid YAML{at}: {getattr(e, 'problem', e)}") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: expected a mapping of keys to values at the top level")
-    return data
-
-
 def to_plain(obj: Any) -> Any:
     """A dataclass tree as plain dicts/lists, for writing the resolved config."""
     if dataclasses.is_dataclass(obj):

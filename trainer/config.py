@@ -21,7 +21,8 @@ from typing import Any, Literal
 import yaml
 
 from tiermem.errors import ConfigError, ConfigProblems, nearest
-from tiermem.schema import load_dataclass, read_yaml, to_plain
+from tiermem.schema import load_dataclass, to_plain
+from tiermem.yamlfile import load_yaml, read_yaml
 from trainer.config_keys import KEYS, REFUSED_VALUES
 
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
@@ -127,9 +128,10 @@ def _parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
         if not sep or not key:
             raise ConfigError(f"bad override {item!r}: expected key=value (e.g. learning_rate=2e-5)")
         try:
-            parsed = yaml.safe_load(value) if value else None
-        except yaml.YAMLError:
-            raise ConfigError(f"bad override {item!r}: the value is not valid YAML") from None
+            parsed = load_yaml(value, f"override {key.strip()}") if value else None
+        except ConfigError as e:
+            shown = item if len(item) <= 80 else item[:77] + "..."
+            raise ConfigError(f"bad override {shown!r}: {str(e).split(': ', 1)[1]}") from None
         out.append((key.strip(), parsed))
     return out
 

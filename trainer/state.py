@@ -10,9 +10,9 @@ import torch
 
 from tiermem.config import MOMENTS, StoreConfig, load_store_config
 from tiermem.plan.resolve import resolve_auto
-from tiermem.schema import read_yaml
 from tiermem.store.catalog import TensorSpec, state_name
 from tiermem.tiers.dram import check_budget
+from tiermem.yamlfile import read_yaml
 from trainer.model.weights import all_weights
 
 
