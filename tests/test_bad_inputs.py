@@ -338,3 +338,128 @@ def test_a_fifo_as_the_config_file_is_refused_without_waiting(bare, capsys):
     os.mkfifo(tmp / "train.yaml")
     expect_one_line(capsys, main([str(tmp / "train.yaml")]), "train.yaml", "not a regular file")
     expect_one_line(capsys, main(["/dev/zero"]), "/dev/zero", "not a regular file")
+
+
+# -- the generator: every key of the config table with hostile values ---------------------------------------------
+
+HOSTILE = ["null", "true", "''", "abc", '"a\\0b"', "../x", "[]", "[dram]", "{}", "{a: 1}", "0", "-1", "-1.5", "0.5",
+           "1.0e+30", str(2 ** 64), "1.0e+308", ".nan", ".inf", "-.inf"]
+
+
+def _key_table() -> list[str]:
+    """Every key tiermem-train takes: TrainConfig's fields, and the store config's as ``tiermem.`` overrides (the
+    mappings on the way to them too)."""
+    import dataclasses
+    import typing
+
+    from tiermem.config import StoreConfig
+    from trainer.config import TrainConfig
+
+    keys = [f.name for f in dataclasses.fields(TrainConfig)]
+
+    def walk(cls, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            keys.append(f"{prefix}.{f.name}")
+            inner = [t for t in (typing.get_args(hints[f.name]) or (hints[f.name],)) if dataclasses.is_dataclass(t)]
+            for t in inner:
+                walk(t, f"{prefix}.{f.name}")
+
+    walk(StoreConfig, "tiermem")
+    return keys
+
+
+def test_every_config_key_answers_hostile_values_in_one_line(bare, monkeypatch):
+    """Each key of the table with each of HOSTILE (wrong types, NaN and infinities, negatives, huge values, empty
+    strings, NUL, a path out of its directory): the config layer refuses it in one line, or takes it and then the
+    placement check (the last check before any data is read) passes or refuses it in one line: never another
+    exception, never a hang (an alarm is the safety net)."""
+    import copy
+    import signal
+    import traceback
+
+    import trainer.config as train_config
+    from tiermem.errors import UserError
+    from trainer.loop import check_placement
+    from trainer.model.config import model_config_from_dict
+
+    tmp, cfg = bare
+    (tmp / "train.yaml").write_text(yaml.safe_dump(cfg))
+    base = train_config.read_yaml(tmp / "train.yaml")
+    monkeypatch.setattr(train_config, "read_yaml", lambda path, what="": copy.deepcopy(base))  # (read once)
+    mcfg = model_config_from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 32,
+                                   "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4})
+
+    class Hang(Exception):
+        pass
+
+    def alarm(*_):
+        raise Hang
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    failures, answered = [], 0
+    try:
+        for key in _key_table():
+            for text in HOSTILE:
+                signal.alarm(20)  # (a safety net far above a case's milliseconds)
+                try:
+                    c = train_config.load_train_config(tmp / "train.yaml", [f"{key}={text}"])
+                    if not c.tiermem_server:
+                        check_placement(c, mcfg, torch.bfloat16 if c.bf16 else torch.float32)
+                except UserError as e:
+                    lines = getattr(e, "problems", None) or [str(e)]
+                    if not all(line.strip() and "\n" not in line for line in lines):
+                        failures.append(f"{key}={text}: not one line each: {lines!r}")
+                except Hang:
+                    failures.append(f"{key}={text}: still running after 20 s")
+                except Exception as e:  # noqa: BLE001 - what the test looks for
+                    where = traceback.extract_tb(e.__traceback__)[-1]
+                    failures.append(f"{key}={text}: {type(e).__name__}: {str(e)[:100]} ({where.filename}:"
+                                    f"{where.lineno})")
+                finally:
+                    signal.alarm(0)
+                answered += 1
+    finally:
+        signal.signal(signal.SIGALRM, old)
+    assert answered > 1000
+    assert not failures, f"{len(failures)} of {answered}:\n" + "\n".join(failures)
+
+
+STORE_VALUES = [
+    ("tiermem.tiers.dram.budget=.inf", "tiers.dram.budget"),
+    ("tiermem.tiers.dram.budget=.nan", "tiers.dram.budget"),
+    ("tiermem.tiers.gpu.budget=-.inf", "tiers.gpu.budget"),
+    ("tiermem.tiers=5", "tiers: expected a mapping"),
+    ("tiermem.tiers=[dram]", "tiers: expected a mapping"),
+    ("tiermem.tiers.dram=[64MiB]", "tiers.dram: expected a mapping"),
+    ('tiermem.name="a\\0b"', "name"),
+    ("tiermem.name=../x", "not a plain file name"),
+    ("tiermem.name=a/b", "not a plain file name"),
+    ("tiermem.name=..", "not a plain file name"),
+    ("tiermem.name=" + "n" * 300, "at most 200 bytes"),
+    ("tiermem.tiers.nvme={path: /tmp, threads: 0}", "tiers.nvme.threads"),
+    ("tiermem.tiers.nvme={path: /tmp, io_chunk: 0}", "tiers.nvme.io_chunk"),
+    ('tiermem.tiers.dram.path="/dev/shm\\0x"', "NUL"),
+    ("tiermem.tiers.dram.path=''", "tiers.dram.path"),
+    ('output_dir="out\\0x"', "output_dir"),
+    ("gradient_accumulation_steps=1000000000000", "gradient_accumulation_steps must be at most"),
+    ("tiermem_dist_timeout=1.0e+300", "tiermem_dist_timeout"),
+]
+
+
+@pytest.mark.parametrize("override,needle", STORE_VALUES)
+def test_bad_store_config_values(bare, capsys, override, needle):
+    tmp, cfg = bare
+    expect_one_line(capsys, run(tmp, cfg, override), needle, out=tmp / "out")
+
+
+def test_a_service_name_with_a_slash_is_refused(tmp_path, capsys):
+    from tiermem.cli import main as tiermem_main
+
+    (tmp_path / "svc.yaml").write_text(f"name: ../escaped\ntiers:\n  dram: {{budget: 64MiB, path: {tmp_path}}}\n"
+                                       f"  gpu: {{device: cpu}}\n")
+    assert tiermem_main(["serve", "--config", str(tmp_path / "svc.yaml"), "--socket", str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tiermem: error: ") and err.count("\n") == 1 and "not a plain file name" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["svc.yaml"]
+    assert not (tmp_path.parent / "escaped.arena").exists()

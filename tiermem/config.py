@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from tiermem.errors import ConfigError, nearest
+from tiermem.errors import ConfigError, nearest, shown
 from tiermem.schema import load_dataclass
 from tiermem.sizes import parse_size
 from tiermem.yamlfile import read_yaml
@@ -26,10 +26,6 @@ from tiermem.yamlfile import read_yaml
 KINDS = ("param", "grad", "master", "exp_avg", "exp_avg_sq")
 MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's two moments, fp32
 TIERS = ("gpu", "dram", "nvme")
-
-
-def _size(value: Any, where: str) -> int:
-    return parse_size(value, where)
 
 
 def _opt_size(value: Any, where: str) -> int | None:
@@ -41,6 +37,37 @@ def _device(value: Any, where: str) -> str:
     if text in ("auto", "cpu", "cuda") or (text and text.startswith("cuda:") and text[5:].isdigit()):
         return text
     raise ConfigError(f"{where}: {value!r} is not a device tiermem computes on: auto, cuda, cuda:N or cpu")
+
+
+def _threads(value: Any, where: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 1024:
+        return value
+    raise ConfigError(f"{where}: expected a number of I/O threads from 1 to 1024, got {shown(value)}")
+
+
+def _io_chunk(value: Any, where: str) -> int:
+    n = parse_size(value, where)
+    if not 4096 <= n <= 1 << 30:
+        raise ConfigError(f"{where}: expected a size from 4KiB to 1GiB (requests are split into pieces of it), got "
+                          f"{shown(value)}")
+    return n
+
+
+# what a store's name may not hold: it names files (NAME.arena, NAME.nvme, NAME.run.json, ...) in the tiers'
+# directories, so it is one plain file-name component, with room left for the longest suffix in 255 bytes
+NAME_BYTES = 200
+
+
+def _name(value: Any, where: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ConfigError(f"{where}: expected a name (letters, digits, '-', '_', '.'), got {shown(value)}")
+    name = str(value)
+    if (name in ("", ".", "..") or "/" in name or any(ord(c) < 32 or ord(c) == 127 for c in name)
+            or len(name.encode()) > NAME_BYTES):
+        raise ConfigError(f"{where}: {shown(name)} is not a plain file name: the store's files are named after it "
+                          f"in the tiers' directories (no '/', no control characters, not '.' or '..', at most "
+                          f"{NAME_BYTES} bytes)")
+    return name
 
 
 def _slots(value: Any, where: str) -> int:
@@ -77,8 +104,8 @@ class NvmeTierConfig:
     path: str | None = None
     budget: int | None = field(default=None, metadata={"convert": _opt_size})
     backend: Literal["auto", "kvikio", "posix"] = "auto"
-    threads: int = 8  # I/O threads (posix) or kvikio's thread pool size
-    io_chunk: int = field(default=16 << 20, metadata={"convert": _size})  # split large requests
+    threads: int = field(default=8, metadata={"convert": _threads})  # I/O threads (posix) or kvikio's pool size
+    io_chunk: int = field(default=16 << 20, metadata={"convert": _io_chunk})  # split large requests
     direct: bool = True  # O_DIRECT where the filesystem allows it
 
 
@@ -141,7 +168,8 @@ class StoreConfig:
     tiers: TiersConfig = field(default_factory=TiersConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     placement: str | dict[str, str] = field(default="auto", metadata={"convert": _placement})
-    name: str | None = None  # names the arena and NVMe files; default tiermem-<pid>
+    name: str | None = field(default=None, metadata={"convert": _name})  # names the arena and NVMe files;
+    # default tiermem-<pid>
     probe: str | None = None  # a `tiermem probe --save` file the planner reads (None: a quick probe at start)
 
     def pins(self) -> dict[str, str]:
@@ -167,6 +195,9 @@ def load_store_config(source: str | Path | dict[str, Any] | None, where: str = "
         if tier == "nvme" and cfg.tiers.nvme is None:
             raise ConfigError(f"placement puts '{kind}' on nvme but tiers.nvme is not configured; "
                               "add tiers: {nvme: {path: DIR, budget: SIZE}}")
+    if not cfg.tiers.dram.path:
+        raise ConfigError("tiers.dram.path: expected the directory of the arena file (a tmpfs such as /dev/shm), or "
+                          "anonymous")
     if cfg.tiers.nvme is not None and not cfg.tiers.nvme.path:
         raise ConfigError("tiers.nvme.path is required: the directory that holds the NVMe tier's files")
     return cfg

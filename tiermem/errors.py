@@ -40,3 +40,9 @@ def nearest(name: str, valid: list[str] | tuple[str, ...] | set[str]) -> str:
     """A ' (did you mean X?)' hint for an unknown name, or '' when nothing is close."""
     match = difflib.get_close_matches(name, sorted(valid), n=1, cutoff=0.5)
     return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def shown(value, limit: int = 80) -> str:
+    """``repr(value)`` for a one-line message, cut to about ``limit`` characters (a config value may be large)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

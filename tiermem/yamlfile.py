@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from tiermem.errors import ConfigError
+from tiermem.errors import ConfigError, shown
 
 MAX_BYTES = 1 << 20  # a training YAML is a few KiB
 MAX_NODES = 100_000  # values, aliases expanded; a config holds hundreds
@@ -122,6 +122,8 @@ def read_text(p: Path, what: str, limit: int) -> str:
         raise ConfigError(f"{what} not found: {p}") from None
     except OSError as e:
         raise ConfigError(f"{what} {p} cannot be read: {e.strerror}") from None
+    except ValueError:  # (a NUL in the path)
+        raise ConfigError(f"{what} {shown(str(p))} is not a path: it holds a NUL character") from None
     if not stat.S_ISREG(st.st_mode):
         raise ConfigError(f"{what} {p} is not a regular file")
     if st.st_size > limit:

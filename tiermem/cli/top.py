@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import timedelta
 from pathlib import Path
 
 from rich.console import Group
@@ -25,7 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tiermem.errors import UserError
-from tiermem.sizes import format_size
+from tiermem.sizes import format_duration, format_size
 
 KIND_MARK = {"param": ("P", "cyan"), "grad": ("G", "magenta"), "master": ("M", "green"),
              "exp_avg": ("1", "yellow"), "exp_avg_sq": ("2", "blue")}
@@ -77,10 +76,6 @@ def _bar(by_kind: dict[str, int], capacity: int) -> Text:
         used_cells += cells
     t.append("." * (BAR - used_cells), style="dim")
     return t
-
-
-def _hms(seconds) -> str:
-    return str(timedelta(seconds=int(seconds))) if seconds is not None else "-"
 
 
 def _alive(pid) -> bool:
@@ -147,11 +142,11 @@ def render(snap: dict, ceiling: dict[str, float] | None = None):
     head = Text(f"tiermem top — {store.get('store', '?')} (pid {snap.get('pid', '?')})", style="bold")
     if total and run.get("finished"):
         head.append(f"   finished: step {step or 0}/{total}, train_loss {run.get('train_loss', float('nan')):.4f}, "
-                    f"trained in {_hms(run.get('train_runtime'))}")
+                    f"trained in {format_duration(run.get('train_runtime'))}")
     elif total:
         layer = run.get("layer")
         head.append(f"   step {step or 0}/{total} ({(step or 0) / total:.0%})   phase {run.get('phase', '-')}"
-                    + (f", layer {layer}" if layer is not None else "") + f"   ETA {_hms(run.get('eta_s'))}")
+                    + (f", layer {layer}" if layer is not None else "") + f"   ETA {format_duration(run.get('eta_s'))}")
         if "service" not in snap and not _alive(snap.get("pid")):
             head.append(f"   stopped: pid {snap.get('pid')} is gone before the run finished", style="red")
     parts.append(head)
