@@ -463,3 +463,12 @@ def test_a_service_name_with_a_slash_is_refused(tmp_path, capsys):
     assert err.startswith("tiermem: error: ") and err.count("\n") == 1 and "not a plain file name" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["svc.yaml"]
     assert not (tmp_path.parent / "escaped.arena").exists()
+
+
+@pytest.mark.parametrize("where", ["under a file", "a file"])
+def test_an_unwritable_logging_dir_is_refused_before_anything_is_written(setup, capsys, where):
+    tmp, _, cfg = setup
+    (tmp / "afile").write_text("x")
+    logs = tmp / "afile" / "logs" if where == "under a file" else tmp / "afile"
+    expect_one_line(capsys, run(tmp, dict(cfg, report_to="tensorboard", logging_dir=str(logs))), "logging_dir",
+                    str(tmp / "afile"), out=tmp / "out")

@@ -48,7 +48,7 @@ from trainer.plan_watch import PlanWatch
 from trainer.report import Reporter, plot_loss
 from trainer.schedule import lr_factor, warmup_steps
 from trainer.state import explicit_gpu_share, state_specs, store_config, wants_cuda
-from trainer.tensorboard import open_writer
+from trainer.tensorboard import check_logging_dir, open_writer
 from trainer.weights_io import check_weight_files, export_model, import_weights, init_weights
 from trainer.when import eval_due, save_due, saves
 
@@ -136,6 +136,7 @@ def prepare(cfg: TrainConfig, console: Console, say, world: World | None = None)
     # an attached run picks its checkpoint once the service has said whether it holds the run
     resume = None if cfg.tiermem_server else _checked_resume(cfg, out, mcfg, model_dir,
                                                              loads=not (world.several and world.local_rank))
+    check_logging_dir(cfg)
     if cfg.plot_loss:
         try:
             import matplotlib  # noqa: F401
