@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-BASICS = {"tiermem", "tiermem.errors", "tiermem.sizes", "tiermem.schema", "tiermem.yamlfile", "tiermem.futures",
+BASICS = {"tiermem", "tiermem.errors", "tiermem.sizes", "tiermem.schema", "tiermem.yamlfile", "tiermem.files",
+          "tiermem.futures",
           "tiermem.config", "tiermem.faults"}
 
 # part -> prefixes of the modules it must not import

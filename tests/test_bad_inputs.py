@@ -472,3 +472,190 @@ def test_an_unwritable_logging_dir_is_refused_before_anything_is_written(setup, 
     logs = tmp / "afile" / "logs" if where == "under a file" else tmp / "afile"
     expect_one_line(capsys, run(tmp, dict(cfg, report_to="tensorboard", logging_dir=str(logs))), "logging_dir",
                     str(tmp / "afile"), out=tmp / "out")
+
+
+# -- the model directory: config.json, tokenizer files, the weights' index --------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def text_model(tmp_path):
+    """The quickstart's tiny Llama (a real tokenizer; random weights) and a few lines of text to pretrain on."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(ROOT / "models" / "tiny-llama", model)
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(ROOT / "data" / "demo_pt.txt", data / "pt.txt")
+    (data / "dataset_info.json").write_text(json.dumps({"pt": {"file_name": "pt.txt", "columns": {"prompt": "text"}}}))
+    cfg = {"model_name_or_path": str(model), "dataset": "pt", "dataset_dir": str(data), "stage": "pt",
+           "cutoff_len": 32, "output_dir": str(tmp_path / "out"), "max_steps": 1, "per_device_train_batch_size": 2,
+           "tiermem_init": "random", "tiermem_cache_dir": str(tmp_path / "cache"),
+           "tiermem": {"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}}}}
+    return tmp_path, model, cfg
+
+
+def _change_json(path: Path, **changes):
+    data = json.loads(path.read_text())
+    for k, v in changes.items():
+        if v is _DROP:
+            data.pop(k, None)
+        else:
+            data[k] = v
+    path.write_text(json.dumps(data))
+
+
+_DROP = object()
+MODEL_CHANGES = [  # (what, config.json changes, tokenizer_config.json changes, needle)
+    ("vocab below the tokenizer's", {"vocab_size": 100}, {}, "outside the model's vocabulary"),
+    ("eos past the vocabulary", {"eos_token_id": 10 ** 6}, {"eos_token": _DROP}, "outside the model's vocabulary"),
+    ("eos_token_id []", {"eos_token_id": []}, {"eos_token": _DROP}, "no eos token"),
+    ("eos_token_id a string", {"eos_token_id": "2"}, {"eos_token": _DROP}, "eos_token_id"),
+    ("pad past the vocabulary", {"pad_token_id": 512}, {}, "pad_token_id"),
+    ("odd head_dim", {"head_dim": 33}, {}, "head_dim 33 is odd"),
+    ("string numbers", {"hidden_size": "128"}, {}, "hidden_size"),
+    ("a string for a bool", {"tie_word_embeddings": "false"}, {}, "tie_word_embeddings"),
+    ("max_position_embeddings null", {"max_position_embeddings": None}, {}, "max_position_embeddings"),
+    ("rope_theta a word", {"rope_theta": "abc"}, {}, "rope_theta"),
+    ("sliding_window a word", {"architectures": ["MistralForCausalLM"], "sliding_window": "abc"}, {}, "sliding_window"),
+    ("10 million layers", {"num_hidden_layers": 10 ** 7}, {}, "num_hidden_layers 10,000,000"),
+    ("a vast hidden size", {"hidden_size": 10 ** 9}, {}, "2**35"),
+    ("a million experts", {"architectures": ["MixtralForCausalLM"], "num_local_experts": 10 ** 6}, {}, "weights"),
+]
+
+
+@pytest.mark.parametrize("what,config,tok_config,needle", MODEL_CHANGES, ids=[c[0] for c in MODEL_CHANGES])
+def test_bad_model_settings_are_refused_in_one_line(text_model, capsys, what, config, tok_config, needle):
+    tmp, model, cfg = text_model
+    _change_json(model / "config.json", **config)
+    _change_json(model / "tokenizer_config.json", **tok_config)
+    expect_one_line(capsys, run(tmp, cfg), needle, out=tmp / "out")
+
+
+def test_a_generic_config_of_10_million_layers_is_refused_at_once(text_model, capsys):
+    """transformers' config class of Gemma 2 lists its layers' kinds (45 s for 10 million, before the model)."""
+    tmp, model, cfg = text_model
+    _change_json(model / "config.json", architectures=["Gemma2ForCausalLM"], model_type="gemma2",
+                 num_hidden_layers=10 ** 7)
+    expect_one_line(capsys, run(tmp, cfg), "num_hidden_layers 10,000,000", out=tmp / "out")
+
+
+def test_tiermem_plan_of_10_million_layers_answers_at_once(text_model, capsys):
+    from tiermem.cli import main as tiermem_main
+
+    tmp, model, cfg = text_model
+    _change_json(model / "config.json", num_hidden_layers=10 ** 7)
+    (tmp / "train.yaml").write_text(yaml.safe_dump(cfg))
+    assert tiermem_main(["plan", str(tmp / "train.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "num_hidden_layers 10,000,000" in err, err
+
+
+def test_a_tokenizer_config_that_is_not_json(text_model, capsys):
+    tmp, model, cfg = text_model
+    (model / "tokenizer_config.json").write_text("{not json")
+    expect_one_line(capsys, run(tmp, cfg), "tokenizer_config.json", "not valid JSON", out=tmp / "out")
+    (model / "tokenizer_config.json").write_text("[1, 2]")
+    expect_one_line(capsys, run(tmp, cfg), "tokenizer_config.json", "JSON object", out=tmp / "out")
+
+
+@pytest.mark.parametrize("weight_map", [[1, 2], {"model.embed_tokens.weight": 5}, "abc", None])
+def test_a_weight_map_of_the_wrong_shape(text_model, capsys, weight_map):
+    tmp, model, cfg = text_model
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    expect_one_line(capsys, run(tmp, dict(cfg, tiermem_init="pretrained")), "model.safetensors.index.json",
+                    "weight_map", out=tmp / "out")
+
+
+# -- data files ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["dataset file", "in a dataset folder", "dataset_info.json", "config.json",
+                                   "tokenizer.json", "tokenizer_config.json"])
+def test_a_fifo_is_refused_without_waiting_for_a_writer(text_model, capsys, where):
+    tmp, model, cfg = text_model
+    data = tmp / "data"
+    if where == "dataset file":
+        (data / "pt.txt").unlink()
+        os.mkfifo(data / "pt.txt")
+    elif where == "in a dataset folder":
+        (data / "folder").mkdir()
+        os.replace(data / "pt.txt", data / "folder" / "a.txt")
+        os.mkfifo(data / "folder" / "b.txt")
+        (data / "dataset_info.json").write_text(json.dumps({"pt": {"file_name": "folder",
+                                                                   "columns": {"prompt": "text"}}}))
+    else:
+        path = (data if where == "dataset_info.json" else model) / where
+        path.unlink()
+        os.mkfifo(path)
+    named = {"dataset file": "pt.txt", "in a dataset folder": "b.txt"}.get(where, where)
+    expect_one_line(capsys, run(tmp, cfg), named, "not a regular file", out=tmp / "out")
+
+
+def test_a_device_as_a_dataset_file_is_refused(text_model, capsys):
+    tmp, _, cfg = text_model
+    (tmp / "data" / "pt.txt").unlink()
+    (tmp / "data" / "pt.txt").symlink_to("/dev/zero")
+    expect_one_line(capsys, run(tmp, cfg), "a device, not a regular file", out=tmp / "out")
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_a_line_too_long_is_refused_naming_the_file_and_line(text_model, capsys, monkeypatch, suffix):
+    """A 2 GB line had been read whole; the bound (64 Mi characters) is lowered here to keep the file small."""
+    import trainer.data.registry as registry
+
+    monkeypatch.setattr(registry, "MAX_LINE", 1000)
+    tmp, _, cfg = text_model
+    text = (tmp / "data" / "pt.txt").read_text().splitlines()
+    lines = [json.dumps({"text": t}) for t in text] if suffix == ".jsonl" else text
+    lines[2] = lines[2][:-2] + "x" * 5000 + lines[2][-2:]
+    (tmp / "data" / "pt.txt").unlink()
+    (tmp / "data" / f"pt{suffix}").write_text("\n".join(lines) + "\n")
+    (tmp / "data" / "dataset_info.json").write_text(json.dumps({"pt": {"file_name": f"pt{suffix}",
+                                                                       "columns": {"prompt": "text"}}}))
+    expect_one_line(capsys, run(tmp, cfg), f"pt{suffix}: line 3 is longer than 1,000 characters", out=tmp / "out")
+    lines[2] = lines[2][:998 - len(lines[2])] if suffix == ".txt" else lines[3]  # (at the bound: read)
+    (tmp / "data" / f"pt{suffix}").write_text("\n".join(lines) + "\n")
+    assert run(tmp, cfg) == 0
+
+
+@pytest.mark.parametrize("damage", ["garbage", "cut short", "ids past the vocabulary", "a directory"])
+def test_a_damaged_tokenized_data_cache_is_rebuilt_with_a_note(text_model, capsys, damage):
+    import numpy as np
+
+    tmp, _, cfg = text_model
+    assert run(tmp, dict(cfg, output_dir=str(tmp / "first"))) == 0
+    (cached,) = (tmp / "cache" / "datasets").glob("*.npz")
+    capsys.readouterr()
+    good = cached.read_bytes()
+    if damage == "garbage":
+        cached.write_bytes(bytes(random.Random(3).randrange(256) for _ in range(2000)))
+    elif damage == "cut short":
+        cached.write_bytes(good[: len(good) // 2])
+    elif damage == "ids past the vocabulary":
+        with np.load(cached) as z:
+            arrays = dict(z)
+        arrays["ids"] = arrays["ids"] + 10 ** 6
+        np.savez(cached.with_suffix(""), **arrays)
+    else:
+        cached.unlink()
+        cached.mkdir()
+    assert run(tmp, cfg) == 0
+    out = capsys.readouterr().out
+    assert "note: the tokenized-data cache" in out and "is damaged" in out and "rebuilding it" in out, out
+    assert "(from the cache)" not in out
+    if damage != "a directory":
+        assert cached.read_bytes() == good and not list(cached.parent.glob("*.tmp*"))
+
+
+def test_the_cache_is_fsynced_before_it_takes_its_name(tmp_path, monkeypatch):
+    from trainer.data import prepare
+
+    order = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: order.append("fsync") or real_fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda a, b: order.append("replace") or real_replace(a, b))
+    prepare._save(tmp_path / "c.npz", prepare.Rows([[1, 2, 3]], [None], sources=["x"]))
+    assert order == ["fsync", "replace"]
+    assert prepare._load(tmp_path / "c.npz", 10).input_ids == [[1, 2, 3]]

@@ -12,13 +12,12 @@ key that overrides one merged in with ``<<`` is not a duplicate.
 
 from __future__ import annotations
 
-import os
-import stat
 from pathlib import Path
 
 import yaml
 
-from tiermem.errors import ConfigError, shown
+from tiermem.errors import ConfigError
+from tiermem.files import read_text
 
 MAX_BYTES = 1 << 20  # a training YAML is a few KiB
 MAX_NODES = 100_000  # values, aliases expanded; a config holds hundreds
@@ -112,33 +111,3 @@ def read_yaml(path, what: str = "config file") -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: expected a mapping of keys to values at the top level")
     return data
-
-
-def read_text(p: Path, what: str, limit: int) -> str:
-    """The UTF-8 text of the regular file ``p`` of at most ``limit`` bytes, or a one-line ConfigError."""
-    try:
-        st = p.stat()
-    except FileNotFoundError:
-        raise ConfigError(f"{what} not found: {p}") from None
-    except OSError as e:
-        raise ConfigError(f"{what} {p} cannot be read: {e.strerror}") from None
-    except ValueError:  # (a NUL in the path)
-        raise ConfigError(f"{what} {shown(str(p))} is not a path: it holds a NUL character") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise ConfigError(f"{what} {p} is not a regular file")
-    if st.st_size > limit:
-        raise ConfigError(f"{p}: {st.st_size:,} bytes is too large for a {what} (at most {limit:,})")
-    try:
-        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)  # (replaced by a FIFO since the check: no wait for a writer)
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise ConfigError(f"{what} {p} is not a regular file")
-            raw = f.read(limit + 1)
-    except OSError as e:
-        raise ConfigError(f"{what} {p} cannot be read: {e.strerror}") from None
-    if len(raw) > limit:
-        raise ConfigError(f"{p}: too large for a {what} (at most {limit:,} bytes)")
-    try:
-        return raw.decode()
-    except UnicodeDecodeError:
-        raise ConfigError(f"{p}: not a text file (a {what} must be UTF-8 text)") from None

@@ -807,7 +807,7 @@ def prepare_data(cfg: TrainConfig, mcfg, model_dir: Path, console: Console):
         with _bar(console) as bar:
             task = bar.add_task(f"tokenizing {what}", total=None)
             rows = load_rows(names, cfg, mcfg, model_dir, lambda n: bar.advance(task, n),
-                             lambda text: bar.update(task, description=f"tokenizing {what} ({text})"))
+                             lambda text: bar.update(task, description=f"tokenizing {what} ({text})"), say)
         say(f"{what}: {len(rows)} rows from {', '.join(rows.sources)}"
             + (" (from the cache)" if rows.from_cache else "")
             + (f"; {rows.dropped} dropped with nothing to predict" if rows.dropped else "")
@@ -854,7 +854,9 @@ def evaluate(executor: Executor, rows: Rows, cfg: TrainConfig, mcfg, version: in
 
 
 def _pad_id(mcfg) -> int:
-    return mcfg.pad_token_id if mcfg.pad_token_id is not None else 0
+    """The id padded positions take (any id of the vocabulary: they are masked out of the loss and of attention)."""
+    pad = mcfg.pad_token_id
+    return pad if pad is not None and 0 <= pad < mcfg.vocab_size else 0
 
 
 def _describe_store(store: Store, say) -> None:

@@ -5,6 +5,7 @@ line of ids per example (`{"input_ids": [...], "labels": [...]}`), for scripts."
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from trainer.config import TrainConfig
@@ -16,7 +17,7 @@ def preview(cfg: TrainConfig, n: int, ids_only: bool = False, out=print) -> None
 
     model_dir = Path(cfg.model_name_or_path)
     mcfg = model_config(model_dir, cfg)
-    rows = load_rows(cfg.dataset, cfg, mcfg, model_dir)
+    rows = load_rows(cfg.dataset, cfg, mcfg, model_dir, note=lambda line: print(line, file=sys.stderr))
     examples = [(ids, ids if labels is None else labels) for ids, labels in zip(rows.input_ids, rows.labels)][:n]
     if ids_only:
         for ids, labels in examples:

@@ -21,6 +21,7 @@ import struct
 from pathlib import Path
 
 from tiermem.errors import UserError
+from tiermem.files import kind_of
 
 MAX_MESSAGE = 8 << 20  # a 70B model's layout is ~0.3 MiB of JSON; anything near this is not ours
 MAX_DEPTH = 64  # ours nest 5 deep at most
@@ -130,7 +131,8 @@ def make_way(path: Path) -> None:
     except OSError as e:
         raise UserError(f"cannot listen on {path}: {os.strerror(e.errno)}") from None
     if not stat.S_ISSOCK(st.st_mode):
-        raise UserError(f"cannot listen on {path}: {_kind(st.st_mode)} is there; remove it or choose another --socket")
+        raise UserError(f"cannot listen on {path}: {kind_of(st.st_mode)} is there; remove it or choose another "
+                        "--socket")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(2)
     try:
@@ -144,15 +146,6 @@ def make_way(path: Path) -> None:
     finally:
         s.close()
     raise UserError(f"a tiermem service is already listening on {path}")
-
-
-def _kind(mode: int) -> str:
-    for test, what in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
-                       (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a device"),
-                       (stat.S_ISBLK, "a device")):
-        if test(mode):
-            return what
-    return "something other than a socket"
 
 
 def default_socket() -> Path:
