@@ -659,3 +659,50 @@ def test_the_cache_is_fsynced_before_it_takes_its_name(tmp_path, monkeypatch):
     prepare._save(tmp_path / "c.npz", prepare.Rows([[1, 2, 3]], [None], sources=["x"]))
     assert order == ["fsync", "replace"]
     assert prepare._load(tmp_path / "c.npz", 10).input_ids == [[1, 2, 3]]
+
+
+# -- dataset text on the user's terminal -------------------------------------------------------------------------
+
+HOSTILE_TEXT = "title\x1b]0;pwned\x07 bell\x07 back\rover [/nonsense] [bold red]red[/] :smile: \u202etxt.exe\x9b2J"
+
+
+def _hostile_dataset(tmp: Path, cfg: dict) -> dict:
+    """The text as JSON lines (a .txt file's lines end at a carriage return), the hostile one first."""
+    lines = (tmp / "data" / "pt.txt").read_text().splitlines()
+    (tmp / "data" / "pt.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"
+                                                   for t in [HOSTILE_TEXT + " " + lines[0], *lines[1:]]))
+    (tmp / "data" / "dataset_info.json").write_text(json.dumps({"pt": {"file_name": "pt.jsonl",
+                                                                       "columns": {"prompt": "text"}}}))
+    return dict(cfg, cutoff_len=128)
+
+
+def _clean(text: str) -> None:
+    for c in ("\x1b", "\x07", "\r", "\u202e", "\x9b"):
+        assert c not in text, repr(text)
+    for escaped in ("\\x1b]0;pwned\\x07", "back\\rover", "\\u202etxt.exe", "\\x9b2J"):
+        assert escaped in text, text
+    assert "[/nonsense] [bold red]red[/] :smile:" in text, text  # (as written: not rich markup, not emoji)
+
+
+def test_the_example_shown_at_start_escapes_control_characters(text_model, capsys):
+    tmp, _, cfg = text_model
+    cfg = _hostile_dataset(tmp, cfg)
+    assert run(tmp, cfg) == 0
+    out = capsys.readouterr().out
+    assert "example input" in out
+    _clean(out)
+
+
+def test_preview_escapes_control_characters(text_model, capsys):
+    tmp, _, cfg = text_model
+    cfg = _hostile_dataset(tmp, cfg)
+    assert run(tmp, cfg, "--preview", "1") == 0
+    _clean(capsys.readouterr().out)
+
+
+def test_an_error_naming_a_path_of_control_characters_stays_one_line(bare, capsys):
+    tmp, cfg = bare
+    rc = run(tmp, dict(cfg, tiermem="store\n.yaml\x1b[2J\r"))
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "\x1b" not in err and "\r" not in err, repr(err)
+    assert "store\\n.yaml\\x1b[2J\\r" in err, err

@@ -19,8 +19,9 @@ import torch
 import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.text import Text
 
-from tiermem.errors import BudgetError, ConfigError, UserError
+from tiermem.errors import BudgetError, ConfigError, UserError, printable
 from tiermem.optim import AdamWConfig, OptimSettings
 from tiermem.plan.machine import Machine
 from tiermem.plan.placement import make_plan
@@ -821,6 +822,9 @@ def prepare_data(cfg: TrainConfig, mcfg, model_dir: Path, console: Console):
     return rows, eval_rows
 
 
+LINES = "\n\t"  # the control characters dataset text keeps on the terminal: the example's lines, its tabs
+
+
 def show_example(rows: Rows, model_dir: Path, say) -> None:
     """Print the first training example decoded, and the part of it that is trained (as LLaMA-Factory does)."""
     if not (Path(model_dir) / "tokenizer.json").is_file():
@@ -830,8 +834,9 @@ def show_example(rows: Rows, model_dir: Path, say) -> None:
     tok = load_tokenizer(model_dir)
     ids, labels = rows.input_ids[0], rows.labels[0]
     trained = ids if labels is None else [t for t in labels if t != -100]
-    say(f"example input ({len(ids)} tokens):\n{tok.decode(ids)}")
-    say(f"example trained part ({len(trained)} tokens):\n{tok.decode(trained)}")
+    # (as Text: the dataset's own text, "[" and ":" included, is not read as rich markup or emoji codes)
+    say(Text(f"example input ({len(ids)} tokens):\n{printable(tok.decode(ids), keep=LINES)}"))
+    say(Text(f"example trained part ({len(trained)} tokens):\n{printable(tok.decode(trained), keep=LINES)}"))
 
 
 def evaluate(executor: Executor, rows: Rows, cfg: TrainConfig, mcfg, version: int, world: World | None = None) -> float:

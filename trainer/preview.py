@@ -8,8 +8,11 @@ import json
 import sys
 from pathlib import Path
 
+from tiermem.errors import printable
 from trainer.config import TrainConfig
 from trainer.data.prepare import load_rows
+
+LINES = "\n\t"  # the control characters dataset text keeps: its lines and tabs
 
 
 def preview(cfg: TrainConfig, n: int, ids_only: bool = False, out=print) -> None:
@@ -26,8 +29,8 @@ def preview(cfg: TrainConfig, n: int, ids_only: bool = False, out=print) -> None
     decode = _decoder(model_dir)
     for i, (ids, labels) in enumerate(examples):
         trained = [t for t in labels if t != -100]
-        out(f"example {i + 1}\ninput_ids:\n{ids}\ninputs:\n{decode(ids)}\nlabel_ids:\n{labels}\n"
-            f"labels:\n{decode(trained)}")
+        out(f"example {i + 1}\ninput_ids:\n{ids}\ninputs:\n{printable(decode(ids), LINES)}\nlabel_ids:\n"
+            f"{labels}\nlabels:\n{printable(decode(trained), LINES)}")
 
 
 def _decoder(model_dir: Path):

@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from tiermem.errors import UserError
+from tiermem.errors import UserError, printable
 from tiermem.sizes import format_size, parse_size
 
 
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except UserError as e:
-        print(f"tiermem: error: {e}", file=sys.stderr)
+        print(f"tiermem: error: {printable(str(e))}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         return 130
