@@ -706,3 +706,70 @@ def test_an_error_naming_a_path_of_control_characters_stays_one_line(bare, capsy
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "\x1b" not in err and "\r" not in err, repr(err)
     assert "store\\n.yaml\\x1b[2J\\r" in err, err
+
+
+# -- tiermem's commands: service frames, stats files, arguments ---------------------------------------------------
+
+def test_a_progress_frame_with_strings_where_numbers_go_is_refused(tmp_path):
+    """The service had stored a trainer's progress as it came: a string for a number then broke `stats
+    --prometheus` and `top` for everyone watching. The request parser refuses it; a good frame is kept and shown."""
+    from tests.test_service import _unit_service, ok
+    from tiermem.cli.metrics import prometheus
+    from tiermem.cli.top import render
+
+    svc, client, _, theirs, hello, err = _unit_service(tmp_path, 0)
+    try:
+        ok(svc.dispatch(client, hello))
+        frame = {"op": "progress", "id": 2, "run": "r1"}
+        for live, store, needle in [({"loss": "abc"}, {}, "live.loss"), ({"total_steps": [1]}, {}, "total_steps"),
+                                    ({"optimizer": {"last_update_s": "x"}}, {}, "live.optimizer.last_update_s"),
+                                    ({"split": {"compute": "1"}}, {}, "live.split"),
+                                    ({"eta_s": 10 ** 400}, {}, "eta_s"),
+                                    ({"plan": {"busy": {"cpu": "x"}}}, {}, "live.plan.busy"),
+                                    ({}, {"tiers": {"gpu": {"capacity": "big"}}}, "store.tiers.gpu.capacity"),
+                                    ({}, {"links": {"dram->gpu": {"gbps_now": "fast"}}}, "gbps_now"),
+                                    ({}, {"waits_s": {"x": "y"}}, "store.waits_s")]:
+            assert needle in err(client, dict(frame, live=live, store=store)), (live, store)
+        good = {"step": 3, "total_steps": 12, "loss": 2.5, "eta_s": 1e30, "split": {"compute": 0.1},
+                "optimizer": {"last_update_s": 0.2}}
+        ok(svc.dispatch(client, dict(frame, live=good, store={})))
+        snap = svc.snapshot()
+        assert "tiermem_train_step 3.0" in prometheus(snap)
+        from rich.console import Console
+
+        Console(file=open(os.devnull, "w")).print(render(snap))
+    finally:
+        theirs.close()
+        svc.shutdown()
+        svc.release()
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", '{"store": {"tiers": [1]}}', '{"run": {"loss": "abc"}}', "{garbled",
+                                     '{"run": {"optimizer": "fast"}}', '{"store": {"links": {"x": {"bytes": "1"}}}}'])
+@pytest.mark.parametrize("command", [["stats", "--prometheus"], ["stats"], ["top", "--once"]])
+def test_stats_of_a_file_of_the_wrong_shape(tmp_path, capsys, content, command):
+    from tiermem.cli import main as tiermem_main
+
+    (tmp_path / "tiermem_stats.json").write_text(content)
+    assert tiermem_main([*command, "--run", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tiermem: error: ") and err.count("\n") == 1 and "tiermem_stats.json" in err, err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["probe", "--reps", "0"], "--reps must be from 1"),
+    (["probe", "--reps", "-3"], "--reps must be from 1"),
+    (["serve", "--config", "{cfg}", "--metrics-port", "70000"], "--metrics-port must be a TCP port"),
+    (["serve", "--config", "{cfg}", "--metrics-port", "-1"], "--metrics-port must be a TCP port"),
+    (["serve", "--config", "{cfg}", "--socket", "{tmp}/" + "s" * 200], "the OS takes at most"),
+    (["stats", "--socket", "{tmp}/" + "s" * 200], "the OS takes at most"),
+])
+def test_bad_command_arguments(tmp_path, capsys, args, needle):
+    from tiermem.cli import main as tiermem_main
+
+    (tmp_path / "svc.yaml").write_text(f"tiers:\n  dram: {{budget: 64MiB, path: {tmp_path}}}\n  gpu: {{device: cpu}}\n")
+    args = [a.format(cfg=tmp_path / "svc.yaml", tmp=tmp_path) for a in args]
+    assert tiermem_main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tiermem: error: ") and err.count("\n") == 1 and needle in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["svc.yaml"]

@@ -19,6 +19,8 @@ def _probe(args) -> int:
     size = parse_size(args.size, "--size")
     if size < (1 << 20):
         raise UserError("--size must be at least 1MiB")
+    if not 1 <= args.reps <= 1000:
+        raise UserError(f"--reps must be from 1 to 1000 (the median of that many measurements), got {args.reps}")
     arena_size = parse_size(args.arena_size, "--arena-size") if args.arena_size else None
     if args.nvme_path:  # created when its parent exists, as tiers.nvme.path is
         from tiermem.tiers.nvme import check_directory
@@ -69,11 +71,15 @@ def _remove(arena) -> None:
 
 
 def _arenas(args) -> int:
-    from tiermem.tiers.dram import list_arenas
+    from tiermem.tiers.dram import SUFFIX, header_problem, list_arenas
 
     if args.force and not args.clean:
         raise UserError("--force goes with --clean: `tiermem arenas --clean --force`")
     arenas = list_arenas(args.dir)
+    listed = {a.path for a in arenas}
+    skipped = [p for p in sorted(Path(args.dir).glob(f"*{SUFFIX}")) if p not in listed]
+    for p in skipped:  # (one malformed file must not hide the others)
+        print(f"note: skipped {p}: {header_problem(p) or 'it changed while it was read'}")
     if not arenas:
         print(f"no tiermem arenas in {args.dir}")
     for a in arenas:
@@ -107,6 +113,12 @@ def _serve(args) -> int:
     from tiermem.service.server import serve
 
     install_from_env()
+    if args.metrics_port is not None and not 1 <= args.metrics_port <= 65535:
+        raise UserError(f"--metrics-port must be a TCP port from 1 to 65535, got {args.metrics_port}")
+    if args.socket:
+        from tiermem.service.protocol import check_socket_path
+
+        check_socket_path(args.socket)
     if args.metrics_port is not None:
         from tiermem.cli.metrics import serve_metrics
 

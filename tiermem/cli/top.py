@@ -24,6 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tiermem.errors import UserError
+from tiermem.files import read_bytes
 from tiermem.sizes import format_duration, format_size
 
 KIND_MARK = {"param": ("P", "cyan"), "grad": ("G", "magenta"), "master": ("M", "green"),
@@ -41,13 +42,23 @@ def stats_path(run_dir: str | Path) -> Path:
 
 
 def read_snapshot(run_dir: str | Path) -> dict:
+    """The snapshot an embedded run writes, checked where numbers go (one line naming what is not, never a
+    traceback in the view or the metrics)."""
+    from tiermem.store.stats import snapshot_problem
+
     p = stats_path(run_dir)
     for _ in range(5):  # the file is replaced atomically; a read can only race with a rename
         try:
-            return json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError):
+            snap = json.loads(read_bytes(p, "stats file", 64 << 20))
+            break
+        except (ValueError, RecursionError):
             time.sleep(0.05)
-    raise UserError(f"{p} cannot be read")
+    else:
+        raise UserError(f"{p} cannot be read as JSON (is it a tiermem_stats.json?)")
+    problem = snapshot_problem(snap)
+    if problem is not None:
+        raise UserError(f"{p}: not a tiermem stats snapshot: {problem}")
+    return snap
 
 
 def ceilings(probe_file: str | Path | None) -> dict[str, float]:

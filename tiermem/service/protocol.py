@@ -148,6 +148,19 @@ def make_way(path: Path) -> None:
     raise UserError(f"a tiermem service is already listening on {path}")
 
 
+# the longest path a Unix-domain socket may have (sun_path: 108 bytes on Linux, 104 on macOS, with its NUL)
+SOCKET_PATH_BYTES = 107 if os.uname().sysname == "Linux" else 103
+
+
+def check_socket_path(path: str | Path) -> Path:
+    """``path`` if a Unix socket can be bound or reached there, else one line saying why (too long for the OS)."""
+    n = len(os.fsencode(str(path)))
+    if n > SOCKET_PATH_BYTES:
+        raise UserError(f"socket path {path} is {n} bytes long; the OS takes at most {SOCKET_PATH_BYTES} for a Unix "
+                        "socket: choose a shorter --socket (or tiermem_server) path")
+    return Path(path)
+
+
 def default_socket() -> Path:
     return runtime_dir() / "tiermem.sock"
 
@@ -159,7 +172,7 @@ def server_socket(server: str | Path) -> Path:
 
 def connect(path: str | Path, timeout: float | None = 10.0) -> socket.socket:
     """A connected socket to the service at ``path``; one clear line when nobody listens there."""
-    path = Path(path)
+    path = check_socket_path(path)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
     try:

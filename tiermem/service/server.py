@@ -68,7 +68,7 @@ from tiermem.service.runs import Client, Run, label_of, newest_checkpoint, no_ro
 from tiermem.service.updates import UpdateRequests
 from tiermem.store.catalog import TensorSpec
 from tiermem.store.layout import create_store, layout_of, nvme_description, reopen_store, spec_from_json, spec_to_json
-from tiermem.store.stats import snapshot
+from tiermem.store.stats import run_problem, snapshot, store_problem
 from tiermem.tiers.dram import on_disk
 from tiermem.tiers.extents import Extent
 from tiermem.tiers.nvme import check_directory
@@ -402,6 +402,9 @@ class Service(UpdateRequests, Replacement):
         run = self._attached(client, msg)
         live = object_of(msg, "live", {"optimizer": {"split": {}}})
         store = object_of(msg, "store", {"tiers": {"gpu": {}}, "links": {}, "waits_s": {}})
+        problem = run_problem(live, "live") or store_problem(store)  # (kept, they are shown by top and stats)
+        if problem is not None:
+            raise RequestError(f"bad progress: {problem}")
         run.live, run.trainer_store = live, store
         return {}
 
@@ -468,7 +471,7 @@ class Service(UpdateRequests, Replacement):
 
     # -- serving ------------------------------------------------------------------------------------------
     def listen(self) -> None:
-        path = self.socket_path
+        path = protocol.check_socket_path(self.socket_path)
         protocol.make_way(path)
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
@@ -476,7 +479,7 @@ class Service(UpdateRequests, Replacement):
             s.bind(str(path))
         except OSError as e:
             s.close()
-            raise UserError(f"cannot listen on {path}: {os.strerror(e.errno)}") from None
+            raise UserError(f"cannot listen on {path}: {e.strerror or e}") from None
         finally:
             os.umask(old)
         os.chmod(path, 0o600)
