@@ -773,3 +773,60 @@ def test_bad_command_arguments(tmp_path, capsys, args, needle):
     err = capsys.readouterr().err
     assert err.startswith("tiermem: error: ") and err.count("\n") == 1 and needle in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["svc.yaml"]
+
+
+# -- a service that does not answer ---------------------------------------------------------------------------------
+
+@pytest.fixture
+def quick_pulse(monkeypatch):
+    """Pulses every 50 ms (a timeout may then be as short as 0.15 s): the liveness logic in milliseconds."""
+    from tiermem.service import protocol
+
+    monkeypatch.setattr(protocol, "PULSE_SECONDS", 0.05)
+    return protocol
+
+
+def test_stats_of_a_service_that_does_not_answer_ends_in_one_line(quick_pulse, capsys):
+    """A stopped service (SIGSTOP) accepts connections (the kernel queues them) and never answers: stats had waited
+    for good. A socket that listens and never reads stands in for it here."""
+    import socket
+    import tempfile
+
+    from tiermem.cli import main as tiermem_main
+
+    with tempfile.TemporaryDirectory(prefix="tm-") as d:
+        path = Path(d) / "s.sock"
+        mute = socket.socket(socket.AF_UNIX)
+        mute.bind(str(path))
+        mute.listen(8)
+        try:
+            for command in (["stats"], ["stats", "--prometheus"], ["top", "--once"]):
+                assert tiermem_main([*command, "--socket", str(path), "--timeout", "0.3"]) == 2
+                err = capsys.readouterr().err
+                assert err.count("\n") == 1 and f"the tiermem service at {path} does not answer" in err, err
+        finally:
+            mute.close()
+
+
+def test_a_busy_service_is_not_taken_for_a_stopped_one(quick_pulse, tmp_path, monkeypatch):
+    """A request the service works on for longer than the client's timeout (a commit waiting for a long update)
+    is not silence: the service pulses while it works, and the client waits for the answer."""
+    import tempfile
+    import time
+
+    from tests.test_service import _unit_service
+    from tiermem.cli.top import read_service
+    from tiermem.service.server import Service
+
+    svc, _, _, theirs, _, _ = _unit_service(tmp_path, 0)
+    slow = Service._stats
+    monkeypatch.setattr(Service, "_stats", lambda self, c, m: time.sleep(0.6) or slow(self, c, m))
+    with tempfile.TemporaryDirectory(prefix="tm-") as d:
+        svc.socket_path = Path(d) / "s.sock"
+        svc.listen()
+        try:
+            assert read_service(svc.socket_path, 0.2)["run"]["phase"].startswith("idle")
+        finally:
+            theirs.close()
+            svc.shutdown()
+            svc.release()

@@ -105,7 +105,8 @@ def _reader(args):
     if args.run:
         return lambda: read_snapshot(args.run)
     path = args.socket or default_socket()
-    return lambda: read_service(path)
+    timeout = getattr(args, "timeout", None)
+    return lambda: read_service(path, timeout)
 
 
 def _serve(args) -> int:
@@ -160,6 +161,10 @@ def _plugin(args) -> int:
     return fn(args.rest)
 
 
+TIMEOUT_HELP = ("seconds without a word from the service before giving up on it (a live one says it is alive every "
+                "second; default $TIERMEM_SERVICE_TIMEOUT or 30)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from tiermem import __version__
 
@@ -198,10 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--socket", help="a tiermem service's socket (default: this user's default socket)")
     tp.add_argument("--once", action="store_true", help="print one frame and exit")
     tp.add_argument("--probe", help="a `tiermem probe --save` file: show each link's measured ceiling")
+    tp.add_argument("--timeout", type=float, metavar="S", help=TIMEOUT_HELP)
     tp.set_defaults(fn=_top)
     st = sub.add_parser("stats", help="one snapshot of a run's store, for scripts")
     st.add_argument("--run", metavar="OUTPUT_DIR", help="the embedded run writing to OUTPUT_DIR")
     st.add_argument("--socket", help="a tiermem service's socket (default: this user's default socket)")
+    st.add_argument("--timeout", type=float, metavar="S", help=TIMEOUT_HELP)
     fmt = st.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="JSON (the default)")
     fmt.add_argument("--prometheus", action="store_true", help="Prometheus text format")

@@ -245,11 +245,12 @@ def render(snap: dict, ceiling: dict[str, float] | None = None):
     return Group(*parts)
 
 
-def read_service(socket_path) -> dict:
-    """One snapshot from a running service (``tiermem serve``)."""
+def read_service(socket_path, timeout: float | None = None) -> dict:
+    """One snapshot from a running service (``tiermem serve``); one line when it does not answer within
+    ``timeout`` seconds of silence (protocol.service_timeout)."""
     from tiermem.service.client import ServiceClient
 
-    client = ServiceClient(socket_path)
+    client = ServiceClient(socket_path, timeout)
     try:
         return client.request("stats")["snapshot"]
     finally:

@@ -25,6 +25,14 @@ from tiermem.files import kind_of
 
 MAX_MESSAGE = 8 << 20  # a 70B model's layout is ~0.3 MiB of JSON; anything near this is not ours
 MAX_DEPTH = 64  # ours nest 5 deep at most
+# Liveness. A request may take long on a live service (hello plans a run and makes its arena; commit waits for the
+# last update, and after a SIGHUP moves state between tiers; finish waits for the last update), so a client bounds
+# no request's time: it bounds the silence. The service sends ``{"ev": "alive"}`` every PULSE_SECONDS to each
+# trainer attached to it and to any peer whose request it has worked on that long; a client that hears nothing for
+# its timeout (TIERMEM_SERVICE_TIMEOUT seconds, default 30: thirty missed pulses) says the service does not answer
+# (stopped, as by SIGSTOP or a debugger, or stuck) in one line.
+PULSE_SECONDS = 1.0
+DEFAULT_TIMEOUT = 30.0
 HEADER = struct.Struct(">I")
 
 
@@ -86,6 +94,35 @@ def _depth(obj) -> int:
         inner = o.values() if isinstance(o, dict) else o
         todo.extend((v, d + 1) for v in inner if isinstance(v, (dict, list)))
     return deepest
+
+
+def service_timeout(value: float | str | None = None) -> float:
+    """Seconds of silence after which a client gives up on the service: ``value``, else $TIERMEM_SERVICE_TIMEOUT,
+    else DEFAULT_TIMEOUT; at least three pulses (a shorter one would give up on a live service)."""
+    raw = value if value is not None else os.environ.get("TIERMEM_SERVICE_TIMEOUT")
+    if raw is None or raw == "":
+        return DEFAULT_TIMEOUT
+    try:
+        seconds = float(raw)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not 3 * PULSE_SECONDS <= seconds <= 1e6:
+        raise UserError(f"the service timeout must be from {3 * PULSE_SECONDS:g} to 1e6 seconds, got {raw!r} "
+                        "(--timeout or TIERMEM_SERVICE_TIMEOUT)")
+    return seconds
+
+
+def pulse(sock: socket.socket) -> None:
+    """Send the liveness event unless the peer's receive buffer is filling (a stopped peer must not block the
+    service): a Unix socket polls writable only while it is at most a quarter full, so the small frame fits.
+    Call with the connection's send lock held."""
+    import select
+
+    try:
+        if select.select([], [sock], [], 0)[1]:
+            send(sock, {"ev": "alive"})
+    except (OSError, ValueError):
+        pass
 
 
 def peer_uid(sock: socket.socket) -> int:

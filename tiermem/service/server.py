@@ -107,6 +107,8 @@ class Service(UpdateRequests, Replacement):
         self.machine = None  # the planner's figures of this machine (service_machine), once a run is planned
         self._listener: socket.socket | None = None
         self._stopping = False
+        self._peers: dict[int, Client] = {}  # every open connection, by id (protocol.pulse)
+        self._peers_lock = threading.Lock()
         try:
             self.socket_path = Path(socket_path) if socket_path else protocol.default_socket()
             if fresh:
@@ -486,6 +488,18 @@ class Service(UpdateRequests, Replacement):
         s.listen(socket.SOMAXCONN)  # many peers at once wait to be accepted, not refused
         self._listener = s
         threading.Thread(target=self._accept, name="tiermem-accept", daemon=True).start()
+        threading.Thread(target=self._pulse, name="tiermem-pulse", daemon=True).start()
+
+    def _pulse(self) -> None:
+        """Tell the peers that wait on this service that it is alive (protocol.PULSE_SECONDS), from a thread of its
+        own: a request worked on for minutes (a commit waiting for an update) is not silence."""
+        while not self._stopping:
+            time.sleep(protocol.PULSE_SECONDS)
+            now = time.monotonic()
+            with self._peers_lock:
+                due = [c for c in self._peers.values() if c.due_pulse(now)]
+            for c in due:
+                c.pulse()
 
     def _accept(self) -> None:
         while not self._stopping:
@@ -497,6 +511,8 @@ class Service(UpdateRequests, Replacement):
 
     def _serve(self, conn: socket.socket) -> None:
         client = Client(conn)
+        with self._peers_lock:
+            self._peers[id(client)] = client
         try:
             uid = protocol.peer_uid(conn)
             if not protocol.peer_allowed(uid):
@@ -510,10 +526,16 @@ class Service(UpdateRequests, Replacement):
                     return
                 if msg is None:
                     return
-                client.send(self.dispatch(client, msg))
+                client.busy_since = time.monotonic()
+                reply = self.dispatch(client, msg)
+                client.greeted = client.greeted or (msg.get("op") == "hello" and reply.get("ok") is True)
+                client.busy_since = None
+                client.send(reply)
         except OSError:
             pass
         finally:
+            with self._peers_lock:
+                self._peers.pop(id(client), None)
             with self.lock:
                 run = self.run
                 lost_peer = run is not None and run.peers.get(client.rank) is client and not client.done
