@@ -617,18 +617,32 @@ def test_a_line_too_long_is_refused_naming_the_file_and_line(text_model, capsys,
     expect_one_line(capsys, run(tmp, cfg), f"pt{suffix}: line 3 is longer than 1,000 characters", out=tmp / "out")
     lines[2] = lines[2][:998 - len(lines[2])] if suffix == ".txt" else lines[3]  # (at the bound: read)
     (tmp / "data" / f"pt{suffix}").write_text("\n".join(lines) + "\n")
-    assert run(tmp, cfg) == 0
+    assert run(tmp, cfg, "--preview", "1") == 0
+
+
+def _rows_of(tmp: Path, model: Path, cfg: dict):
+    """The run's config and model config, and a way to load its rows through the cache with the notes kept."""
+    from trainer.config import load_train_config
+    from trainer.data.prepare import load_rows
+    from trainer.loop import model_config
+
+    (tmp / "train.yaml").write_text(yaml.safe_dump(cfg))
+    c = load_train_config(tmp / "train.yaml")
+    mcfg = model_config(model, c)
+    notes: list[str] = []
+    return lambda: load_rows(c.dataset, c, mcfg, model, note=notes.append), notes
 
 
 @pytest.mark.parametrize("damage", ["garbage", "cut short", "ids past the vocabulary", "a directory"])
-def test_a_damaged_tokenized_data_cache_is_rebuilt_with_a_note(text_model, capsys, damage):
+def test_a_damaged_tokenized_data_cache_is_rebuilt_with_a_note(text_model, damage):
     import numpy as np
 
-    tmp, _, cfg = text_model
-    assert run(tmp, dict(cfg, output_dir=str(tmp / "first"))) == 0
+    tmp, model, cfg = text_model
+    load, notes = _rows_of(tmp, model, cfg)
+    first = load()
     (cached,) = (tmp / "cache" / "datasets").glob("*.npz")
-    capsys.readouterr()
     good = cached.read_bytes()
+    assert load().from_cache and not notes
     if damage == "garbage":
         cached.write_bytes(bytes(random.Random(3).randrange(256) for _ in range(2000)))
     elif damage == "cut short":
@@ -641,12 +655,20 @@ def test_a_damaged_tokenized_data_cache_is_rebuilt_with_a_note(text_model, capsy
     else:
         cached.unlink()
         cached.mkdir()
-    assert run(tmp, cfg) == 0
-    out = capsys.readouterr().out
-    assert "note: the tokenized-data cache" in out and "is damaged" in out and "rebuilding it" in out, out
-    assert "(from the cache)" not in out
+    again = load()
+    assert not again.from_cache and again.input_ids == first.input_ids and again.labels == first.labels
+    assert len(notes) == 1 and f"the tokenized-data cache {cached} is damaged" in notes[0], notes
     if damage != "a directory":
         assert cached.read_bytes() == good and not list(cached.parent.glob("*.tmp*"))
+
+
+def test_the_note_of_a_damaged_cache_reaches_the_user(text_model, capsys):
+    tmp, model, cfg = text_model
+    _rows_of(tmp, model, cfg)[0]()
+    (cached,) = (tmp / "cache" / "datasets").glob("*.npz")
+    cached.write_bytes(b"PK\x03\x04 not a whole zip")
+    assert run(tmp, cfg, "--preview", "1") == 0
+    assert "is damaged" in capsys.readouterr().err
 
 
 def test_the_cache_is_fsynced_before_it_takes_its_name(tmp_path, monkeypatch):
@@ -684,13 +706,21 @@ def _clean(text: str) -> None:
     assert "[/nonsense] [bold red]red[/] :smile:" in text, text  # (as written: not rich markup, not emoji)
 
 
-def test_the_example_shown_at_start_escapes_control_characters(text_model, capsys):
-    tmp, _, cfg = text_model
-    cfg = _hostile_dataset(tmp, cfg)
-    assert run(tmp, cfg) == 0
-    out = capsys.readouterr().out
-    assert "example input" in out
-    _clean(out)
+def test_the_example_shown_at_start_escapes_control_characters(text_model):
+    """What a run prints at start (trainer.loop.show_example through the run's rich console)."""
+    import io
+
+    from rich.console import Console
+
+    from trainer.loop import show_example
+
+    tmp, model, cfg = text_model
+    load, _ = _rows_of(tmp, model, _hostile_dataset(tmp, cfg))
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=100, color_system=None)
+    show_example(load(), model, lambda text: console.print(text, soft_wrap=True, highlight=False))
+    assert "example input" in out.getvalue()
+    _clean(out.getvalue())
 
 
 def test_preview_escapes_control_characters(text_model, capsys):
