@@ -369,11 +369,28 @@ def _key_table() -> list[str]:
     return keys
 
 
+def _plan_the_steps(c) -> None:
+    """What a run computes of its steps from the config before its first one (over 14 rows): the steps, the
+    warmup, the first and last learning rates, the first step's rows, the ETA's text."""
+    from tiermem.sizes import format_duration
+    from trainer.data.batches import StepPlan
+    from trainer.schedule import lr_factor, warmup_steps
+
+    plan = StepPlan(14, c.per_device_train_batch_size, c.gradient_accumulation_steps, c.seed)
+    total = plan.total_steps(c.num_train_epochs, c.max_steps)
+    warmup = warmup_steps(total, c.warmup_steps, c.warmup_ratio)
+    for step in (0, total - 1):
+        c.learning_rate * lr_factor(c.lr_scheduler_type, step, total, warmup)
+    plan.rows_of_step(0)
+    format_duration(total * 1.5)
+
+
 def test_every_config_key_answers_hostile_values_in_one_line(bare, monkeypatch):
     """Each key of the table with each of HOSTILE (wrong types, NaN and infinities, negatives, huge values, empty
     strings, NUL, a path out of its directory): the config layer refuses it in one line, or takes it and then the
-    placement check (the last check before any data is read) passes or refuses it in one line: never another
-    exception, never a hang (an alarm is the safety net)."""
+    placement check (the last check before any data is read) passes or refuses it in one line, and the steps are
+    planned from it (the schedule a run computes before its first step): never another exception, never a hang
+    (an alarm is the safety net)."""
     import copy
     import signal
     import traceback
@@ -406,6 +423,7 @@ def test_every_config_key_answers_hostile_values_in_one_line(bare, monkeypatch):
                     c = train_config.load_train_config(tmp / "train.yaml", [f"{key}={text}"])
                     if not c.tiermem_server:
                         check_placement(c, mcfg, torch.bfloat16 if c.bf16 else torch.float32)
+                    _plan_the_steps(c)
                 except UserError as e:
                     lines = getattr(e, "problems", None) or [str(e)]
                     if not all(line.strip() and "\n" not in line for line in lines):
@@ -444,6 +462,7 @@ STORE_VALUES = [
     ('output_dir="out\\0x"', "output_dir"),
     ("gradient_accumulation_steps=1000000000000", "gradient_accumulation_steps must be at most"),
     ("tiermem_dist_timeout=1.0e+300", "tiermem_dist_timeout"),
+    ("num_train_epochs=1.0e+308", "num_train_epochs must be at most 1e9"),
 ]
 
 

@@ -290,6 +290,8 @@ def validate(c: TrainConfig, problems: list[str] | None = None, here: bool = Tru
             bad(f"warmup_ratio must be in [0, 1], got {c.warmup_ratio}")
         if c.max_steps <= 0 and c.num_train_epochs <= 0:
             bad("set max_steps or a positive num_train_epochs")
+        if c.num_train_epochs > 1e9:  # (times the steps of an epoch, it must stay a number of steps)
+            bad(f"num_train_epochs must be at most 1e9, got {c.num_train_epochs}")
     if not 0 <= c.seed < 2**32:
         bad(f"seed must be from 0 to 2**32 - 1 (as the Hugging Face Trainer's), got {c.seed}")
     if not (math.isfinite(c.tiermem_dist_timeout) and 0 < c.tiermem_dist_timeout <= 1e9):
