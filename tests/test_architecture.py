@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-BASICS = {"tiermem", "tiermem.errors", "tiermem.sizes", "tiermem.schema", "tiermem.futures", "tiermem.faults",
-          "tiermem.specs"}
+BASICS = {"tiermem", "tiermem.errors", "tiermem.sizes", "tiermem.schema", "tiermem.yamlfile", "tiermem.files",
+          "tiermem.futures", "tiermem.faults", "tiermem.specs"}
 # tiermem's parts: its subpackages, its top-level modules that are not basics, and the basics as one
 PARTS = ("tiermem.tiers", "tiermem.config", "tiermem.transfer", "tiermem.store", "tiermem.plan", "tiermem.optim",
          "tiermem.service", "tiermem.session", "tiermem.cli")

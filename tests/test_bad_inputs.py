@@ -479,3 +479,616 @@ def test_an_update_that_makes_weights_non_finite_stops_the_run_before_it_is_save
         expect_one_line(capsys, run(tmp, dict(cfg, learning_rate=1e38, bf16=bf16, tiermem=tiermem, **over)), needle,
                         "inf or NaN")
         assert not (out / "model.safetensors").exists() and not list(out.glob("checkpoint-*")), list(out.iterdir())
+
+# -- config files: the one YAML loader (tiermem.yamlfile) --------------------------------------------------------
+
+@pytest.fixture
+def bare(tmp_path):
+    """A config whose problems are found before any model or data is read (none is there)."""
+    cfg = {"model_name_or_path": str(tmp_path / "model"), "dataset": "toy", "dataset_dir": str(tmp_path / "data"),
+           "output_dir": str(tmp_path / "out"), "max_steps": 2,
+           "tiermem": {"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}}}}
+    return tmp_path, cfg
+
+
+LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
+
+
+def test_a_billion_laughs_is_refused_as_it_is_read(bare, capsys):
+    """Nine aliases of nine: a billion strings once expanded (what writes or prints the config walks them all)."""
+    tmp, cfg = bare
+    raw = (yaml.safe_dump(cfg) + LAUGHS.replace("a: &a", "lora_a: &a")).encode()
+    expect_one_line(capsys, run(tmp, cfg, raw=raw), "train.yaml", "aliases expanded", out=tmp / "out")
+
+
+def test_a_billion_laughs_in_an_override_and_a_recursive_alias(bare, capsys):
+    tmp, cfg = bare
+    expect_one_line(capsys, run(tmp, cfg, "template=" + _nested_bomb()), "bad override 'template=[&l0",
+                    "aliases expanded", out=tmp / "out")
+    expect_one_line(capsys, run(tmp, cfg, "template=&r [*r]"), "recursive", out=tmp / "out")
+    expect_one_line(capsys, run(tmp, cfg, "template=" + "[" * 200 + "]" * 200), "nested more than", out=tmp / "out")
+
+
+def _nested_bomb() -> str:
+    """A flow-style billion laughs: each level a list of nine aliases of the one before."""
+    text = "[&l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"
+    for i in range(1, 10):
+        text += f", &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]"
+    return text + "]"
+
+
+def test_a_key_given_twice_is_refused_naming_both_lines(bare, capsys):
+    tmp, cfg = bare
+    raw = (yaml.safe_dump(cfg) + "learning_rate: 1e-5\nseed: 1\nlearning_rate: 2e-5\n").encode()
+    text = raw.decode().splitlines()
+    first, second = [i + 1 for i, line in enumerate(text) if line.startswith("learning_rate")]
+    expect_one_line(capsys, run(tmp, cfg, raw=raw), "'learning_rate' is given twice", f"lines {first} and {second}",
+                    out=tmp / "out")
+
+
+def test_a_key_given_twice_in_a_tiermem_config_file(bare, capsys):
+    tmp, cfg = bare
+    (tmp / "store.yaml").write_text("tiers:\n  dram: {budget: 64MiB}\n  dram: {budget: 1GiB}\n")
+    expect_one_line(capsys, run(tmp, dict(cfg, tiermem=str(tmp / "store.yaml"))), "store.yaml", "'dram' is given twice",
+                    out=tmp / "out")
+
+
+def test_a_merge_key_overridden_is_no_duplicate(bare):
+    from trainer.config import load_train_config
+
+    tmp, cfg = bare
+    raw = yaml.safe_dump({k: v for k, v in cfg.items() if k != "tiermem"}) + (
+        "tiermem:\n  tiers:\n    dram: {budget: 64MiB}\n"
+        "    gpu:\n      <<: {device: cuda, slots: 2}\n      device: cpu\n")
+    (tmp / "train.yaml").write_text(raw)
+    cfg = load_train_config(tmp / "train.yaml")
+    assert cfg.tiermem["tiers"]["gpu"] == {"device": "cpu", "slots": 2}
+
+
+def test_a_fifo_as_the_config_file_is_refused_without_waiting(bare, capsys):
+    tmp, _ = bare
+    os.mkfifo(tmp / "train.yaml")
+    expect_one_line(capsys, main([str(tmp / "train.yaml")]), "train.yaml", "not a regular file")
+    expect_one_line(capsys, main(["/dev/zero"]), "/dev/zero", "not a regular file")
+
+
+# -- the generator: every key of the config table with hostile values ---------------------------------------------
+
+HOSTILE = ["null", "true", "''", "abc", '"a\\0b"', "../x", "[]", "[dram]", "{}", "{a: 1}", "0", "-1", "-1.5", "0.5",
+           "1.0e+30", str(2 ** 64), "1.0e+308", ".nan", ".inf", "-.inf"]
+
+
+def _key_table() -> list[str]:
+    """Every key tiermem-train takes: TrainConfig's fields, and the store config's as ``tiermem.`` overrides (the
+    mappings on the way to them too)."""
+    import dataclasses
+    import typing
+
+    from tiermem.config import StoreConfig
+    from trainer.config import TrainConfig
+
+    keys = [f.name for f in dataclasses.fields(TrainConfig)]
+
+    def walk(cls, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            keys.append(f"{prefix}.{f.name}")
+            inner = [t for t in (typing.get_args(hints[f.name]) or (hints[f.name],)) if dataclasses.is_dataclass(t)]
+            for t in inner:
+                walk(t, f"{prefix}.{f.name}")
+
+    walk(StoreConfig, "tiermem")
+    return keys
+
+
+def _plan_the_steps(c) -> None:
+    """What a run computes of its steps from the config before its first one (over 14 rows): the steps, the
+    warmup, the first and last learning rates, the first step's rows, the ETA's text."""
+    from tiermem.sizes import format_duration
+    from trainer.data.batches import StepPlan
+    from trainer.schedule import lr_factor, warmup_steps
+
+    plan = StepPlan(14, c.per_device_train_batch_size, c.gradient_accumulation_steps, c.seed)
+    total = plan.total_steps(c.num_train_epochs, c.max_steps)
+    warmup = warmup_steps(total, c.warmup_steps, c.warmup_ratio)
+    for step in (0, total - 1):
+        c.learning_rate * lr_factor(c.lr_scheduler_type, step, total, warmup)
+    plan.rows_of_step(0)
+    format_duration(total * 1.5)
+
+
+def test_every_config_key_answers_hostile_values_in_one_line(bare, monkeypatch):
+    """Each key of the table with each of HOSTILE (wrong types, NaN and infinities, negatives, huge values, empty
+    strings, NUL, a path out of its directory): the config layer refuses it in one line, or takes it and then the
+    placement check (the last check before any data is read) passes or refuses it in one line, and the steps are
+    planned from it (the schedule a run computes before its first step): never another exception, never a hang
+    (an alarm is the safety net)."""
+    import copy
+    import signal
+    import traceback
+
+    import trainer.config as train_config
+    from tiermem.errors import UserError
+    from trainer.loop import check_placement
+    from trainer.model.config import model_config_from_dict
+
+    tmp, cfg = bare
+    (tmp / "train.yaml").write_text(yaml.safe_dump(cfg))
+    base = train_config.read_yaml(tmp / "train.yaml")
+    monkeypatch.setattr(train_config, "read_yaml", lambda path, what="": copy.deepcopy(base))  # (read once)
+    mcfg = model_config_from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 32,
+                                   "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4})
+
+    class Hang(Exception):
+        pass
+
+    def alarm(*_):
+        raise Hang
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    failures, answered = [], 0
+    try:
+        for key in _key_table():
+            for text in HOSTILE:
+                signal.alarm(20)  # (a safety net far above a case's milliseconds)
+                try:
+                    c = train_config.load_train_config(tmp / "train.yaml", [f"{key}={text}"])
+                    if not c.tiermem_server:
+                        check_placement(c, mcfg, torch.bfloat16 if c.bf16 else torch.float32)
+                    _plan_the_steps(c)
+                except UserError as e:
+                    lines = getattr(e, "problems", None) or [str(e)]
+                    if not all(line.strip() and "\n" not in line for line in lines):
+                        failures.append(f"{key}={text}: not one line each: {lines!r}")
+                except Hang:
+                    failures.append(f"{key}={text}: still running after 20 s")
+                except Exception as e:  # noqa: BLE001 - what the test looks for
+                    where = traceback.extract_tb(e.__traceback__)[-1]
+                    failures.append(f"{key}={text}: {type(e).__name__}: {str(e)[:100]} ({where.filename}:"
+                                    f"{where.lineno})")
+                finally:
+                    signal.alarm(0)
+                answered += 1
+    finally:
+        signal.signal(signal.SIGALRM, old)
+    assert answered > 1000
+    assert not failures, f"{len(failures)} of {answered}:\n" + "\n".join(failures)
+
+
+STORE_VALUES = [
+    ("tiermem.tiers.dram.budget=.inf", "tiers.dram.budget"),
+    ("tiermem.tiers.dram.budget=.nan", "tiers.dram.budget"),
+    ("tiermem.tiers.gpu.budget=-.inf", "tiers.gpu.budget"),
+    ("tiermem.tiers=5", "tiers: expected a mapping"),
+    ("tiermem.tiers=[dram]", "tiers: expected a mapping"),
+    ("tiermem.tiers.dram=[64MiB]", "tiers.dram: expected a mapping"),
+    ('tiermem.name="a\\0b"', "name"),
+    ("tiermem.name=../x", "not a plain file name"),
+    ("tiermem.name=a/b", "not a plain file name"),
+    ("tiermem.name=..", "not a plain file name"),
+    ("tiermem.name=" + "n" * 300, "at most 200 bytes"),
+    ("tiermem.tiers.nvme={path: /tmp, threads: 0}", "tiers.nvme.threads"),
+    ("tiermem.tiers.nvme={path: /tmp, io_chunk: 0}", "tiers.nvme.io_chunk"),
+    ('tiermem.tiers.dram.path="/dev/shm\\0x"', "NUL"),
+    ("tiermem.tiers.dram.path=''", "tiers.dram.path"),
+    ('output_dir="out\\0x"', "output_dir"),
+    ("gradient_accumulation_steps=1000000000000", "gradient_accumulation_steps must be at most"),
+    ("tiermem_dist_timeout=1.0e+300", "tiermem_dist_timeout"),
+    ("num_train_epochs=1.0e+308", "num_train_epochs must be at most 1e9"),
+]
+
+
+@pytest.mark.parametrize("override,needle", STORE_VALUES)
+def test_bad_store_config_values(bare, capsys, override, needle):
+    tmp, cfg = bare
+    expect_one_line(capsys, run(tmp, cfg, override), needle, out=tmp / "out")
+
+
+def test_a_service_name_with_a_slash_is_refused(tmp_path, capsys):
+    from tiermem.cli import main as tiermem_main
+
+    (tmp_path / "svc.yaml").write_text(f"name: ../escaped\ntiers:\n  dram: {{budget: 64MiB, path: {tmp_path}}}\n"
+                                       f"  gpu: {{device: cpu}}\n")
+    assert tiermem_main(["serve", "--config", str(tmp_path / "svc.yaml"), "--socket", str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tiermem: error: ") and err.count("\n") == 1 and "not a plain file name" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["svc.yaml"]
+    assert not (tmp_path.parent / "escaped.arena").exists()
+
+
+@pytest.mark.parametrize("where", ["under a file", "a file"])
+def test_an_unwritable_logging_dir_is_refused_before_anything_is_written(setup, capsys, where):
+    tmp, _, cfg = setup
+    (tmp / "afile").write_text("x")
+    logs = tmp / "afile" / "logs" if where == "under a file" else tmp / "afile"
+    expect_one_line(capsys, run(tmp, dict(cfg, report_to="tensorboard", logging_dir=str(logs))), "logging_dir",
+                    str(tmp / "afile"), out=tmp / "out")
+
+
+# -- the model directory: config.json, tokenizer files, the weights' index --------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def text_model(tmp_path):
+    """The quickstart's tiny Llama (a real tokenizer; random weights) and a few lines of text to pretrain on."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(ROOT / "models" / "tiny-llama", model)
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(ROOT / "data" / "demo_pt.txt", data / "pt.txt")
+    (data / "dataset_info.json").write_text(json.dumps({"pt": {"file_name": "pt.txt", "columns": {"prompt": "text"}}}))
+    cfg = {"model_name_or_path": str(model), "dataset": "pt", "dataset_dir": str(data), "stage": "pt",
+           "cutoff_len": 32, "output_dir": str(tmp_path / "out"), "max_steps": 1, "per_device_train_batch_size": 2,
+           "tiermem_init": "random", "tiermem_cache_dir": str(tmp_path / "cache"),
+           "tiermem": {"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}}}}
+    return tmp_path, model, cfg
+
+
+def _change_json(path: Path, **changes):
+    data = json.loads(path.read_text())
+    for k, v in changes.items():
+        if v is _DROP:
+            data.pop(k, None)
+        else:
+            data[k] = v
+    path.write_text(json.dumps(data))
+
+
+_DROP = object()
+MODEL_CHANGES = [  # (what, config.json changes, tokenizer_config.json changes, needle)
+    ("vocab below the tokenizer's", {"vocab_size": 100}, {}, "outside the model's vocabulary"),
+    ("eos past the vocabulary", {"eos_token_id": 10 ** 6}, {"eos_token": _DROP}, "outside the model's vocabulary"),
+    ("eos_token_id []", {"eos_token_id": []}, {"eos_token": _DROP}, "no eos token"),
+    ("eos_token_id a string", {"eos_token_id": "2"}, {"eos_token": _DROP}, "eos_token_id"),
+    ("pad past the vocabulary", {"pad_token_id": 512}, {}, "pad_token_id"),
+    ("odd head_dim", {"head_dim": 33}, {}, "head_dim 33 is odd"),
+    ("string numbers", {"hidden_size": "128"}, {}, "hidden_size"),
+    ("a string for a bool", {"tie_word_embeddings": "false"}, {}, "tie_word_embeddings"),
+    ("max_position_embeddings null", {"max_position_embeddings": None}, {}, "max_position_embeddings"),
+    ("rope_theta a word", {"rope_theta": "abc"}, {}, "rope_theta"),
+    ("sliding_window a word", {"architectures": ["MistralForCausalLM"], "sliding_window": "abc"}, {}, "sliding_window"),
+    ("10 million layers", {"num_hidden_layers": 10 ** 7}, {}, "num_hidden_layers 10,000,000"),
+    ("a vast hidden size", {"hidden_size": 10 ** 9}, {}, "2**35"),
+    ("a million experts", {"architectures": ["MixtralForCausalLM"], "num_local_experts": 10 ** 6}, {}, "weights"),
+]
+
+
+@pytest.mark.parametrize("what,config,tok_config,needle", MODEL_CHANGES, ids=[c[0] for c in MODEL_CHANGES])
+def test_bad_model_settings_are_refused_in_one_line(text_model, capsys, what, config, tok_config, needle):
+    tmp, model, cfg = text_model
+    _change_json(model / "config.json", **config)
+    _change_json(model / "tokenizer_config.json", **tok_config)
+    expect_one_line(capsys, run(tmp, cfg), needle, out=tmp / "out")
+
+
+def test_a_generic_config_of_10_million_layers_is_refused_at_once(text_model, capsys):
+    """transformers' config class of Gemma 2 lists its layers' kinds (45 s for 10 million, before the model)."""
+    tmp, model, cfg = text_model
+    _change_json(model / "config.json", architectures=["Gemma2ForCausalLM"], model_type="gemma2",
+                 num_hidden_layers=10 ** 7)
+    expect_one_line(capsys, run(tmp, cfg), "num_hidden_layers 10,000,000", out=tmp / "out")
+
+
+def test_tiermem_plan_of_10_million_layers_answers_at_once(text_model, capsys):
+    from tiermem.cli import main as tiermem_main
+
+    tmp, model, cfg = text_model
+    _change_json(model / "config.json", num_hidden_layers=10 ** 7)
+    (tmp / "train.yaml").write_text(yaml.safe_dump(cfg))
+    assert tiermem_main(["plan", str(tmp / "train.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "num_hidden_layers 10,000,000" in err, err
+
+
+def test_a_tokenizer_config_that_is_not_json(text_model, capsys):
+    tmp, model, cfg = text_model
+    (model / "tokenizer_config.json").write_text("{not json")
+    expect_one_line(capsys, run(tmp, cfg), "tokenizer_config.json", "not valid JSON", out=tmp / "out")
+    (model / "tokenizer_config.json").write_text("[1, 2]")
+    expect_one_line(capsys, run(tmp, cfg), "tokenizer_config.json", "JSON object", out=tmp / "out")
+
+
+@pytest.mark.parametrize("weight_map", [[1, 2], {"model.embed_tokens.weight": 5}, "abc", None])
+def test_a_weight_map_of_the_wrong_shape(text_model, capsys, weight_map):
+    tmp, model, cfg = text_model
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    expect_one_line(capsys, run(tmp, dict(cfg, tiermem_init="pretrained")), "model.safetensors.index.json",
+                    "weight_map", out=tmp / "out")
+
+
+# -- data files ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["dataset file", "in a dataset folder", "dataset_info.json", "config.json",
+                                   "tokenizer.json", "tokenizer_config.json"])
+def test_a_fifo_is_refused_without_waiting_for_a_writer(text_model, capsys, where):
+    tmp, model, cfg = text_model
+    data = tmp / "data"
+    if where == "dataset file":
+        (data / "pt.txt").unlink()
+        os.mkfifo(data / "pt.txt")
+    elif where == "in a dataset folder":
+        (data / "folder").mkdir()
+        os.replace(data / "pt.txt", data / "folder" / "a.txt")
+        os.mkfifo(data / "folder" / "b.txt")
+        (data / "dataset_info.json").write_text(json.dumps({"pt": {"file_name": "folder",
+                                                                   "columns": {"prompt": "text"}}}))
+    else:
+        path = (data if where == "dataset_info.json" else model) / where
+        path.unlink()
+        os.mkfifo(path)
+    named = {"dataset file": "pt.txt", "in a dataset folder": "b.txt"}.get(where, where)
+    expect_one_line(capsys, run(tmp, cfg), named, "not a regular file", out=tmp / "out")
+
+
+def test_a_device_as_a_dataset_file_is_refused(text_model, capsys):
+    tmp, _, cfg = text_model
+    (tmp / "data" / "pt.txt").unlink()
+    (tmp / "data" / "pt.txt").symlink_to("/dev/zero")
+    expect_one_line(capsys, run(tmp, cfg), "a device, not a regular file", out=tmp / "out")
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_a_line_too_long_is_refused_naming_the_file_and_line(text_model, capsys, monkeypatch, suffix):
+    """A 2 GB line had been read whole; the bound (64 Mi characters) is lowered here to keep the file small."""
+    import trainer.data.registry as registry
+
+    monkeypatch.setattr(registry, "MAX_LINE", 1000)
+    tmp, _, cfg = text_model
+    text = (tmp / "data" / "pt.txt").read_text().splitlines()
+    lines = [json.dumps({"text": t}) for t in text] if suffix == ".jsonl" else text
+    lines[2] = lines[2][:-2] + "x" * 5000 + lines[2][-2:]
+    (tmp / "data" / "pt.txt").unlink()
+    (tmp / "data" / f"pt{suffix}").write_text("\n".join(lines) + "\n")
+    (tmp / "data" / "dataset_info.json").write_text(json.dumps({"pt": {"file_name": f"pt{suffix}",
+                                                                       "columns": {"prompt": "text"}}}))
+    expect_one_line(capsys, run(tmp, cfg), f"pt{suffix}: line 3 is longer than 1,000 characters", out=tmp / "out")
+    lines[2] = lines[2][:998 - len(lines[2])] if suffix == ".txt" else lines[3]  # (at the bound: read)
+    (tmp / "data" / f"pt{suffix}").write_text("\n".join(lines) + "\n")
+    assert run(tmp, cfg, "--preview", "1") == 0
+
+
+def _rows_of(tmp: Path, model: Path, cfg: dict):
+    """The run's config and model config, and a way to load its rows through the cache with the notes kept."""
+    from trainer.config import load_train_config
+    from trainer.data.prepare import load_rows
+    from trainer.loop import model_config
+
+    (tmp / "train.yaml").write_text(yaml.safe_dump(cfg))
+    c = load_train_config(tmp / "train.yaml")
+    mcfg = model_config(model, c)
+    notes: list[str] = []
+    return lambda: load_rows(c.dataset, c, mcfg, model, note=notes.append), notes
+
+
+@pytest.mark.parametrize("damage", ["garbage", "cut short", "ids past the vocabulary", "a directory"])
+def test_a_damaged_tokenized_data_cache_is_rebuilt_with_a_note(text_model, damage):
+    import numpy as np
+
+    tmp, model, cfg = text_model
+    load, notes = _rows_of(tmp, model, cfg)
+    first = load()
+    (cached,) = (tmp / "cache" / "datasets").glob("*.npz")
+    good = cached.read_bytes()
+    assert load().from_cache and not notes
+    if damage == "garbage":
+        cached.write_bytes(bytes(random.Random(3).randrange(256) for _ in range(2000)))
+    elif damage == "cut short":
+        cached.write_bytes(good[: len(good) // 2])
+    elif damage == "ids past the vocabulary":
+        with np.load(cached) as z:
+            arrays = dict(z)
+        arrays["ids"] = arrays["ids"] + 10 ** 6
+        np.savez(cached.with_suffix(""), **arrays)
+    else:
+        cached.unlink()
+        cached.mkdir()
+    again = load()
+    assert not again.from_cache and again.input_ids == first.input_ids and again.labels == first.labels
+    assert len(notes) == 1 and f"the tokenized-data cache {cached} is damaged" in notes[0], notes
+    if damage != "a directory":
+        assert cached.read_bytes() == good and not list(cached.parent.glob("*.tmp*"))
+
+
+def test_the_note_of_a_damaged_cache_reaches_the_user(text_model, capsys):
+    tmp, model, cfg = text_model
+    _rows_of(tmp, model, cfg)[0]()
+    (cached,) = (tmp / "cache" / "datasets").glob("*.npz")
+    cached.write_bytes(b"PK\x03\x04 not a whole zip")
+    assert run(tmp, cfg, "--preview", "1") == 0
+    assert "is damaged" in capsys.readouterr().err
+
+
+def test_the_cache_is_fsynced_before_it_takes_its_name(tmp_path, monkeypatch):
+    from trainer.data import prepare
+
+    order = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: order.append("fsync") or real_fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda a, b: order.append("replace") or real_replace(a, b))
+    prepare._save(tmp_path / "c.npz", prepare.Rows([[1, 2, 3]], [None], sources=["x"]))
+    assert order == ["fsync", "replace"]
+    assert prepare._load(tmp_path / "c.npz", 10).input_ids == [[1, 2, 3]]
+
+
+# -- dataset text on the user's terminal -------------------------------------------------------------------------
+
+HOSTILE_TEXT = "title\x1b]0;pwned\x07 bell\x07 back\rover [/nonsense] [bold red]red[/] :smile: \u202etxt.exe\x9b2J"
+
+
+def _hostile_dataset(tmp: Path, cfg: dict) -> dict:
+    """The text as JSON lines (a .txt file's lines end at a carriage return), the hostile one first."""
+    lines = (tmp / "data" / "pt.txt").read_text().splitlines()
+    (tmp / "data" / "pt.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"
+                                                   for t in [HOSTILE_TEXT + " " + lines[0], *lines[1:]]))
+    (tmp / "data" / "dataset_info.json").write_text(json.dumps({"pt": {"file_name": "pt.jsonl",
+                                                                       "columns": {"prompt": "text"}}}))
+    return dict(cfg, cutoff_len=128)
+
+
+def _clean(text: str) -> None:
+    for c in ("\x1b", "\x07", "\r", "\u202e", "\x9b"):
+        assert c not in text, repr(text)
+    for escaped in ("\\x1b]0;pwned\\x07", "back\\rover", "\\u202etxt.exe", "\\x9b2J"):
+        assert escaped in text, text
+    assert "[/nonsense] [bold red]red[/] :smile:" in text, text  # (as written: not rich markup, not emoji)
+
+
+def test_the_example_shown_at_start_escapes_control_characters(text_model):
+    """What a run prints at start (trainer.loop.show_example through the run's rich console)."""
+    import io
+
+    from rich.console import Console
+
+    from trainer.loop import show_example
+
+    tmp, model, cfg = text_model
+    load, _ = _rows_of(tmp, model, _hostile_dataset(tmp, cfg))
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=100, color_system=None)
+    show_example(load(), model, lambda text: console.print(text, soft_wrap=True, highlight=False))
+    assert "example input" in out.getvalue()
+    _clean(out.getvalue())
+
+
+def test_preview_escapes_control_characters(text_model, capsys):
+    tmp, _, cfg = text_model
+    cfg = _hostile_dataset(tmp, cfg)
+    assert run(tmp, cfg, "--preview", "1") == 0
+    _clean(capsys.readouterr().out)
+
+
+def test_an_error_naming_a_path_of_control_characters_stays_one_line(bare, capsys):
+    tmp, cfg = bare
+    rc = run(tmp, dict(cfg, tiermem="store\n.yaml\x1b[2J\r"))
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "\x1b" not in err and "\r" not in err, repr(err)
+    assert "store\\n.yaml\\x1b[2J\\r" in err, err
+
+
+# -- tiermem's commands: service frames, stats files, arguments ---------------------------------------------------
+
+def test_a_progress_frame_with_strings_where_numbers_go_is_refused(tmp_path):
+    """The service had stored a trainer's progress as it came: a string for a number then broke `stats
+    --prometheus` and `top` for everyone watching. The request parser refuses it; a good frame is kept and shown."""
+    from tests.test_service import _unit_service, ok
+    from tiermem.cli.metrics import prometheus
+    from tiermem.cli.top import render
+
+    svc, client, _, theirs, hello, err = _unit_service(tmp_path, 0)
+    try:
+        ok(svc.dispatch(client, hello))
+        frame = {"op": "progress", "id": 2, "run": "r1"}
+        for live, store, needle in [({"loss": "abc"}, {}, "live.loss"), ({"total_steps": [1]}, {}, "total_steps"),
+                                    ({"optimizer": {"last_update_s": "x"}}, {}, "live.optimizer.last_update_s"),
+                                    ({"split": {"compute": "1"}}, {}, "live.split"),
+                                    ({"eta_s": 10 ** 400}, {}, "eta_s"),
+                                    ({"plan": {"busy": {"cpu": "x"}}}, {}, "live.plan.busy"),
+                                    ({}, {"tiers": {"gpu": {"capacity": "big"}}}, "store.tiers.gpu.capacity"),
+                                    ({}, {"links": {"dram->gpu": {"gbps_now": "fast"}}}, "gbps_now"),
+                                    ({}, {"waits_s": {"x": "y"}}, "store.waits_s")]:
+            assert needle in err(client, dict(frame, live=live, store=store)), (live, store)
+        good = {"step": 3, "total_steps": 12, "loss": 2.5, "eta_s": 1e30, "split": {"compute": 0.1},
+                "optimizer": {"last_update_s": 0.2}}
+        ok(svc.dispatch(client, dict(frame, live=good, store={})))
+        snap = svc.snapshot()
+        assert "tiermem_train_step 3.0" in prometheus(snap)
+        from rich.console import Console
+
+        Console(file=open(os.devnull, "w")).print(render(snap))
+    finally:
+        theirs.close()
+        svc.shutdown()
+        svc.release()
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", '{"store": {"tiers": [1]}}', '{"run": {"loss": "abc"}}', "{garbled",
+                                     '{"run": {"optimizer": "fast"}}', '{"store": {"links": {"x": {"bytes": "1"}}}}'])
+@pytest.mark.parametrize("command", [["stats", "--prometheus"], ["stats"], ["top", "--once"]])
+def test_stats_of_a_file_of_the_wrong_shape(tmp_path, capsys, content, command):
+    from tiermem.cli import main as tiermem_main
+
+    (tmp_path / "tiermem_stats.json").write_text(content)
+    assert tiermem_main([*command, "--run", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tiermem: error: ") and err.count("\n") == 1 and "tiermem_stats.json" in err, err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["probe", "--reps", "0"], "--reps must be from 1"),
+    (["probe", "--reps", "-3"], "--reps must be from 1"),
+    (["serve", "--config", "{cfg}", "--metrics-port", "70000"], "--metrics-port must be a TCP port"),
+    (["serve", "--config", "{cfg}", "--metrics-port", "-1"], "--metrics-port must be a TCP port"),
+    (["serve", "--config", "{cfg}", "--socket", "{tmp}/" + "s" * 200], "the OS takes at most"),
+    (["stats", "--socket", "{tmp}/" + "s" * 200], "the OS takes at most"),
+])
+def test_bad_command_arguments(tmp_path, capsys, args, needle):
+    from tiermem.cli import main as tiermem_main
+
+    (tmp_path / "svc.yaml").write_text(f"tiers:\n  dram: {{budget: 64MiB, path: {tmp_path}}}\n  gpu: {{device: cpu}}\n")
+    args = [a.format(cfg=tmp_path / "svc.yaml", tmp=tmp_path) for a in args]
+    assert tiermem_main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tiermem: error: ") and err.count("\n") == 1 and needle in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["svc.yaml"]
+
+
+# -- a service that does not answer ---------------------------------------------------------------------------------
+
+@pytest.fixture
+def quick_pulse(monkeypatch):
+    """Pulses every 50 ms (a timeout may then be as short as 0.15 s): the liveness logic in milliseconds."""
+    from tiermem.service import protocol
+
+    monkeypatch.setattr(protocol, "PULSE_SECONDS", 0.05)
+    return protocol
+
+
+def test_stats_of_a_service_that_does_not_answer_ends_in_one_line(quick_pulse, capsys):
+    """A stopped service (SIGSTOP) accepts connections (the kernel queues them) and never answers: stats had waited
+    for good. A socket that listens and never reads stands in for it here."""
+    import socket
+    import tempfile
+
+    from tiermem.cli import main as tiermem_main
+
+    with tempfile.TemporaryDirectory(prefix="tm-") as d:
+        path = Path(d) / "s.sock"
+        mute = socket.socket(socket.AF_UNIX)
+        mute.bind(str(path))
+        mute.listen(8)
+        try:
+            for command in (["stats"], ["stats", "--prometheus"], ["top", "--once"]):
+                assert tiermem_main([*command, "--socket", str(path), "--timeout", "0.3"]) == 2
+                err = capsys.readouterr().err
+                assert err.count("\n") == 1 and f"the tiermem service at {path} does not answer" in err, err
+        finally:
+            mute.close()
+
+
+def test_a_busy_service_is_not_taken_for_a_stopped_one(quick_pulse, tmp_path, monkeypatch):
+    """A request the service works on for longer than the client's timeout (a commit waiting for a long update)
+    is not silence: the service pulses while it works, and the client waits for the answer."""
+    import tempfile
+    import time
+
+    from tests.test_service import _unit_service
+    from tiermem.cli.top import read_service
+    from tiermem.service.server import Service
+
+    svc, _, _, theirs, _, _ = _unit_service(tmp_path, 0)
+    slow = Service._stats
+    monkeypatch.setattr(Service, "_stats", lambda self, c, m: time.sleep(0.6) or slow(self, c, m))
+    with tempfile.TemporaryDirectory(prefix="tm-") as d:
+        svc.socket_path = Path(d) / "s.sock"
+        svc.listen()
+        try:
+            assert read_service(svc.socket_path, 0.2)["run"]["phase"].startswith("idle")
+        finally:
+            theirs.close()
+            svc.shutdown()
+            svc.release()

@@ -78,3 +78,21 @@ def test_yaml_bools_read_as_the_words_they_were():
     assert load_store_config({"tiers": {"dram": {"pin": False}}}).tiers.dram.pin == "false"
     with pytest.raises(ConfigError, match="eval_strategy: True is not one of no, steps, epoch"):
         load_dataclass(TrainConfig, dict(base, eval_strategy=True))
+
+
+def test_format_duration_reads_as_timedelta_and_takes_any_number():
+    """An ETA of 2**64 steps (max_steps) overflowed timedelta and ended the run in a traceback."""
+    from datetime import timedelta
+
+    from tiermem.sizes import format_duration
+
+    for s in (0, 59, 3600, 86399, 86400, 90061, 2.5, 10 ** 6):
+        assert format_duration(s) == str(timedelta(seconds=int(s)))
+    assert format_duration(2.0 ** 70).endswith("days, 16:17:04")
+    assert [format_duration(v) for v in (None, float("nan"), float("inf"), "abc")] == ["-"] * 4
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_parse_size_refuses_non_finite_numbers(bad):
+    with pytest.raises(ConfigError, match="tiers.dram.budget"):
+        parse_size(bad, "tiers.dram.budget")

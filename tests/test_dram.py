@@ -137,3 +137,26 @@ def test_a_read_tensor_is_not_kept_alive_by_the_store(store_name):
         gc.collect()
         assert alive() is None
         store.flush("param")  # (the tail still orders and reports)
+
+
+def test_malformed_arena_headers_are_skipped_with_a_note_and_the_rest_listed(tmp_path, store_name, capsys):
+    """One arena file of a malformed header (a pid that is a word, no pid, a list, garbage, a FIFO) had ended
+    `tiermem arenas` in a traceback (or a wait) for every arena of the directory."""
+    import json
+
+    from tiermem.tiers.dram import MAGIC
+
+    bad = {"word-pid": MAGIC + json.dumps({"name": "a", "pid": "x", "size": 8192, "created": 1.0}).encode(),
+           "no-pid": MAGIC + json.dumps({"name": "b", "size": 8192, "created": 1.0}).encode(),
+           "a-list": MAGIC + b"[1, 2]", "garbage": MAGIC + b"\xff\xfe{", "empty": b""}
+    for name, head in bad.items():
+        (tmp_path / f"{name}.arena").write_bytes(head.ljust(8192, b"\0"))
+    os.mkfifo(tmp_path / "fifo.arena")
+    with DramArena.create(store_name, 1 << 16, tmp_path) as arena:
+        assert main(["arenas", "--dir", str(tmp_path)]) == 0
+        out = capsys.readouterr().out
+        assert f"{arena.path}" in out and "running" in out, out
+        notes = [line for line in out.splitlines() if line.startswith("note: skipped")]
+        assert len(notes) == len(bad) + 1, out
+        assert any("fifo.arena" in n and "not a regular file" in n for n in notes), out
+        assert any("word-pid.arena" in n and "'pid'" in n for n in notes), out

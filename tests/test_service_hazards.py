@@ -385,3 +385,31 @@ def test_a_sighup_that_would_move_the_stores_files_is_refused_with_a_line(tmp_pa
         with svc.lock:
             svc._close_run(keep=False)
         svc.release()
+
+def test_a_stopped_service_is_told_in_one_line_and_a_slow_one_is_waited_for(env):  # noqa: F811 - the fixture
+    """Each update of the service takes seconds (TIERMEM_TEST_SLOW_UPDATE), longer than the trainer's timeout of
+    3 s: its commits and version waits outlast the timeout and the run goes on (the service pulses). Then the
+    service is stopped with SIGSTOP: the attached trainer and `tiermem stats` had waited for good; each now
+    ends with one line naming the socket, exit 2, about the timeout after the stop."""
+    import time
+
+    svc = env.service(env={"TIERMEM_TEST_SLOW_UPDATE": "0.7"})  # (5 groups: 3.5 s an update)
+    trainer = env.start_train("run", max_steps=50, extra_env={"TIERMEM_SERVICE_TIMEOUT": "3"})
+    try:
+        _wait_for_steps(trainer, env.tmp / "run" / "trainer_log.jsonl", 2)  # (an update waited for)
+        svc.proc.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, err = trainer.communicate(timeout=120)
+        waited = time.monotonic() - stopped
+        assert trainer.returncode == 2, err
+        lines = [line for line in err.splitlines() if "error" in line]
+        assert len(lines) == 1 and f"the tiermem service at {env.sock} does not answer" in lines[0], err
+        assert waited < 60  # (a safety net: the timeout is 3 s)
+        stats = _tiermem("stats", "--socket", str(env.sock), "--timeout", "3", timeout=120)
+        _one_line(stats, "does not answer")
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.communicate()
+        svc.proc.send_signal(signal.SIGCONT)
+        svc.stop()

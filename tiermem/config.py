@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from tiermem.errors import ConfigError, nearest
-from tiermem.schema import load_dataclass, read_yaml
+from tiermem.errors import ConfigError, nearest, shown
+from tiermem.schema import load_dataclass
 from tiermem.specs import KINDS, MOMENTS  # noqa: F401 - (MOMENTS: the trainer's name for them, from here)
 from tiermem.tiers import registry
 from tiermem.tiers.base import DEVICE, HOST
+from tiermem.yamlfile import read_yaml
 
 TIERS = registry.names()  # the tiers registered when the config is first imported: the built-in ones
 
@@ -80,6 +81,23 @@ def _tiers(value: Any, where: str) -> TiersConfig:
     return out
 
 
+# what a store's name may not hold: it names files (NAME.arena, NAME.nvme, NAME.run.json, ...) in the tiers'
+# directories, so it is one plain file-name component, with room left for the longest suffix in 255 bytes
+NAME_BYTES = 200
+
+
+def _name(value: Any, where: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ConfigError(f"{where}: expected a name (letters, digits, '-', '_', '.'), got {shown(value)}")
+    name = str(value)
+    if (name in ("", ".", "..") or "/" in name or any(ord(c) < 32 or ord(c) == 127 for c in name)
+            or len(name.encode()) > NAME_BYTES):
+        raise ConfigError(f"{where}: {shown(name)} is not a plain file name: the store's files are named after it "
+                          f"in the tiers' directories (no '/', no control characters, not '.' or '..', at most "
+                          f"{NAME_BYTES} bytes)")
+    return name
+
+
 def _placement(value: Any, where: str) -> str | dict[str, str]:
     """``auto`` (the planner places every kind), or a mapping kind -> tier that pins the kinds it names
     (``auto`` as a tier leaves that kind to the planner, as not naming it does)."""
@@ -133,7 +151,8 @@ class StoreConfig:
     tiers: TiersConfig = field(default_factory=default_tiers, metadata={"convert": _tiers})
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     placement: str | dict[str, str] = field(default="auto", metadata={"convert": _placement})
-    name: str | None = None  # names the arena and NVMe files; default tiermem-<pid>
+    name: str | None = field(default=None, metadata={"convert": _name})  # names the arena and NVMe files;
+    # default tiermem-<pid>
     probe: str | None = None  # a `tiermem probe --save` file the planner reads (None: a quick probe at start)
 
     def pins(self) -> dict[str, str]:

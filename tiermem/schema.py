@@ -8,11 +8,12 @@ field's value and raises ConfigError on bad input. Shared by the store's config 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from typing import Any
 
-from tiermem.errors import ConfigError, nearest
+from tiermem.errors import ConfigError, nearest, shown
 
 
 def _describe(tp: Any) -> str:
@@ -87,10 +88,17 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 pass
         raise ConfigError(f"{where}: expected a number, got {value!r}")
     if tp is str:
+        if isinstance(value, str) and "\0" in value:
+            raise ConfigError(f"{where}: {shown(value)} holds a NUL character, which no name or path may")
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise ConfigError(f"{where}: expected a string, got {value!r}")
     raise TypeError(f"unsupported config field type {_describe(tp)} at {where}")
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
 
 
 def load_dataclass(cls: type, data: dict[str, Any], where: str = "", problems: list[str] | None = None) -> Any:
@@ -100,7 +108,7 @@ def load_dataclass(cls: type, data: dict[str, Any], where: str = "", problems: l
     at the first; the result is None when a required key is missing."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where or cls.__name__}: expected a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs = {}
     for key, value in data.items():
@@ -126,30 +134,6 @@ def load_dataclass(cls: type, data: dict[str, Any], where: str = "", problems: l
                                     dataclasses.MISSING and fields[n].default_factory is dataclasses.MISSING):
         return None  # a required key of a bad type
     return cls(**kwargs)
-
-
-def read_yaml(path, what: str = "config file") -> dict:
-    """A YAML file's top-level mapping (an empty file is an empty mapping), or a one-line ConfigError."""
-    from pathlib import Path
-
-    import yaml
-
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{what} not found: {p}")
-    try:
-        data = yaml.safe_load(p.read_bytes().decode())
-    except UnicodeDecodeError:
-        raise ConfigError(f"{p}: not a text file (YAML must be UTF-8 text)") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{p}: not valid YAML{at}: {getattr(e, 'problem', e)}") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: expected a mapping of keys to values at the top level")
-    return data
 
 
 def to_plain(obj: Any) -> Any:

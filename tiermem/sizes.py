@@ -1,7 +1,8 @@
-"""Byte sizes as people write them: '40GiB', '1.5 GB', '512MiB', 4096."""
+"""Byte sizes as people write them: '40GiB', '1.5 GB', '512MiB', 4096; and durations as people read them."""
 
 from __future__ import annotations
 
+import math
 import re
 
 from tiermem.errors import ConfigError
@@ -24,6 +25,8 @@ def parse_size(value: int | float | str, what: str = "size") -> int:
             raise ConfigError(f"{what}: a size cannot be negative ({value})")
         return value
     if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ConfigError(f"{what}: expected a size like '40GiB' or a byte count, got {value}")
         if value < 0 or value != int(value):
             raise ConfigError(f"{what}: expected a whole number of bytes, got {value}")
         return int(value)
@@ -54,3 +57,20 @@ def format_size(n: float) -> str:
 def align_up(n: int, alignment: int) -> int:
     """Round ``n`` up to a multiple of ``alignment``."""
     return (n + alignment - 1) // alignment * alignment
+
+
+def format_duration(seconds) -> str:
+    """Seconds as ``str(timedelta)`` writes them (``1 day, 2:03:04``), for any number: an ETA of trillions of
+    steps too, which ``timedelta`` cannot hold; ``-`` for none (None, NaN, infinity, not a number)."""
+    try:
+        s = float(seconds)
+    except (TypeError, ValueError):
+        return "-"
+    if not math.isfinite(s):
+        return "-"
+    whole = int(abs(s))
+    days, rest = divmod(whole, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    day = f"{days} day{'' if days == 1 else 's'}, " if days else ""
+    return f"{'-' if s <= -1 else ''}{day}{hours}:{minutes:02}:{secs:02}"

@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from tiermem.errors import UserError
+from tiermem.errors import UserError, printable
 
 EPILOG = ("The YAML takes LLaMA-Factory's keys (and Hugging Face TrainingArguments') with their meanings; "
           "`tiermem-train --keys` lists every key and what tiermem does with it. README.md has the details.")
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             return err.exit_code
         prefix = getattr(err, "rank_prefix", "")
         for line in getattr(err, "problems", None) or [str(err)]:
-            print(f"tiermem-train: error: {prefix}{line}", file=sys.stderr)
+            print(f"tiermem-train: error: {printable(prefix + line)}", file=sys.stderr)
         return err.exit_code
 
 

@@ -21,11 +21,17 @@ from typing import Any, Literal
 import yaml
 
 from tiermem.errors import ConfigError, ConfigProblems, nearest
-from tiermem.schema import load_dataclass, read_yaml, to_plain
+from tiermem.schema import load_dataclass, to_plain
+from tiermem.yamlfile import load_yaml, read_yaml
 from trainer.config_keys import KEYS, REFUSED_VALUES
 from trainer.paths import check_output_dir, expand_paths
 
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+# the most micro-batches a step may take (gradient_accumulation_steps): a step's plan and schedule are sized by
+# them (the planner weighs every number of passes they can be cut into), so a count in the trillions would never
+# be planned; a million micro-batches of one 128-token row is already 2**27 tokens a step, 8 times the largest
+# batches published (16M tokens)
+MAX_MICRO_BATCHES = 1 << 20
 REPORTERS = ("tensorboard",)  # what report_to may name, besides none
 FP32_TINY = 1.1754943508222875e-38  # the smallest normal fp32 number: adam_epsilon's least value
 FP32_MAX = 3.4028234663852886e38  # the largest fp32 number: learning_rate's and weight_decay's largest value
@@ -139,9 +145,10 @@ def _parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
         if not sep or not key:
             raise ConfigError(f"bad override {item!r}: expected key=value (e.g. learning_rate=2e-5)")
         try:
-            parsed = yaml.safe_load(value) if value else None
-        except yaml.YAMLError:
-            raise ConfigError(f"bad override {item!r}: the value is not valid YAML") from None
+            parsed = load_yaml(value, f"override {key.strip()}") if value else None
+        except ConfigError as e:
+            shown = item if len(item) <= 80 else item[:77] + "..."
+            raise ConfigError(f"bad override {shown!r}: {str(e).split(': ', 1)[1]}") from None
         out.append((key.strip(), parsed))
     return out
 
@@ -266,6 +273,9 @@ def validate(c: TrainConfig, problems: list[str] | None = None, here: bool = Tru
     for k, v in positive.items():
         if v <= 0:
             bad(f"{k} must be positive, got {v}")
+    if c.gradient_accumulation_steps > MAX_MICRO_BATCHES:
+        bad(f"gradient_accumulation_steps must be at most {MAX_MICRO_BATCHES:,} (2**20 micro-batches a step), got "
+            f"{c.gradient_accumulation_steps:,}; take more rows a micro-batch (per_device_train_batch_size) instead")
     if c.preprocessing_num_workers is not None and c.preprocessing_num_workers <= 0:
         bad(f"preprocessing_num_workers must be positive, got {c.preprocessing_num_workers}")
     if c.max_samples is not None and c.max_samples <= 0:
@@ -302,10 +312,12 @@ def validate(c: TrainConfig, problems: list[str] | None = None, here: bool = Tru
             bad(f"warmup_ratio must be in [0, 1], got {c.warmup_ratio}")
         if c.max_steps <= 0 and c.num_train_epochs <= 0:
             bad("set max_steps or a positive num_train_epochs")
+        if c.num_train_epochs > 1e9:  # (times the steps of an epoch, it must stay a number of steps)
+            bad(f"num_train_epochs must be at most 1e9, got {c.num_train_epochs}")
     if not 0 <= c.seed < 2**32:
         bad(f"seed must be from 0 to 2**32 - 1 (as the Hugging Face Trainer's), got {c.seed}")
-    if not (math.isfinite(c.tiermem_dist_timeout) and c.tiermem_dist_timeout > 0):
-        bad(f"tiermem_dist_timeout must be a positive number of seconds, got {c.tiermem_dist_timeout}")
+    if not (math.isfinite(c.tiermem_dist_timeout) and 0 < c.tiermem_dist_timeout <= 1e9):
+        bad(f"tiermem_dist_timeout must be a positive number of seconds (at most 1e9), got {c.tiermem_dist_timeout}")
     if c.moe_aux_loss_coef is not None and not (math.isfinite(c.moe_aux_loss_coef) and c.moe_aux_loss_coef >= 0):
         bad(f"moe_aux_loss_coef must be a non-negative number, got {c.moe_aux_loss_coef}")
     keep = c.tiermem_keep_activations

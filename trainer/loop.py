@@ -19,8 +19,9 @@ import torch
 import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.text import Text
 
-from tiermem.errors import BudgetError, ConfigError, UserError
+from tiermem.errors import BudgetError, ConfigError, UserError, printable
 from tiermem.optim import AdamWConfig, OptimSettings
 from tiermem.plan.machine import Machine
 from tiermem.plan.placement import make_plan
@@ -49,7 +50,7 @@ from trainer.plan_watch import PlanWatch
 from trainer.report import Reporter, plot_loss
 from trainer.schedule import lr_factor, warmup_steps
 from trainer.state import explicit_gpu_share, state_specs, store_config, wants_cuda
-from trainer.tensorboard import open_writer
+from trainer.tensorboard import check_logging_dir, open_writer
 from trainer.weights_io import check_weight_files, export_model, import_weights, init_weights
 from trainer.when import eval_due, save_due, saves
 
@@ -139,6 +140,7 @@ def prepare(cfg: TrainConfig, console: Console, say, world: World | None = None)
     # an attached run picks its checkpoint once the service has said whether it holds the run
     resume = None if cfg.tiermem_server else _checked_resume(cfg, out, mcfg, model_dir, say=say,
                                                              loads=not (world.several and world.local_rank))
+    check_logging_dir(cfg)
     if cfg.plot_loss:
         try:
             import matplotlib  # noqa: F401
@@ -844,7 +846,7 @@ def prepare_data(cfg: TrainConfig, mcfg, model_dir: Path, console: Console):
         with _bar(console) as bar:
             task = bar.add_task(f"tokenizing {what}", total=None)
             rows = load_rows(names, cfg, mcfg, model_dir, lambda n: bar.advance(task, n),
-                             lambda text: bar.update(task, description=f"tokenizing {what} ({text})"))
+                             lambda text: bar.update(task, description=f"tokenizing {what} ({text})"), say)
         say(f"{what}: {len(rows)} rows from {', '.join(rows.sources)}"
             + (" (from the cache)" if rows.from_cache else "")
             + (f"; {rows.dropped} dropped with nothing to predict" if rows.dropped else "")
@@ -858,6 +860,9 @@ def prepare_data(cfg: TrainConfig, mcfg, model_dir: Path, console: Console):
     return rows, eval_rows
 
 
+LINES = "\n\t"  # the control characters dataset text keeps on the terminal: the example's lines, its tabs
+
+
 def show_example(rows: Rows, model_dir: Path, say) -> None:
     """Print the first training example decoded, and the part of it that is trained (as LLaMA-Factory does)."""
     if not (Path(model_dir) / "tokenizer.json").is_file():
@@ -867,8 +872,9 @@ def show_example(rows: Rows, model_dir: Path, say) -> None:
     tok = load_tokenizer(model_dir)
     ids, labels = rows.input_ids[0], rows.labels[0]
     trained = ids if labels is None else [t for t in labels if t != -100]
-    say(f"example input ({len(ids)} tokens):\n{tok.decode(ids)}")
-    say(f"example trained part ({len(trained)} tokens):\n{tok.decode(trained)}")
+    # (as Text: the dataset's own text, "[" and ":" included, is not read as rich markup or emoji codes)
+    say(Text(f"example input ({len(ids)} tokens):\n{printable(tok.decode(ids), keep=LINES)}"))
+    say(Text(f"example trained part ({len(trained)} tokens):\n{printable(tok.decode(trained), keep=LINES)}"))
 
 
 def evaluate(executor: Executor, rows: Rows, cfg: TrainConfig, mcfg, version: int, world: World | None = None) -> float:
@@ -891,7 +897,9 @@ def evaluate(executor: Executor, rows: Rows, cfg: TrainConfig, mcfg, version: in
 
 
 def _pad_id(mcfg) -> int:
-    return mcfg.pad_token_id if mcfg.pad_token_id is not None else 0
+    """The id padded positions take (any id of the vocabulary: they are masked out of the loss and of attention)."""
+    pad = mcfg.pad_token_id
+    return pad if pad is not None and 0 <= pad < mcfg.vocab_size else 0
 
 
 def _describe_store(store: Store, say) -> None:

@@ -5,10 +5,14 @@ line of ids per example (`{"input_ids": [...], "labels": [...]}`), for scripts."
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
+from tiermem.errors import printable
 from trainer.config import TrainConfig
 from trainer.data.prepare import load_rows
+
+LINES = "\n\t"  # the control characters dataset text keeps: its lines and tabs
 
 
 def preview(cfg: TrainConfig, n: int, ids_only: bool = False, out=print) -> None:
@@ -16,7 +20,7 @@ def preview(cfg: TrainConfig, n: int, ids_only: bool = False, out=print) -> None
 
     model_dir = Path(cfg.model_name_or_path)
     mcfg = model_config(model_dir, cfg)
-    rows = load_rows(cfg.dataset, cfg, mcfg, model_dir)
+    rows = load_rows(cfg.dataset, cfg, mcfg, model_dir, note=lambda line: print(line, file=sys.stderr))
     examples = [(ids, ids if labels is None else labels) for ids, labels in zip(rows.input_ids, rows.labels)][:n]
     if ids_only:
         for ids, labels in examples:
@@ -25,8 +29,8 @@ def preview(cfg: TrainConfig, n: int, ids_only: bool = False, out=print) -> None
     decode = _decoder(model_dir)
     for i, (ids, labels) in enumerate(examples):
         trained = [t for t in labels if t != -100]
-        out(f"example {i + 1}\ninput_ids:\n{ids}\ninputs:\n{decode(ids)}\nlabel_ids:\n{labels}\n"
-            f"labels:\n{decode(trained)}")
+        out(f"example {i + 1}\ninput_ids:\n{ids}\ninputs:\n{printable(decode(ids), LINES)}\nlabel_ids:\n"
+            f"{labels}\nlabels:\n{printable(decode(trained), LINES)}")
 
 
 def _decoder(model_dir: Path):

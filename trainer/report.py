@@ -6,15 +6,10 @@ from __future__ import annotations
 
 import json
 import math
-from datetime import timedelta
 from pathlib import Path
 
+from tiermem.sizes import format_duration as _hms
 from trainer.executor import StepResult
-
-
-def _hms(seconds: float) -> str:
-    return str(timedelta(seconds=int(seconds)))
-
 
 PENDING = "trainer_log.pending.jsonl"  # the steps taken since the last trainer_log line (see Reporter)
 FIGURES = ("loss", "grad_norm", "tokens", "seconds", "wait_transfer", "wait_optimizer")

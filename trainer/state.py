@@ -9,10 +9,11 @@ import copy
 import torch
 
 from tiermem.config import MOMENTS, StoreConfig, load_store_config
+from tiermem.errors import ConfigError
 from tiermem.plan.resolve import resolve_auto
-from tiermem.schema import read_yaml
 from tiermem.specs import TensorSpec, state_name
 from tiermem.tiers.dram import check_budget
+from tiermem.yamlfile import read_yaml
 from trainer.model.weights import all_weights
 
 
@@ -25,11 +26,15 @@ def store_config(value, here: bool = True) -> StoreConfig:
     (``tiermem plan`` for another machine checks against that one's).
     """
     data = read_yaml(value, "tiermem config file") if isinstance(value, str) else copy.deepcopy(value or {})
-    tiers = data.setdefault("tiers", {}) or {}
+    tiers = {} if data.get("tiers") is None else data["tiers"]
+    if not isinstance(tiers, dict):
+        raise ConfigError(f"tiers: expected a mapping of tiers (gpu, dram, nvme) to their settings, got {tiers!r}")
     data["tiers"] = tiers
     for key in ("dram", "gpu"):
         if tiers.get(key) is None:
             tiers[key] = {}
+        elif not isinstance(tiers[key], dict):
+            raise ConfigError(f"tiers.{key}: expected a mapping of settings, got {tiers[key]!r}")
     tiers["dram"].setdefault("path", "anonymous")
     cfg = load_store_config(data, str(value) if isinstance(value, str) else "tiermem")
     if here:
@@ -42,6 +47,10 @@ def _raw(value) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def _mapping(value) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
 def explicit_gpu_share(value) -> bool:
     """Whether the run's tiermem config sets optimizer.gpu_share itself (then it wins over the planner's split)."""
     opt = _raw(value).get("optimizer")
@@ -50,7 +59,7 @@ def explicit_gpu_share(value) -> bool:
 
 def wants_cuda(value) -> bool:
     """Whether the run's tiermem config computes on CUDA where there is one (device auto or cuda)."""
-    gpu = (_raw(value).get("tiers") or {}).get("gpu")
+    gpu = _mapping(_raw(value).get("tiers")).get("gpu")
     device = gpu.get("device", "auto") if isinstance(gpu, dict) else "auto"
     return str(device) == "auto" or str(device).startswith("cuda")
 

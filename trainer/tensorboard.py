@@ -19,6 +19,8 @@ from pathlib import Path
 
 import crc32c
 
+from tiermem.errors import ConfigError, UserError
+
 
 def _varint(n: int) -> bytes:
     n &= (1 << 64) - 1  # int64 on the wire: two's complement
@@ -109,6 +111,21 @@ class RunWriter(EventWriter):
             self.scalars(int(rec["current_steps"]), values)
 
 
+def check_logging_dir(cfg) -> None:
+    """With report_to tensorboard, that ``logging_dir`` can be made and written by this user (checked before
+    anything is written: a run must not stop there after it has made its output_dir)."""
+    if "tensorboard" not in str(cfg.report_to).split(",") or not cfg.logging_dir:
+        return
+    path = Path(cfg.logging_dir)
+    above = path
+    while not above.exists() and not above.is_symlink() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        raise ConfigError(f"logging_dir {path} cannot be made: {above} is not a directory")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise ConfigError(f"logging_dir {path} cannot be written: {above} is not writable by this user")
+
+
 def open_writer(cfg, output_dir: str | Path) -> RunWriter | None:
     """The run's event writer when report_to names tensorboard (else None); ``cfg.logging_dir`` is set to
     where it writes, for training_args.yaml."""
@@ -116,4 +133,7 @@ def open_writer(cfg, output_dir: str | Path) -> RunWriter | None:
         return None
     log_dir = Path(cfg.logging_dir) if cfg.logging_dir else default_dir(output_dir)
     cfg.logging_dir = str(log_dir)
-    return RunWriter(log_dir)
+    try:
+        return RunWriter(log_dir)
+    except OSError as e:  # (what the check at start could not foresee: the disk full, the directory gone)
+        raise UserError(f"logging_dir {log_dir}: cannot write TensorBoard's event file: {e.strerror or e}") from None

@@ -20,6 +20,7 @@ import crc32c
 import torch
 
 from tiermem.errors import ConfigError, StorageError, UserError
+from tiermem.files import is_regular, read_json
 from tiermem.optim.finite import all_finite, weights_norm
 from tiermem.specs import state_name
 from trainer.model.config import ModelConfig
@@ -35,16 +36,19 @@ DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 def weight_files(model_dir: str | Path) -> list[Path]:
     d = Path(model_dir)
     index = d / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ConfigError(f"{index}: not a valid safetensors index ({e})") from None
-        missing = [s for s in shards if not (d / s).is_file()]
+    if is_regular(index, "the safetensors index"):
+        data = read_json(index, "safetensors index")
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(s, str) and s and "\0" not in s
+                                                       for s in weight_map.values()):
+            raise ConfigError(f"{index}: not a valid safetensors index (its weight_map must map each tensor's name to "
+                              "the file name of its shard)")
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not is_regular(d / s, "the shard")]
         if missing:
             raise ConfigError(f"{d}: shard {missing[0]} named in the index is missing")
         return [d / s for s in shards]
-    if (d / "model.safetensors").is_file():
+    if is_regular(d / "model.safetensors", "the weights"):
         return [d / "model.safetensors"]
     if any(d.glob("*.bin")) or any(d.glob("*.pth")):
         raise ConfigError(f"{d}: only safetensors weights are supported; convert the .bin/.pth weights first")

@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from tiermem.errors import UserError
+from tiermem.errors import UserError, printable
 from tiermem.sizes import format_size, parse_size
 
 
@@ -19,6 +19,8 @@ def _probe(args) -> int:
     size = parse_size(args.size, "--size")
     if size < (1 << 20):
         raise UserError("--size must be at least 1MiB")
+    if not 1 <= args.reps <= 1000:
+        raise UserError(f"--reps must be from 1 to 1000 (the median of that many measurements), got {args.reps}")
     arena_size = parse_size(args.arena_size, "--arena-size") if args.arena_size else None
     if args.nvme_path:  # created when its parent exists, as tiers.nvme.path is
         from tiermem.tiers.nvme import check_directory
@@ -71,11 +73,15 @@ def _remove(arena) -> None:
 
 
 def _arenas(args) -> int:
-    from tiermem.tiers.dram import list_arenas
+    from tiermem.tiers.dram import SUFFIX, header_problem, list_arenas
 
     if args.force and not args.clean:
         raise UserError("--force goes with --clean: `tiermem arenas --clean --force`")
     arenas = list_arenas(args.dir)
+    listed = {a.path for a in arenas}
+    skipped = [p for p in sorted(Path(args.dir).glob(f"*{SUFFIX}")) if p not in listed]
+    for p in skipped:  # (one malformed file must not hide the others)
+        print(f"note: skipped {p}: {header_problem(p) or 'it changed while it was read'}")
     if not arenas:
         print(f"no tiermem arenas in {args.dir}")
     for a in arenas:
@@ -101,7 +107,8 @@ def _reader(args):
     if args.run:
         return lambda: read_snapshot(args.run)
     path = args.socket or default_socket()
-    return lambda: read_service(path)
+    timeout = getattr(args, "timeout", None)
+    return lambda: read_service(path, timeout)
 
 
 def _serve(args) -> int:
@@ -109,6 +116,12 @@ def _serve(args) -> int:
     from tiermem.service.server import serve
 
     install_from_env()
+    if args.metrics_port is not None and not 1 <= args.metrics_port <= 65535:
+        raise UserError(f"--metrics-port must be a TCP port from 1 to 65535, got {args.metrics_port}")
+    if args.socket:
+        from tiermem.service.protocol import check_socket_path
+
+        check_socket_path(args.socket)
     if args.metrics_port is not None:
         from tiermem.cli.metrics import serve_metrics
 
@@ -150,6 +163,10 @@ def _plugin(args) -> int:
     return fn(args.rest)
 
 
+TIMEOUT_HELP = ("seconds without a word from the service before giving up on it (a live one says it is alive every "
+                "second; default $TIERMEM_SERVICE_TIMEOUT or 30)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from tiermem import __version__
 
@@ -188,10 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--socket", help="a tiermem service's socket (default: this user's default socket)")
     tp.add_argument("--once", action="store_true", help="print one frame and exit")
     tp.add_argument("--probe", help="a `tiermem probe --save` file: show each link's measured ceiling")
+    tp.add_argument("--timeout", type=float, metavar="S", help=TIMEOUT_HELP)
     tp.set_defaults(fn=_top)
     st = sub.add_parser("stats", help="one snapshot of a run's store, for scripts")
     st.add_argument("--run", metavar="OUTPUT_DIR", help="the embedded run writing to OUTPUT_DIR")
     st.add_argument("--socket", help="a tiermem service's socket (default: this user's default socket)")
+    st.add_argument("--timeout", type=float, metavar="S", help=TIMEOUT_HELP)
     fmt = st.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="JSON (the default)")
     fmt.add_argument("--prometheus", action="store_true", help="Prometheus text format")
@@ -209,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except UserError as e:
-        print(f"tiermem: error: {e}", file=sys.stderr)
+        print(f"tiermem: error: {printable(str(e))}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         return 130

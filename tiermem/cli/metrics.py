@@ -100,5 +100,6 @@ def serve_metrics(port: int, read: Callable[[], dict], addr: str = "127.0.0.1") 
     registry.register(_Collector(read))
     try:
         start_http_server(port, addr=addr, registry=registry)
-    except OSError as e:
-        raise UserError(f"--metrics-port {port}: cannot listen on {addr}:{port} ({e.strerror or e})") from None
+    except (OSError, OverflowError, ValueError) as e:  # (a port out of range, an address that is not one)
+        raise UserError(f"--metrics-port {port}: cannot listen on {addr}:{port} ({getattr(e, 'strerror', None) or e})"
+                        ) from None

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import timedelta
 from pathlib import Path
 
 from rich.console import Group
@@ -25,7 +24,8 @@ from rich.table import Table
 from rich.text import Text
 
 from tiermem.errors import UserError
-from tiermem.sizes import format_size
+from tiermem.files import read_bytes
+from tiermem.sizes import format_duration, format_size
 from tiermem.tiers import registry
 from tiermem.tiers.base import DEVICE, HOST, STORAGE
 
@@ -53,13 +53,23 @@ def stats_path(run_dir: str | Path) -> Path:
 
 
 def read_snapshot(run_dir: str | Path) -> dict:
+    """The snapshot an embedded run writes, checked where numbers go (one line naming what is not, never a
+    traceback in the view or the metrics)."""
+    from tiermem.store.stats import snapshot_problem
+
     p = stats_path(run_dir)
     for _ in range(5):  # the file is replaced atomically; a read can only race with a rename
         try:
-            return json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError):
+            snap = json.loads(read_bytes(p, "stats file", 64 << 20))
+            break
+        except (ValueError, RecursionError):
             time.sleep(0.05)
-    raise UserError(f"{p} cannot be read")
+    else:
+        raise UserError(f"{p} cannot be read as JSON (is it a tiermem_stats.json?)")
+    problem = snapshot_problem(snap)
+    if problem is not None:
+        raise UserError(f"{p}: not a tiermem stats snapshot: {problem}")
+    return snap
 
 
 def ceilings(probe_file: str | Path | None) -> dict[str, float]:
@@ -98,10 +108,6 @@ def _notes(t: dict) -> str:
     if "backend" in t:
         return f"{t.get('backend')}"
     return f"{t.get('path')}{', pinned' if t.get('pinned') else ''}"
-
-
-def _hms(seconds) -> str:
-    return str(timedelta(seconds=int(seconds))) if seconds is not None else "-"
 
 
 def _alive(pid) -> bool:
@@ -171,11 +177,11 @@ def render(snap: dict, ceiling: dict[str, float] | None = None):
     head = Text(f"tiermem top — {store.get('store', '?')} (pid {snap.get('pid', '?')})", style="bold")
     if total and run.get("finished"):
         head.append(f"   finished: step {step or 0}/{total}, train_loss {run.get('train_loss', float('nan')):.4f}, "
-                    f"trained in {_hms(run.get('train_runtime'))}")
+                    f"trained in {format_duration(run.get('train_runtime'))}")
     elif total:
         layer = run.get("layer")
         head.append(f"   step {step or 0}/{total} ({(step or 0) / total:.0%})   phase {run.get('phase', '-')}"
-                    + (f", layer {layer}" if layer is not None else "") + f"   ETA {_hms(run.get('eta_s'))}")
+                    + (f", layer {layer}" if layer is not None else "") + f"   ETA {format_duration(run.get('eta_s'))}")
         if "service" not in snap and not _alive(snap.get("pid")):
             head.append(f"   stopped: pid {snap.get('pid')} is gone before the run finished", style="red")
     parts.append(head)
@@ -256,11 +262,12 @@ def render(snap: dict, ceiling: dict[str, float] | None = None):
     return Group(*parts)
 
 
-def read_service(socket_path) -> dict:
-    """One snapshot from a running service (``tiermem serve``)."""
+def read_service(socket_path, timeout: float | None = None) -> dict:
+    """One snapshot from a running service (``tiermem serve``); one line when it does not answer within
+    ``timeout`` seconds of silence (protocol.service_timeout)."""
     from tiermem.service.client import ServiceClient
 
-    client = ServiceClient(socket_path)
+    client = ServiceClient(socket_path, timeout)
     try:
         return client.request("stats")["snapshot"]
     finally:

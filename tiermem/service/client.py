@@ -39,10 +39,21 @@ class ServiceLost(UserError):
     exit_code = 1
 
 
+class ServiceSilent(ServiceLost):
+    """The service said nothing for the client's timeout: it is stopped (SIGSTOP, a debugger) or stuck."""
+
+    exit_code = 2
+
+
 class ServiceClient:
-    def __init__(self, path):
+    def __init__(self, path, timeout: float | None = None):
+        """A connection to the service at ``path``; ``timeout``: seconds of silence from it after which every wait
+        on it ends with one line (protocol.service_timeout: TIERMEM_SERVICE_TIMEOUT, default 30)."""
         self.path = path
+        self.timeout = protocol.service_timeout(timeout)
+        self.silent = False
         self.sock = protocol.connect(path)
+        self.sock.settimeout(self.timeout)  # (a live service pulses every second, busy or not)
         self._lock = threading.Lock()
         self._replies: queue.Queue = queue.Queue()
         self._id = 0
@@ -62,6 +73,9 @@ class ServiceClient:
             self._id += 1
             try:
                 protocol.send(self.sock, {"op": op, "id": self._id, **fields})
+            except TimeoutError:  # (its receive buffer full: it does not read)
+                self.silent = True
+                raise self._lost() from None
             except OSError:
                 raise self._lost() from None
             reply = self._replies.get()
@@ -72,6 +86,10 @@ class ServiceClient:
         return reply
 
     def _lost(self) -> ServiceLost:
+        if self.silent:
+            return ServiceSilent(f"the tiermem service at {self.path} does not answer: nothing from it in "
+                                 f"{self.timeout:g} s (is it stopped, by SIGSTOP or a debugger, or stuck?); "
+                                 "TIERMEM_SERVICE_TIMEOUT sets how long to wait")
         return ServiceLost(f"lost the tiermem service at {self.path}; start it again (`tiermem serve` with the "
                            "same config) and rerun this command: training continues from the last committed step")
 
@@ -79,6 +97,8 @@ class ServiceClient:
         while True:
             try:
                 msg = protocol.recv(self.sock)
+            except TimeoutError:
+                self.silent, msg = True, None
             except (OSError, protocol.ProtocolError):
                 msg = None
             if msg is None:

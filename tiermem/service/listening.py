@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 
 from tiermem.errors import UserError
 from tiermem.service import protocol
@@ -14,7 +15,7 @@ from tiermem.service.runs import Client, label_of
 
 class Listening:
     def listen(self) -> None:
-        path = self.socket_path
+        path = protocol.check_socket_path(self.socket_path)
         protocol.make_way(path)
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
@@ -22,13 +23,25 @@ class Listening:
             s.bind(str(path))
         except OSError as e:
             s.close()
-            raise UserError(f"cannot listen on {path}: {os.strerror(e.errno)}") from None
+            raise UserError(f"cannot listen on {path}: {e.strerror or e}") from None
         finally:
             os.umask(old)
         os.chmod(path, 0o600)
         s.listen(socket.SOMAXCONN)  # many peers at once wait to be accepted, not refused
         self._listener = s
         threading.Thread(target=self._accept, name="tiermem-accept", daemon=True).start()
+        threading.Thread(target=self._pulse, name="tiermem-pulse", daemon=True).start()
+
+    def _pulse(self) -> None:
+        """Tell the peers that wait on this service that it is alive (protocol.PULSE_SECONDS), from a thread of its
+        own: a request worked on for minutes (a commit waiting for an update) is not silence."""
+        while not self._stopping:
+            time.sleep(protocol.PULSE_SECONDS)
+            now = time.monotonic()
+            with self._peers_lock:
+                due = [c for c in self._peers.values() if c.due_pulse(now)]
+            for c in due:
+                c.pulse()
 
     def _accept(self) -> None:
         while not self._stopping:
@@ -40,6 +53,8 @@ class Listening:
 
     def _serve(self, conn: socket.socket) -> None:
         client = Client(conn)
+        with self._peers_lock:
+            self._peers[id(client)] = client
         try:
             uid = protocol.peer_uid(conn)
             if not protocol.peer_allowed(uid):
@@ -53,10 +68,16 @@ class Listening:
                     return
                 if msg is None:
                     return
-                client.send(self.dispatch(client, msg))
+                client.busy_since = time.monotonic()
+                reply = self.dispatch(client, msg)
+                client.greeted = client.greeted or (msg.get("op") == "hello" and reply.get("ok") is True)
+                client.busy_since = None
+                client.send(reply)
         except OSError:
             pass
         finally:
+            with self._peers_lock:
+                self._peers.pop(id(client), None)
             with self.lock:
                 run = self.run
                 lost_peer = run is not None and run.peers.get(client.rank) is client and not client.done

@@ -21,9 +21,18 @@ import struct
 from pathlib import Path
 
 from tiermem.errors import UserError
+from tiermem.files import kind_of
 
 MAX_MESSAGE = 8 << 20  # a 70B model's layout is ~0.3 MiB of JSON; anything near this is not ours
 MAX_DEPTH = 64  # ours nest 5 deep at most
+# Liveness. A request may take long on a live service (hello plans a run and makes its arena; commit waits for the
+# last update, and after a SIGHUP moves state between tiers; finish waits for the last update), so a client bounds
+# no request's time: it bounds the silence. The service sends ``{"ev": "alive"}`` every PULSE_SECONDS to each
+# trainer attached to it and to any peer whose request it has worked on that long; a client that hears nothing for
+# its timeout (TIERMEM_SERVICE_TIMEOUT seconds, default 30: thirty missed pulses) says the service does not answer
+# (stopped, as by SIGSTOP or a debugger, or stuck) in one line.
+PULSE_SECONDS = 1.0
+DEFAULT_TIMEOUT = 30.0
 HEADER = struct.Struct(">I")
 
 
@@ -87,6 +96,35 @@ def _depth(obj) -> int:
     return deepest
 
 
+def service_timeout(value: float | str | None = None) -> float:
+    """Seconds of silence after which a client gives up on the service: ``value``, else $TIERMEM_SERVICE_TIMEOUT,
+    else DEFAULT_TIMEOUT; at least three pulses (a shorter one would give up on a live service)."""
+    raw = value if value is not None else os.environ.get("TIERMEM_SERVICE_TIMEOUT")
+    if raw is None or raw == "":
+        return DEFAULT_TIMEOUT
+    try:
+        seconds = float(raw)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not 3 * PULSE_SECONDS <= seconds <= 1e6:
+        raise UserError(f"the service timeout must be from {3 * PULSE_SECONDS:g} to 1e6 seconds, got {raw!r} "
+                        "(--timeout or TIERMEM_SERVICE_TIMEOUT)")
+    return seconds
+
+
+def pulse(sock: socket.socket) -> None:
+    """Send the liveness event unless the peer's receive buffer is filling (a stopped peer must not block the
+    service): a Unix socket polls writable only while it is at most a quarter full, so the small frame fits.
+    Call with the connection's send lock held."""
+    import select
+
+    try:
+        if select.select([], [sock], [], 0)[1]:
+            send(sock, {"ev": "alive"})
+    except (OSError, ValueError):
+        pass
+
+
 def peer_uid(sock: socket.socket) -> int:
     """The uid of the process at the other end of a connected Unix socket (SO_PEERCRED)."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
@@ -130,7 +168,8 @@ def make_way(path: Path) -> None:
     except OSError as e:
         raise UserError(f"cannot listen on {path}: {os.strerror(e.errno)}") from None
     if not stat.S_ISSOCK(st.st_mode):
-        raise UserError(f"cannot listen on {path}: {_kind(st.st_mode)} is there; remove it or choose another --socket")
+        raise UserError(f"cannot listen on {path}: {kind_of(st.st_mode)} is there; remove it or choose another "
+                        "--socket")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(2)
     try:
@@ -146,13 +185,17 @@ def make_way(path: Path) -> None:
     raise UserError(f"a tiermem service is already listening on {path}")
 
 
-def _kind(mode: int) -> str:
-    for test, what in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
-                       (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a device"),
-                       (stat.S_ISBLK, "a device")):
-        if test(mode):
-            return what
-    return "something other than a socket"
+# the longest path a Unix-domain socket may have (sun_path: 108 bytes on Linux, 104 on macOS, with its NUL)
+SOCKET_PATH_BYTES = 107 if os.uname().sysname == "Linux" else 103
+
+
+def check_socket_path(path: str | Path) -> Path:
+    """``path`` if a Unix socket can be bound or reached there, else one line saying why (too long for the OS)."""
+    n = len(os.fsencode(str(path)))
+    if n > SOCKET_PATH_BYTES:
+        raise UserError(f"socket path {path} is {n} bytes long; the OS takes at most {SOCKET_PATH_BYTES} for a Unix "
+                        "socket: choose a shorter --socket (or tiermem_server) path")
+    return Path(path)
 
 
 def default_socket() -> Path:
@@ -166,7 +209,7 @@ def server_socket(server: str | Path) -> Path:
 
 def connect(path: str | Path, timeout: float | None = 10.0) -> socket.socket:
     """A connected socket to the service at ``path``; one clear line when nobody listens there."""
-    path = Path(path)
+    path = check_socket_path(path)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
     try:

@@ -24,10 +24,22 @@ class Client:
     rank: int = 0  # of a run of several ranks (rank 0 is the run's trainer: it loads, commits, finishes)
     groups: frozenset = frozenset()  # the groups of each committed update its GPU worker takes (alloc, flip)
     done: bool = False  # a rank other than 0 that said it is done (leave): its going away is no loss
+    greeted: bool = False  # said hello: a trainer (or rank) the service pulses while it is connected
+    busy_since: float | None = None  # when the request being worked on arrived (monotonic), or None
 
     def send(self, obj: dict) -> None:
         with self.lock:
             protocol.send(self.sock, obj)
+
+    def due_pulse(self, now: float) -> bool:
+        """Whether this peer gets the liveness event now (protocol.PULSE_SECONDS): a trainer, or a request that
+        has been worked on for a pulse already."""
+        since = self.busy_since
+        return self.greeted or (since is not None and now - since >= protocol.PULSE_SECONDS)
+
+    def pulse(self) -> None:
+        with self.lock:
+            protocol.pulse(self.sock)
 
 
 @dataclass

@@ -70,6 +70,7 @@ from tiermem.service.runs import Client, Run, label_of, newest_checkpoint, no_ro
 from tiermem.service.updates import UpdateRequests
 from tiermem.specs import MOMENTS, TensorSpec
 from tiermem.store.layout import create_store, layout_of, reopen_store, shared_description, spec_from_json, spec_to_json
+from tiermem.store.stats import run_problem, store_problem
 from tiermem.tiers.dram import on_disk
 from tiermem.tiers.extents import Extent
 from tiermem.tiers.nvme import check_directory
@@ -108,6 +109,8 @@ class Service(UpdateRequests, Replacement, Monitoring, Listening):
         self.machine = None  # the planner's figures of this machine (service_machine), once a run is planned
         self._listener: socket.socket | None = None
         self._stopping = False
+        self._peers: dict[int, Client] = {}  # every open connection, by id (protocol.pulse)
+        self._peers_lock = threading.Lock()
         try:
             self.socket_path = Path(socket_path) if socket_path else protocol.default_socket()
             if fresh:
@@ -409,6 +412,9 @@ class Service(UpdateRequests, Replacement, Monitoring, Listening):
         run = self._attached(client, msg)
         live = object_of(msg, "live", {"optimizer": {"split": {}}})
         store = object_of(msg, "store", {"tiers": {"gpu": {}}, "links": {}, "waits_s": {}})
+        problem = run_problem(live, "live") or store_problem(store)  # (kept, they are shown by top and stats)
+        if problem is not None:
+            raise RequestError(f"bad progress: {problem}")
         run.live, run.trainer_store = live, store
         return {}
 

@@ -93,3 +93,78 @@ class StatsFile:
             self.write()
         except Exception:  # noqa: BLE001
             pass
+
+
+# The shape of a snapshot where its readers (tiermem top, stats --prometheus) take numbers: each part's keys that
+# hold a number (or null), and those that hold a mapping of names to numbers. A snapshot from a file or a trainer's
+# progress frame is checked against it before it is kept or shown.
+_RUN = ({"step", "total_steps", "epoch", "loss", "grad_norm", "lr", "eval_loss", "tokens_per_s", "tflops", "step_s",
+         "eta_s", "train_loss", "train_runtime", "disk_busy_s_per_step", "alloc_retries"},
+        {"split", "link_bytes_per_step"})
+_OPTIMIZER = ({"last_update_s", "gpu_share", "committed", "updated", "lag_groups"}, {"split"})
+_PLAN = ({"predicted_step_s", "compute", "wait_optimizer", "wait_transfer"}, {"busy", "bytes"})
+_TIER = ({"capacity", "used", "free", "budget", "valid_bytes", "fragmentation", "slots", "slots_free", "slot_bytes"},
+         {"by_kind"})
+_LINK = ({"bytes", "gbps_now", "gbps_avg", "busy_s", "queue"}, set())
+_BIG = 1 << 63  # (a JSON integer past this is no count of bytes or seconds: floats overflow on it)
+
+
+def _number(v) -> bool:
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and
+                         (isinstance(v, float) or -_BIG < v < _BIG))
+
+
+def _part(obj, where: str, shape: tuple[set, set]) -> str | None:
+    if obj is None:
+        return None
+    if not isinstance(obj, dict):
+        return f"{where}: expected an object"
+    numbers, maps = shape
+    for key in numbers:
+        if not _number(obj.get(key)):
+            return f"{where}.{key}: expected a number, got {str(obj.get(key))[:40]!r}"
+    for key in maps:
+        value = obj.get(key)
+        if value is not None and not (isinstance(value, dict) and all(map(_number, value.values()))):
+            return f"{where}.{key}: expected an object of numbers"
+    return None
+
+
+def _parts(obj, where: str, shape: tuple[set, set]) -> str | None:
+    """A mapping of names to parts of ``shape`` (the tiers, the links)."""
+    if obj is None:
+        return None
+    if not isinstance(obj, dict):
+        return f"{where}: expected an object"
+    return next((p for k, v in obj.items() if (p := _part(v, f"{where}.{k}", shape))), None)
+
+
+def run_problem(run, where: str = "run") -> str | None:
+    """What is wrong with a run's figures (a trainer's ``live``) where numbers go, or None."""
+    if run is not None and not isinstance(run, dict):
+        return f"{where}: expected an object"
+    run = run or {}
+    return (_part(run, where, _RUN) or _part(run.get("optimizer"), f"{where}.optimizer", _OPTIMIZER)
+            or _part(run.get("plan"), f"{where}.plan", _PLAN))
+
+
+def store_problem(store, where: str = "store") -> str | None:
+    """What is wrong with a store's snapshot where numbers go, or None."""
+    if store is not None and not isinstance(store, dict):
+        return f"{where}: expected an object"
+    store = store or {}
+    waits = store.get("waits_s")
+    if waits is not None and not (isinstance(waits, dict) and all(map(_number, waits.values()))):
+        return f"{where}.waits_s: expected an object of numbers"
+    return _parts(store.get("tiers"), f"{where}.tiers", _TIER) or _parts(store.get("links"), f"{where}.links", _LINK)
+
+
+def snapshot_problem(snap) -> str | None:
+    """What is wrong with a whole snapshot ({store, run, pid, service}) where numbers go, or None."""
+    if not isinstance(snap, dict):
+        return "expected a JSON object (a tiermem stats snapshot)"
+    if snap.get("service") is not None and not isinstance(snap["service"], dict):
+        return "service: expected an object"
+    if not _number(snap.get("pid")):
+        return "pid: expected a number"
+    return store_problem(snap.get("store")) or run_problem(snap.get("run"))

@@ -24,6 +24,7 @@ import logging
 import mmap
 import os
 import shutil
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,12 +116,43 @@ def check_budget(budget: int | None, directory: str | Path) -> None:
                                                        " or point tiers.dram.path at a larger tmpfs"))
 
 
+# the header's fields and their types: a header without them (garbled, written by something else) is not an arena's
+HEADER_FIELDS = {"name": str, "pid": int, "size": int, "created": (int, float)}
+
+
 def _read_header(path: Path) -> dict:
-    with open(path, "rb") as f:
-        raw = f.read(HEADER)
+    """The arena's header, checked: a file that is not a regular file (not opened: a FIFO would wait), whose
+    header is not JSON or lacks a field of its type is a StorageError, never another exception."""
+    try:
+        with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK)) as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise StorageError(f"{path} is not a tiermem arena (not a regular file)")
+            raw = f.read(HEADER)
+    except OSError as e:
+        raise StorageError(f"{path} cannot be read: {e.strerror}") from None
     if not raw.startswith(MAGIC):
         raise StorageError(f"{path} is not a tiermem arena (bad header)")
-    return json.loads(raw[len(MAGIC):].rstrip(b"\0").decode())
+    try:
+        h = json.loads(raw[len(MAGIC):].rstrip(b"\0").decode())
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise StorageError(f"{path}: its arena header is not JSON") from None
+    if not isinstance(h, dict):
+        raise StorageError(f"{path}: its arena header is not a JSON object")
+    for key, kind in HEADER_FIELDS.items():
+        if not isinstance(h.get(key), kind) or isinstance(h.get(key), bool):
+            raise StorageError(f"{path}: its arena header has no well-formed '{key}'")
+    if h["pid"] <= 0 or h["size"] < HEADER:
+        raise StorageError(f"{path}: its arena header's pid or size is out of range")
+    return h
+
+
+def header_problem(path: Path) -> str | None:
+    """Why ``path`` is not listed as an arena (what reading its header says), or None when its header reads."""
+    try:
+        _read_header(path)
+    except StorageError as e:
+        return str(e)
+    return None
 
 
 def list_arenas(directory: str | Path = "/dev/shm") -> list[ArenaInfo]:

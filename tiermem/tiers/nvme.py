@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from tiermem.errors import ConfigError, StorageError
+from tiermem.errors import ConfigError, StorageError, shown
 from tiermem.sizes import align_up, format_size, parse_size, size_or_auto
 from tiermem.tiers.base import STORAGE, DiskRates, Making
 from tiermem.tiers.extents import Extent, ExtentAllocator
@@ -34,6 +34,20 @@ _PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE (linux/f
 _libc = None
 
 
+def _threads(value, where: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 1024:
+        return value
+    raise ConfigError(f"{where}: expected a number of I/O threads from 1 to 1024, got {shown(value)}")
+
+
+def _io_chunk(value, where: str) -> int:
+    n = parse_size(value, where)
+    if not 4096 <= n <= 1 << 30:
+        raise ConfigError(f"{where}: expected a size from 4KiB to 1GiB (requests are split into pieces of it), got "
+                          f"{shown(value)}")
+    return n
+
+
 @dataclass
 class NvmeTierConfig:
     """Preallocated files in a directory, read and written through kvikio or POSIX I/O."""
@@ -41,8 +55,8 @@ class NvmeTierConfig:
     path: str | None = None
     budget: int | None = field(default=None, metadata={"convert": size_or_auto})
     backend: Literal["auto", "kvikio", "posix"] = "auto"
-    threads: int = 8  # I/O threads (posix) or kvikio's thread pool size
-    io_chunk: int = field(default=16 << 20, metadata={"convert": parse_size})  # split large requests
+    threads: int = field(default=8, metadata={"convert": _threads})  # I/O threads (posix) or kvikio's pool size
+    io_chunk: int = field(default=16 << 20, metadata={"convert": _io_chunk})  # split large requests
     direct: bool = True  # O_DIRECT where the filesystem allows it
 
 

@@ -21,6 +21,7 @@ import json
 import math
 import multiprocessing
 import os
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -209,10 +210,25 @@ def build_rows(names: str, cfg, model_cfg, model_dir, progress=None, status=None
             _keep(out, ids, labels)
     if texts:
         _pack(_map(_encode_text_chunk, texts, init, workers, progress, status), cfg, model_dir, out)
+    if convs or texts:
+        _check_vocab(out, model_cfg.vocab_size, model_dir)
     if not out.input_ids:
         raise DataError(f"dataset {names}: no usable rows ({out.dropped} dropped with nothing to predict, "
                         f"{out.skipped} bad rows skipped)")
     return out
+
+
+def _check_vocab(rows: Rows, vocab: int, model_dir) -> None:
+    """Every id the tokenizer and its special tokens gave within the model's embedding (vocab_size): a
+    tokenizer of another model, or an eos/bos/pad id past the vocabulary, is refused in one line here (the
+    embedding's lookup would fail mid-step)."""
+    top = max((max(r) for r in rows.input_ids if r), default=-1)
+    low = min((min(r) for r in rows.input_ids if r), default=0)
+    if top >= vocab or low < 0:
+        bad = top if top >= vocab else low
+        raise DataError(f"the tokenizer of {model_dir} gives token id {bad}, outside the model's vocabulary "
+                        f"(vocab_size {vocab} in config.json): the tokenizer or a special token's id (eos, bos, pad) "
+                        "is not this model's")
 
 
 def _pack(docs: list[list[int]], cfg, model_dir, out: Rows) -> None:
@@ -278,17 +294,44 @@ def _save(path: Path, rows: Rows) -> None:
     meta = json.dumps({"dropped": rows.dropped, "skipped": rows.skipped, "sources": rows.sources})
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp.npz")
-    np.savez(tmp, ids=ids, labels=labels, lens=lens, has=has, meta=np.array(meta))
-    os.replace(tmp, path)
-
-
-def _load(path: Path) -> Rows | None:
     try:
-        with np.load(path) as z:
+        with open(tmp, "wb") as f:  # (written whole and on the disk before it takes the cache's name)
+            np.savez(f, ids=ids, labels=labels, lens=lens, has=has, meta=np.array(meta))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+class _Damaged(Exception):
+    """A cache file that is there but cannot be what _save wrote (cut short, overwritten): rebuilt."""
+
+
+def _load(path: Path, vocab: int) -> Rows | None:
+    """The cached rows (None when there are none); a file that is not whole or not consistent is _Damaged."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        raise _Damaged("not a regular file")
+    try:
+        with np.load(path, allow_pickle=False) as z:
             ids, labels, lens, has = z["ids"], z["labels"], z["lens"], z["has"]
             meta = json.loads(str(z["meta"]))
-    except (OSError, ValueError, KeyError):
-        return None  # absent or unreadable: rebuild
+        total = int(lens.sum()) if lens.size else 0
+        ok = (ids.ndim == labels.ndim == lens.ndim == has.ndim == 1 and len(has) == len(lens)
+              and (lens.size == 0 or int(lens.min()) >= 0) and len(ids) == len(labels) == total
+              and (total == 0 or (0 <= int(ids.min()) and int(ids.max()) < vocab
+                                  and bool(np.all((labels == -100) | ((labels >= 0) & (labels < vocab))))))
+              and isinstance(meta, dict) and isinstance(meta.get("dropped"), int)
+              and isinstance(meta.get("skipped"), int) and isinstance(meta.get("sources"), list))
+    except Exception as e:  # noqa: BLE001 - whatever a damaged file makes numpy, zipfile or json raise
+        raise _Damaged(f"{type(e).__name__}: {str(e)[:80]}") from None
+    if not ok:
+        raise _Damaged("its arrays do not agree with each other or with the model's vocabulary")
     bounds = np.concatenate([[0], np.cumsum(lens)])
     rows = Rows([], [], meta["dropped"], meta["skipped"], meta["sources"], from_cache=True)
     for n in range(len(lens)):
@@ -298,11 +341,15 @@ def _load(path: Path) -> Rows | None:
     return rows
 
 
-def load_rows(names: str, cfg, model_cfg, model_dir, progress=None, status=None) -> Rows:
-    """``build_rows`` through the cache."""
+def load_rows(names: str, cfg, model_cfg, model_dir, progress=None, status=None, note=None) -> Rows:
+    """``build_rows`` through the cache; a damaged cache file is rebuilt, and ``note(line)`` says so."""
     path = cache_dir(cfg) / f"{cache_key(names, cfg, model_dir)}.npz"
     if not cfg.overwrite_cache:
-        rows = _load(path)
+        try:
+            rows = _load(path, model_cfg.vocab_size)
+        except _Damaged as e:
+            (note or print)(f"note: the tokenized-data cache {path} is damaged ({e}); rebuilding it")
+            rows = None
         if rows is not None:
             return rows
     rows = build_rows(names, cfg, model_cfg, model_dir, progress, status)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tiermem.errors import ConfigError, nearest
+from tiermem.files import is_regular, read_json
 
 READABLE = (".json", ".jsonl", ".csv", ".parquet", ".txt")
 FORMATTINGS = ("alpaca", "sharegpt", "tokenized")
@@ -37,12 +38,9 @@ class DatasetEntry:
 
 def load_registry(dataset_dir: str | Path) -> dict:
     path = Path(dataset_dir) / "dataset_info.json"
-    if not path.is_file():
+    if not is_regular(path, "dataset_info.json"):
         raise DataError(f"dataset_dir: {dataset_dir} has no dataset_info.json")
-    try:
-        info = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path}: not valid JSON: {e}") from None
+    info = read_json(path, "dataset_info.json")
     if not isinstance(info, dict):
         raise DataError(f"{path}: expected a mapping of dataset names to entries")
     return info
@@ -91,12 +89,35 @@ def _files(path: Path, name: str) -> list[Path]:
         files = sorted(p for p in path.iterdir() if p.suffix in READABLE)
         if not files:
             raise DataError(f"dataset '{name}': folder {path} holds no {'/'.join(READABLE)} files")
+        for f in files:
+            is_regular(f, f"dataset '{name}': file")
         return files
-    if not path.is_file():
+    if not is_regular(path, f"dataset '{name}': file"):
         raise DataError(f"dataset '{name}': file not found: {path}")
     if path.suffix not in READABLE:
         raise DataError(f"dataset '{name}': {path.suffix} files are not supported ({', '.join(READABLE)})")
     return [path]
+
+
+# the longest line of a .txt or .jsonl file read as a row: 64 Mi characters, tens of millions of tokens (a row is
+# cut at cutoff_len; a document packed by stage pt is a book at most); a 2 GB line had been read whole first
+MAX_LINE = 64 << 20
+
+
+def _lines(f, path: Path, limit: int | None = None):
+    """(line number, line) of the text file ``f``, each read with a bound: a line longer than ``limit``
+    characters stops with one line naming the file and the line, after reading at most that much of it."""
+    limit = limit or MAX_LINE
+    i = 0
+    while True:
+        line = f.readline(limit + 1)
+        if not line:
+            return
+        i += 1
+        if len(line) > limit and not (len(line) == limit + 1 and line.endswith("\n")):
+            raise DataError(f"{path}: line {i} is longer than {limit:,} characters; a row is at most that long "
+                            "(split the text into lines, or rows)")
+        yield i, line
 
 
 def read_rows(path: Path):
@@ -105,12 +126,12 @@ def read_rows(path: Path):
     try:
         if path.suffix == ".txt":
             with path.open(encoding="utf-8") as f:
-                for i, line in enumerate(f, 1):
+                for i, line in _lines(f, path):
                     if line.strip():
                         yield i, {"text": line.rstrip("\n")}
         elif path.suffix == ".jsonl":
             with path.open(encoding="utf-8") as f:
-                for i, line in enumerate(f, 1):
+                for i, line in _lines(f, path):
                     if not line.strip():
                         continue
                     try:

@@ -3,11 +3,11 @@ tokens (eos, bos, pad) from tokenizer_config.json / config.json."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from tiermem.errors import ConfigError
+from tiermem.files import is_regular, read_json
 
 
 @dataclass
@@ -34,26 +34,38 @@ def _token(value) -> str | None:
     return value
 
 
+def _settings(path: Path) -> dict:
+    """A JSON object of settings (tokenizer_config.json, config.json), {} when the file is absent."""
+    if not is_regular(path, path.name):
+        return {}
+    data = read_json(path, path.name)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object of settings")
+    return data
+
+
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     from tokenizers import Tokenizer as Backend
 
     d = Path(model_dir)
     path = d / "tokenizer.json"
-    if not path.is_file():
+    if not is_regular(path, "tokenizer.json"):
         raise ConfigError(f"model_name_or_path: {d} has no tokenizer.json (needed to tokenize text)")
     try:
         backend = Backend.from_file(str(path))
     except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception for a bad file
         raise ConfigError(f"{path}: not a tokenizer the tokenizers library can read ({str(e)[:120]})") from None
-    tcfg = json.loads((d / "tokenizer_config.json").read_text()) if (d / "tokenizer_config.json").is_file() else {}
-    mcfg = json.loads((d / "config.json").read_text()) if (d / "config.json").is_file() else {}
+    tcfg, mcfg = _settings(d / "tokenizer_config.json"), _settings(d / "config.json")
 
     def tid(key: str) -> int | None:
         tok = _token(tcfg.get(key))
-        if tok is not None and backend.token_to_id(tok) is not None:
+        if isinstance(tok, str) and backend.token_to_id(tok) is not None:
             return backend.token_to_id(tok)
         val = mcfg.get(f"{key}_id")
-        return val[0] if isinstance(val, list) else val
+        first = val[0] if isinstance(val, list) and val else None if isinstance(val, list) else val
+        if first is not None and (isinstance(first, bool) or not isinstance(first, int) or first < 0):
+            raise ConfigError(f"{d / 'config.json'}: {key}_id must be a token id or a list of them, got {val!r}"[:300])
+        return first
 
     eos = tid("eos_token")
     if eos is None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +42,19 @@ SUPPORTED = {
     "GptOssForCausalLM": "gpt_oss",
 }
 ROPE_TYPES = rope_math.TYPES
+
+# What config.json may ask, checked before any of its tensors is listed (the listing, the store's catalog and the
+# planner all grow with them: a config of 10 million layers ran `tiermem plan` for minutes into a MemoryError):
+# - a weight of more than 2**35 elements (64 GiB in bf16, its fp32 gradient 128 GiB) fits no GPU to compute with:
+#   the largest published, Llama 3.1 405B's embedding, has 2.1 G (16 times fewer);
+# - a decoder of more than 4096 layers is 32 times the deepest published (126): each layer is a group the store
+#   streams, versions and updates on its own, and the planner simulates them one by one;
+# - more than 2**18 weights (1.3 M tensors of state with their gradients, master weights and moments) is 5 times a
+#   235B mixture of experts (Qwen3's: 94 layers of 128 experts, 37 K weights).
+# Past these, the run's budgets (the planner's one line: the state does not fit) say the rest.
+MAX_ELEMENTS = 1 << 35
+MAX_LAYERS = 4096
+MAX_WEIGHTS = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -163,8 +178,10 @@ def _rope(raw: dict, where: str, head_dim: int, max_pos: int, default_theta: flo
     if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):  # per-layer-type form
         raise NotCovered(f"{where}: per-layer-type rope_parameters are not supported by the template")
     if not isinstance(params, dict):
-        params = raw.get("rope_scaling")
-        params = dict(params) if isinstance(params, dict) else dict(default or {})
+        scaling = raw.get("rope_scaling")
+        if scaling is not None and not isinstance(scaling, dict):
+            raise ModelConfigError(f"{where}: rope_scaling must be a mapping, got {scaling!r}"[:300])
+        params = dict(scaling) if scaling else dict(default or {})
     params = dict(params)
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     if kind not in ROPE_TYPES:
@@ -212,6 +229,26 @@ def _int(raw: dict, key: str, where: str, default=None, low: int = 1) -> int:
     return value
 
 
+def _bool(raw: dict, key: str, where: str) -> bool:
+    """A true/false key (absent or null: false); a string such as "false" is refused, not read as true."""
+    value = raw.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise ModelConfigError(f"{where}: {key} must be true or false, got {value!r}"[:300])
+    return bool(value)
+
+
+def _token_id(raw: dict, key: str, where: str, vocab: int) -> int | None:
+    """A special token's id (absent or null: none) inside the vocabulary; a negative one counts from its end, as
+    nn.Embedding's padding_idx does."""
+    value = raw.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not -vocab <= value < vocab:
+        raise ModelConfigError(f"{where}: {key} must be a token id of the vocabulary (vocab_size {vocab}), got "
+                               f"{value!r}"[:300])
+    return value
+
+
 def _float(raw: dict, key: str, where: str, default: float) -> float:
     value = raw.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
@@ -232,6 +269,8 @@ def model_config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig
     family = SUPPORTED[arch]
     qwen3ish = family in ("qwen3", "qwen3_moe")
     oss = family == "gpt_oss"
+    if "num_hidden_layers" in raw:
+        check_layers(_int(raw, "num_hidden_layers", where), where)
     act = raw.get("hidden_act", "silu")
     if act != "silu" and not oss:  # (gpt-oss's experts have their own activation, whatever hidden_act says)
         raise NotCovered(f"{where}: hidden_act '{act}' is not supported by the template (only silu)")
@@ -240,7 +279,7 @@ def model_config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig
         head_dim = _int(raw, "head_dim", where, 1) if raw.get("head_dim") else (64 if oss else h // heads)
         max_pos = _int(raw, "max_position_embeddings", where, 131072 if oss else 4096)
         n_layers = _int(raw, "num_hidden_layers", where)
-        bias = bool(raw.get("attention_bias", oss))
+        bias = _bool(raw, "attention_bias", where) if raw.get("attention_bias") is not None else oss
         cfg = ModelConfig(
             family=family,
             vocab_size=_int(raw, "vocab_size", where),
@@ -251,19 +290,19 @@ def model_config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig
             num_kv_heads=_int(raw, "num_key_value_heads", where, heads) if raw.get("num_key_value_heads") else heads,
             head_dim=head_dim,
             rms_norm_eps=_float(raw, "rms_norm_eps", where, 1e-5 if oss else 1e-6),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=_bool(raw, "tie_word_embeddings", where),
             attention_bias=family == "qwen2" or (family in ("llama", "gpt_oss") or qwen3ish) and bias,
             o_bias=(family in ("llama", "gpt_oss") or qwen3ish) and bias,
-            mlp_bias=family == "llama" and bool(raw.get("mlp_bias")),
+            mlp_bias=family == "llama" and _bool(raw, "mlp_bias", where),
             qk_norm=qwen3ish,
             rope=_rope(raw, where, head_dim, max_pos, *((150000.0, GPT_OSS_ROPE) if oss else ())),
-            sliding_window=raw.get("sliding_window") if _uses_window(raw, family) else None,
+            sliding_window=_int(raw, "sliding_window", where) if _uses_window(raw, family) else None,
             sinks=oss,
             windows=_windows(raw, n_layers, where) if oss else (),
             norm_weight_fp32=oss,
-            initializer_range=float(raw.get("initializer_range", 0.02)),
+            initializer_range=_float(raw, "initializer_range", where, 0.02),
             max_position_embeddings=max_pos,
-            pad_token_id=raw.get("pad_token_id") if isinstance(raw.get("pad_token_id"), int) else None,
+            pad_token_id=_token_id(raw, "pad_token_id", where, _int(raw, "vocab_size", where)),
             moe=_moe(raw, family, where),
             raw=raw,
         )
@@ -271,8 +310,17 @@ def model_config_from_dict(raw: dict, where: str = "config.json") -> ModelConfig
         raise ModelConfigError(f"{where}: missing key {e.args[0]!r}") from None
     if cfg.head_dim < 1:
         raise ModelConfigError(f"{where}: hidden_size {h} is smaller than num_attention_heads {heads}; set head_dim")
+    if cfg.head_dim % 2:
+        raise ModelConfigError(f"{where}: head_dim {cfg.head_dim} is odd: RoPE rotates pairs of dimensions")
     if cfg.num_heads % cfg.num_kv_heads:
         raise ModelConfigError(f"{where}: num_attention_heads must be a multiple of num_key_value_heads")
+    h, m = cfg.hidden_size, cfg.moe
+    check_weights({"the embedding (vocab_size x hidden_size)": cfg.vocab_size * h,
+                   "q_proj (hidden_size x num_attention_heads x head_dim)": h * cfg.q_size,
+                   "the MLP (hidden_size x intermediate_size)": h * cfg.intermediate_size,
+                   **({"an expert (hidden_size x moe_intermediate_size)": h * m.intermediate_size,
+                       "the router (hidden_size x num_experts)": h * m.num_experts} if m else {})},
+                  cfg.num_layers * (9 + (3 * m.num_experts if m else 0)), where)
     return cfg
 
 
@@ -293,6 +341,25 @@ def _windows(raw: dict, n_layers: int, where: str) -> tuple:
     return tuple(window if t == "sliding_attention" else None for t in types)
 
 
+def check_layers(n: int, where: str) -> None:
+    """At most MAX_LAYERS decoder layers (see above), checked before any layer is built or listed."""
+    if n > MAX_LAYERS:
+        raise ModelConfigError(f"{where}: num_hidden_layers {n:,} is more than tiermem takes ({MAX_LAYERS:,}: 32 times "
+                               "the deepest published model)")
+
+
+def check_weights(sizes: dict[str, int], count: int, where: str) -> None:
+    """The largest weights (name -> elements) within MAX_ELEMENTS, and about ``count`` weights within MAX_WEIGHTS
+    (see above)."""
+    for what, n in sizes.items():
+        if n > MAX_ELEMENTS:
+            raise ModelConfigError(f"{where}: {what} would have {n:,} elements, more than a GPU can compute with (at "
+                                   f"most 2**35: 64 GiB in bf16)")
+    if count > MAX_WEIGHTS:
+        raise ModelConfigError(f"{where}: {count:,} weights (layers x experts) are more than tiermem takes "
+                               f"({MAX_WEIGHTS:,}: 5 times the largest published mixture of experts)")
+
+
 def _moe(raw: dict, family: str, where: str) -> MoeSpec | None:
     """The MoE block of Qwen3-MoE or Mixtral, with transformers' defaults for keys config.json leaves out."""
     if family == "qwen3_moe":
@@ -307,7 +374,7 @@ def _moe(raw: dict, family: str, where: str) -> MoeSpec | None:
         if not sparse:
             return None
         return MoeSpec(n_exp, _int(raw, "num_experts_per_tok", where, 8),
-                       _int(raw, "moe_intermediate_size", where, 768), bool(raw.get("norm_topk_prob", False)),
+                       _int(raw, "moe_intermediate_size", where, 768), _bool(raw, "norm_topk_prob", where),
                        sparse, "mlp", ("gate_proj", "up_proj", "down_proj"), _coef(raw, where, 0.001))
     if family == "mixtral":
         jitter = raw.get("router_jitter_noise") or 0.0
@@ -355,16 +422,34 @@ def _uses_window(raw: dict, family: str) -> bool:
     return False
 
 
-def load_model_config(model_dir: str | Path) -> ModelConfig:
+# config.json is a few KiB; a larger one is not a model's config
+MAX_CONFIG_BYTES = 16 << 20
+
+
+def read_config_json(model_dir: str | Path) -> dict:
+    """config.json of ``model_dir`` as read (a regular file, JSON), or one line naming what is wrong."""
     path = Path(model_dir)
     if not path.is_dir():
         raise ModelConfigError(f"model_name_or_path: {model_dir} is not a directory (tiermem reads local Hugging Face "
                           "model directories; download the model first, e.g. `hf download ORG/NAME --local-dir DIR`)")
     cfg_path = path / "config.json"
-    if not cfg_path.is_file():
-        raise ModelConfigError(f"model_name_or_path: {model_dir} has no config.json")
     try:
-        raw = json.loads(cfg_path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelConfigError(f"{cfg_path}: not valid JSON: {e}") from None
-    return model_config_from_dict(raw, str(cfg_path))
+        st = cfg_path.stat()
+    except FileNotFoundError:
+        raise ModelConfigError(f"model_name_or_path: {model_dir} has no config.json") from None
+    if not stat.S_ISREG(st.st_mode):  # (a FIFO would wait for a writer: refused unopened, as tiermem.files does)
+        raise ModelConfigError(f"config.json {cfg_path} is not a regular file")
+    if st.st_size > MAX_CONFIG_BYTES:
+        raise ModelConfigError(f"{cfg_path}: {st.st_size:,} bytes is too large for a model's config.json")
+    try:
+        fd = os.open(cfg_path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            return json.loads(f.read(MAX_CONFIG_BYTES + 1))
+    except OSError as e:
+        raise ModelConfigError(f"{cfg_path}: cannot be read: {e.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ModelConfigError(f"{cfg_path}: not valid JSON: {str(e)[:200]}") from None
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    return model_config_from_dict(read_config_json(model_dir), str(Path(model_dir) / "config.json"))

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from trainer.model.config import ModelConfigError
+from trainer.model.config import ModelConfigError, check_layers, check_weights
 from trainer.model.weights import Weight
 
 
@@ -140,10 +140,15 @@ def _class_and_config(raw: dict, where: str):
     if arch not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
         raise ModelConfigError(f"{where}: architecture {arch} is not supported: not one of transformers' causal "
                                "language models (the generic path takes decoder-only models)")
+    for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):  # (before the config class makes a
+        n = raw.get(key)                                                  # list of its layers' kinds)
+        if isinstance(n, int) and not isinstance(n, bool):
+            check_layers(n, where)
     try:
         config = cls.config_class.from_dict(dict(raw))
     except Exception as e:  # noqa: BLE001 - any config class's own validation
         raise ModelConfigError(f"{where}: transformers cannot read it as {arch}'s config: {_one_line(e)}") from None
+    _check_size(config, where)
     if getattr(config, "is_encoder_decoder", False):
         raise ModelConfigError(f"{where}: architecture {arch} is not supported: an encoder-decoder model")
     for key, value in config.to_dict().items():
@@ -152,6 +157,24 @@ def _class_and_config(raw: dict, where: str):
             raise ModelConfigError(f"{where}: {key} {value} is not supported (dropout cannot be recomputed "
                                    f"exactly); set it to 0")
     return arch, cls, config
+
+
+def _check_size(config, where: str) -> None:
+    """What config.json asks within trainer.model.config's bounds, from the transformers config's own figures,
+    before the model is built (its layers and real buffers: rotary frequencies of a head_dim of billions)."""
+    dims = {k: getattr(config, k, None) for k in ("num_hidden_layers", "hidden_size", "vocab_size",
+                                                   "intermediate_size", "num_attention_heads", "head_dim")}
+    dims = {k: v for k, v in dims.items() if isinstance(v, int) and not isinstance(v, bool)}
+    for k, v in dims.items():
+        if v < 0:
+            raise ModelConfigError(f"{where}: {k} must not be negative, got {v}")
+    if "num_hidden_layers" in dims:
+        check_layers(dims["num_hidden_layers"], where)
+    h = dims.get("hidden_size", 0)
+    check_weights({"the embedding (vocab_size x hidden_size)": h * dims.get("vocab_size", 0),
+                   "the MLP (hidden_size x intermediate_size)": h * dims.get("intermediate_size", 0),
+                   "the attention's heads (num_attention_heads x head_dim)": h * dims.get("num_attention_heads", 0)
+                   * dims.get("head_dim", 0)}, 0, where)
 
 
 def generic_config(raw: dict, where: str = "config.json") -> GenericConfig:
@@ -183,6 +206,7 @@ def generic_config(raw: dict, where: str = "config.json") -> GenericConfig:
     by_param = {id(p): n for n, p in model.named_parameters()}
     embed_name, head_weight = by_param[id(emb_in.weight)], by_param[id(emb_out.weight)]
     weights = _grouped(model, layers_name, [f"{backbone_name}.{n}" for n, _ in children[:at]])
+    check_weights({}, len(weights), where)
     if embed_name not in {w.name for w in weights if w.group == "embed"}:
         raise ModelConfigError(f"{where}: architecture {arch} is not supported: its input embedding does not sit "
                                "before the layer list")

@@ -7,12 +7,11 @@ goes to the generic path under ``auto``, with a ``note:`` line saying why (the c
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from trainer.model.config import SUPPORTED, ModelConfigError, NotCovered, load_model_config, model_config_from_dict
+from trainer.model.config import SUPPORTED, ModelConfigError, NotCovered, model_config_from_dict, read_config_json
 from trainer.model.rope import llamafactory_scaling
 from trainer.model.stages import TemplateStages
 
@@ -20,12 +19,7 @@ from trainer.model.stages import TemplateStages
 def read_config(model_dir: str | Path) -> tuple[dict, str]:
     """config.json of ``model_dir`` as a dict, and its path (for messages)."""
     cfg_path = Path(model_dir) / "config.json"
-    if not Path(model_dir).is_dir() or not cfg_path.is_file():
-        load_model_config(model_dir)  # raises the one-line error for a missing directory or config.json
-    try:
-        return json.loads(cfg_path.read_bytes()), str(cfg_path)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelConfigError(f"{cfg_path}: not valid JSON: {e}") from None
+    return read_config_json(model_dir), str(cfg_path)
 
 
 def model_from_dict(raw: dict, where: str = "config.json", path: str = "auto"):
