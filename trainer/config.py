@@ -276,6 +276,9 @@ def validate(c: TrainConfig, problems: list[str] | None = None, here: bool = Tru
     if c.gradient_accumulation_steps > MAX_MICRO_BATCHES:
         bad(f"gradient_accumulation_steps must be at most {MAX_MICRO_BATCHES:,} (2**20 micro-batches a step), got "
             f"{c.gradient_accumulation_steps:,}; take more rows a micro-batch (per_device_train_batch_size) instead")
+    for key in ("per_device_train_batch_size", "per_device_eval_batch_size"):
+        if getattr(c, key) > MAX_MICRO_BATCHES:  # (the planner may cut a micro-batch into pieces of one row each)
+            bad(f"{key} must be at most {MAX_MICRO_BATCHES:,} (2**20 rows a micro-batch), got {getattr(c, key):,}")
     if c.preprocessing_num_workers is not None and c.preprocessing_num_workers <= 0:
         bad(f"preprocessing_num_workers must be positive, got {c.preprocessing_num_workers}")
     if c.max_samples is not None and c.max_samples <= 0:

@@ -21,6 +21,7 @@ from tiermem.plan.planner import ADVICE_GAIN, TIE, compute_bound_at, plan_step, 
 from tiermem.plan.workload import Workload
 from tiermem.sizes import format_size
 from trainer import pieces, plan_workload
+from trainer.config import MAX_MICRO_BATCHES as MAX_PIECES
 from trainer.state import state_specs
 
 
@@ -87,6 +88,8 @@ def search_pieces(rows: int, w: Workload, plan_for, faster: bool = True) -> Plan
     largest pieces). Refused when every piece is: the smallest's refusal (the nearest to fitting)."""
     best = refused = None
     for r in pieces.candidates(rows):
+        if w.micro_batches * pieces.count(rows, r) > MAX_PIECES:
+            break  # (a step's pieces are bounded as its micro-batches are: trainer.config.MAX_MICRO_BATCHES)
         try:
             plan = _with_pieces(plan_for(w.in_pieces(r)), rows, r)
         except BudgetError as e:
@@ -98,7 +101,8 @@ def search_pieces(rows: int, w: Workload, plan_for, faster: bool = True) -> Plan
         if not faster:
             break
     if best is None:
-        raise refused
+        raise refused or BudgetError(f"{w.micro_batches:,} micro-batches of {rows:,} rows are more than a step may "
+                                     f"compute ({MAX_PIECES:,} pieces)")
     return best
 
 
