@@ -8,11 +8,14 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tiermem.errors import StorageError
 from tiermem.specs import TensorSpec
 from tiermem.store.store import Store
 from tiermem.tiers.nvme import NvmeTier, choose_backend
+from tiermem.tiers.stripes import file_bytes, pieces
 
 
 def _roundtrip(tier: NvmeTier, n: int):
@@ -124,3 +127,57 @@ def test_failed_write_leaves_extent_invalid(make_cfg, monkeypatch):
         monkeypatch.undo()
         store.write("w", good).result()
         assert torch.equal(store.read("w").result(), good)
+
+
+@settings(max_examples=200, deadline=None)
+@given(offset=st.integers(0, 1 << 24), nbytes=st.integers(0, 1 << 22), files=st.integers(1, 5),
+       unit_k=st.integers(1, 64))
+def test_stripes_cover_a_request_once_and_land_where_the_round_robin_puts_them(offset, nbytes, files, unit_k):
+    """A request's pieces cover its bytes in order, each within one stripe of one file, and each tier byte lands at
+    the file and offset of its stripe (stripe s in file s % n at offset (s // n) * unit); the files' size holds
+    every stripe of the capacity."""
+    unit = unit_k * 4096
+    got = pieces(offset, nbytes, files, unit)
+    assert [p[2] for p in got] == [0, *(p[3] for p in got[:-1])][:len(got)] and (got[-1][3] if got else 0) == nbytes
+    for f, off, start, end in got:
+        stripe, within = divmod(offset + start, unit)
+        assert files == 1 or (f, off) == (stripe % files, (stripe // files) * unit + within)
+        assert files == 1 or within + (end - start) <= unit  # (never across a stripe)
+        assert off + (end - start) <= file_bytes(offset + nbytes, files, unit)
+
+
+def test_a_tier_striped_over_two_directories_reads_back_what_it_wrote(tmp_path, store_name):
+    """tiers.nvme.path as a list: one file a directory, each an equal share; a request crosses the stripes of both
+    (each file's own queue), a discard gives bytes back in both, and another process maps the same files."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    tier = NvmeTier([a, b], store_name, 8 << 20, backend="posix", io_chunk=1 << 20)
+    try:
+        assert [p.parent for p in tier.paths] == [a, b] and len(tier.backends) == 2
+        assert all(p.stat().st_size == 4 << 20 for p in tier.paths)  # (4 stripes of 1 MiB each)
+        e = tier.allocate(5 << 20)
+        data = torch.randint(0, 255, (5 << 20,), dtype=torch.uint8)
+        tier.pwrite(data, e).result()
+        with open(tier.paths[1], "rb") as f:  # (the tier's second stripe is the second file's first)
+            assert f.read(1 << 20) == data[1 << 20: 2 << 20].numpy().tobytes()
+        twin = NvmeTier.map_shared({"dir": [str(a), str(b)], "capacity": tier.capacity, "backend": "posix",
+                                    "threads": 2, "io_chunk": 1 << 20, "direct": True}, store_name, torch.device("cpu"))
+        try:
+            back = torch.empty_like(data)
+            twin.pread(back, e).result()
+            assert torch.equal(back, data)
+        finally:
+            twin.close(remove=False)
+    finally:
+        tier.close()
+    assert not any(p.exists() for p in tier.paths)
+
+
+@pytest.mark.parametrize("path,needle", [([], "tiers.nvme.path"), (["/x", "/x/"], "same directory twice"),
+                                         (["/x", ""], "tiers.nvme.path"), ([1, 2], "tiers.nvme.path")])
+def test_a_bad_list_of_nvme_directories_is_one_line(path, needle):
+    from tiermem.config import load_store_config
+    from tiermem.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        load_store_config({"tiers": {"nvme": {"path": path}}})
+    assert needle in str(e.value) and "\n" not in str(e.value)

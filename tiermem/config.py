@@ -184,9 +184,11 @@ def load_store_config(source: str | Path | dict[str, Any] | None, where: str = "
              if sec is not None and hasattr(sec, "path")]
     for key, holder, attr in (*paths, ("probe", cfg, "probe")):
         value = getattr(holder, attr, None)
-        if value is None or not isinstance(value, str):
+        many = isinstance(value, list)  # (a striped tier's directories, one per device)
+        if not (isinstance(value, str) or many):
             continue
-        if not value.strip():
+        if not all(isinstance(v, str) and v.strip() for v in (value if many else [value])):
             raise ConfigError(f"{key} is an empty path: name the directory (or file), or leave the key out")
-        setattr(holder, attr, os.path.expanduser(value))  # ~ as a shell expands it
+        expand = os.path.expanduser  # (~ as a shell expands it)
+        setattr(holder, attr, [expand(v) for v in value] if many else expand(value))
     return cfg

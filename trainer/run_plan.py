@@ -128,13 +128,15 @@ def local_budgets(scfg: StoreConfig, mcfg, dtype: torch.dtype, out_dir, saves: b
     import os
 
     from tiermem.plan.placement import default_budgets
-    from tiermem.tiers.nvme import can_punch_holes, existing_parent
+    from tiermem.tiers.nvme import can_punch_holes, directories, existing_parent
 
     b = {**default_budgets(scfg), "gpu": scfg.tiers.gpu.budget}
     nv = scfg.tiers.nvme
     if nv is not None and nv.budget is None and b.get("nvme") is not None and out_dir is not None:
-        where = existing_parent(str(nv.path))
-        if os.stat(where).st_dev == os.stat(existing_parent(str(out_dir))).st_dev:
+        out_dev = os.stat(existing_parent(str(out_dir))).st_dev
+        same = [w for w in map(existing_parent, map(str, directories(nv))) if os.stat(w).st_dev == out_dev]
+        if same:  # (one of the tier's disks is output_dir's)
+            where = same[0]
             n = mcfg.num_params()
             export = n * torch.empty((), dtype=dtype).element_size()
             ckpt = n * (2 + 12) if saves else 0

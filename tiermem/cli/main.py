@@ -25,7 +25,8 @@ def _probe(args) -> int:
     if args.nvme_path:  # created when its parent exists, as tiers.nvme.path is
         from tiermem.tiers.nvme import check_directory
 
-        check_directory(Path(args.nvme_path), 2 * size)
+        for d in args.nvme_path:
+            check_directory(Path(d), 2 * size)
     result = run_probe(size, args.nvme_path, args.arena_dir, args.reps, arena_size)
     if args.save:
         Path(args.save).write_text(json.dumps(result, indent=1))
@@ -175,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, help="the command (each takes --help)")
     pr = sub.add_parser("probe", help="measure every link on this machine, through tiermem and raw")
     pr.add_argument("--size", default="2GiB", help="bytes per transfer (default 2GiB)")
-    pr.add_argument("--nvme-path", help="directory on the disk to measure (default: a temporary one in .)")
+    pr.add_argument("--nvme-path", action="append", help="directory on the disk to measure (default: a temporary one "
+                    "in .); given several times, the disks striped together, as a tiers.nvme.path list is")
     pr.add_argument("--arena-dir", default="/dev/shm", help="where the DRAM arena file goes")
     pr.add_argument("--arena-size", help="size of the arena whose setup time is measured (default --size)")
     pr.add_argument("--reps", type=int, default=3, help="repetitions per figure; the median is shown")

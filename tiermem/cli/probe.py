@@ -10,6 +10,7 @@ all cores). The planner reads the saved JSON.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import os
 import shutil
 import statistics
@@ -124,12 +125,24 @@ def _drop_cache(path: Path) -> None:
         os.close(fd)
 
 
-def _synced(fn, path: Path):
-    """``fn`` then fsync: a write counts only once it is on the disk."""
+def _synced(fn, paths: list):
+    """``fn`` then fsync: a write counts only once it is on the disks."""
     def run():
         fn()
-        _drop_cache(path)
+        for p in paths:
+            _drop_cache(p)
     return run
+
+
+def _raw_striped(paths: list, buf: torch.Tensor, write: bool) -> None:
+    """Raw O_DIRECT I/O of ``buf``'s bytes over ``paths``, each file its share, all at once (a thread each): what
+    the disks give together."""
+    if len(paths) == 1:
+        return _raw_direct(paths[0], buf, write)
+    share = -(-buf.numel() // len(paths) // RAW_BLOCK) * RAW_BLOCK
+    parts = [buf[i * share:(i + 1) * share] for i in range(len(paths))]
+    with cf.ThreadPoolExecutor(len(paths)) as pool:
+        list(pool.map(lambda pb: _raw_direct(pb[0], pb[1], write), zip(paths, parts)))
 
 
 def _raw_direct(path: Path, buf: torch.Tensor, write: bool) -> None:
@@ -146,9 +159,14 @@ def _raw_direct(path: Path, buf: torch.Tensor, write: bool) -> None:
         os.close(fd)
 
 
-def probe_nvme(arena: DramArena, directory: Path, size: int, reps: int, name: str) -> list[dict]:
+def probe_nvme(arena: DramArena, directory: Path | list, size: int, reps: int, name: str) -> list[dict]:
+    """The disk through the storage tier (each backend) against raw O_DIRECT I/O of the same bytes; ``directory``
+    a list: the tier striped over them, against raw I/O of each disk at once."""
+    dirs = directory if isinstance(directory, list) else [directory]
+    if len(dirs) == 1:
+        directory = dirs[0]
     rows = []
-    usable, why = kvikio_usable(directory)
+    usable, why = kvikio_usable(dirs[0])
     backends = ["posix"] + (["kvikio"] if usable else [])
     host = _names(arena)[0]
     buf_loc = Location(host, arena.allocate(size), size)
@@ -156,15 +174,15 @@ def probe_nvme(arena: DramArena, directory: Path, size: int, reps: int, name: st
     buf.random_(0, 255)
     for backend in backends:
         tier = NvmeTier(directory, f"{name}-{backend}", size, backend=backend)
-        drop = lambda: _drop_cache(tier.path)
+        drop = lambda: [_drop_cache(p) for p in tier.paths]
         try:
             disk = _names(tier)[0]
             mover = Mover({host: arena, disk: tier})
             loc = Location(disk, tier.allocate(size), size)
-            w, rw = _paired_rates(_synced(lambda: mover.copy(buf_loc, loc).result(), tier.path),
-                                  _synced(lambda: _raw_direct(tier.path, buf, True), tier.path), size, reps)
+            w, rw = _paired_rates(_synced(lambda: mover.copy(buf_loc, loc).result(), tier.paths),
+                                  _synced(lambda: _raw_striped(tier.paths, buf, True), tier.paths), size, reps)
             r, rr = _paired_rates(lambda: mover.copy(loc, buf_loc).result(),
-                                  lambda: _raw_direct(tier.path, buf, False), size, reps, before=drop)
+                                  lambda: _raw_striped(tier.paths, buf, False), size, reps, before=drop)
             raw_ok = rw is not None
             note = f"{backend}: {tier.backend.reason}"
             raw_what = "O_DIRECT preadv/pwritev, 64 MiB blocks" if raw_ok else "n/a: no O_DIRECT here"
@@ -176,7 +194,7 @@ def probe_nvme(arena: DramArena, directory: Path, size: int, reps: int, name: st
                 m2 = Mover({device: gpu, host: arena, disk: tier})
                 g = Location(device, gpu.allocate(size), size)
                 rg, rr = _paired_rates(lambda: m2.copy(loc, g).result(),
-                                       lambda: _raw_direct(tier.path, buf, False), size, reps, before=drop)
+                                       lambda: _raw_striped(tier.paths, buf, False), size, reps, before=drop)
                 rows.append(_row("NVMe -> GPU (kvikio)", rg, rr, note=note, raw_what=raw_what))
                 m2.close()
                 gpu.close()
@@ -266,8 +284,12 @@ def probe_gpu_adamw(n_params: int = 1 << 28, steps: int = 5) -> list[dict]:
     return [_row("GPU AdamW", rate, None, unit="G params/s", note=f"torch fused, {n_params / 1e6:.0f}M params")]
 
 
-def run_probe(size: int, nvme_path: str | None, arena_dir: str = "/dev/shm", reps: int = 3,
+def run_probe(size: int, nvme_path: str | list | None, arena_dir: str = "/dev/shm", reps: int = 3,
               arena_size: int | None = None) -> dict:
+    """Every row of ``tiermem probe`` and the machine's sizes; ``nvme_path``: a directory (or a list of them, one per
+    disk, measured striped together as a tier over them reads and writes) to measure the disk in."""
+    if isinstance(nvme_path, str):
+        nvme_path = [nvme_path]
     name = f"tiermem-probe-{os.getpid()}"
     rows: list[dict] = []
     pin = torch.cuda.is_available()
@@ -276,8 +298,7 @@ def run_probe(size: int, nvme_path: str | None, arena_dir: str = "/dev/shm", rep
         rows += probe_gpu(arena, size, reps)
         rows += probe_link_both_ways(size, reps)
         if nvme_path:
-            d = Path(nvme_path)
-            rows += probe_nvme(arena, d, size, reps, name)
+            rows += probe_nvme(arena, [Path(d) for d in nvme_path], size, reps, name)
         else:
             with tempfile.TemporaryDirectory(dir=".", prefix=".tiermem-probe-") as d:
                 rows += probe_nvme(arena, Path(d), size, reps, name)
@@ -290,8 +311,8 @@ def run_probe(size: int, nvme_path: str | None, arena_dir: str = "/dev/shm", rep
     rows += probe_adamw()
     rows += probe_gpu_adamw()
     machine = _machine()
-    if nvme_path:
-        machine["disk_free"] = shutil.disk_usage(nvme_path).free
+    if nvme_path:  # (striped evenly: the fullest disk bounds each directory's share)
+        machine["disk_free"] = min(shutil.disk_usage(d).free for d in nvme_path) * len(nvme_path)
     return {"machine": machine, "size": size, "rows": rows}
 
 

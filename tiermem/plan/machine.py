@@ -251,7 +251,24 @@ def both_from_shares(read: float, write: float, read_share: float, write_share: 
 BOTH_RANGE = (0.5, 2.0)  # what ``nvme_both`` may be (beyond: the timing's noise)
 
 
-def disk_rates(directory: str, size: int = 256 << 20, block: int = 16 << 20) -> dict:
+def disk_rates(directory, size: int = 256 << 20, block: int = 16 << 20) -> dict:
+    """The disks under ``directory``: one directory (``_disk_rates``), or a list of them (a striped storage tier:
+    each measured at the same time, a thread each, their rates added up, as the tier's stripes run)."""
+    if not isinstance(directory, (list, tuple)):
+        return _disk_rates(directory, size, block)
+    if len(directory) == 1:
+        return _disk_rates(directory[0], size, block)
+    import concurrent.futures as cf
+
+    with cf.ThreadPoolExecutor(len(directory)) as pool:
+        each = list(pool.map(lambda d: _disk_rates(d, size, block), directory))
+    if not all(each):
+        return {}
+    return {"nvme_read": sum(e["nvme_read"] for e in each), "nvme_write": sum(e["nvme_write"] for e in each),
+            "nvme_both": sum(e["nvme_both"] for e in each) / len(each)}
+
+
+def _disk_rates(directory: str, size: int = 256 << 20, block: int = 16 << 20) -> dict:
     """The disk under ``directory`` (O_DIRECT where allowed, ``size`` bytes each way in ``block`` pieces, in a
     temporary file): its write and read rates alone (``nvme_write``, ``nvme_read``), then both at once, a thread
     each, as the optimizer's staging reads and write-backs run in a step: ``nvme_both``, the time the two take one

@@ -53,7 +53,8 @@ def short_line(group_bytes: dict, budgets: dict, state_room: int, why: str, shor
         ways.append(f"an {label(first)} tier of {m} or more (tiers.{first}: {{path: DIR}})")
     elif first and why != "staging":
         section = cfg.tiers.get(first) if cfg is not None else None
-        free = disk_free(section.path) if section is not None and hasattr(section, "path") else None
+        where = getattr(section, "path", None)
+        free = disk_free(where[0] if isinstance(where, list) else where) if where is not None else None
         ways.append(f"a tiers.{first}.budget {m} larger" + (f" (its disk has {format_size(free)} free)"
                                                             if free is not None else "")
                     + f", or a tiers.{first}.path on a disk with {format_size((budgets.get(first) or 0) + more)} free")

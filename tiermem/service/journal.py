@@ -51,7 +51,8 @@ def state_dir(cfg) -> Path:
     persistent disk), else $XDG_STATE_HOME/tiermem (~/.local/state/tiermem)."""
     disk = next(iter(cfg.tiers.of_role(STORAGE)), None)
     if disk is not None:
-        return Path(cfg.tiers[disk].path)
+        path = cfg.tiers[disk].path
+        return Path(path[0] if isinstance(path, list) else path)  # (a striped tier's first directory)
     return default_state_dir()
 
 

@@ -17,7 +17,9 @@ from tiermem.service.runs import Run
 from tiermem.store.layout import layout_of
 
 
-def _where(path) -> str | None:
+def _where(path) -> str | list | None:
+    if isinstance(path, list):  # (a striped tier's directories)
+        return [str(Path(p).resolve()) for p in path]
     return None if path is None else str(Path(path).resolve())
 
 

@@ -71,9 +71,10 @@ from tiermem.service.updates import UpdateRequests
 from tiermem.specs import MOMENTS, TensorSpec
 from tiermem.store.layout import create_store, layout_of, reopen_store, shared_description, spec_from_json, spec_to_json
 from tiermem.store.stats import run_problem, store_problem
+from tiermem.tiers import stripes
 from tiermem.tiers.dram import on_disk
 from tiermem.tiers.extents import Extent
-from tiermem.tiers.nvme import check_directory
+from tiermem.tiers.nvme import check_directory, directories
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +88,12 @@ class Service(UpdateRequests, Replacement, Monitoring, Listening):
             raise ConfigError(f"{config_path}: tiers.dram.path {self.cfg.tiers.dram.path} is on a disk filesystem: "
                               "the GPU cannot pin an arena there; set it to a tmpfs such as /dev/shm")
         nv = self.cfg.tiers.nvme
-        if nv is not None and nv.budget:  # the NVMe file is sized to the budget: say so now, not at attach
-            file = Path(nv.path) / f"{self.cfg.store_name()}.nvme"
-            check_directory(Path(nv.path), nv.budget - (file.stat().st_size if file.is_file() else 0))
+        if nv is not None and nv.budget:  # the NVMe files are sized to the budget: say so now, not at attach
+            dirs = directories(nv)
+            for d in dirs:
+                file = Path(d) / f"{self.cfg.store_name()}.nvme"
+                share = stripes.file_bytes(nv.budget, len(dirs), nv.io_chunk)
+                check_directory(Path(d), share - (file.stat().st_size if file.is_file() else 0))
         self.dir = state_dir(self.cfg)
         try:
             self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -139,8 +143,8 @@ class Service(UpdateRequests, Replacement, Monitoring, Listening):
     # -- runs ------------------------------------------------------------------------------------------
     def _discard_recorded(self) -> None:
         name, t = self.cfg.store_name(), self.cfg.tiers
-        for p in (Path(t.dram.path) / f"{name}.arena", self.record_path, self.journal_path,
-                  (Path(t.nvme.path) / f"{name}.nvme") if t.nvme is not None else None):
+        files = [Path(d) / f"{name}.nvme" for d in directories(t.nvme)] if t.nvme is not None else []
+        for p in (Path(t.dram.path) / f"{name}.arena", self.record_path, self.journal_path, *files):
             if p is not None and p.exists():
                 p.unlink()
                 self.say(f"discarded {p}")
