@@ -181,3 +181,24 @@ def test_a_bad_list_of_nvme_directories_is_one_line(path, needle):
     with pytest.raises(ConfigError) as e:
         load_store_config({"tiers": {"nvme": {"path": path}}})
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_quick_probe_measures_striped_drives_together(tmp_path):
+    """A list of directories is measured at once, a thread each, and their rates added (the tier's stripes run so)."""
+    from tiermem.plan import machine
+
+    seen = []
+    real = machine._disk_rates
+
+    def one(d, size, block):
+        seen.append(str(d))
+        return {"nvme_read": 1.0, "nvme_write": 2.0, "nvme_both": 0.5 + len(seen) * 0.1}
+
+    machine._disk_rates = one
+    try:
+        got = machine.disk_rates([tmp_path / "a", tmp_path / "b"])
+    finally:
+        machine._disk_rates = real
+    assert sorted(seen) == [str(tmp_path / "a"), str(tmp_path / "b")]
+    assert got["nvme_read"] == 2.0 and got["nvme_write"] == 4.0 and got["nvme_both"] == pytest.approx(0.65)
+    assert set(real(str(tmp_path), 1 << 20, 256 << 10)) == {"nvme_read", "nvme_write", "nvme_both"}
