@@ -61,8 +61,8 @@ def short_line(group_bytes: dict, budgets: dict, state_room: int, why: str, shor
     stages = f" (DRAM stages each group's {label(first)} state on its way)" if why == "staging" and first else ""
     ways.append(f"a tiers.{host}.budget {m} larger{stages}")
     if act > more:
-        ways.append(f"{m} fewer activations in HBM (a pass holds {format_size(act)}: a lower cutoff_len, "
-                    "per_device_train_batch_size or tiermem_physical_batch_size)")
+        ways.append(f"{m} fewer activations in HBM (a pass holds {format_size(act)}: a lower cutoff_len or "
+                    "loss_chunk_tokens, fewer rows computed at once: tiermem_physical_batch_size)")
     if budgets.get(device) is not None:
         ways.append(f"a tiers.{device}.budget {m} larger, where the GPU has it")
     return f"{head}; {m} more is needed, any one of: " + "; ".join(ways)
