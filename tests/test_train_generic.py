@@ -7,10 +7,11 @@ family forced through the generic path ends where the template does."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from tests.test_train_parity import HP, assert_same_weights, nvme_moments, reference_training, run_cli
 from tests.tiny_models import save_tiny_model, write_tokenized_dataset
@@ -67,3 +68,38 @@ def test_a_template_family_through_the_generic_path_ends_where_the_template_does
         assert not torch.equal(template[n], start[n]) or n.endswith("norm.weight")
         err = (generic[n] - template[n]).norm() / template[n].norm()
         assert err <= 1e-5, f"{n}: relative error {err:.2e}"
+
+
+MOE_AND_HYBRID = ["qwen3_next", "deepseek_v3", "deepseek_v2", "glm4_moe", "llama4", "qwen3_5"]
+
+
+@pytest.mark.parametrize("family", MOE_AND_HYBRID)
+def test_checkpoints_as_saved_train_through_the_generic_path(tmp_path, family):
+    """Tiny random models saved by transformers (one tensor per expert on disk, fused in memory; DeepSeek-V3's and
+    GLM-4.5's router score bias, a persistent buffer; Qwen3-Next's and Qwen3.5's gated delta-net through
+    transformers' own code; Qwen3-Next's load-balancing loss) end fp32 streamed training through the generic path
+    with transformers + torch AdamW's weights, losses and norms; the export holds the input's tensor names and
+    shapes and loads with from_pretrained to the same logits."""
+    model_dir = save_tiny_model(family, tmp_path / "model")
+    data_dir = tmp_path / "data"
+    name = write_tokenized_dataset(data_dir)
+    norms: list[float] = []
+    losses: list[float] = []
+    ref = reference_training(model_dir, data_dir, name, norms, losses)
+    tiermem = {"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}}}
+    assert run_cli(tmp_path, model_dir, data_dir, name, tiermem, tiermem_model_path="generic") == 0
+    out = tmp_path / "out"
+    assert_same_weights(out, ref, tied=False)
+    log = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
+    assert [r["grad_norm"] for r in log] == pytest.approx(norms, rel=1e-5)
+    assert [r["loss"] for r in log] == pytest.approx(losses, rel=1e-5)
+    saved = {k: tuple(v.shape) for k, v in load_file(model_dir / "model.safetensors").items()}
+    assert {k: tuple(v.shape) for k, v in load_file(out / "model.safetensors").items()} == saved
+    got = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    (tmp_path / "ref").mkdir()  # (the reference's weights as saved: from_pretrained converts them as it does ours)
+    save_file({k: v.contiguous() for k, v in ref.items()}, tmp_path / "ref" / "model.safetensors")
+    shutil.copy(model_dir / "config.json", tmp_path / "ref")
+    want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32)
+    ids = torch.randint(1, 96, (2, 13), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(got(ids).logits, want(ids).logits, rtol=1e-4, atol=1e-4)

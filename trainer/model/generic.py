@@ -15,6 +15,13 @@ the "head" group. The stages then run:
 - the head: the modules after the layers (the final norm) and the causal-LM class's own forward from the
   final hidden states (its LM head and any logit soft-capping), chunked over tokens for the loss.
 
+A mixture-of-experts model's routers are the modules transformers records router logits from
+(``_can_record_outputs["router_logits"]``); where its causal-LM class adds the router's load-balancing loss
+(``load_balancing_loss_func``, ``router_aux_loss_coef``) and config.json turns it on (``output_router_logits``),
+the stages add it as the template does (``trainer.model.moe.RouterStats``: counted in the forward, each layer's
+share differentiated in its backward). The checkpoint's own layout on disk (experts one tensor each) against the
+fused tensors the store holds: ``trainer.model.disk_layout``.
+
 transformers is needed for this path only (``pip install 'tiermem[generic]'``). A model it cannot take is
 refused with one line naming what is missing.
 """
@@ -31,7 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from trainer.model.config import ModelConfigError, check_layers, check_weights
+from trainer.model.config import ModelConfigError, MoeSpec, check_layers, check_weights
+from trainer.model.moe import RouterStats
 from trainer.model.weights import Weight
 
 
@@ -88,22 +96,38 @@ class GenericConfig:
     head_weight: str  # the LM head's weight (the embedding's when tied)
     pad_token_id: int | None = None
     sliding_window: int | None = None  # (the model's own masks apply its windows)
-    moe = None
+    moe: MoeSpec | None = None  # a mixture of experts: its routers (kind "generic"; "generic-no-aux": no loss)
+    routers: tuple = ()  # (the module class transformers records router logits from, the output's index)
     notes: list = field(default_factory=list, repr=False)  # note: lines said at start (why auto came here)
     _weights: list[Weight] = field(default_factory=list, repr=False)
+    layouts: dict = field(default_factory=dict, repr=False)  # model directory -> its DiskLayout (weights_io)
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The persistent buffers, which checkpoints hold beside the weights but training does not change
+        (DeepSeek-V3's and GLM-4.5's ``e_score_correction_bias``): name -> the model's tensor."""
+        saved = set(self.model.state_dict())
+        return {n: b for n, b in self.model.named_buffers() if n in saved}
+
+    def set_buffer(self, name: str, t: torch.Tensor) -> None:
+        """A persistent buffer's value, as a checkpoint holds it (the stages copy the buffers when made)."""
+        with torch.no_grad():
+            self.buffers()[name].copy_(t)
 
     def weights(self) -> list[Weight]:
         return list(self._weights)
 
     def num_params(self, active: bool = False) -> int:
-        """Every parameter (a sparse model taken by this path counts all its experts as active)."""
-        n = 0
+        """Every parameter; ``active``: what a token computes with, a mixture of experts' routed experts (a
+        layer's ``experts`` tensors, stacked on their first dimension) counted at top_k of num_experts."""
+        n = 0.0
         for w in self._weights:
             k = 1
             for d in w.shape:
                 k *= d
+            if active and self.moe is not None and ".experts." in w.name and w.shape[:1] == (self.moe.num_experts,):
+                k = k * self.moe.top_k / self.moe.num_experts
             n += k
-        return n
+        return int(n)
 
     def init_weight(self, w: Weight, gen: torch.Generator, device: torch.device) -> torch.Tensor:
         """A fresh fp32 tensor as transformers initialises it (the model's ``_init_weights`` on a real copy of
@@ -156,6 +180,9 @@ def _class_and_config(raw: dict, where: str):
         if used and ("dropout" in key or "pdrop" in key) and isinstance(value, (int, float)) and value > 0:
             raise ModelConfigError(f"{where}: {key} {value} is not supported (dropout cannot be recomputed "
                                    f"exactly); set it to 0")
+        if "jitter" in key and isinstance(value, (int, float)) and value > 0:
+            raise ModelConfigError(f"{where}: {key} {value} is not supported (random noise on the router's input "
+                                   "cannot be recomputed exactly); set it to 0")
     return arch, cls, config
 
 
@@ -188,6 +215,12 @@ def generic_config(raw: dict, where: str = "config.json") -> GenericConfig:
     model.eval()  # (no dropout; the step's semantics are the trainer's)
     backbone_name = getattr(model, "base_model_prefix", "model")
     backbone = getattr(model, backbone_name, None)
+    if not isinstance(backbone, nn.Module):  # (Llama 4's text model: prefix "language_model", held as "model")
+        from transformers import PreTrainedModel
+
+        inner = [(n, m) for n, m in model.named_children() if isinstance(m, PreTrainedModel)]
+        if len(inner) == 1:
+            backbone_name, backbone = inner[0]
     n_layers = getattr(config, "num_hidden_layers", None)
     if not isinstance(backbone, nn.Module) or not isinstance(n_layers, int):
         raise ModelConfigError(f"{where}: architecture {arch} is not supported: no decoder backbone "
@@ -211,11 +244,43 @@ def generic_config(raw: dict, where: str = "config.json") -> GenericConfig:
         raise ModelConfigError(f"{where}: architecture {arch} is not supported: its input embedding does not sit "
                                "before the layer list")
     pad = getattr(config, "pad_token_id", None)
+    routers, moe = _routers(model, config, model.get_submodule(layers_name), raw, where)
     return GenericConfig(family=str(getattr(config, "model_type", arch)), arch=arch, raw=raw, model=model,
                          backbone_name=backbone_name, layers_name=layers_name, head_modules=head_modules,
                          num_layers=n_layers, hidden_size=int(config.hidden_size), vocab_size=int(config.vocab_size),
                          tie_word_embeddings=emb_out.weight is emb_in.weight, embed_name=embed_name,
-                         head_weight=head_weight, pad_token_id=pad if isinstance(pad, int) else None, _weights=weights)
+                         head_weight=head_weight, pad_token_id=pad if isinstance(pad, int) else None, _weights=weights,
+                         moe=moe, routers=routers)
+
+
+def _routers(model: nn.Module, config, layers: nn.ModuleList, raw: dict, where: str):
+    """A mixture of experts' routers, as transformers records their logits (``_can_record_outputs``): ((the
+    router's module class, the index of its logits in its output), the MoeSpec), or ((), None). The load-balancing
+    loss is the causal-LM class's own where it has one (``router_aux_loss_coef``, its module's
+    ``load_balancing_loss_func``): on as config.json says; kind "generic-no-aux" where it has none."""
+    import sys
+
+    spec = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
+    if spec is None:
+        return (), None
+    target, index = getattr(spec, "target_class", spec), getattr(spec, "index", 0)
+    sparse = tuple(i for i, layer in enumerate(layers) if any(isinstance(m, target) for m in layer.modules()))
+    experts = next((getattr(config, k) for k in ("num_experts", "n_routed_experts", "num_local_experts")
+                    if isinstance(getattr(config, k, None), int)), None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if not sparse or not isinstance(experts, int) or not isinstance(top_k, int):
+        return (), None
+    has_loss = hasattr(model, "router_aux_loss_coef") and hasattr(sys.modules[type(model).__module__],
+                                                                  "load_balancing_loss_func")
+    coef = 0.0
+    if has_loss and getattr(config, "output_router_logits", False):
+        coef = config.router_aux_loss_coef
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0 or coef == float("inf"):
+            raise ModelConfigError(f"{where}: router_aux_loss_coef must be a non-negative number, got {coef!r}")
+    inter = getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", 0)
+    moe = MoeSpec(experts, top_k, int(inter), bool(getattr(config, "norm_topk_prob", False)), sparse, "", ("", "", ""),
+                  float(coef), "generic" if has_loss else "generic-no-aux")
+    return (target, index), moe
 
 
 def _grouped(model: nn.Module, layers_name: str, before: list[str]) -> list[Weight]:
@@ -240,6 +305,7 @@ class Inputs:
     """What the backbone handed each layer of one micro-batch besides the hidden states."""
 
     per_layer: list = field(default_factory=list)  # (args, kwargs) of each layer
+    router: RouterStats | None = None  # a mixture of experts' load-balancing loss, while it is on
 
 
 def _relative(params: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -259,7 +325,10 @@ class GenericStages:
         self.backbone = getattr(model, cfg.backbone_name)
         self.layers = model.get_submodule(cfg.layers_name)
         self.buffers = {n: b.to(device) for n, b in model.named_buffers()}  # (as built: fp32)
-        self.aux_loss_coef = 0.0
+
+    @property
+    def aux_loss_coef(self) -> float:
+        return self.cfg.moe.aux_loss_coef if self.cfg.moe is not None else 0.0
 
     # -- embedding ---------------------------------------------------------------------------------
     def _enter(self, w: dict[str, torch.Tensor], ids: torch.Tensor) -> tuple[torch.Tensor, Inputs]:
@@ -297,7 +366,11 @@ class GenericStages:
         return first[0], got
 
     def contexts(self, ids: list[torch.Tensor], masks: list, n_micro: int, train: bool) -> list[Inputs]:
-        return [Inputs() for _ in ids]  # (filled by embed)
+        """(Filled by embed) with, on a training step whose load-balancing loss is on, each micro-batch's router
+        statistics, weighted for the step's loss as the template's (``TemplateStages.contexts``)."""
+        coef = self.aux_loss_coef if train else 0.0
+        return [Inputs(router=RouterStats(m, x.numel(), self.cfg.moe, coef / n_micro, self.device) if coef else None)
+                for x, m in zip(ids, masks)]
 
     def embed(self, w: dict[str, torch.Tensor], ids: torch.Tensor, ctx: Inputs) -> torch.Tensor:
         h, got = self._enter(w, ids)
@@ -326,7 +399,22 @@ class GenericStages:
         args, kwargs = ctx.per_layer[i]
         params = dict(_relative(self.buffers, f"{self.cfg.layers_name}.{i}"))
         params.update(w)
-        out = functional_call(self.layers[i], params, (x, *args), kwargs)
+        hooks = []
+        if ctx.router is not None and i in self.cfg.moe.sparse_layers:  # its router's logits to the statistics
+            target, index = self.cfg.routers
+            seen = ctx.router
+
+            def observe(module, inputs, output):
+                logits = output[index] if isinstance(output, (tuple, list)) else output
+                top_i = torch.topk(torch.softmax(logits.float(), dim=-1), self.cfg.moe.top_k, dim=-1).indices
+                seen.observe(logits, top_i)
+
+            hooks = [m.register_forward_hook(observe) for m in self.layers[i].modules() if isinstance(m, target)]
+        try:
+            out = functional_call(self.layers[i], params, (x, *args), kwargs)
+        finally:
+            for h in hooks:
+                h.remove()
         return out[0] if isinstance(out, tuple) else out
 
     def layer(self, i: int, w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Inputs) -> torch.Tensor:
@@ -337,7 +425,12 @@ class GenericStages:
         leaves = {k: t.detach().requires_grad_() for k, t in w.items()}
         with torch.enable_grad():
             y = self._call_layer(i, leaves, x, ctx)
-            res = torch.autograd.grad(y, [x, *leaves.values()], gy, allow_unused=True)
+            outs, grads = [y], [gy]
+            term = ctx.router.take_term() if ctx.router is not None else None
+            if term is not None:  # (the layer's share of the load-balancing loss)
+                outs.append(term)
+                grads.append(torch.ones_like(term))
+            res = torch.autograd.grad(outs, [x, *leaves.values()], grads, allow_unused=True)
         return res[0], [g if g is not None else torch.zeros_like(t) for g, t in zip(res[1:], leaves.values())]
 
     def layer_graph(self, i: int, w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Inputs):
@@ -351,8 +444,9 @@ class GenericStages:
 
         return backward_of(graph, gy)
 
-    def forward_done(self, ctxs: list[Inputs]) -> None:
-        return None
+    def forward_done(self, ctxs: list[Inputs]) -> torch.Tensor | None:
+        terms = [c.router.weight * c.router.freeze() for c in ctxs if c.router is not None]
+        return sum(terms) if terms else None
 
     # -- head --------------------------------------------------------------------------------------
     def _final(self, h: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
