@@ -73,28 +73,53 @@ def test_a_template_family_through_the_generic_path_ends_where_the_template_does
 MOE_AND_HYBRID = ["qwen3_next", "deepseek_v3", "deepseek_v2", "glm4_moe", "llama4", "qwen3_5"]
 
 
+def round_trip(model_dir) -> dict[str, torch.Tensor]:
+    """The checkpoint of ``model_dir`` loaded as the store holds it (trainer.weights_io: converted by transformers'
+    rules) and written back as the export writes it (reverted), without the store: its on-disk tensors."""
+    from trainer.model.disk_layout import Exporter
+    from trainer.model.select import load_model
+    from trainer.weights_io import _converted, check_weight_files, load_buffers
+
+    cfg = load_model(model_dir, "generic")
+    check_weight_files(cfg, model_dir)
+    load_buffers(cfg, model_dir)
+    held = dict(_converted(cfg, model_dir))
+    names = [w.name for w in cfg.weights()]
+    exporter = Exporter(cfg.layouts[str(model_dir)], names, cfg.buffers())
+    out = [kv for n in names for kv in exporter.feed(n, held[n])]
+    assert [k for k, _ in out] == [k for k, _ in exporter.items]
+    return dict(out)
+
+
 @pytest.mark.parametrize("family", MOE_AND_HYBRID)
-def test_checkpoints_as_saved_train_through_the_generic_path(tmp_path, family):
+def test_checkpoints_as_saved_train_through_the_generic_path(tmp_path, family, capsys):
     """Tiny random models saved by transformers (one tensor per expert on disk, fused in memory; DeepSeek-V3's and
     GLM-4.5's router score bias, a persistent buffer; Qwen3-Next's and Qwen3.5's gated delta-net through
     transformers' own code; Qwen3-Next's load-balancing loss) end fp32 streamed training through the generic path
     with transformers + torch AdamW's weights, losses and norms; the export holds the input's tensor names and
     shapes and loads with from_pretrained to the same logits."""
     model_dir = save_tiny_model(family, tmp_path / "model")
+    saved = load_file(model_dir / "model.safetensors")
+    back = round_trip(model_dir)  # load -> export: the same tensors, bit for bit
+    assert set(back) == set(saved) and all(torch.equal(back[k], saved[k]) for k in saved)
     data_dir = tmp_path / "data"
     name = write_tokenized_dataset(data_dir)
     norms: list[float] = []
     losses: list[float] = []
     ref = reference_training(model_dir, data_dir, name, norms, losses)
     tiermem = {"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}}}
+    capsys.readouterr()
     assert run_cli(tmp_path, model_dir, data_dir, name, tiermem, tiermem_model_path="generic") == 0
+    said = capsys.readouterr().out
+    hybrid = family in ("qwen3_next", "qwen3_5")  # (the run says which implementation its linear attention runs)
+    assert ("note: the linear attention runs " in said) == hybrid, said
     out = tmp_path / "out"
     assert_same_weights(out, ref, tied=False)
     log = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
     assert [r["grad_norm"] for r in log] == pytest.approx(norms, rel=1e-5)
     assert [r["loss"] for r in log] == pytest.approx(losses, rel=1e-5)
-    saved = {k: tuple(v.shape) for k, v in load_file(model_dir / "model.safetensors").items()}
-    assert {k: tuple(v.shape) for k, v in load_file(out / "model.safetensors").items()} == saved
+    shapes = {k: v.shape for k, v in saved.items()}
+    assert {k: v.shape for k, v in load_file(out / "model.safetensors").items()} == shapes
     got = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     (tmp_path / "ref").mkdir()  # (the reference's weights as saved: from_pretrained converts them as it does ours)
     save_file({k: v.contiguous() for k, v in ref.items()}, tmp_path / "ref" / "model.safetensors")
@@ -103,3 +128,21 @@ def test_checkpoints_as_saved_train_through_the_generic_path(tmp_path, family):
     ids = torch.randint(1, 96, (2, 13), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(got(ids).logits, want(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_model_from_config_alone_exports_the_layout_save_pretrained_writes(tmp_path):
+    """tiermem_init: random with a model directory of config.json alone: the export (and a checkpoint) holds the
+    tensors save_pretrained writes (one per expert, the router's score bias), and loads with from_pretrained with
+    nothing missing or unexpected."""
+    model_dir = save_tiny_model("deepseek_v3", tmp_path / "model")
+    saved = {k: v.shape for k, v in load_file(model_dir / "model.safetensors").items()}
+    (model_dir / "model.safetensors").unlink()
+    data_dir = tmp_path / "data"
+    name = write_tokenized_dataset(data_dir)
+    tiermem = {"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}}}
+    assert run_cli(tmp_path, model_dir, data_dir, name, tiermem, tiermem_init="random", max_steps=1, save_steps=1,
+                   tiermem_model_path="generic") == 0
+    for out in (tmp_path / "out", tmp_path / "out" / "checkpoint-1"):
+        assert {k: v.shape for k, v in load_file(out / "model.safetensors").items()} == saved
+        _, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+        assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info

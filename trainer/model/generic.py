@@ -245,12 +245,47 @@ def generic_config(raw: dict, where: str = "config.json") -> GenericConfig:
                                "before the layer list")
     pad = getattr(config, "pad_token_id", None)
     routers, moe = _routers(model, config, model.get_submodule(layers_name), raw, where)
+    kernels = kernels_note(model, model.get_submodule(layers_name))
     return GenericConfig(family=str(getattr(config, "model_type", arch)), arch=arch, raw=raw, model=model,
                          backbone_name=backbone_name, layers_name=layers_name, head_modules=head_modules,
                          num_layers=n_layers, hidden_size=int(config.hidden_size), vocab_size=int(config.vocab_size),
                          tie_word_embeddings=emb_out.weight is emb_in.weight, embed_name=embed_name,
                          head_weight=head_weight, pad_token_id=pad if isinstance(pad, int) else None, _weights=weights,
-                         moe=moe, routers=routers)
+                         moe=moe, routers=routers, notes=[kernels] if kernels else [])
+
+
+def kernels_note(model: nn.Module, layers: nn.ModuleList) -> str | None:
+    """Which implementation transformers runs a hybrid layer's linear attention (its convolution and recurrent
+    state kernels) with: the functions its layers' modules call that transformers binds, when the model is
+    imported, to the fast package where that is installed (flash-linear-attention, causal-conv1d) and to its own
+    PyTorch code otherwise (``use_kernel_func_from_hub_with_fallback``); one ``note:`` line, None for a model
+    without such layers."""
+    import inspect
+    import sys
+
+    module = sys.modules[type(model).__module__]
+    bound = {}  # function name -> (its package, whether the fast one is bound)
+    for fn in vars(module).values():
+        free = getattr(getattr(fn, "__code__", None), "co_freevars", ())
+        if callable(fn) and "is_new_implementation" in free and "package" in free:
+            cells = dict(zip(free, fn.__closure__))
+            bound[fn.__name__] = (cells["package"].cell_contents, cells["is_new_implementation"].cell_contents)
+    called = set()  # the global names the layers' modules' methods use
+    for cls in {type(m) for m in layers.modules()}:
+        for fn in vars(cls).values():
+            fn = inspect.unwrap(fn) if callable(fn) else fn  # (a forward under transformers' decorators)
+            called.update(getattr(getattr(fn, "__code__", None), "co_names", ()))
+    used = {n: v for n, v in bound.items() if n in called}
+    if not used:
+        return None
+    names = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}
+    fast = sorted({names.get(p, p) for p, new in used.values() if new})
+    slow = sorted({names.get(p, p) for p, new in used.values() if not new})
+    if not slow:
+        return f"note: the linear attention runs the fast kernels of {' and '.join(fast)}"
+    return (f"note: the linear attention runs transformers' PyTorch fallback for {', '.join(sorted(used))}"
+            + (f" (the fast kernels of {' and '.join(fast)} for the rest)" if fast else "")
+            + f": exact but slower; pip install {' '.join(slow)} for the fast kernels")
 
 
 def _routers(model: nn.Module, config, layers: nn.ModuleList, raw: dict, where: str):
@@ -260,7 +295,9 @@ def _routers(model: nn.Module, config, layers: nn.ModuleList, raw: dict, where: 
     ``load_balancing_loss_func``): on as config.json says; kind "generic-no-aux" where it has none."""
     import sys
 
-    spec = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
+    backbone = next((m for m in model.children() if m is not layers and any(x is layers for x in m.children())), None)
+    spec = next((rec["router_logits"] for m in (model, backbone) if isinstance(
+        rec := getattr(m, "_can_record_outputs", None), dict) and "router_logits" in rec), None)
     if spec is None:
         return (), None
     target, index = getattr(spec, "target_class", spec), getattr(spec, "index", 0)
