@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.test_train_parity import HP, assert_same_weights, nvme_moments, reference_training, run_cli
-from tests.tiny_models import save_tiny_model, write_tokenized_dataset
+from tests.tiny_models import hf_config, save_tiny_model, write_tokenized_dataset
 
 transformers = pytest.importorskip("transformers")
 
@@ -146,3 +146,25 @@ def test_a_model_from_config_alone_exports_the_layout_save_pretrained_writes(tmp
         assert {k: v.shape for k, v in load_file(out / "model.safetensors").items()} == saved
         _, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
         assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+
+
+def test_a_random_start_is_drawn_as_transformers_draws_it(tmp_path):
+    """tiermem_init: random through the generic path: each weight drawn as transformers' initialize_weights draws
+    it, parents' _init_weights included (Qwen3-Next's MoE block initialises its router's weight: it had been left
+    as uninitialised memory), and the store's every tensor drawn alone (no fused experts module made whole)."""
+    from trainer.model.select import load_model
+
+    save_tiny_model("qwen3_next", tmp_path / "model")
+    cfg = load_model(tmp_path / "model", "generic")
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config("qwen3_next"), dtype=torch.float32)
+    want = dict(hf.named_parameters())
+    gen = torch.Generator().manual_seed(0)
+    for w in cfg.weights():
+        t = cfg.init_weight(w, gen, torch.device("cpu"))
+        ref = want[w.name].detach()
+        assert t.shape == ref.shape and torch.isfinite(t).all(), w.name
+        if ref.numel() > 64 and ref.std() > 0:  # (drawn: the same spread)
+            assert 0.7 < float(t.std() / ref.std()) < 1.4, w.name
+        else:  # (a constant: ones, zeros)
+            assert torch.equal(t, ref) or ref.numel() <= 64, w.name
+    assert all(p.device.type == "meta" for p in cfg.model.parameters())

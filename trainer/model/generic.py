@@ -29,7 +29,6 @@ refused with one line naming what is missing.
 from __future__ import annotations
 
 import contextlib
-import copy
 import re
 from dataclasses import dataclass, field
 
@@ -130,17 +129,30 @@ class GenericConfig:
         return int(n)
 
     def init_weight(self, w: Weight, gen: torch.Generator, device: torch.device) -> torch.Tensor:
-        """A fresh fp32 tensor as transformers initialises it (the model's ``_init_weights`` on a real copy of
-        the module that owns it), seeded from ``gen``."""
+        """A fresh fp32 tensor as transformers initialises it, seeded from ``gen``: the model's ``_init_weights`` on
+        the module that owns it and then on each module above it, as ``initialize_weights`` applies it (children
+        before parents: Qwen3-Next's MoE block initialises its router's weight), this tensor alone made real for
+        it (a fused experts module's other tensor, 15 GB of DeepSeek-V3's, stays on the meta device; the buffers
+        those modules hold are put back as they were)."""
         owner, _, leaf = w.name.rpartition(".")
-        module = copy.deepcopy(self.model.get_submodule(owner)).to_empty(device=device).float()
+        parts = owner.split(".") if owner else []
+        chain = [self.model.get_submodule(".".join(parts[:i])) for i in range(len(parts), -1, -1)]
+        kept = [(m, k, b.clone()) for m in chain for k, b in m._buffers.items() if b is not None]
+        meta = chain[0]._parameters[leaf]
+        chain[0]._parameters[leaf] = nn.Parameter(torch.empty(w.shape, dtype=torch.float32, device=device))
         seed = int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device))
         on_gpu = device.type == "cuda"
         cuda = [device.index if device.index is not None else torch.cuda.current_device()] if on_gpu else []
-        with torch.random.fork_rng(devices=cuda):
-            torch.manual_seed(seed)
-            self.model._init_weights(module)
-        return getattr(module, leaf).detach()
+        try:
+            with torch.random.fork_rng(devices=cuda), torch.no_grad():
+                torch.manual_seed(seed)
+                for m in chain:
+                    self.model._init_weights(m)
+            return chain[0]._parameters[leaf].detach()
+        finally:
+            chain[0]._parameters[leaf] = meta
+            for m, k, b in kept:
+                m._buffers[k] = b
 
 
 def _class_and_config(raw: dict, where: str):
