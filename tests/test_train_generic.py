@@ -168,3 +168,26 @@ def test_a_random_start_is_drawn_as_transformers_draws_it(tmp_path):
         else:  # (a constant: ones, zeros)
             assert torch.equal(t, ref) or ref.numel() <= 64, w.name
     assert all(p.device.type == "meta" for p in cfg.model.parameters())
+
+
+def test_a_model_larger_than_memory_is_described_without_its_weights():
+    """The generic path builds the model on the meta device as from_pretrained does (DeepSeek-V3's fused experts
+    are 30 GB a layer: more than a CI machine holds, which had refused it), its buffers drawn by the model's own
+    _init_weights; active parameters count the routed experts at top_k of num_experts."""
+    import importlib.util
+    from pathlib import Path
+
+    from trainer.model.generic import generic_config
+
+    tool = Path(__file__).parent.parent / "tools" / "make_shape_run.py"
+    spec = importlib.util.spec_from_file_location("shapes", tool)
+    shapes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shapes)
+    raw = dict(shapes.SHAPES["deepseek-v3"], num_hidden_layers=4)  # (3 dense, then 256 experts of 3 x 7168 x 2048)
+    cfg = generic_config(raw)
+    assert cfg.moe.sparse_layers == (3,) and cfg.moe.kind == "generic-no-aux"
+    experts = 256 * 3 * 7168 * 2048
+    assert cfg.num_params() - cfg.num_params(active=True) == experts - experts * 8 // 256
+    bias = cfg.buffers()["model.layers.3.mlp.gate.e_score_correction_bias"]
+    assert bias.device.type == "cpu" and torch.equal(bias, torch.zeros(256))
+    assert all(p.device.type == "meta" for p in cfg.model.parameters())

@@ -1,8 +1,9 @@
 """The generic path: any decoder-only transformers model whose decoder layers form one list, computed by
 transformers' own modules over the streamed weights (``torch.func.functional_call``).
 
-The model class is built once from config.json with its parameters on the meta device (no memory; its
-buffers, such as rotary frequencies or an embedding scale, are real and copied to the compute device).
+The model class is built once from config.json on the meta device, as ``from_pretrained`` builds it (no memory;
+its buffers, such as rotary frequencies or an embedding scale, are then made real, drawn by the model's own
+``_init_weights``, and copied to the compute device).
 Its parameters become the store's groups by where their modules sit in the backbone: those registered
 before the layer list are the "embed" group, each layer its own group, those after the list and the LM head
 the "head" group. The stages then run:
@@ -28,7 +29,6 @@ refused with one line naming what is missing.
 
 from __future__ import annotations
 
-import contextlib
 import re
 from dataclasses import dataclass, field
 
@@ -44,23 +44,6 @@ from trainer.model.weights import Weight
 
 class _Entered(Exception):
     """Raised by the last layer's stand-in: the backbone's forward has handed every layer its inputs."""
-
-
-@contextlib.contextmanager
-def _parameters_on_meta():
-    """Modules built inside put their parameters on the meta device and keep their buffers real."""
-    register = nn.Module.register_parameter
-
-    def on_meta(self, name, param):
-        if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register(self, name, param)
-
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
 
 
 _NO_DECAY = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")]
@@ -118,8 +101,15 @@ class GenericConfig:
     def num_params(self, active: bool = False) -> int:
         """Every parameter; ``active``: what a token computes with, a mixture of experts' routed experts (a
         layer's ``experts`` tensors, stacked on their first dimension) counted at top_k of num_experts."""
+        return self._count(self._weights, active)
+
+    def layer_params(self, i: int, active: bool = False) -> int:
+        """Layer ``i``'s parameters (``active``: as ``num_params``), for the planner's FLOPs."""
+        return self._count([w for w in self._weights if w.group == i], active)
+
+    def _count(self, weights: list[Weight], active: bool) -> int:
         n = 0.0
-        for w in self._weights:
+        for w in weights:
             k = 1
             for d in w.shape:
                 k *= d
@@ -216,14 +206,30 @@ def _check_size(config, where: str) -> None:
                    * dims.get("head_dim", 0)}, 0, where)
 
 
+def _skeleton(cls, config) -> nn.Module:
+    """The model built as ``from_pretrained`` builds it: on the meta device (no memory: DeepSeek-V3's fused experts
+    are 30 GB a layer), then its buffers made real on the CPU and drawn by the model's own ``_init_weights``
+    (rotary frequencies, a router's score bias), each module after those inside it; the parameters stay on meta."""
+    with torch.device("meta"):
+        model = cls._from_config(config, dtype=torch.float32)  # (buffers in fp32 whatever config.json says)
+    modules = list(model.modules())
+    for m in modules:
+        for k, b in m._buffers.items():
+            if b is not None:
+                m._buffers[k] = torch.empty_like(b, device="cpu")
+    with torch.no_grad():
+        for m in reversed(modules):
+            model._init_weights(m)
+    return model
+
+
 def generic_config(raw: dict, where: str = "config.json") -> GenericConfig:
     """The generic path's view of config.json, or one line naming what it lacks."""
     arch, cls, config = _class_and_config(raw, where)
-    with _parameters_on_meta():
-        try:
-            model = cls._from_config(config, dtype=torch.float32)  # (buffers in fp32 whatever config.json says)
-        except Exception as e:  # noqa: BLE001 - whatever the model class refuses
-            raise ModelConfigError(f"{where}: transformers cannot build {arch}: {_one_line(e)}") from None
+    try:
+        model = _skeleton(cls, config)
+    except Exception as e:  # noqa: BLE001 - whatever the model class refuses
+        raise ModelConfigError(f"{where}: transformers cannot build {arch}: {_one_line(e)}") from None
     model.eval()  # (no dropout; the step's semantics are the trainer's)
     backbone_name = getattr(model, "base_model_prefix", "model")
     backbone = getattr(model, backbone_name, None)
@@ -278,10 +284,13 @@ def kernels_note(model: nn.Module, layers: nn.ModuleList) -> str | None:
     module = sys.modules[type(model).__module__]
     bound = {}  # function name -> (its package, whether the fast one is bound)
     for fn in vars(module).values():
-        free = getattr(getattr(fn, "__code__", None), "co_freevars", ())
-        if callable(fn) and "is_new_implementation" in free and "package" in free:
-            cells = dict(zip(free, fn.__closure__))
-            bound[fn.__name__] = (cells["package"].cell_contents, cells["is_new_implementation"].cell_contents)
+        while callable(fn):  # (through any wrapper transformers' hub kernels put around it)
+            free = getattr(getattr(fn, "__code__", None), "co_freevars", ())
+            if "is_new_implementation" in free and "package" in free:
+                cells = dict(zip(free, fn.__closure__))
+                bound[fn.__name__] = (cells["package"].cell_contents, cells["is_new_implementation"].cell_contents)
+                break
+            fn = getattr(fn, "__wrapped__", None)
     called = set()  # the global names the layers' modules' methods use
     for cls in {type(m) for m in layers.modules()}:
         for fn in vars(cls).values():
