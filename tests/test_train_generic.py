@@ -188,6 +188,7 @@ def test_a_model_larger_than_memory_is_described_without_its_weights():
     assert cfg.moe.sparse_layers == (3,) and cfg.moe.kind == "generic-no-aux"
     experts = 256 * 3 * 7168 * 2048
     assert cfg.num_params() - cfg.num_params(active=True) == experts - experts * 8 // 256
+    assert cfg.layer_params(3) - cfg.layer_params(3, active=True) == experts - experts * 8 // 256  # (the planner's)
     bias = cfg.buffers()["model.layers.3.mlp.gate.e_score_correction_bias"]
     assert bias.device.type == "cpu" and torch.equal(bias, torch.zeros(256))
     assert all(p.device.type == "meta" for p in cfg.model.parameters())
