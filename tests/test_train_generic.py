@@ -233,3 +233,26 @@ def test_sharded_checkpoints_convert_across_their_files(tmp_path, monkeypatch):
     assert set(index) == set(saved) and len(set(index.values())) > 1
     _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+
+
+@pytest.mark.parametrize("change,said", [("drop", "(4 of mlp.experts.*.gate_proj.weight, 3 of mlp.experts.*.up_proj"),
+                                         ("extra", "(4 of mlp.experts.*.gate_proj.weight, 5 of mlp.experts.*.up_proj")])
+def test_a_checkpoint_that_does_not_convert_is_refused_in_one_line(tmp_path, capsys, change, said):
+    """An expert's tensor missing from its set, or one more than the model has: one line naming the set and what it
+    holds, exit code 2, nothing written to output_dir."""
+    model_dir = save_tiny_model("deepseek_v3", tmp_path / "model")
+    tensors = load_file(model_dir / "model.safetensors")
+    key = "model.layers.1.mlp.experts.3.up_proj.weight"
+    if change == "drop":
+        del tensors[key]
+    else:
+        tensors[key.replace(".3.", ".9.")] = tensors[key].clone()
+    save_file(tensors, model_dir / "model.safetensors")
+    data_dir = tmp_path / "data"
+    name = write_tokenized_dataset(data_dir)
+    tiermem = {"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}}}
+    capsys.readouterr()
+    assert run_cli(tmp_path, model_dir, data_dir, name, tiermem, tiermem_model_path="generic") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tiermem-train: error: ") and err.count("\n") == 1 and said in err, err
+    assert not (tmp_path / "out").exists()

@@ -27,6 +27,7 @@ import copy
 import functools
 import re
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -209,8 +210,10 @@ def _check(layout: DiskLayout, meta: dict, disk: dict, whole: str) -> None:
         try:
             got = layout.convert(unit, lambda k: _meta(disk[k]))
         except Exception as e:  # noqa: BLE001 - transformers' ops refuse shapes they cannot stack or join
-            raise ModelConfigError(f"{where}: {unit.sources[0]} cannot be converted as transformers loads it "
-                                   f"({_one_line(e)})") from None
+            counts = Counter(pattern for _, _, pattern in unit.keys)  # (an expert missing, or one too many)
+            what = ", ".join(f"{n} of {p}" for p, n in counts.items())
+            raise ModelConfigError(f"{where}: {unit.sources[0]} and the rest of its set ({what}) cannot be converted "
+                                   f"as transformers loads it ({_one_line(e)})") from None
         for name, t in got.items():
             if name not in meta:
                 raise ModelConfigError(f"{where}: {unit.sources[0]} converts to {name}, which the model lacks")
