@@ -59,3 +59,22 @@ def test_the_gpt_oss_shape_is_planned_at_the_depth_the_gpu_check_trains(tmp_path
     assert tiermem(["plan", str(tmp_path / "train.yaml"), "cutoff_len=4096"]) == 0
     said = capsys.readouterr().out
     assert "gpt_oss, 10.80 B params, 3 layers" in said and "64 x 1 rows x 4096 tokens" in said, said
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape,args,said", [
+    ("qwen3-next-80b-a3b", ["--layers", "6"], "qwen3_next, 10.51 B params, 6 layers"),
+    ("deepseek-v3", ["--layers", "5", "--experts", "64"], "deepseek_v3, 9.70 B params, 5 layers")])
+def test_the_generic_shapes_are_planned_at_the_depth_the_gpu_check_trains(tmp_path, capsys, shape, args, said):
+    """tools/gpu_model_check.sh's moe-plan mode: make_shape_run.py's Qwen3-Next-80B-A3B and DeepSeek-V3 shapes (the
+    generic path, from config.json alone) reduced as the GPU check trains them, planned by `tiermem plan` on the
+    H200 machine's figures."""
+    from tiermem.cli.main import main as tiermem
+
+    run = subprocess.run([sys.executable, "tools/make_shape_run.py", "--shape", shape, *args, "--dir", str(tmp_path),
+                          "--accum", "64", "--steps", "1", "--seq", "16"], cwd=ROOT, env=child_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert tiermem(["plan", str(tmp_path / "train.yaml"), "cutoff_len=4096"]) == 0
+    out = capsys.readouterr().out
+    assert said in out and "64 x 1 rows x 4096 tokens" in out and "predicted step" in out, out

@@ -137,6 +137,18 @@ def test_a_generic_model_with_dropout_is_refused(good, capsys):
     _expect_error(capsys, tmp, run(cfg), "resid_pdrop 0.1 is not supported", "set it to 0")
 
 
+def test_a_model_whose_layers_are_not_one_list_is_refused(good, capsys):
+    """The generic path streams one list of decoder layers: XLM keeps its layers' parts in four parallel lists
+    (attentions, norms, feed-forwards, norms), and tiermem-train refuses it in one line naming why."""
+    cfg, run, tmp = good
+    conf = Path(cfg["model_name_or_path"]) / "config.json"
+    conf.write_text(json.dumps({"architectures": ["XLMWithLMHeadModel"], "model_type": "xlm", "n_layers": 2,
+                                "emb_dim": 32, "n_heads": 4, "vocab_size": 96, "dropout": 0.0,
+                                "attention_dropout": 0.0, "causal": True}))
+    _expect_error(capsys, tmp, run(cfg), "XLMWithLMHeadModel is not supported",
+                  "its decoder layers do not form one list of num_hidden_layers=2 modules")
+
+
 def test_malformed_yaml(good, capsys):
     cfg, run, tmp = good
     _expect_error(capsys, tmp, run(cfg, raw="model_name_or_path: [unclosed\n"), "not valid YAML")

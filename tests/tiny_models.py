@@ -53,11 +53,40 @@ def hf_config(family: str, **extra):
                                  "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
                                                      "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
                                                      "original_max_position_embeddings": 32}, **extra})
+    # (generic path, checkpoints as transformers saves them: one tensor per expert on disk, fused in memory)
+    two = {**COMMON, "num_hidden_layers": 2}
+    linear = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+              "linear_value_head_dim": 8, "linear_conv_kernel_dim": 3}
+    if family == "qwen3_next":  # gated delta-net then full attention; shared and routed experts, aux loss
+        return T.Qwen3NextConfig(**{**two, "head_dim": 8, "layer_types": ["linear_attention", "full_attention"],
+                                    **linear, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                                    "shared_expert_intermediate_size": 16, "output_router_logits": True,
+                                    "router_aux_loss_coef": 0.05, **extra})
+    if family == "qwen3_5":  # (text) gated delta-net then full attention, dense
+        return T.Qwen3_5TextConfig(**{**two, "head_dim": 8, "layer_types": ["linear_attention", "full_attention"],
+                                      **linear, **extra})
+    mla = {"num_key_value_heads": 4, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 8,
+           "v_head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+           "first_k_dense_replace": 1}
+    if family == "deepseek_v3":  # multi-head latent attention (q LoRA), grouped top-k with a score bias
+        return T.DeepseekV3Config(**{**two, **mla, "q_lora_rank": 24, "n_shared_experts": 1, "n_group": 2,
+                                     "topk_group": 1, **extra})
+    if family == "deepseek_v2":  # V2-Lite's layout: no q LoRA, two shared experts, greedy top-k
+        return T.DeepseekV2Config(**{**two, **mla, "q_lora_rank": None, "n_shared_experts": 2, **extra})
+    if family == "glm4_moe":  # partial RoPE, q/k norms, a dense first layer, one shared expert, a score bias
+        return T.Glm4MoeConfig(**{**two, "head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                                  "moe_intermediate_size": 16, "first_k_dense_replace": 1, "use_qk_norm": True,
+                                  "n_group": 1, "topk_group": 1, **extra})
+    if family == "llama4":  # (text) chunked attention and no RoPE on the last layer; a dense then a MoE layer
+        return T.Llama4TextConfig(**{**two, "head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 1,
+                                     "intermediate_size": 16, "intermediate_size_mlp": 64, "moe_layers": [1],
+                                     "attention_chunk_size": 8, "no_rope_layer_interval": 2, **extra})
     raise ValueError(family)
 
 
 def randomize(model) -> None:
-    """Non-trivial norms, biases and attention sinks, so that their gradients matter."""
+    """Non-trivial norms, biases and attention sinks, so that their gradients matter; routers' score biases, so
+    that routing turns on them."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -66,6 +95,11 @@ def randomize(model) -> None:
                 p.normal_(0, 0.05)
             elif name.endswith("sinks"):
                 p.normal_(0, 1.0)
+            elif name.endswith("A_log"):  # (a gated delta-net's decay rate: transformers draws it up to 16 a token,
+                p.uniform_(-2.0, 0.0)     # whose cumulative sums leave fp32 a few digits; a trained model's is less)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # (DeepSeek-V3, GLM-4.5: steers the top-k)
+                b.normal_(0, 0.5)
 
 
 def save_tiny_model(family: str, path: Path, seed: int = 0, **extra) -> Path:

@@ -11,8 +11,13 @@ intermediate 13824, 40 heads, 8 KV heads, vocab 152064, untied), qwen3-30b-a3b (
 151936, the router's load-balancing loss on; 30.5 B params, 3.4 B active), qwen3-moe-24l (the same with 24
 layers: 15.6 B params) and gpt-oss-120b (hidden 2880, 36 layers of 128 experts of intermediate 2880, top-4, 64
 heads, 8 KV heads, head_dim 64, attention sinks, sliding windows of 128 tokens on alternate layers, yarn RoPE,
-vocab 201088, untied: 116.8 B params, 5.7 B active with the embedding and head; each layer 3.2 B); `--layers N`
-changes a shape's depth. Rows are `--seq` tokens each (4096); a
+vocab 201088, untied: 116.8 B params, 5.7 B active with the embedding and head; each layer 3.2 B), and for the
+generic path qwen3-next-80b-a3b (hidden 2048, 48 layers: three of gated delta-net linear attention then one of
+full attention, 512 experts of intermediate 512 top-10 and a shared expert, vocab 151936: 81.3 B params, each layer
+1.7 B) and deepseek-v3 (hidden 7168, multi-head latent attention of 128 heads, 3 dense layers then 58 of 256 experts
+of intermediate 2048 top-8 in 8 groups and a shared one, vocab 129280: 671 B params, a sparse layer 11.3 B);
+`--layers N` changes a shape's depth (DeepSeek-V3 keeps at most N - 1 dense layers first), `--experts N` the
+routed experts of a mixture of experts. Rows are `--seq` tokens each (4096); a
 step takes `--accum` micro-batches of `--batch` rows.
 """
 
@@ -52,12 +57,37 @@ SHAPES["gpt-oss-120b"] = {  # (openai/gpt-oss-120b's config.json, less its quant
     "attention_bias": True, "attention_dropout": 0.0, "swiglu_limit": 7.0, "tie_word_embeddings": False,
     "hidden_act": "silu", "initializer_range": 0.02, "output_router_logits": False, "router_aux_loss_coef": 0.9}
 
+SHAPES["qwen3-next-80b-a3b"] = {  # (Qwen/Qwen3-Next-80B-A3B's config.json: the generic path)
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 2048,
+    "intermediate_size": 5120, "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2,
+    "head_dim": 256, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "num_experts": 512, "num_experts_per_tok": 10,
+    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "norm_topk_prob": True, "partial_rotary_factor": 0.25, "rope_theta": 10000000,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 12,
+    "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "vocab_size": 151936, "tie_word_embeddings": False,
+    "output_router_logits": False, "router_aux_loss_coef": 0.001, "attention_bias": False, "attention_dropout": 0.0,
+    "hidden_act": "silu", "initializer_range": 0.02}
+SHAPES["deepseek-v3"] = {  # (deepseek-ai/DeepSeek-V3's config.json, less its fp8 quantization: the generic path)
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+    "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+    "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True,
+    "topk_method": "noaux_tc", "scoring_func": "sigmoid", "vocab_size": 129280, "max_position_embeddings": 163840,
+    "rope_theta": 10000, "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1,
+                                          "mscale": 1.0, "mscale_all_dim": 1.0,
+                                          "original_max_position_embeddings": 4096},
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": 0.0,
+    "hidden_act": "silu", "initializer_range": 0.02, "bos_token_id": 0, "eos_token_id": 1}
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), required=True)
     ap.add_argument("--dir", required=True, help="where the model, data and train.yaml go")
     ap.add_argument("--layers", type=int, help="decoder layers (default: the shape's)")
+    ap.add_argument("--experts", type=int, help="routed experts of a mixture of experts (default: the shape's)")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--accum", type=int, default=32)
@@ -71,8 +101,13 @@ def main() -> None:
     shape = dict(SHAPES[args.shape])
     if args.layers:
         shape["num_hidden_layers"] = args.layers
-        if "layer_types" in shape:  # (gpt-oss: the alternation kept)
-            shape["layer_types"] = [shape["layer_types"][i % 2] for i in range(args.layers)]
+        if "layer_types" in shape:  # (gpt-oss's, Qwen3-Next's: the pattern kept, cut to the layers)
+            shape["layer_types"] = shape["layer_types"][:args.layers]
+        if "first_k_dense_replace" in shape:  # (DeepSeek-V3: its dense layers first, a mixture of experts after)
+            shape["first_k_dense_replace"] = min(shape["first_k_dense_replace"], args.layers - 1)
+    if args.experts:
+        key = next(k for k in ("num_experts", "n_routed_experts", "num_local_experts") if k in shape)
+        shape[key] = args.experts
     (d / "model" / "config.json").write_text(json.dumps(shape))
     rng = random.Random(0)
     rows = args.batch * args.accum * args.steps

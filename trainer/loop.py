@@ -51,7 +51,7 @@ from trainer.report import Reporter, plot_loss
 from trainer.schedule import lr_factor, warmup_steps
 from trainer.state import explicit_gpu_share, state_specs, store_config, wants_cuda
 from trainer.tensorboard import check_logging_dir, open_writer
-from trainer.weights_io import check_weight_files, export_model, import_weights, init_weights
+from trainer.weights_io import check_weight_files, export_model, import_weights, init_weights, load_buffers
 from trainer.when import eval_due, save_due, saves
 
 
@@ -333,6 +333,8 @@ def load_weights(job: Job, session: Session, console: Console, say) -> int:
     """The run's weights into the store: the service's run as it stands, a checkpoint, the pretrained
     weights or a random initialisation; returns the step training starts at."""
     cfg, store, plan = job.cfg, session.store, job.plan
+    if job.resume is not None or cfg.tiermem_init == "pretrained":  # (a generic-path model's untrained buffers)
+        load_buffers(job.mcfg, job.resume or job.model_dir)
     if session.continues_at is not None:
         start = session.continues_at
         say(f"continuing the service's run at step {start} (epoch {plan.epoch_of(start):.2f})")

@@ -5,6 +5,10 @@ tensor (memory-mapped) and writes each into the store as its compute copy and, i
 master. Export streams each tensor out of the store into sharded safetensors files written by a small
 streaming writer (header first, then each tensor's bytes), plus ``model.safetensors.index.json``,
 config.json and the tokenizer files, so ``AutoModelForCausalLM.from_pretrained(output_dir)`` loads it.
+
+A model of the generic path reads and writes its checkpoint's own layout (``trainer.model.disk_layout``:
+transformers' conversion rules, e.g. one tensor per expert on disk, the experts fused in the store): its
+tensors are converted on the way in and reverted on the way out, a set of them at a time.
 """
 
 from __future__ import annotations
@@ -69,6 +73,10 @@ def _open(path: Path):
 def check_weight_files(cfg: ModelConfig, model_dir: str | Path) -> list[Path]:
     """The model's weight files, their headers checked against config.json before anything is loaded:
     every tensor the model needs is there once, of its shape, in a floating-point dtype."""
+    if getattr(cfg, "generic", False):  # (as converted by transformers' rules: trainer.model.disk_layout)
+        files = weight_files(model_dir)
+        disk_layout(cfg, model_dir, files)
+        return files
     wanted = {w.name: w for w in all_weights(cfg)}
     seen: set[str] = set()
     files = weight_files(model_dir)
@@ -104,6 +112,8 @@ def import_weights(store, cfg: ModelConfig, model_dir: str | Path, kinds: dict[s
     """Load every weight of ``model_dir`` (its headers checked by ``check_weight_files``) into the store as
     each kind in ``kinds`` (kind -> dtype); ``names``: only these store names (several ranks: each writes
     what its store holds)."""
+    if getattr(cfg, "generic", False):
+        return _import_converted(store, cfg, model_dir, kinds, progress, names)
     wanted = {w.name: w for w in all_weights(cfg)}
     for path in check_weight_files(cfg, model_dir):
         with _open(path) as f:
@@ -119,6 +129,76 @@ def import_weights(store, cfg: ModelConfig, model_dir: str | Path, kinds: dict[s
                     fut.result()
                 if progress:
                     progress(t.numel())
+
+
+def disk_layout(cfg, model_dir: str | Path, files: list[Path] | None = None):
+    """A generic-path model's checkpoint layout in ``model_dir`` (``trainer.model.disk_layout``): its weight files'
+    (``files``, else those found there; their headers checked), else, where it has none, the layout
+    ``save_pretrained`` writes. Kept on the config."""
+    from trainer.model.config import ModelConfigError
+    from trainer.model.disk_layout import read_layout, saved_layout
+
+    key = str(model_dir)
+    if key not in cfg.layouts:
+        if files is None:
+            try:
+                files = weight_files(model_dir)
+            except ConfigError:
+                files = []
+        disk = {}
+        for path in files:
+            with _open(path) as f:
+                for name in f.keys():
+                    sl = f.get_slice(name)
+                    disk[name] = (tuple(sl.get_shape()), sl.get_dtype(), str(path))
+        try:
+            cfg.layouts[key] = read_layout(cfg.model, disk, key) if files else saved_layout(cfg.model, key)
+        except ModelConfigError as e:
+            raise ConfigError(str(e)) from None
+    return cfg.layouts[key]
+
+
+def _converted(cfg, model_dir: str | Path, only=None):
+    """Each set of ``model_dir``'s tensors converted as transformers loads them: (in-memory name, tensor) pairs;
+    ``only(unit)``: the sets to read."""
+    layout = disk_layout(cfg, model_dir, weight_files(model_dir))
+    files: dict[str, object] = {}
+
+    def read(name: str) -> torch.Tensor:
+        path = layout.where[name]
+        if path not in files:
+            files[path] = _open(Path(path))
+        try:
+            return files[path].get_tensor(name)
+        except Exception as e:  # noqa: BLE001 - a file changed or cut since its header was read
+            raise ConfigError(f"{path}: cannot read {name} ({str(e)[:120]})") from None
+
+    for unit in layout.units:
+        if only is None or only(unit):
+            yield from layout.convert(unit, read).items()
+
+
+def _import_converted(store, cfg, model_dir, kinds, progress, names) -> None:
+    wanted = {w.name: w for w in all_weights(cfg)}
+    for name, t in _converted(cfg, model_dir):
+        w = wanted.get(name)
+        if w is None:  # (a persistent buffer: load_buffers; a tied head: the embedding's)
+            continue
+        for fut in _write_all(store, w, t, kinds, names):
+            fut.result()
+        if progress:
+            progress(t.numel())
+
+
+def load_buffers(cfg, model_dir: str | Path) -> None:
+    """A generic-path model's persistent buffers (not trained: DeepSeek-V3's ``e_score_correction_bias``) from
+    ``model_dir``'s weights, into the model the stages are made from."""
+    buffers = cfg.buffers() if getattr(cfg, "generic", False) else {}
+    if not buffers:
+        return
+    for name, t in _converted(cfg, model_dir, lambda unit: any(n in buffers for n in unit.targets)):
+        if name in buffers:
+            cfg.set_buffer(name, t)
 
 
 def init_weights(store, cfg: ModelConfig, kinds: dict[str, torch.dtype], seed: int, device: torch.device,
@@ -209,10 +289,17 @@ class ModelWriter:
         self.cfg, self.out, self.dtype, self.model_dir = cfg, Path(out_dir), dtype, Path(model_dir)
         self.what = what
         self.out.mkdir(parents=True, exist_ok=True)
+        self._exporter = None  # a generic-path model: its checkpoint's layout, from the store's tensors
+        items = [(w.name, w.shape) for w in all_weights(cfg)]
+        if getattr(cfg, "generic", False):
+            from trainer.model.disk_layout import Exporter
+
+            self._exporter = Exporter(disk_layout(cfg, model_dir), [n for n, _ in items], cfg.buffers())
+            items = self._exporter.items
         shards, cur, size = [], [], 0
-        for w in all_weights(cfg):
+        for w in items:
             n = dtype.itemsize
-            for d in w.shape:
+            for d in w[1]:
                 n *= d
             if cur and size + n > SHARD_BYTES:
                 shards.append(cur)
@@ -231,13 +318,17 @@ class ModelWriter:
         self.crc32c: dict[str, str] = {}  # each shard's CRC32C, as written
 
     def put(self, name: str, t: torch.Tensor) -> None:
-        file, w = self._plan[self._next]
-        if w.name != name:
-            raise ValueError(f"expected {w.name} next, got {name}")
         if not math.isfinite(float(weights_norm([t]))) and not all_finite([t]):  # (the exact look only then)
             raise NonFiniteWeights(name, self.what)
+        for n, x in self._exporter.feed(name, t) if self._exporter is not None else [(name, t)]:
+            self._put(n, x)
+
+    def _put(self, name: str, t: torch.Tensor) -> None:
+        file, (want, _) = self._plan[self._next]
+        if want != name:
+            raise ValueError(f"expected {want} next, got {name}")
         if self._writer is None:
-            self._writer = _ShardWriter(self.out / file, [(x.name, x.shape, self.dtype) for x in self._shards[file]])
+            self._writer = _ShardWriter(self.out / file, [(x, shape, self.dtype) for x, shape in self._shards[file]])
         if t.dtype == self.dtype:
             self._writer.write(t)
         else:  # (converted a piece at a time: the 14B export's fp32 embedding, 3.1 GB, took 1.6 GB more whole)

@@ -411,6 +411,9 @@ def load_balancing_coef(cfg: ModelConfig, override: float | None) -> ModelConfig
     what config.json says (``output_router_logits`` and ``router_aux_loss_coef``)."""
     if cfg.moe is None or override is None:
         return cfg
+    if override and cfg.moe.kind == "generic-no-aux":  # (the generic path: as the model's transformers class)
+        raise ModelConfigError(f"moe_aux_loss_coef: {getattr(cfg, 'arch', 'this model')} adds no load-balancing "
+                               "loss in transformers (its router is balanced otherwise); set it to 0 or leave it unset")
     return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, aux_loss_coef=float(override)))
 
 

@@ -1,8 +1,9 @@
 """The generic path: any decoder-only transformers model whose decoder layers form one list, computed by
 transformers' own modules over the streamed weights (``torch.func.functional_call``).
 
-The model class is built once from config.json with its parameters on the meta device (no memory; its
-buffers, such as rotary frequencies or an embedding scale, are real and copied to the compute device).
+The model class is built once from config.json on the meta device, as ``from_pretrained`` builds it (no memory;
+its buffers, such as rotary frequencies or an embedding scale, are then made real, drawn by the model's own
+``_init_weights``, and copied to the compute device).
 Its parameters become the store's groups by where their modules sit in the backbone: those registered
 before the layer list are the "embed" group, each layer its own group, those after the list and the LM head
 the "head" group. The stages then run:
@@ -15,14 +16,19 @@ the "head" group. The stages then run:
 - the head: the modules after the layers (the final norm) and the causal-LM class's own forward from the
   final hidden states (its LM head and any logit soft-capping), chunked over tokens for the loss.
 
+A mixture-of-experts model's routers are the modules transformers records router logits from
+(``_can_record_outputs["router_logits"]``); where its causal-LM class adds the router's load-balancing loss
+(``load_balancing_loss_func``, ``router_aux_loss_coef``) and config.json turns it on (``output_router_logits``),
+the stages add it as the template does (``trainer.model.moe.RouterStats``: counted in the forward, each layer's
+share differentiated in its backward). The checkpoint's own layout on disk (experts one tensor each) against the
+fused tensors the store holds: ``trainer.model.disk_layout``.
+
 transformers is needed for this path only (``pip install 'tiermem[generic]'``). A model it cannot take is
 refused with one line naming what is missing.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import re
 from dataclasses import dataclass, field
 
@@ -31,29 +37,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from trainer.model.config import ModelConfigError, check_layers, check_weights
+from trainer.model.config import ModelConfigError, MoeSpec, check_layers, check_weights
+from trainer.model.moe import RouterStats
 from trainer.model.weights import Weight
 
 
 class _Entered(Exception):
     """Raised by the last layer's stand-in: the backbone's forward has handed every layer its inputs."""
-
-
-@contextlib.contextmanager
-def _parameters_on_meta():
-    """Modules built inside put their parameters on the meta device and keep their buffers real."""
-    register = nn.Module.register_parameter
-
-    def on_meta(self, name, param):
-        if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register(self, name, param)
-
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
 
 
 _NO_DECAY = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")]
@@ -88,35 +78,71 @@ class GenericConfig:
     head_weight: str  # the LM head's weight (the embedding's when tied)
     pad_token_id: int | None = None
     sliding_window: int | None = None  # (the model's own masks apply its windows)
-    moe = None
+    moe: MoeSpec | None = None  # a mixture of experts: its routers (kind "generic"; "generic-no-aux": no loss)
+    routers: tuple = ()  # (the module class transformers records router logits from, the output's index)
     notes: list = field(default_factory=list, repr=False)  # note: lines said at start (why auto came here)
     _weights: list[Weight] = field(default_factory=list, repr=False)
+    layouts: dict = field(default_factory=dict, repr=False)  # model directory -> its DiskLayout (weights_io)
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The persistent buffers, which checkpoints hold beside the weights but training does not change
+        (DeepSeek-V3's and GLM-4.5's ``e_score_correction_bias``): name -> the model's tensor."""
+        saved = set(self.model.state_dict())
+        return {n: b for n, b in self.model.named_buffers() if n in saved}
+
+    def set_buffer(self, name: str, t: torch.Tensor) -> None:
+        """A persistent buffer's value, as a checkpoint holds it (the stages copy the buffers when made)."""
+        with torch.no_grad():
+            self.buffers()[name].copy_(t)
 
     def weights(self) -> list[Weight]:
         return list(self._weights)
 
     def num_params(self, active: bool = False) -> int:
-        """Every parameter (a sparse model taken by this path counts all its experts as active)."""
-        n = 0
-        for w in self._weights:
+        """Every parameter; ``active``: what a token computes with, a mixture of experts' routed experts (a
+        layer's ``experts`` tensors, stacked on their first dimension) counted at top_k of num_experts."""
+        return self._count(self._weights, active)
+
+    def layer_params(self, i: int, active: bool = False) -> int:
+        """Layer ``i``'s parameters (``active``: as ``num_params``), for the planner's FLOPs."""
+        return self._count([w for w in self._weights if w.group == i], active)
+
+    def _count(self, weights: list[Weight], active: bool) -> int:
+        n = 0.0
+        for w in weights:
             k = 1
             for d in w.shape:
                 k *= d
+            if active and self.moe is not None and ".experts." in w.name and w.shape[:1] == (self.moe.num_experts,):
+                k = k * self.moe.top_k / self.moe.num_experts
             n += k
-        return n
+        return int(n)
 
     def init_weight(self, w: Weight, gen: torch.Generator, device: torch.device) -> torch.Tensor:
-        """A fresh fp32 tensor as transformers initialises it (the model's ``_init_weights`` on a real copy of
-        the module that owns it), seeded from ``gen``."""
+        """A fresh fp32 tensor as transformers initialises it, seeded from ``gen``: the model's ``_init_weights`` on
+        the module that owns it and then on each module above it, as ``initialize_weights`` applies it (children
+        before parents: Qwen3-Next's MoE block initialises its router's weight), this tensor alone made real for
+        it (a fused experts module's other tensor, 15 GB of DeepSeek-V3's, stays on the meta device; the buffers
+        those modules hold are put back as they were)."""
         owner, _, leaf = w.name.rpartition(".")
-        module = copy.deepcopy(self.model.get_submodule(owner)).to_empty(device=device).float()
+        parts = owner.split(".") if owner else []
+        chain = [self.model.get_submodule(".".join(parts[:i])) for i in range(len(parts), -1, -1)]
+        kept = [(m, k, b.clone()) for m in chain for k, b in m._buffers.items() if b is not None]
+        meta = chain[0]._parameters[leaf]
+        chain[0]._parameters[leaf] = nn.Parameter(torch.empty(w.shape, dtype=torch.float32, device=device))
         seed = int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device))
         on_gpu = device.type == "cuda"
         cuda = [device.index if device.index is not None else torch.cuda.current_device()] if on_gpu else []
-        with torch.random.fork_rng(devices=cuda):
-            torch.manual_seed(seed)
-            self.model._init_weights(module)
-        return getattr(module, leaf).detach()
+        try:
+            with torch.random.fork_rng(devices=cuda), torch.no_grad():
+                torch.manual_seed(seed)
+                for m in chain:
+                    self.model._init_weights(m)
+            return chain[0]._parameters[leaf].detach()
+        finally:
+            chain[0]._parameters[leaf] = meta
+            for m, k, b in kept:
+                m._buffers[k] = b
 
 
 def _class_and_config(raw: dict, where: str):
@@ -156,6 +182,9 @@ def _class_and_config(raw: dict, where: str):
         if used and ("dropout" in key or "pdrop" in key) and isinstance(value, (int, float)) and value > 0:
             raise ModelConfigError(f"{where}: {key} {value} is not supported (dropout cannot be recomputed "
                                    f"exactly); set it to 0")
+        if "jitter" in key and isinstance(value, (int, float)) and value > 0:
+            raise ModelConfigError(f"{where}: {key} {value} is not supported (random noise on the router's input "
+                                   "cannot be recomputed exactly); set it to 0")
     return arch, cls, config
 
 
@@ -177,17 +206,39 @@ def _check_size(config, where: str) -> None:
                    * dims.get("head_dim", 0)}, 0, where)
 
 
+def _skeleton(cls, config) -> nn.Module:
+    """The model built as ``from_pretrained`` builds it: on the meta device (no memory: DeepSeek-V3's fused experts
+    are 30 GB a layer), then its buffers made real on the CPU and drawn by the model's own ``_init_weights``
+    (rotary frequencies, a router's score bias), each module after those inside it; the parameters stay on meta."""
+    with torch.device("meta"):
+        model = cls._from_config(config, dtype=torch.float32)  # (buffers in fp32 whatever config.json says)
+    modules = list(model.modules())
+    for m in modules:
+        for k, b in m._buffers.items():
+            if b is not None:
+                m._buffers[k] = torch.empty_like(b, device="cpu")
+    with torch.no_grad():
+        for m in reversed(modules):
+            model._init_weights(m)
+    return model
+
+
 def generic_config(raw: dict, where: str = "config.json") -> GenericConfig:
     """The generic path's view of config.json, or one line naming what it lacks."""
     arch, cls, config = _class_and_config(raw, where)
-    with _parameters_on_meta():
-        try:
-            model = cls._from_config(config, dtype=torch.float32)  # (buffers in fp32 whatever config.json says)
-        except Exception as e:  # noqa: BLE001 - whatever the model class refuses
-            raise ModelConfigError(f"{where}: transformers cannot build {arch}: {_one_line(e)}") from None
+    try:
+        model = _skeleton(cls, config)
+    except Exception as e:  # noqa: BLE001 - whatever the model class refuses
+        raise ModelConfigError(f"{where}: transformers cannot build {arch}: {_one_line(e)}") from None
     model.eval()  # (no dropout; the step's semantics are the trainer's)
     backbone_name = getattr(model, "base_model_prefix", "model")
     backbone = getattr(model, backbone_name, None)
+    if not isinstance(backbone, nn.Module):  # (Llama 4's text model: prefix "language_model", held as "model")
+        from transformers import PreTrainedModel
+
+        inner = [(n, m) for n, m in model.named_children() if isinstance(m, PreTrainedModel)]
+        if len(inner) == 1:
+            backbone_name, backbone = inner[0]
     n_layers = getattr(config, "num_hidden_layers", None)
     if not isinstance(backbone, nn.Module) or not isinstance(n_layers, int):
         raise ModelConfigError(f"{where}: architecture {arch} is not supported: no decoder backbone "
@@ -211,11 +262,83 @@ def generic_config(raw: dict, where: str = "config.json") -> GenericConfig:
         raise ModelConfigError(f"{where}: architecture {arch} is not supported: its input embedding does not sit "
                                "before the layer list")
     pad = getattr(config, "pad_token_id", None)
+    routers, moe = _routers(model, config, model.get_submodule(layers_name), raw, where)
+    kernels = kernels_note(model, model.get_submodule(layers_name))
     return GenericConfig(family=str(getattr(config, "model_type", arch)), arch=arch, raw=raw, model=model,
                          backbone_name=backbone_name, layers_name=layers_name, head_modules=head_modules,
                          num_layers=n_layers, hidden_size=int(config.hidden_size), vocab_size=int(config.vocab_size),
                          tie_word_embeddings=emb_out.weight is emb_in.weight, embed_name=embed_name,
-                         head_weight=head_weight, pad_token_id=pad if isinstance(pad, int) else None, _weights=weights)
+                         head_weight=head_weight, pad_token_id=pad if isinstance(pad, int) else None, _weights=weights,
+                         moe=moe, routers=routers, notes=[kernels] if kernels else [])
+
+
+def kernels_note(model: nn.Module, layers: nn.ModuleList) -> str | None:
+    """Which implementation transformers runs a hybrid layer's linear attention (its convolution and recurrent
+    state kernels) with: the functions its layers' modules call that transformers binds, when the model is
+    imported, to the fast package where that is installed (flash-linear-attention, causal-conv1d) and to its own
+    PyTorch code otherwise (``use_kernel_func_from_hub_with_fallback``); one ``note:`` line, None for a model
+    without such layers."""
+    import inspect
+    import sys
+
+    module = sys.modules[type(model).__module__]
+    bound = {}  # function name -> (its package, whether the fast one is bound)
+    for fn in vars(module).values():
+        while callable(fn):  # (through any wrapper transformers' hub kernels put around it)
+            free = getattr(getattr(fn, "__code__", None), "co_freevars", ())
+            if "is_new_implementation" in free and "package" in free:
+                cells = dict(zip(free, fn.__closure__))
+                bound[fn.__name__] = (cells["package"].cell_contents, cells["is_new_implementation"].cell_contents)
+                break
+            fn = getattr(fn, "__wrapped__", None)
+    called = set()  # the global names the layers' modules' methods use
+    for cls in {type(m) for m in layers.modules()}:
+        for fn in vars(cls).values():
+            fn = inspect.unwrap(fn) if callable(fn) else fn  # (a forward under transformers' decorators)
+            called.update(getattr(getattr(fn, "__code__", None), "co_names", ()))
+    used = {n: v for n, v in bound.items() if n in called}
+    if not used:
+        return None
+    names = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}
+    fast = sorted({names.get(p, p) for p, new in used.values() if new})
+    slow = sorted({names.get(p, p) for p, new in used.values() if not new})
+    if not slow:
+        return f"note: the linear attention runs the fast kernels of {' and '.join(fast)}"
+    return (f"note: the linear attention runs transformers' PyTorch fallback for {', '.join(sorted(used))}"
+            + (f" (the fast kernels of {' and '.join(fast)} for the rest)" if fast else "")
+            + f": exact but slower; pip install {' '.join(slow)} for the fast kernels")
+
+
+def _routers(model: nn.Module, config, layers: nn.ModuleList, raw: dict, where: str):
+    """A mixture of experts' routers, as transformers records their logits (``_can_record_outputs``): ((the
+    router's module class, the index of its logits in its output), the MoeSpec), or ((), None). The load-balancing
+    loss is the causal-LM class's own where it has one (``router_aux_loss_coef``, its module's
+    ``load_balancing_loss_func``): on as config.json says; kind "generic-no-aux" where it has none."""
+    import sys
+
+    backbone = next((m for m in model.children() if m is not layers and any(x is layers for x in m.children())), None)
+    spec = next((rec["router_logits"] for m in (model, backbone) if isinstance(
+        rec := getattr(m, "_can_record_outputs", None), dict) and "router_logits" in rec), None)
+    if spec is None:
+        return (), None
+    target, index = getattr(spec, "target_class", spec), getattr(spec, "index", 0)
+    sparse = tuple(i for i, layer in enumerate(layers) if any(isinstance(m, target) for m in layer.modules()))
+    experts = next((getattr(config, k) for k in ("num_experts", "n_routed_experts", "num_local_experts")
+                    if isinstance(getattr(config, k, None), int)), None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if not sparse or not isinstance(experts, int) or not isinstance(top_k, int):
+        return (), None
+    has_loss = hasattr(model, "router_aux_loss_coef") and hasattr(sys.modules[type(model).__module__],
+                                                                  "load_balancing_loss_func")
+    coef = 0.0
+    if has_loss and getattr(config, "output_router_logits", False):
+        coef = config.router_aux_loss_coef
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0 or coef == float("inf"):
+            raise ModelConfigError(f"{where}: router_aux_loss_coef must be a non-negative number, got {coef!r}")
+    inter = getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", 0)
+    moe = MoeSpec(experts, top_k, int(inter), bool(getattr(config, "norm_topk_prob", False)), sparse, "", ("", "", ""),
+                  float(coef), "generic" if has_loss else "generic-no-aux")
+    return (target, index), moe
 
 
 def _grouped(model: nn.Module, layers_name: str, before: list[str]) -> list[Weight]:
@@ -240,6 +363,7 @@ class Inputs:
     """What the backbone handed each layer of one micro-batch besides the hidden states."""
 
     per_layer: list = field(default_factory=list)  # (args, kwargs) of each layer
+    router: RouterStats | None = None  # a mixture of experts' load-balancing loss, while it is on
 
 
 def _relative(params: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -259,7 +383,10 @@ class GenericStages:
         self.backbone = getattr(model, cfg.backbone_name)
         self.layers = model.get_submodule(cfg.layers_name)
         self.buffers = {n: b.to(device) for n, b in model.named_buffers()}  # (as built: fp32)
-        self.aux_loss_coef = 0.0
+
+    @property
+    def aux_loss_coef(self) -> float:
+        return self.cfg.moe.aux_loss_coef if self.cfg.moe is not None else 0.0
 
     # -- embedding ---------------------------------------------------------------------------------
     def _enter(self, w: dict[str, torch.Tensor], ids: torch.Tensor) -> tuple[torch.Tensor, Inputs]:
@@ -297,7 +424,11 @@ class GenericStages:
         return first[0], got
 
     def contexts(self, ids: list[torch.Tensor], masks: list, n_micro: int, train: bool) -> list[Inputs]:
-        return [Inputs() for _ in ids]  # (filled by embed)
+        """(Filled by embed) with, on a training step whose load-balancing loss is on, each micro-batch's router
+        statistics, weighted for the step's loss as the template's (``TemplateStages.contexts``)."""
+        coef = self.aux_loss_coef if train else 0.0
+        return [Inputs(router=RouterStats(m, x.numel(), self.cfg.moe, coef / n_micro, self.device) if coef else None)
+                for x, m in zip(ids, masks)]
 
     def embed(self, w: dict[str, torch.Tensor], ids: torch.Tensor, ctx: Inputs) -> torch.Tensor:
         h, got = self._enter(w, ids)
@@ -326,7 +457,22 @@ class GenericStages:
         args, kwargs = ctx.per_layer[i]
         params = dict(_relative(self.buffers, f"{self.cfg.layers_name}.{i}"))
         params.update(w)
-        out = functional_call(self.layers[i], params, (x, *args), kwargs)
+        hooks = []
+        if ctx.router is not None and i in self.cfg.moe.sparse_layers:  # its router's logits to the statistics
+            target, index = self.cfg.routers
+            seen = ctx.router
+
+            def observe(module, inputs, output):
+                logits = output[index] if isinstance(output, (tuple, list)) else output
+                top_i = torch.topk(torch.softmax(logits.float(), dim=-1), self.cfg.moe.top_k, dim=-1).indices
+                seen.observe(logits, top_i)
+
+            hooks = [m.register_forward_hook(observe) for m in self.layers[i].modules() if isinstance(m, target)]
+        try:
+            out = functional_call(self.layers[i], params, (x, *args), kwargs)
+        finally:
+            for h in hooks:
+                h.remove()
         return out[0] if isinstance(out, tuple) else out
 
     def layer(self, i: int, w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Inputs) -> torch.Tensor:
@@ -337,7 +483,12 @@ class GenericStages:
         leaves = {k: t.detach().requires_grad_() for k, t in w.items()}
         with torch.enable_grad():
             y = self._call_layer(i, leaves, x, ctx)
-            res = torch.autograd.grad(y, [x, *leaves.values()], gy, allow_unused=True)
+            outs, grads = [y], [gy]
+            term = ctx.router.take_term() if ctx.router is not None else None
+            if term is not None:  # (the layer's share of the load-balancing loss)
+                outs.append(term)
+                grads.append(torch.ones_like(term))
+            res = torch.autograd.grad(outs, [x, *leaves.values()], grads, allow_unused=True)
         return res[0], [g if g is not None else torch.zeros_like(t) for g, t in zip(res[1:], leaves.values())]
 
     def layer_graph(self, i: int, w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Inputs):
@@ -351,8 +502,9 @@ class GenericStages:
 
         return backward_of(graph, gy)
 
-    def forward_done(self, ctxs: list[Inputs]) -> None:
-        return None
+    def forward_done(self, ctxs: list[Inputs]) -> torch.Tensor | None:
+        terms = [c.router.weight * c.router.freeze() for c in ctxs if c.router is not None]
+        return sum(terms) if terms else None
 
     # -- head --------------------------------------------------------------------------------------
     def _final(self, h: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
