@@ -30,9 +30,10 @@ RULES = {
     "tiermem.optim": ["tiermem.service", "tiermem.session", "tiermem.cli"],
     "tiermem.service": ["tiermem.session", "tiermem.cli"],
     "tiermem.session": ["tiermem.cli"],
-    "trainer.model": ["tiermem", "trainer.data", "trainer.config", "trainer.loop", "trainer.executor",
-                      "trainer.checkpoint", "trainer.weights_io", "trainer.report", "trainer.cli"],
-    "trainer.data": ["trainer.model", "trainer.loop", "trainer.executor", "trainer.checkpoint"],
+    # the model and the data know nothing of the run around them (nor of tiermem: the model)
+    "trainer.model": ["tiermem", "trainer.data", "trainer.config", "trainer.run", "trainer.outputs",
+                      "trainer.parallel", "trainer.planning", "trainer.state", "trainer.cli", "trainer.plan_cli"],
+    "trainer.data": ["trainer.model", "trainer.run", "trainer.outputs", "trainer.parallel", "trainer.planning"],
 }
 
 
@@ -135,11 +136,11 @@ def test_the_cycle_check_would_catch_a_cycle():
     assert cycles({"store": {"plan"}, "plan": {"store", "basics"}}) == [["plan", "store", "plan"]]
     assert cycles({"store": {"plan", "tiers"}, "plan": {"tiers"}, "tiers": {"basics"}}) == []
     assert part_of("tiermem.store.catalog.Group") == "tiermem.store" and part_of("tiermem.specs.TensorSpec") == "basics"
-    assert part_of("tiermem.session") == "tiermem.session" and part_of("trainer.loop") is None
+    assert part_of("tiermem.session") == "tiermem.session" and part_of("trainer.run.loop") is None
 
 
 def test_the_rules_would_catch_a_break(tmp_path):
     """The checker sees an import inside a function, not only at the top of a file."""
     f = tmp_path / "m.py"
-    f.write_text("def f():\n    from trainer.loop import run\n")
-    assert "trainer.loop" in imports(f) and within("trainer.loop.run", "trainer")
+    f.write_text("def f():\n    from trainer.run.loop import run\n")
+    assert "trainer.run.loop" in imports(f) and within("trainer.run.loop.run", "trainer")

@@ -16,10 +16,10 @@ import pytest
 import yaml
 
 from tests.tiny_models import tiny_run
-from trainer import checkpoint as ckpt
 from trainer.cli import main
-from trainer.executor import StepResult
-from trainer.report import Reporter
+from trainer.outputs import checkpoint as ckpt
+from trainer.outputs.report import Reporter
+from trainer.run.executor import StepResult
 
 
 def _masked(data: bytes) -> int:
@@ -204,9 +204,9 @@ def test_the_export_converts_a_tensor_piece_by_piece_to_the_same_bytes(tmp_path,
     from safetensors.torch import load_file
 
     from tests.tiny_models import save_tiny_model
-    from trainer import weights_io
     from trainer.model.config import model_config_from_dict
     from trainer.model.weights import all_weights
+    from trainer.outputs import weights_io
 
     model_dir = save_tiny_model("llama", tmp_path / "model")
     cfg = model_config_from_dict(json.loads((model_dir / "config.json").read_text()))

@@ -215,7 +215,7 @@ def test_auto_placement_with_resident_shared_groups_matches(tmp_path, capsys, gp
 def test_export_loads_in_transformers_with_the_same_logits(tmp_path, monkeypatch):
     """Import from a sharded checkpoint (index + shards), train, export sharded: transformers loads the
     export and computes the same logits as the reference model trained the plain way."""
-    import trainer.weights_io as weights_io
+    import trainer.outputs.weights_io as weights_io
 
     model_dir = tmp_path / "model"
     transformers.AutoModelForCausalLM.from_pretrained(save_tiny_model("llama", tmp_path / "single")).save_pretrained(
@@ -370,7 +370,8 @@ def test_updates_split_again_mid_run_train_as_plain_pytorch(tmp_path, capsys, mo
     import dataclasses
 
     from tiermem.plan.costmodel import Layout, predict
-    from trainer import loop, plan_watch
+    from trainer.planning import plan_watch
+    from trainer.run import loop
 
     model_dir, data_dir, name, ref, tiermem = small_gpu_run(tmp_path)
     before = {}

@@ -28,8 +28,8 @@ the GPU, read once the group's update is home): an update that made a weight inf
 ``NonFiniteUpdate`` before the group's version moves on, so nothing reads it. The CPU worker does not: a read of
 the new compute copy there costs about as much as the update (on the H200 host's 14 threads 3.3 G params/s for the
 norm of a bf16 copy, against 3.0 for AdamW and the copy: 1.7 with the check). Its groups' weights are checked where
-they are written out (a checkpoint's and the exported model's files: ``trainer.weights_io``), and, when a step's
-loss or gradient norm is not finite, by the trainer before it says which (``trainer.executor``).
+they are written out (a checkpoint's and the exported model's files: ``trainer.outputs.weights_io``), and, when a step's
+loss or gradient norm is not finite, by the trainer before it says which (``trainer.run.executor``).
 """
 
 from __future__ import annotations

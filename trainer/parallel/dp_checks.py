@@ -1,12 +1,12 @@
 """What a run of several ranks does not support yet, refused in one line (exit code 2) before anything starts,
 and the store config of one rank.
 
-Several ranks share one store per host (``trainer.dp_session``): the compute copy lives in the DRAM arena (or
+Several ranks share one store per host (``trainer.parallel.dp_session``): the compute copy lives in the DRAM arena (or
 on NVMe), where every rank reads it, and a group's other state there or in its owner's HBM. The compute copy in
 HBM (a pin of ``param`` to ``gpu``), state in HBM with several hosts, a service's run (``tiermem_server``) across
 hosts, hosts with different numbers of ranks, a load-balancing loss (whose statistics are a micro-batch's, which
 several ranks split) and kept activations (which need weights in HBM) are refused. (One host's ranks attached
-to its service: ``trainer.dp_service``.)
+to its service: ``trainer.parallel.dp_service``.)
 """
 
 from __future__ import annotations

@@ -16,13 +16,13 @@ import torch
 
 from tiermem.plan.machine import Machine
 from tiermem.plan.workload import Workload
-from trainer.executor import squared_norm
 from trainer.model.select import model_stages
 from trainer.model.weights import all_weights, init_weight
+from trainer.run.executor import squared_norm
 
 # a step's compute runs this much longer than the sum of its layers timed alone (measured on the H200 machine:
 # 1.05-1.07 for the 3B shape all in HBM, 1.11 for the 8B shape with a CPU AdamW beside it; docs/measurements.md).
-# The run corrects its prediction from its first steps (trainer.plan_watch) as well
+# The run corrects its prediction from its first steps (trainer.planning.plan_watch) as well
 IN_STEP = 1.08
 
 
@@ -128,7 +128,7 @@ def _time(cfg, dtype: torch.dtype, rows: int, seq: int, device: torch.device, lo
     """Seconds of one micro-batch's layer forward, layer backward with recompute (its gradient cast to fp32
     and added up), and loss with its backward; of a layer's gradient handled once a step (its squared norm,
     its copy home) and of the embedding's gradient; and the bytes of GPU memory they need beyond their
-    inputs (the layer's, the loss's). As the executor runs them (trainer.executor), through the model's stages
+    inputs (the layer's, the loss's). As the executor runs them (trainer.run.executor), through the model's stages
     (the heaviest layer)."""
     gen = torch.Generator(device=device).manual_seed(0)
     stages = model_stages(cfg, dtype, device)

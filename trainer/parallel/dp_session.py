@@ -5,7 +5,7 @@ the others' staging regions and the host's counters, and tells them where everyt
 process group); the other ranks map the same arena and NVMe file by name (``tiermem.store.shared``), with GPU
 slots of their own. Where the plan keeps a group's state in HBM (``plan.owners``), it lives in its owner's: each
 rank's store creates the HBM-resident tensors of the groups it owns, and only those. Every rank then gets an
-``OwnerOptimizer`` over the groups it owns (``trainer.dp``).
+``OwnerOptimizer`` over the groups it owns (``trainer.parallel.dp``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tiermem.plan.placement import check_budgets
 from tiermem.session import Session
 from tiermem.store.shared import HostStore
 from tiermem.store.store import Store
-from trainer.dp import GradReducer, OwnerOptimizer, optimizer_threads, owners
+from trainer.parallel.dp import GradReducer, OwnerOptimizer, optimizer_threads, owners
 
 
 @dataclass
@@ -70,7 +70,8 @@ def open_rank_session(world, specs, settings, scfg, plan) -> RankSession:
         plan.staging_bytes += HostStore.room(staging, world.local_size, len(groups))
         check_budgets(plan)
         hbm = [[g, k] for (g, k), t in plan.where.items() if t == "gpu"]
-        if hbm and plan.owners != owner:  # (the planner's owners are these: trainer.dp.owners of the same specs)
+        # (the planner's owners are these: trainer.parallel.dp.owners of the same specs)
+        if hbm and plan.owners != owner:
             raise RuntimeError("the plan keeps state in HBM for other owners than the session's")
         theirs = {(g, k) for g, k in hbm if owner[g] != world.rank}
         mine = [s for s in specs if (s.group, s.kind) not in theirs]

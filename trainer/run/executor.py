@@ -31,11 +31,11 @@ from tiermem.futures import all_of
 from tiermem.optim.finite import NonFiniteUpdate, all_finite
 from tiermem.specs import state_name
 from tiermem.store.prefetch import Prefetcher
-from trainer import pieces
 from trainer.model.layers import shift_labels
 from trainer.model.select import model_stages
 from trainer.model.weights import all_weights
-from trainer.weights_io import NonFiniteWeights
+from trainer.outputs.weights_io import NonFiniteWeights
+from trainer.run import pieces
 
 
 class NonFiniteStep(UserError):
@@ -77,8 +77,9 @@ class Executor:
     def __init__(self, store, cfg, dtype: torch.dtype, optimizer, max_grad_norm: float,
                  loss_chunk_tokens: int, activation_budget: int | None = None, keep_layers: int = 0, reducer=None,
                  piece_rows: int | None = None):
-        """``reducer`` (``trainer.dp.GradReducer``, several ranks): each group's gradient is reduced to the rank
-        that owns it, which alone hands it to the store; the loss, the token counts and the norm are the world's."""
+        """``reducer`` (``trainer.parallel.dp.GradReducer``, several ranks): each group's gradient is reduced to the
+        rank that owns it, which alone hands it to the store; the loss, the token counts and the norm are the
+        world's."""
         self.store, self.cfg, self.dtype, self.optimizer = store, cfg, dtype, optimizer
         self.reducer = reducer
         if reducer is not None:
@@ -106,7 +107,7 @@ class Executor:
         self.keep_layers = keep_layers
         self.last_kept = 0
         # rows the GPU computes at once (tiermem_physical_batch_size: the planner's): a micro-batch of more rows
-        # runs as pieces of this many (trainer.pieces); None: the micro-batches as they are
+        # runs as pieces of this many (trainer.run.pieces); None: the micro-batches as they are
         self.piece_rows = piece_rows
         # before_commit(step, result): the step's figures, before the optimizer takes the step (a committed
         # step's figures must outlive a trainer killed before it logs them)
@@ -185,7 +186,7 @@ class Executor:
         back (``partials``, from ``_partials``) to be added; the last pass's sum is the gradient, whose
         squared norm is returned. ``at_home``: ``grads`` are the group's home in HBM, summed there over the
         passes so far (``_sums_at_home``): nothing goes anywhere before the last pass. Several ranks: the
-        pass's gradient goes to the group's owner, which keeps the partial sums (``trainer.dp``)."""
+        pass's gradient goes to the group's owner, which keeps the partial sums (``trainer.parallel.dp``)."""
         if self.reducer is not None:
             self.reducer.reduce(group, grads, first, last)
             return None

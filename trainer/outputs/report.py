@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 from tiermem.sizes import format_duration as _hms
-from trainer.executor import StepResult
+from trainer.run.executor import StepResult
 
 PENDING = "trainer_log.pending.jsonl"  # the steps taken since the last trainer_log line (see Reporter)
 FIGURES = ("loss", "grad_norm", "tokens", "seconds", "wait_transfer", "wait_optimizer")
@@ -48,7 +48,7 @@ class Reporter:
         self._kept = backlog  # what the pending file holds
         self._backlog = list(backlog)  # for replay
         self.window: list = []
-        self.pauses = None  # a trainer.gc_pauses.GcPauses: the collector's pauses, logged a step
+        self.pauses = None  # a trainer.run.gc_pauses.GcPauses: the collector's pauses, logged a step
         self._gc_logged = 0.0
         self.losses: list[tuple[int, float]] = [(r["current_steps"], r["loss"]) for r in rows if "loss" in r]
         self.eval_losses: list[tuple[int, float]] = [(r["current_steps"], r["eval_loss"]) for r in rows

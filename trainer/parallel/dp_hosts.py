@@ -1,7 +1,7 @@
 """Several hosts (a first slice): a store per host, each holding every group, kept in step through
 torch.distributed.
 
-Within a host the ranks share one store and its counters (``trainer.dp_session``); across hosts an owner's
+Within a host the ranks share one store and its counters (``trainer.parallel.dp_session``); across hosts an owner's
 update lands only in its own host's store. So, from the trainer's thread of every rank, in the same order:
 
 - after each step, every group's new compute copy goes from its owner to the other hosts (a broadcast from the

@@ -1,10 +1,10 @@
 """A data-parallel run's session on one rank when the host's store is a tiermem service's (``tiermem_server``).
 
 The service is the host's one store and its CPU worker, as for one trainer. Every rank attaches to it (rank 0
-first: it creates or finds the run; the others join it, saying which groups they own, ``trainer.dp.owners``),
+first: it creates or finds the run; the others join it, saying which groups they own, ``trainer.parallel.dp.owners``),
 maps the service's arena and NVMe file with GPU slots of its own, and follows each group's new version from the
 service's events. A layer's gradient is reduced to its owner as in an embedded run of several ranks
-(``trainer.dp.GradReducer``); the owner hands the sum to the service's arena. A step's commit is rank 0's, once
+(``trainer.parallel.dp.GradReducer``); the owner hands the sum to the service's arena. A step's commit is rank 0's, once
 every rank has its gradients home (a barrier); then each rank's GPU worker takes the groups of the update the
 service leaves to the trainers that it owns (``alloc``, ``flip``), and the service's CPU worker the rest. Rank 0
 loads the weights, writes the checkpoints and the export, and finishes the run; another rank says when it is
@@ -21,7 +21,7 @@ from tiermem.service import protocol
 from tiermem.service.client import RemoteOptimizer, attach
 from tiermem.session import Session
 from tiermem.store.layout import apply_layout
-from trainer.dp import GradReducer, owners
+from trainer.parallel.dp import GradReducer, owners
 
 
 class RankRemoteOptimizer(RemoteOptimizer):

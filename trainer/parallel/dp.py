@@ -28,7 +28,7 @@ import torch
 
 from tiermem.specs import Group
 from tiermem.store.shared import PeerLost
-from trainer.executor import squared_norm
+from trainer.run.executor import squared_norm
 
 
 def owners(groups: list[Group], specs, size: int) -> dict[Group, int]:
@@ -236,7 +236,7 @@ class OwnerOptimizer:
         self.local.set_gate(self._wait)
 
     def set_part_gate(self, gate) -> None:
-        """This rank writes its part of the checkpoints (``trainer.checkpoint_part``): its gate too."""
+        """This rank writes its part of the checkpoints (``trainer.parallel.checkpoint_part``): its gate too."""
         self._part = gate
         self.local.set_gate(self._wait)
 

@@ -20,8 +20,9 @@ from tiermem.plan.placement import Plan
 from tiermem.plan.planner import ADVICE_GAIN, TIE, compute_bound_at, plan_step, recommended_at, tflops
 from tiermem.plan.workload import Workload
 from tiermem.sizes import format_size
-from trainer import pieces, plan_workload
 from trainer.config import MAX_MICRO_BATCHES as MAX_PIECES
+from trainer.planning import plan_workload
+from trainer.run import pieces
 from trainer.state import state_specs
 
 

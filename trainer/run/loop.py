@@ -32,27 +32,29 @@ from tiermem.session import Session, open_session
 from tiermem.sizes import format_size
 from tiermem.store.stats import StatsFile
 from tiermem.store.store import Store
-from trainer import checkpoint as ckpt
-from trainer import config_changes, pieces, run_plan
-from trainer import hf_outputs as hf
 from trainer.config import TrainConfig, resolved
 from trainer.data.batches import StepPlan, collate
 from trainer.data.prepare import Rows, load_rows, split_eval
 from trainer.data.registry import resolve
-from trainer.dist import World
-from trainer.executor import Executor, NonFiniteStep
-from trainer.gc_pauses import GcPauses
 from trainer.model.config import ModelConfigError, load_balancing_coef
 from trainer.model.select import load_model
 from trainer.model.weights import all_weights, group_order
-from trainer.output_dir import OutputLock, check_free, interrupted_run
-from trainer.plan_watch import PlanWatch
-from trainer.report import Reporter, plot_loss
-from trainer.schedule import lr_factor, warmup_steps
+from trainer.outputs import checkpoint as ckpt
+from trainer.outputs import config_changes
+from trainer.outputs import hf_outputs as hf
+from trainer.outputs.output_dir import OutputLock, check_free, interrupted_run
+from trainer.outputs.report import Reporter, plot_loss
+from trainer.outputs.tensorboard import check_logging_dir, open_writer
+from trainer.outputs.weights_io import check_weight_files, export_model, import_weights, init_weights
+from trainer.parallel.dist import World
+from trainer.planning import run_plan
+from trainer.planning.plan_watch import PlanWatch
+from trainer.run import pieces
+from trainer.run.executor import Executor, NonFiniteStep
+from trainer.run.gc_pauses import GcPauses
+from trainer.run.schedule import lr_factor, warmup_steps
+from trainer.run.when import eval_due, save_due, saves
 from trainer.state import explicit_gpu_share, state_specs, store_config, wants_cuda
-from trainer.tensorboard import check_logging_dir, open_writer
-from trainer.weights_io import check_weight_files, export_model, import_weights, init_weights
-from trainer.when import eval_due, save_due, saves
 
 
 @dataclass
@@ -84,8 +86,8 @@ def run(cfg: TrainConfig, console: Console | None = None) -> dict:
     world = World.from_env()
     if not world.several:
         return _run(cfg, console or Console(), world)
-    from trainer.dist import RankLost
-    from trainer.dp_checks import check_supported
+    from trainer.parallel.dist import RankLost
+    from trainer.parallel.dp_checks import check_supported
 
     try:
         check_supported(cfg, world)
@@ -128,14 +130,14 @@ def prepare(cfg: TrainConfig, console: Console, say, world: World | None = None)
     model_dir = Path(cfg.model_name_or_path)
     mcfg = model_config(model_dir, cfg)
     if world.several:
-        from trainer.dp_checks import check_supported
+        from trainer.parallel.dp_checks import check_supported
 
         check_supported(cfg, world, mcfg)
     if mcfg.sliding_window is not None and cfg.cutoff_len > mcfg.sliding_window:
         raise ConfigError(f"cutoff_len {cfg.cutoff_len} exceeds the model's sliding_window {mcfg.sliding_window}; "
                           "sliding-window attention is not supported yet: lower cutoff_len")
     out = Path(cfg.output_dir)
-    if world.lead and out.is_dir():  # one run per output_dir: another's holds its lock (trainer.output_dir)
+    if world.lead and out.is_dir():  # one run per output_dir: another's holds its lock (trainer.outputs.output_dir)
         check_free(out)
     # an attached run picks its checkpoint once the service has said whether it holds the run
     resume = None if cfg.tiermem_server else _checked_resume(cfg, out, mcfg, model_dir, say=say,
@@ -197,8 +199,8 @@ def open_training_session(job: Job, say) -> Session:
     workload, plan_input = run_plan.service_plan_input(mcfg, job.dtype, step_shape(job), cfg.loss_chunk_tokens,
                                                        cfg.tiermem_physical_batch_size)
     run_id = run_identity(cfg, mcfg, job.dtype, job.rows)
-    if world.several:  # (every rank attached to the host's service: trainer.dp_service)
-        from trainer.dp_service import open_service_rank_session
+    if world.several:  # (every rank attached to the host's service: trainer.parallel.dp_service)
+        from trainer.parallel.dp_service import open_service_rank_session
 
         session = open_service_rank_session(world, specs, settings, cfg.tiermem_server, run_id, label, plan_input)
     else:
@@ -222,14 +224,14 @@ def open_training_session(job: Job, say) -> Session:
 
 def _open_rank_session(job: Job, world: World, specs, settings, say) -> Session:
     """One rank's session of a run of several: the host's first rank plans (no state in HBM) and opens the store,
-    the others attach to it (``trainer.dp_session``)."""
-    from trainer.dp_checks import rank_store_config
-    from trainer.dp_session import open_rank_session
+    the others attach to it (``trainer.parallel.dp_session``)."""
+    from trainer.parallel.dp_checks import rank_store_config
+    from trainer.parallel.dp_session import open_rank_session
 
     scfg = rank_store_config(job.cfg, world)
     plan = None
     if world.local_rank == 0:
-        from trainer.dp import owners, reduction_bytes
+        from trainer.parallel.dp import owners, reduction_bytes
 
         # (one host: state may live in its owner's HBM; several hosts keep every group's state on every host)
         own = owners(settings.groups, specs, world.size) if world.nodes == 1 else None
@@ -256,7 +258,7 @@ def check_placement(cfg: TrainConfig, mcfg, dtype: torch.dtype, world: World | N
     so nothing is timed or measured here."""
     several = world is not None and world.several
     if several:
-        from trainer.dp_checks import rank_store_config
+        from trainer.parallel.dp_checks import rank_store_config
 
         scfg = rank_store_config(cfg, world)
     else:
@@ -276,9 +278,9 @@ def check_placement(cfg: TrainConfig, mcfg, dtype: torch.dtype, world: World | N
 
 
 def _owners(mcfg, dtype: torch.dtype, world: World) -> dict | None:
-    """Several ranks of one host: each group's owner, whose HBM may hold its state (trainer.dp.owners); None
+    """Several ranks of one host: each group's owner, whose HBM may hold its state (trainer.parallel.dp.owners); None
     with several hosts (every host keeps every group's state, none in HBM)."""
-    from trainer.dp import owners
+    from trainer.parallel.dp import owners
 
     if world.nodes > 1:
         return None
@@ -286,8 +288,8 @@ def _owners(mcfg, dtype: torch.dtype, world: World) -> dict | None:
 
 
 def _reductions(mcfg, dtype: torch.dtype) -> int:
-    """HBM several ranks' gradient reductions take (trainer.dp.reduction_bytes)."""
-    from trainer.dp import reduction_bytes
+    """HBM several ranks' gradient reductions take (trainer.parallel.dp.reduction_bytes)."""
+    from trainer.parallel.dp import reduction_bytes
 
     return reduction_bytes(state_specs(mcfg, dtype))
 
@@ -372,9 +374,9 @@ def load_weights(job: Job, session: Session, console: Console, say) -> int:
 def _ranks_loaded(session, start: int, groups) -> None:
     """Several ranks: every rank of the host's store (its own, or the service's) starts at ``start``."""
     if session.attached is not None:
-        from trainer.dp_service import loaded
+        from trainer.parallel.dp_service import loaded
     else:
-        from trainer.dp_session import loaded
+        from trainer.parallel.dp_session import loaded
     loaded(session, start, groups)
 
 
@@ -428,9 +430,9 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                 say(f"plan: advice: {told['advice']}")
         executor = Executor(store, mcfg, dtype, optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens, budget, keep,
                             reducer=getattr(session, "reducer", None), piece_rows=piece_rows(cfg, job.store_plan))
-        sync = None  # several hosts: their stores kept in step (trainer.dp_hosts)
+        sync = None  # several hosts: their stores kept in step (trainer.parallel.dp_hosts)
         if world.nodes > 1:
-            from trainer.dp_hosts import HostSync
+            from trainer.parallel.dp_hosts import HostSync
 
             sync = HostSync(world, session, cfg.bf16)
         report = Reporter(out, total, active, say, resume_step=start, sink=tb.record if tb else None,
@@ -467,7 +469,7 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                     saver.parts = session.parts
             optimizer.set_gate(saver.gate)
         if saves(cfg) and not lead and session.own_hbm and not cfg.save_only_model:
-            from trainer.checkpoint_part import PartSaver
+            from trainer.parallel.checkpoint_part import PartSaver
 
             part = PartSaver(store, mcfg, job.out, world.rank, session.own_hbm, cfg.bf16,
                              lambda n: session.host.publish_shard(world.local_rank, n))
@@ -488,7 +490,7 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
                 mbs = plan.rows_of_step(step)
                 rows_seen += sum(len(idx) for idx in mbs)
                 if world.several:  # (this rank's rows of each micro-batch)
-                    from trainer.dp import my_rows
+                    from trainer.parallel.dp import my_rows
 
                     mbs = my_rows(mbs, world.rank, cfg.per_device_train_batch_size)
                 for idx in mbs:
@@ -635,7 +637,7 @@ def train(job: Job, session: Session, start: int, console: Console, say) -> dict
         pauses.close()
         if stats is not None:
             stats.close()
-        if lock is not None:  # (a run that stopped before its end leaves the lock file: trainer.output_dir)
+        if lock is not None:  # (a run that stopped before its end leaves the lock file: trainer.outputs.output_dir)
             lock.release(finished=False)
         if executor is not None:
             executor.close()

@@ -5,8 +5,8 @@ the model in Hugging Face format; written while training goes on, visible only w
       model*.safetensors (+ index), config.json, tokenizer files   # loads for inference
       state.zarr/          master weights and both Adam moments, fp32 (tiermem.store.checkpoint)
       state-rank*.zarr/    several ranks: the state that lived in that rank's HBM, written by that rank
-                           (trainer.checkpoint_part); state.zarr then holds the rest
-      trainer_state.json   Hugging Face's TrainerState as of step N (trainer.hf_outputs)
+                           (trainer.parallel.checkpoint_part); state.zarr then holds the rest
+      trainer_state.json   Hugging Face's TrainerState as of step N (trainer.outputs.hf_outputs)
       tiermem_state.json   step, epoch, RNG state, the resolved config
       checkpoint.json      written last: format, step, the model's tensor shapes, the tokenizer's digest,
                            every file with its size and (but the state's shard files, whose data carries
@@ -45,7 +45,7 @@ from tiermem.specs import state_name
 from tiermem.store.checkpoint import StateReader, StateWriter, file_crc32c, fsync_dir, fsync_tree
 from tiermem.store.checkpoint import complete_checkpoints as checkpoints
 from trainer.model.weights import all_weights, group_order
-from trainer.weights_io import TOKENIZER_FILES, ModelWriter
+from trainer.outputs.weights_io import TOKENIZER_FILES, ModelWriter
 
 FORMAT = 2  # 1: sizes only; 2: sizes and CRC32C checksums
 SMALL = 64 << 20  # files up to this size are verified before the store is filled; larger ones while it is
