@@ -611,7 +611,7 @@ def test_every_config_key_answers_hostile_values_in_one_line(bare, monkeypatch):
     import trainer.config as train_config
     from tiermem.errors import UserError
     from trainer.model.config import model_config_from_dict
-    from trainer.run.loop import check_placement
+    from trainer.planning.placing import check_placement
 
     tmp, cfg = bare
     (tmp / "train.yaml").write_text(yaml.safe_dump(cfg))
@@ -856,7 +856,7 @@ def _rows_of(tmp: Path, model: Path, cfg: dict):
     """The run's config and model config, and a way to load its rows through the cache with the notes kept."""
     from trainer.config import load_train_config
     from trainer.data.prepare import load_rows
-    from trainer.run.loop import model_config
+    from trainer.run.job import model_config
 
     (tmp / "train.yaml").write_text(yaml.safe_dump(cfg))
     c = load_train_config(tmp / "train.yaml")
@@ -939,12 +939,12 @@ def _clean(text: str) -> None:
 
 
 def test_the_example_shown_at_start_escapes_control_characters(text_model):
-    """What a run prints at start (trainer.run.loop.show_example through the run's rich console)."""
+    """What a run prints at start (trainer.run.job.show_example through the run's rich console)."""
     import io
 
     from rich.console import Console
 
-    from trainer.run.loop import show_example
+    from trainer.run.job import show_example
 
     tmp, model, cfg = text_model
     load, _ = _rows_of(tmp, model, _hostile_dataset(tmp, cfg))

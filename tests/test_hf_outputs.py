@@ -17,8 +17,8 @@ import yaml
 
 from tests.tiny_models import tiny_run
 from trainer.cli import main
-from trainer.outputs import checkpoint as ckpt
 from trainer.outputs.report import Reporter
+from trainer.outputs.saver import Saver
 from trainer.run.executor import StepResult
 
 
@@ -93,7 +93,7 @@ def epoch_run(tmp_path_factory):
                output_dir=str(tmp_path / "out"), trust_remote_code=True, ddp_timeout=180000000,
                tiermem={"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}}})
     printed, seen = io.StringIO(), []
-    wait = ckpt.Saver.wait
+    wait = Saver.wait
 
     def noting_wait(self):
         for t in self._threads:
@@ -104,7 +104,7 @@ def epoch_run(tmp_path_factory):
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed):
         mp.setenv("TIERMEM_CACHE", str(tmp_path / "cache"))
-        mp.setattr(ckpt.Saver, "wait", noting_wait)
+        mp.setattr(Saver, "wait", noting_wait)
         assert main([str(tmp_path / "c.yaml")]) == 0
     return tmp_path / "out", printed.getvalue(), seen
 

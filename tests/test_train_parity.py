@@ -371,7 +371,7 @@ def test_updates_split_again_mid_run_train_as_plain_pytorch(tmp_path, capsys, mo
 
     from tiermem.plan.costmodel import Layout, predict
     from trainer.planning import plan_watch
-    from trainer.run import loop
+    from trainer.run import watching
 
     model_dir, data_dir, name, ref, tiermem = small_gpu_run(tmp_path)
     before = {}
@@ -391,7 +391,7 @@ def test_updates_split_again_mid_run_train_as_plain_pytorch(tmp_path, capsys, mo
     monkeypatch.setattr(StoreAdamW, "_run_gpu", lambda self, groups, step, *a: on_gpu_worker.append(
         (step, {str(g) for g in groups})) or run_gpu(self, groups, step, *a))
     real = plan_watch.PlanWatch
-    monkeypatch.setattr(loop, "PlanWatch", lambda plan, start, may: real(plan, start, True))
+    monkeypatch.setattr(watching, "PlanWatch", lambda plan, start, may: real(plan, start, True))
     monkeypatch.setattr(plan_watch, "resplit", flipped)
     monkeypatch.setattr(plan_watch, "RESPLIT_CPU", 0.0)
     assert run_cli(tmp_path, model_dir, data_dir, name, tiermem) == 0

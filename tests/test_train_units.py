@@ -133,7 +133,7 @@ def test_an_out_of_memory_line_says_where_in_the_step():
     only "in step 1")."""
     from types import SimpleNamespace
 
-    from trainer.run.loop import _where
+    from trainer.run.stepping import _where
 
     assert _where(SimpleNamespace(layer=7, at_pass=2, last_passes=13)) == " of layer 7, pass 2 of 13"
     assert _where(SimpleNamespace(layer="head", at_pass=1, last_passes=1)) == " (head)"

@@ -48,7 +48,7 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
     from tiermem.sizes import format_size
     from trainer.config import load_train_config
     from trainer.planning import run_plan
-    from trainer.run.loop import model_config
+    from trainer.run.job import model_config
     from trainer.run.when import saves
     from trainer.state import store_config, wants_cuda
 

@@ -8,6 +8,9 @@ import json
 import math
 from pathlib import Path
 
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
 from tiermem.sizes import format_duration as _hms
 from trainer.run.executor import StepResult
 
@@ -204,3 +207,9 @@ def plot_loss(out_dir: Path, losses: list[tuple[int, float]], key: str = "loss")
     plt.savefig(path, format="png", dpi=100)
     plt.close(fig)
     return path
+
+
+def progress_bar(console: Console) -> Progress:
+    """A transient progress bar on the run's console (tokenizing, loading, training, exporting)."""
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                    console=console, transient=True)

@@ -1,7 +1,7 @@
 """One rank's part of a checkpoint: the state its HBM holds, written by that rank (several ranks of a host).
 
 The ranks of a host share one store, but a group's state may live in its owner's HBM (``trainer.parallel.dp_session``),
-which no other process can read. The lead's ``Saver`` (``trainer.outputs.checkpoint``) writes everything else; each
+which no other process can read. The lead's ``Saver`` (``trainer.outputs.saver``) writes everything else; each
 other rank holding such state writes its own part:
 
     part = PartSaver(store, mcfg, out_dir, rank, names, has_master, announce)
@@ -25,7 +25,8 @@ from tiermem.faults import HOOKS
 from tiermem.specs import state_name
 from tiermem.store.checkpoint import StateWriter
 from trainer.model.weights import all_weights, group_order
-from trainer.outputs.checkpoint import ReleaseGate, part_tmp
+from trainer.outputs.checkpoint import part_tmp
+from trainer.outputs.saver import ReleaseGate
 
 
 class PartSaver(ReleaseGate):

@@ -1,4 +1,5 @@
-"""The step schedule (DESIGN.md): one optimizer step over all of its micro-batches, layer by layer.
+"""The step schedule (docs/architecture.md has it too): one optimizer step over all of its micro-batches, layer
+by layer.
 
 1. Forward, layer-major: for each layer, wait for its weights on the GPU, run every micro-batch through
    it, keep each micro-batch's boundary activation, release the layer.
@@ -318,29 +319,7 @@ class Executor:
         ctx = model.contexts(ids, masks, n_micro, True)
         keep = self.kept() if all(getattr(c, "router", None) is None for c in ctx) else set()
         self.last_kept = len(keep)
-        graphs: dict = {}
-
-        # 1. forward, layer-major, keeping every micro-batch's boundary activations (and, for the kept
-        # layers, their whole graphs)
-        with torch.no_grad():
-            self.phase, self.layer = "forward", "embed"
-            view = self._take(r_embed, "forward")
-            acts = [[model.embed(view.tensors, x, c) for x, c in zip(ids, ctx)]]
-            view.release()
-            for i in range(L):
-                self.layer = i
-                view = self._take(r_fwd[i], "forward")
-                w = self._weights(view)
-                if i in keep:
-                    outs = [model.layer_graph(i, w, x, c) for x, c in zip(acts[i], ctx)]
-                    graphs[i] = [g for _, g in outs]
-                    acts.append([y for y, _ in outs])
-                    acts[i] = [None] * len(ids)  # (the graph holds the input)
-                else:
-                    acts.append([model.layer(i, w, x, c) for x, c in zip(acts[i], ctx)])
-                view.release()
-                HOOKS.point("forward", step + 1)
-            aux = model.forward_done(ctx)  # a sparse model's load-balancing loss (weighted), or None
+        acts, graphs, aux = self._forward(ids, ctx, keep, r_embed, r_fwd, step)
 
         # 2. loss + its backward, chunked over tokens
         self.phase, self.layer = "loss", "head"
@@ -409,6 +388,32 @@ class Executor:
         if aux is not None:
             loss = loss + aux / scale  # (the caller scales the summed loss by scale)
         return loss, (sum(sq) if last and self.reducer is None else None)
+
+    def _forward(self, ids: list, ctx: list, keep: set, r_embed, r_fwd: list, step: int):
+        """1. The forward, layer-major, keeping every micro-batch's boundary activations (and, for the ``keep``
+        layers, their whole graphs): (activations by layer, graphs by kept layer, a sparse model's load-balancing
+        loss (weighted) or None)."""
+        model, graphs = self.model, {}
+        with torch.no_grad():
+            self.phase, self.layer = "forward", "embed"
+            view = self._take(r_embed, "forward")
+            acts = [[model.embed(view.tensors, x, c) for x, c in zip(ids, ctx)]]
+            view.release()
+            for i in range(self.cfg.num_layers):
+                self.layer = i
+                view = self._take(r_fwd[i], "forward")
+                w = self._weights(view)
+                if i in keep:
+                    outs = [model.layer_graph(i, w, x, c) for x, c in zip(acts[i], ctx)]
+                    graphs[i] = [g for _, g in outs]
+                    acts.append([y for y, _ in outs])
+                    acts[i] = [None] * len(ids)  # (the graph holds the input)
+                else:
+                    acts.append([model.layer(i, w, x, c) for x, c in zip(acts[i], ctx)])
+                view.release()
+                HOOKS.point("forward", step + 1)
+            aux = model.forward_done(ctx)
+        return acts, graphs, aux
 
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor, int]], version: int) -> tuple[float, int]:
         """Forward only, layer-major, over ``batches`` with the weights of ``version`` (updates done so far):
