@@ -108,11 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         err = _user_error(e)
         if err is None:
             raise
-        if getattr(err, "quiet", False):  # (another rank of the run says it)
+        if err.quiet:  # (another rank of the run says it)
             return err.exit_code
-        prefix = getattr(err, "rank_prefix", "")
-        for line in getattr(err, "problems", None) or [str(err)]:
-            print(f"tiermem-train: error: {printable(prefix + line)}", file=sys.stderr)
+        for line in err.lines():
+            print(f"tiermem-train: error: {printable(err.rank_prefix + line)}", file=sys.stderr)
         return err.exit_code
 
 

@@ -389,30 +389,11 @@ def _collect(bad, fn, *args):
         return None
 
 
-def resolved(c: TrainConfig, store_cfg, activation_budget: int | None = None, store=None) -> dict:
+def resolved(c: TrainConfig, store, activation_budget: int | None = None) -> dict:
     """The config as it will run, for ``output_dir/training_args.yaml``: the store's config with every
-    ``auto`` decided (with ``store``, the one opened: its placement per kind, the tiers' budgets and the NVMe
+    ``auto`` decided (``store.config_as_run()``: its placement per kind, the tiers' budgets and a storage tier's
     backend as they are), and the activation budget in bytes (null: no limit)."""
     out = to_plain(c)
-    out["tiermem"] = to_plain(store_cfg)
+    out["tiermem"] = store.config_as_run()
     out["tiermem_activation_budget"] = activation_budget
-    plan = getattr(store, "plan", None)
-    if plan is not None:
-        tiers = out["tiermem"]["tiers"]
-        for name, budget in plan.budgets.items():
-            if tiers.get(name) is not None and budget is not None:
-                tiers[name]["budget"] = budget
-        if tiers.get("nvme") is not None and store.nvme is not None:
-            tiers["nvme"]["backend"] = store.nvme.backend_name
-        out["tiermem"]["placement"] = placement_of(plan.where)
     return out
-
-
-def placement_of(where: dict) -> dict:
-    """A plan's placement: kind -> tier where every group of the kind is on one tier, else kind -> {tier:
-    [groups]} (a record of the decision: ``auto`` spills the last layers' coldest kinds to NVMe)."""
-    by_kind: dict[str, dict[str, list]] = {}
-    for (group, kind), tier in where.items():
-        by_kind.setdefault(kind, {}).setdefault(tier, []).append(group)
-    return {kind: next(iter(tiers)) if len(tiers) == 1 else {t: [str(g) for g in gs] for t, gs in tiers.items()}
-            for kind, tiers in by_kind.items()}

@@ -240,6 +240,7 @@ class Inputs:
     """What the backbone handed each layer of one micro-batch besides the hidden states."""
 
     per_layer: list = field(default_factory=list)  # (args, kwargs) of each layer
+    router = None  # (no load-balancing loss's statistics on this path)
 
 
 def _relative(params: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

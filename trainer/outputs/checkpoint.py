@@ -218,7 +218,7 @@ def load(store, path: str | Path, mcfg, dtype: torch.dtype, has_master: bool, pr
     checked = _checks.pop(path.resolve(), None) or _checker.submit(verify, path, manifest, True)
 
     def wanted(name: str) -> bool:
-        return name in store.catalog and (only is None or name in only)
+        return store.holds(name) and (only is None or name in only)
 
     try:
         for kind in ("master", *MOMENTS):  # kind by kind: each array streams from disk in order
@@ -233,7 +233,7 @@ def load(store, path: str | Path, mcfg, dtype: torch.dtype, has_master: bool, pr
                 except StorageError as e:
                     raise ConfigError(f"{path} is damaged: {e}{_other_checkpoint(path)}") from None
                 for n in names:
-                    pending.append(store.write(n, t.to(dtype) if store.catalog[n].spec.kind == "param" else t))
+                    pending.append(store.write(n, t.to(dtype) if store.spec(n).kind == "param" else t))
                 while len(pending) > 8:  # a few copies in flight while the next tensor is read
                     pending.pop(0).result()
                 if progress:
@@ -246,7 +246,7 @@ def load(store, path: str | Path, mcfg, dtype: torch.dtype, has_master: bool, pr
             r.close()
     if only is None:
         for g in group_order(mcfg):
-            store.catalog.bump(g, to=step)
+            store.set_version(g, step)
     return step
 
 

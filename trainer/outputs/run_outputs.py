@@ -54,7 +54,7 @@ class RunOutputs:
     def config(self) -> dict:
         """The config as it runs: the store's with every auto decided, the activation budget in bytes."""
         store = self.session.store
-        return resolved(self.job.cfg, store.cfg, self.budget, store)
+        return resolved(self.job.cfg, store, self.budget)
 
     def log(self, start: int, pauses) -> Reporter:
         """The step line and trainer_log.jsonl, from step ``start`` (``pauses``: the collector's, logged)."""
@@ -75,7 +75,7 @@ class RunOutputs:
         store, optimizer, report = self.session.store, self.session.optimizer, self.report
         active = self.job.mcfg.num_params(active=True)
         opt = {"last_update_s": optimizer.last_step_seconds, "split": optimizer.last_split,
-               "gpu_share": optimizer.gpu_share, "cpu_groups": store.cfg.optimizer.cpu_groups}
+               "gpu_share": optimizer.gpu_share, "cpu_groups": store.config.optimizer.cpu_groups}
         tflops = 6 * active * report.live.get("tokens_per_s", 0.0) / 1e12
         return dict(report.live, phase=self.executor.phase, layer=self.executor.layer, optimizer=opt,
                     alloc_retries=_alloc_retries(store), tflops=tflops, plan=self.watcher.live())
@@ -87,7 +87,7 @@ class RunOutputs:
         job, session, out = self.job, self.session, self.out
         cfg, store, plan, total = job.cfg, session.store, job.plan, job.total
         session.refresh_layout()
-        if session.attached is None:  # (the service keeps its state) the disk's room goes to the export
+        if session.embedded:  # (the service keeps its state) the disk's room goes to the export
             store.discard_stored(DISCARDED_AT_END)
         with progress_bar(console) as progress:
             task = progress.add_task("exporting", total=job.n_params)
@@ -128,4 +128,5 @@ class RunOutputs:
 
 def _alloc_retries(store) -> int:
     """The CUDA caching allocator's retries so far (an allocation that freed the cache first), 0 on a CPU."""
-    return torch.cuda.memory_stats(store.gpu.device).get("num_alloc_retries", 0) if store.gpu.is_cuda else 0
+    on_cuda = store.device.type == "cuda"
+    return torch.cuda.memory_stats(store.device).get("num_alloc_retries", 0) if on_cuda else 0

@@ -157,7 +157,7 @@ class Saver(ReleaseGate):
             if self._abort.is_set():
                 raise _Abandoned()
             try:
-                self.store.catalog.wait_version(g, step, timeout=0.2)
+                self.store.wait_version(g, step, timeout=0.2)
                 return
             except TimeoutError:
                 continue

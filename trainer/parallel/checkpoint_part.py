@@ -97,7 +97,7 @@ class PartSaver(ReleaseGate):
             if self._abort.is_set():
                 raise RuntimeError("the checkpoint's part was abandoned")
             try:
-                self.store.catalog.wait_version(g, step, timeout=0.2)
+                self.store.wait_version(g, step, timeout=0.2)
                 return
             except TimeoutError:
                 continue

@@ -53,7 +53,7 @@ def check_supported(cfg, world, mcfg=None) -> None:
     if keep not in ("auto", 0):
         raise ConfigError(f"tiermem_keep_activations: {keep} {NOT_YET} ({n}): it needs weights in HBM, which the "
                           "ranks' shared store does not keep; set it to 0 or auto")
-    moe = getattr(mcfg, "moe", None) if mcfg is not None else None
+    moe = mcfg.moe if mcfg is not None else None
     if moe is not None and moe.aux_loss_coef:
         raise ConfigError(f"the router's load-balancing loss {NOT_YET} ({n}): its statistics are a micro-batch's, "
                           "which the ranks split; set moe_aux_loss_coef: 0 or run one process")
@@ -67,7 +67,7 @@ def rank_store_config(cfg, world):
         return scfg
     tiers = _raw(cfg.tiermem).get("tiers") or {}
     if not (isinstance(tiers.get("dram"), dict) and tiers["dram"].get("path")):
-        scfg.tiers.dram.path = "/dev/shm"
-    if scfg.tiers.gpu.device.startswith("cuda"):
-        scfg.tiers.gpu.device = f"cuda:{world.local_rank}"
+        scfg.tiers.host_tier.path = "/dev/shm"
+    if scfg.tiers.device_tier.device.startswith("cuda"):
+        scfg.tiers.device_tier.device = f"cuda:{world.local_rank}"
     return scfg

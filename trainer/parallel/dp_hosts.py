@@ -49,13 +49,13 @@ class HostSync:
     def _share(self, version: int, kinds, needed) -> None:
         import torch.distributed as dist
 
-        cat, world = self.store.catalog, self.world
+        store, world = self.store, self.world
         for g in self.groups:
             src = self.owner[g]
             if not needed(self.node(src)):
                 continue
-            names = [e.spec.name for k in kinds for e in cat.group_entries(g, k)]
-            sizes = [cat[n].spec.nbytes for n in names]
+            names = [n for k in kinds for n in store.names(g, k)]
+            sizes = [store.spec(n).nbytes for n in names]
             if world.rank == src:
                 self.session.optimizer.wait_group(g, version)
                 buf = torch.cat([self.store.read(n).result().reshape(-1).view(torch.uint8) for n in names])
@@ -67,7 +67,7 @@ class HostSync:
                 continue
             off, writes = 0, []
             for n, size in zip(names, sizes):
-                spec = cat[n].spec
+                spec = store.spec(n)
                 t = buf[off: off + size].view(spec.dtype).view(spec.shape) if math.prod(spec.shape) else buf[:0]
                 writes.append(self.store.write(n, t))
                 off += size

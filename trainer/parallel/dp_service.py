@@ -20,7 +20,6 @@ from tiermem.futures import done_future
 from tiermem.service import protocol
 from tiermem.service.client import RemoteOptimizer, attach
 from tiermem.session import Session
-from tiermem.store.layout import apply_layout
 from trainer.parallel.dp import GradReducer, owners
 
 
@@ -39,7 +38,7 @@ class RankRemoteOptimizer(RemoteOptimizer):
             self.world.broadcast_json(self.moved)  # committed: the others may take their groups
             return fut
         if self.world.broadcast_json(None):  # (re-placement moved optimizer state before this update)
-            apply_layout(self.store.catalog, self.client.request("layout", run=self.run)["layout"])
+            self.refresh_layout()
         self.check()
         self.committed = step
         if self.mine:
@@ -92,7 +91,7 @@ def open_service_rank_session(world, specs, settings, server, run_id: str, label
             attached = attach(path, run_id, label, specs, settings, **ours)
         opt = attached.optimizer
         opt.world = world
-        reducer = GradReducer(world, owner, attached.store.catalog, attached.store.gpu.device)
+        reducer = GradReducer(world, owner, attached.store)
         return ServiceRankSession(attached.store, opt, attached, world=world, owner=owner, reducer=reducer)
     except BaseException:
         if attached is not None:
@@ -103,8 +102,8 @@ def open_service_rank_session(world, specs, settings, server, run_id: str, label
 def loaded(session: ServiceRankSession, start: int, groups) -> None:
     """Every rank starts at ``start``, once rank 0 has told the service the weights are in (``init``): each rank's
     catalog is at ``start`` (the service's events bring the same)."""
-    cat = session.store.catalog
+    store = session.store
     for g in groups:
-        if cat.version(g) < start:
-            cat.bump(g, to=start)
+        if store.version(g) < start:
+            store.set_version(g, start)
     session.optimizer.committed = start

@@ -157,9 +157,9 @@ class OneProcess:
     def may_resplit(self, plan) -> bool:
         """Whether the updates may be split again by what the first steps measure: one process, its own store,
         on CUDA, and the split the planner's."""
-        store = self.session.store
-        return (store.gpu.is_cuda and self.session.attached is None and plan is not None
-                and plan.gpu_updates is not None)
+        session = self.session
+        return session.store.device.type == "cuda" and session.embedded and plan is not None \
+            and plan.gpu_updates is not None
 
     def my_rows(self, micro_batches: list[list[int]], per_device: int) -> list[list[int]]:
         """This rank's rows of each of the step's micro-batches."""
@@ -321,14 +321,14 @@ class HostRanks(Several):
                 plan = make_plan(specs, scfg, streamed_kinds=("param",), owners=own)
         session = self.session = open_rank_session(world, specs, settings, scfg, plan)
         if world.local_rank != 0:
-            job.store_plan = session.store.plan
+            job.store_plan = session.plan
         self._say_shares(session, settings, say)
         return session
 
     def _say_shares(self, session, settings, say) -> None:
         from trainer.run.opening import span
 
-        world, plan = self.world, session.store.plan
+        world, plan = self.world, session.plan
         mine = sorted((g for g, r in session.owner.items() if r == world.rank), key=lambda g: settings.groups.index(g))
         say(f"{world.size} ranks share this host's store; rank 0 updates {len(mine)} of {len(settings.groups)} groups "
             f"({span(mine)}) with {session.optimizer.local.threads} CPU AdamW threads, the others the rest")
@@ -340,7 +340,7 @@ class HostRanks(Several):
     def held(self) -> set | None:
         if not self.session.remote:
             return None
-        return {e.spec.name for e in self.session.store.catalog.entries()}
+        return set(self.session.store.names())
 
     def all_loaded(self, start: int, groups: list) -> None:
         from trainer.parallel.dp_session import loaded

@@ -79,7 +79,7 @@ def activation_budget(cfg, store, store_plan=None) -> int | None:
         return cfg.tiermem_activation_budget
     if store_plan is not None:
         return store_plan.activation_budget
-    dev = store.gpu.device
+    dev = store.device
     if dev.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(dev)

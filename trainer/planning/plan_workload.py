@@ -45,14 +45,14 @@ def heaviest_layer(cfg) -> int:
 def layer_params(cfg, active: bool = False) -> int:
     """Parameters of the heaviest layer; ``active``: those one token computes with (its top-k experts)."""
     i = heaviest_layer(cfg)
-    if hasattr(cfg, "layer_params"):
+    if not cfg.generic:
         return cfg.layer_params(i, active)
     return sum(_numel(w.shape) for w in all_weights(cfg) if w.group == i)
 
 
 def layer_flops(cfg, seq: int) -> float:
     """FLOPs of one layer's forward per token at sequence length ``seq`` (matmuls + causal attention)."""
-    return 2.0 * layer_params(cfg, active=True) + 2.0 * seq * getattr(cfg, "q_size", cfg.hidden_size)
+    return 2.0 * layer_params(cfg, active=True) + 2.0 * seq * (cfg.hidden_size if cfg.generic else cfg.q_size)
 
 
 def head_flops(cfg) -> float:
@@ -120,8 +120,9 @@ def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, mach
 
 def _inter(cfg) -> int:
     """A token's intermediate width in a layer's feed-forward (its top-k experts' for a sparse model)."""
-    return (cfg.moe.top_k * cfg.moe.intermediate_size if getattr(cfg, "moe", None) is not None
-            else getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))
+    if cfg.moe is not None:
+        return cfg.moe.top_k * cfg.moe.intermediate_size
+    return 4 * cfg.hidden_size if cfg.generic else cfg.intermediate_size
 
 
 def _time(cfg, dtype: torch.dtype, rows: int, seq: int, device: torch.device, loss_chunk: int):

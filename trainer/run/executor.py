@@ -89,7 +89,7 @@ class Executor:
             reducer.keep_partial = lambda g, grads: self.store.store_group(
                 g, "grad", {state_name(n, "grad"): t for n, t in grads.items()})
             reducer.wait = lambda fut: self.store.wait(fut, "gradient_partials")
-        self.device = store.gpu.device
+        self.device = store.device
         self.max_grad_norm = max_grad_norm
         self.loss_chunk = loss_chunk_tokens
         self.prefetch = Prefetcher(store, health=optimizer.check)
@@ -119,7 +119,7 @@ class Executor:
 
     # -- helpers ---------------------------------------------------------------------------------
     def _drain(self) -> None:
-        self.store.gpu.sync()
+        self.store.sync_device()
 
     def _take(self, req, phase: str) -> dict[str, torch.Tensor]:
         view, on_opt, on_xfer = Prefetcher.take(req, self._drain)
@@ -149,8 +149,7 @@ class Executor:
         adds it."""
         if self.reducer is not None or not self.optimizer.grads_home(group) or self.optimizer.grads_on_gpu(group):
             return False
-        entries = self.store.catalog.group_entries(group, "grad")
-        return bool(entries) and all(e.tier == "gpu" for e in entries)
+        return self.store.in_device_memory(group, "grad")
 
     def _grad_home(self, group, names) -> list[torch.Tensor]:
         """The gradient tensors in HBM of a group that ``_sums_at_home``, in the order of the weights ``names``."""
@@ -176,7 +175,7 @@ class Executor:
             return None
         bufs, futs = {}, []
         for n in self.local_names[group]:
-            spec = self.store.catalog[state_name(n, "grad")].spec
+            spec = self.store.spec(state_name(n, "grad"))
             bufs[n] = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
             futs.append(self.store.read(spec.name, out=bufs[n]))
         return bufs, all_of(futs)
@@ -209,8 +208,7 @@ class Executor:
         HBM (a streamed layer's slot is reused before its backward)."""
         out: set = set()
         for i in range(self.cfg.num_layers if self.keep_layers else 0):
-            entries = self.store.catalog.group_entries(i, "param")
-            if entries and all(e.tier == "gpu" for e in entries):
+            if self.store.in_device_memory(i, "param"):
                 out.add(i)
                 if len(out) == self.keep_layers:
                     break
@@ -297,7 +295,7 @@ class Executor:
         """The first group whose compute copy (the weights a step uses) holds inf or NaN, or None: asked once a step's
         loss or norm is not finite (the optimizer's CPU worker does not check what it writes: tiermem.optim)."""
         for w in all_weights(self.cfg):
-            if w.name in self.store.catalog and not all_finite([self.store.read(w.name).result()]):
+            if self.store.holds(w.name) and not all_finite([self.store.read(w.name).result()]):
                 return w.group
         return None
 
@@ -317,7 +315,7 @@ class Executor:
         targets = [shift_labels(b[1]).to(dev, non_blocking=True) for b in batches]
         masks = [b[3].to(dev, non_blocking=True) if len(b) > 3 else None for b in batches]
         ctx = model.contexts(ids, masks, n_micro, True)
-        keep = self.kept() if all(getattr(c, "router", None) is None for c in ctx) else set()
+        keep = self.kept() if all(c.router is None for c in ctx) else set()
         self.last_kept = len(keep)
         acts, graphs, aux = self._forward(ids, ctx, keep, r_embed, r_fwd, step)
 

@@ -34,7 +34,7 @@ def load_weights(job: Job, session, ranks, console, say) -> int:
             start = ckpt.load(store, job.resume, job.mcfg, job.dtype, cfg.bf16, adv)
             ckpt.set_rng_state(ckpt.tiermem_state(job.resume).get("rng", {}))
         elif cfg.tiermem_init == "random":
-            init_weights(store, job.mcfg, kinds, cfg.seed, store.gpu.device, adv, names=held)
+            init_weights(store, job.mcfg, kinds, cfg.seed, store.device, adv, names=held)
         else:
             import_weights(store, job.mcfg, job.model_dir, kinds, adv, names=held)
     session.loaded(start)
@@ -64,6 +64,6 @@ def _load_own_hbm(job: Job, session, names: set) -> None:
     if job.resume is not None:
         ckpt.load(store, job.resume, job.mcfg, job.dtype, cfg.bf16, only=names)
     elif cfg.bf16 and cfg.tiermem_init == "random":
-        init_weights(store, job.mcfg, {"master": torch.float32}, cfg.seed, store.gpu.device, names=names)
+        init_weights(store, job.mcfg, {"master": torch.float32}, cfg.seed, store.device, names=names)
     elif cfg.bf16:
         import_weights(store, job.mcfg, job.model_dir, {"master": torch.float32}, names=names)

@@ -39,8 +39,8 @@ def open_training_session(job, ranks, say) -> Session:
     session = ranks.attach(specs, settings, cfg.tiermem_server, run_id, label, plan_input)
     try:
         say(attach_line(session))
-        if session.attached.plan is not None:  # the service planned the run (as an embedded run plans)
-            job.store_plan = run_plan.from_service(session.attached.plan, specs, workload,
+        if session.service_plan is not None:  # the service planned the run (as an embedded run plans)
+            job.store_plan = run_plan.from_service(session.service_plan, specs, workload,
                                                    cfg.per_device_train_batch_size)
             for line in run_plan.lines(job.store_plan):
                 say(line)
@@ -78,12 +78,12 @@ def run_identity(cfg, mcfg, dtype: torch.dtype, rows: Rows) -> str:
 
 def attach_line(session: Session) -> str:
     """What an attached run says at start: the service, whether it holds the run, how the update is split."""
-    a, opt = session.attached, session.optimizer
-    mine = [g for g in opt.groups if g in opt.mine]
-    split = (f"this trainer's GPU updates {len(mine)} of {len(opt.groups)} groups ({span(mine)}), the service "
+    mine, groups = session.updated_here, session.optimizer.groups
+    split = (f"this trainer's GPU updates {len(mine)} of {len(groups)} groups ({span(mine)}), the service "
              "the others" if mine else "the service updates every group")
-    return (f"attached to the tiermem service at {a.client.path}"
-            + (f" (its run is at step {a.committed})" if a.initialized else " (a new run)") + f"; {split}")
+    at = session.continues_at
+    return (f"attached to the tiermem service at {session.server}"
+            + (f" (its run is at step {at})" if at is not None else " (a new run)") + f"; {split}")
 
 
 def span(groups: list) -> str:
@@ -103,10 +103,7 @@ def span(groups: list) -> str:
 
 def describe_store(store, say) -> None:
     """The store's line at start: each tier's state by kind, and the GPU's streaming slots."""
-    by = store.plan.bytes_by_kind()
-    parts = []
-    for tier in ("gpu", "dram", "nvme"):
-        kinds = by.get(tier) or {}
-        if kinds:
-            parts.append(f"{tier}: " + ", ".join(f"{k} {format_size(v)}" for k, v in kinds.items()))
-    say("store: " + "; ".join(parts) + f"; {store.gpu.n_slots} GPU slots of {format_size(store.gpu.slot_bytes)}")
+    parts = [f"{tier}: " + ", ".join(f"{k} {format_size(v)}" for k, v in kinds.items())
+             for tier, kinds in store.bytes_by_tier().items() if kinds]
+    n, nbytes = store.slots()
+    say("store: " + "; ".join(parts) + f"; {n} GPU slots of {format_size(nbytes)}")

@@ -21,15 +21,17 @@ class PlanWatcher:
         if plan is not None and plan.prediction is not None:
             self.watch = PlanWatch(plan, start, ranks.may_resplit(plan))
             report.predicted = self.watch.predicted
-        self.links, self.busy = _link_bytes(self.store), self.store.mover.disk.snapshot()["busy_s"]
+        self.traffic = self.store.traffic()
 
     def observe(self, step: int, result, say) -> None:
         """Step ``step`` (0-based) took ``result``: the plan's lines, the corrected prediction, the traffic."""
-        now, busy = _link_bytes(self.store), self.store.mover.disk.snapshot()["busy_s"]
+        now, before = self.store.traffic(), self.traffic
+        busy = now["disk_busy_s"] - before["disk_busy_s"]
         watch = self.watch
         if watch is not None:
             corrected = watch.measured
-            disk = _disk_step(self.links, now, busy - self.busy)
+            disk = (now["storage_read"] - before["storage_read"], now["storage_written"] - before["storage_written"],
+                    busy)  # (what the disk did in the step: bytes read, bytes written, seconds busy either way)
             for line in watch.observe(step - self.start, result, self.optimizer.last_split, disk):
                 say(line)
             self.report.predicted = watch.predicted
@@ -37,10 +39,10 @@ class PlanWatcher:
                 _plan_measured(self.out / "tiermem_plan.json", watch.measured)
                 if watch.resplit_to is not None:  # (from the next step's backward on)
                     self.optimizer.resplit(watch.resplit_to)
-        self.report.live["link_bytes_per_step"] = {k: n - self.links.get(k, 0) for k, n in now.items()
-                                                   if n > self.links.get(k, 0)}
-        self.report.live["disk_busy_s_per_step"] = busy - self.busy  # (either way: top's NVMe busy)
-        self.links, self.busy = now, busy
+        links, was = now["links"], before["links"]
+        self.report.live["link_bytes_per_step"] = {k: n - was.get(k, 0) for k, n in links.items() if n > was.get(k, 0)}
+        self.report.live["disk_busy_s_per_step"] = busy  # (either way: top's NVMe busy)
+        self.traffic = now
 
     def live(self) -> dict | None:
         """The prediction for the stats file (tiermem top), or None."""
@@ -62,12 +64,3 @@ def _plan_measured(path: Path, measured: dict) -> None:
     except OSError:  # (a report: a full disk leaves the plan as the run started with it, and no temp file)
         tmp.unlink(missing_ok=True)
 
-
-def _link_bytes(store) -> dict[str, int]:
-    return {name: int(link.get("bytes", 0)) for name, link in store.mover.stats().items()}
-
-
-def _disk_step(before: dict, now: dict, busy: float) -> tuple[int, int, float]:
-    """What the disk did in a step: (bytes read, bytes written, seconds busy in either direction)."""
-    moved = lambda links: sum(now.get(k, 0) - before.get(k, 0) for k in links)  # noqa: E731
-    return moved(("nvme->dram", "nvme->gpu")), moved(("dram->nvme", "gpu->nvme")), busy
