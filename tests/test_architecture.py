@@ -30,9 +30,10 @@ RULES = {
     "tiermem.optim": ["tiermem.service", "tiermem.session", "tiermem.cli"],
     "tiermem.service": ["tiermem.session", "tiermem.cli"],
     "tiermem.session": ["tiermem.cli"],
-    "trainer.model": ["tiermem", "trainer.data", "trainer.config", "trainer.loop", "trainer.executor",
-                      "trainer.checkpoint", "trainer.weights_io", "trainer.report", "trainer.cli"],
-    "trainer.data": ["trainer.model", "trainer.loop", "trainer.executor", "trainer.checkpoint"],
+    # the model and the data know nothing of the run around them (nor of tiermem: the model)
+    "trainer.model": ["tiermem", "trainer.data", "trainer.config", "trainer.run", "trainer.outputs",
+                      "trainer.parallel", "trainer.planning", "trainer.state", "trainer.cli", "trainer.plan_cli"],
+    "trainer.data": ["trainer.model", "trainer.run", "trainer.outputs", "trainer.parallel", "trainer.planning"],
 }
 
 
@@ -135,11 +136,118 @@ def test_the_cycle_check_would_catch_a_cycle():
     assert cycles({"store": {"plan"}, "plan": {"store", "basics"}}) == [["plan", "store", "plan"]]
     assert cycles({"store": {"plan", "tiers"}, "plan": {"tiers"}, "tiers": {"basics"}}) == []
     assert part_of("tiermem.store.catalog.Group") == "tiermem.store" and part_of("tiermem.specs.TensorSpec") == "basics"
-    assert part_of("tiermem.session") == "tiermem.session" and part_of("trainer.loop") is None
+    assert part_of("tiermem.session") == "tiermem.session" and part_of("trainer.run.loop") is None
 
 
 def test_the_rules_would_catch_a_break(tmp_path):
     """The checker sees an import inside a function, not only at the top of a file."""
     f = tmp_path / "m.py"
-    f.write_text("def f():\n    from trainer.loop import run\n")
-    assert "trainer.loop" in imports(f) and within("trainer.loop.run", "trainer")
+    f.write_text("def f():\n    from trainer.run.loop import run\n")
+    assert "trainer.run.loop" in imports(f) and within("trainer.run.loop.run", "trainer")
+
+
+# -- the trainer uses the store's public API only ------------------------------------------------------------------
+# what no trainer module reads, of any object: the store's catalog and mover, the catalog's callback
+NEVER = {"catalog", "mover", "on_bump"}
+TIER_NAMES = {"gpu", "dram", "nvme"}  # the built-in tiers' attributes: a config's sections (``x.tiers.gpu``) only
+
+
+def documented(cls: type, fields=()) -> set[str]:
+    """The public methods and properties of ``cls`` (its bases' too) that carry a docstring of their own, and
+    ``fields``."""
+    import inspect
+
+    out = set(fields)
+    for name in dir(cls):
+        if name.startswith("_"):
+            continue
+        member = inspect.getattr_static(cls, name)
+        if isinstance(member, (staticmethod, classmethod)):
+            member = member.__func__
+        fn = member.fget if isinstance(member, property) else member
+        if inspect.isfunction(fn) and fn.__doc__:
+            out.add(name)
+    return out
+
+
+def public_apis() -> dict[str, set[str]]:
+    """What the trainer may read of a store, a session and an optimizer (by the name it holds them under)."""
+    import dataclasses
+
+    from tiermem.optim.interface import Optimizer
+    from tiermem.session import Session
+    from tiermem.store.store import Store
+    from trainer.parallel.dp_service import ServiceRankSession
+    from trainer.parallel.dp_session import RankSession
+
+    base = {f.name for f in dataclasses.fields(Session)}
+    session = documented(Session, ("store", "optimizer"))  # (not ``attached``: the service's link is Session's)
+    for cls in (RankSession, ServiceRankSession):  # (the trainer's own sessions of several ranks)
+        session |= documented(cls, {f.name for f in dataclasses.fields(cls)} - base)
+    return {"store": documented(Store), "session": session,
+            "optimizer": documented(Optimizer, Optimizer.__annotations__)}
+
+
+def holder(node: ast.expr) -> str | None:
+    """The name an object is held under: ``store`` for ``store`` and ``x.store``, None for anything else."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+def root(node: ast.expr) -> str | None:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def api_breaks(path: Path, apis: dict[str, set[str]], loop: bool) -> list[str]:
+    """Where the module at ``path`` reads past the public API (``loop``: it is one of the loop's modules, whose
+    optimizer calls the Optimizer protocol must name)."""
+    tree = ast.parse(path.read_text())
+    modules = {(a.asname or a.name).split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+        attr, held, where = node.attr, holder(node.value), f"{rel}:{node.lineno}"
+        if attr in NEVER:
+            out.append(f"{where} reads .{attr}")
+        elif attr in TIER_NAMES and not (isinstance(node.value, ast.Attribute) and node.value.attr == "tiers"):
+            out.append(f"{where} reads the tier .{attr} (a store's tiers are reached by its methods)")
+        elif attr.startswith("_") and not attr.startswith("__") and root(node) not in {"self", "cls", *modules}:
+            out.append(f"{where} reads the private .{attr} of another object")
+        elif held in ("store", "session") and attr not in apis[held]:
+            out.append(f"{where} reads {held}.{attr}, which {held.capitalize()}'s documented API does not have")
+        elif loop and held == "optimizer" and root(node) in ("self", "session", "optimizer") \
+                and attr not in apis["optimizer"]:
+            out.append(f"{where} calls optimizer.{attr}, which the Optimizer protocol does not name")
+    return out
+
+
+def test_the_trainer_uses_the_stores_public_api_only():
+    """No trainer module reads a store's catalog, mover or tiers (its config's sections aside), another object's
+    private attributes, or anything of a store or a session beyond their documented methods (``Store``,
+    ``tiermem.store.queries``, ``Session`` and the trainer's own sessions of several ranks); the loop's modules call
+    an optimizer only through what the Optimizer protocol names."""
+    apis = public_apis()
+    broken = [b for p in sorted((ROOT / "trainer").rglob("*.py"))
+              for b in api_breaks(p, apis, loop=module_name(p).split(".")[1:2] in (["run"], ["outputs"], ["planning"]))]
+    assert not broken, "\n".join(broken)
+
+
+def test_the_api_rule_would_catch_a_break(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("import torch\n\ndef f(store, session, cfg, optimizer, x):\n"
+                 "    store.catalog[1]; store.gpu.device; session.attached.plan; x._secret; store.plan\n"
+                 "    optimizer.local\n"
+                 "    cfg.tiers.gpu.device; store.holds('w'); session.store; torch._foreach_norm; optimizer.step\n")
+    found = api_breaks(f, public_apis(), loop=True)
+    assert sorted(b.split(" ", 1)[1] for b in found) == sorted([
+        "reads .catalog", "reads the tier .gpu (a store's tiers are reached by its methods)",
+        "reads session.attached, which Session's documented API does not have", "reads the private ._secret of "
+        "another object", "reads store.plan, which Store's documented API does not have",
+        "calls optimizer.local, which the Optimizer protocol does not name"]), found

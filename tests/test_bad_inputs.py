@@ -177,7 +177,7 @@ def test_output_dir_under_a_regular_file(setup, capsys):
 def test_disk_full_during_the_export_leaves_no_temp_files(setup, capsys, monkeypatch):
     import errno
 
-    import trainer.weights_io as weights_io
+    import trainer.outputs.weights_io as weights_io
 
     tmp, _, cfg = setup
 
@@ -247,7 +247,7 @@ def test_a_flipped_model_shard_checked_in_the_background_stops_the_resume_before
     line before a step, and an intact checkpoint resumes through the same path."""
     import shutil
 
-    from trainer import checkpoint as ckpt
+    from trainer.outputs import checkpoint as ckpt
 
     tmp, _, cfg = setup
     assert run(tmp, dict(cfg, save_steps=1, max_steps=1)) == 0
@@ -353,7 +353,7 @@ def test_a_second_run_on_the_same_output_dir_is_refused_and_touches_nothing(setu
     """Two trainers on one output_dir: the second's start had deleted the first's in-flight save. The lock of the
     first (held here, as a run in flight holds it) refuses the second in one line naming the first's pid; nothing
     of the first's is read, written or removed."""
-    from trainer.output_dir import OutputLock
+    from trainer.outputs.output_dir import OutputLock
 
     tmp, _, cfg = setup
     out = tmp / "out"
@@ -392,7 +392,7 @@ def test_a_run_stopped_before_its_first_checkpoint_runs_again_but_a_users_files_
     """A run stopped (here Ctrl-C) before its first checkpoint left its records and its lock file: the same command
     runs again from step 0 instead of "output_dir ... is not empty". A file of the user's beside them still makes
     a run refuse the directory."""
-    from trainer import executor
+    from trainer.run import executor
 
     tmp, _, cfg = setup
     out = tmp / "out"
@@ -587,7 +587,7 @@ def _plan_the_steps(c) -> None:
     warmup, the first and last learning rates, the first step's rows, the ETA's text."""
     from tiermem.sizes import format_duration
     from trainer.data.batches import StepPlan
-    from trainer.schedule import lr_factor, warmup_steps
+    from trainer.run.schedule import lr_factor, warmup_steps
 
     plan = StepPlan(14, c.per_device_train_batch_size, c.gradient_accumulation_steps, c.seed)
     total = plan.total_steps(c.num_train_epochs, c.max_steps)
@@ -610,8 +610,8 @@ def test_every_config_key_answers_hostile_values_in_one_line(bare, monkeypatch):
 
     import trainer.config as train_config
     from tiermem.errors import UserError
-    from trainer.loop import check_placement
     from trainer.model.config import model_config_from_dict
+    from trainer.planning.placing import check_placement
 
     tmp, cfg = bare
     (tmp / "train.yaml").write_text(yaml.safe_dump(cfg))
@@ -856,7 +856,7 @@ def _rows_of(tmp: Path, model: Path, cfg: dict):
     """The run's config and model config, and a way to load its rows through the cache with the notes kept."""
     from trainer.config import load_train_config
     from trainer.data.prepare import load_rows
-    from trainer.loop import model_config
+    from trainer.run.job import model_config
 
     (tmp / "train.yaml").write_text(yaml.safe_dump(cfg))
     c = load_train_config(tmp / "train.yaml")
@@ -939,12 +939,12 @@ def _clean(text: str) -> None:
 
 
 def test_the_example_shown_at_start_escapes_control_characters(text_model):
-    """What a run prints at start (trainer.loop.show_example through the run's rich console)."""
+    """What a run prints at start (trainer.run.job.show_example through the run's rich console)."""
     import io
 
     from rich.console import Console
 
-    from trainer.loop import show_example
+    from trainer.run.job import show_example
 
     tmp, model, cfg = text_model
     load, _ = _rows_of(tmp, model, _hostile_dataset(tmp, cfg))

@@ -213,7 +213,7 @@ def test_save_total_limit_prunes_only_this_runs_checkpoints(setup, capsys):
     said = capsys.readouterr().out
     assert "saved checkpoint-1" in said and "saved checkpoint-2" in said
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
-    from trainer.checkpoint import lineage_of
+    from trainer.outputs.saver import lineage_of
 
     first = lineage_of(out / "checkpoint-3")
     assert main([str(write("run", save_steps=1, save_total_limit=2)), "max_steps=3",

@@ -103,9 +103,9 @@ def _replay_out_of_place(shape: dict, share: float, steps: int) -> int:
     import torch
 
     from tiermem.sizes import align_up
-    from trainer.loop import state_specs
     from trainer.model.config import model_config_from_dict
     from trainer.model.weights import group_order
+    from trainer.state import state_specs
 
     cfg = model_config_from_dict(shape)
     specs = state_specs(cfg, torch.bfloat16)

@@ -1,9 +1,9 @@
 """The trainer's garbage-collector pauses: timed, and what is alive after the first step kept out of later
-collections (trainer.gc_pauses)."""
+collections (trainer.run.gc_pauses)."""
 
 import gc
 
-from trainer.gc_pauses import GcPauses
+from trainer.run.gc_pauses import GcPauses
 
 
 class Node:

@@ -16,10 +16,10 @@ import pytest
 import yaml
 
 from tests.tiny_models import tiny_run
-from trainer import checkpoint as ckpt
 from trainer.cli import main
-from trainer.executor import StepResult
-from trainer.report import Reporter
+from trainer.outputs.report import Reporter
+from trainer.outputs.saver import Saver
+from trainer.run.executor import StepResult
 
 
 def _masked(data: bytes) -> int:
@@ -93,7 +93,7 @@ def epoch_run(tmp_path_factory):
                output_dir=str(tmp_path / "out"), trust_remote_code=True, ddp_timeout=180000000,
                tiermem={"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}}})
     printed, seen = io.StringIO(), []
-    wait = ckpt.Saver.wait
+    wait = Saver.wait
 
     def noting_wait(self):
         for t in self._threads:
@@ -104,7 +104,7 @@ def epoch_run(tmp_path_factory):
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed):
         mp.setenv("TIERMEM_CACHE", str(tmp_path / "cache"))
-        mp.setattr(ckpt.Saver, "wait", noting_wait)
+        mp.setattr(Saver, "wait", noting_wait)
         assert main([str(tmp_path / "c.yaml")]) == 0
     return tmp_path / "out", printed.getvalue(), seen
 
@@ -204,9 +204,9 @@ def test_the_export_converts_a_tensor_piece_by_piece_to_the_same_bytes(tmp_path,
     from safetensors.torch import load_file
 
     from tests.tiny_models import save_tiny_model
-    from trainer import weights_io
     from trainer.model.config import model_config_from_dict
     from trainer.model.weights import all_weights
+    from trainer.outputs import weights_io
 
     model_dir = save_tiny_model("llama", tmp_path / "model")
     cfg = model_config_from_dict(json.loads((model_dir / "config.json").read_text()))

@@ -259,7 +259,7 @@ def test_kept_layers_skip_their_recompute_in_the_prediction():
 def test_keep_auto_keeps_the_resident_layers_the_hbm_left_holds():
     from types import SimpleNamespace
 
-    from trainer.run_plan import keep_activations
+    from trainer.planning.run_plan import keep_activations
 
     specs = specs_for(6, 10_000_000, 20_000_000)
     base = plan_step(specs, store_cfg(), workload(6), machine(gpu_memory=80 * GiB),
@@ -656,8 +656,8 @@ def test_plan_refuses_an_unreadable_probe_file(plan_yaml, capsys, tmp_path, cont
 
 
 def test_the_run_corrects_its_prediction_and_names_what_was_off():
-    from trainer.executor import StepResult
-    from trainer.plan_watch import PlanWatch
+    from trainer.planning.plan_watch import PlanWatch
+    from trainer.run.executor import StepResult
 
     p = plan(layers=6, gpu=80 * GiB)
     watch = PlanWatch(p)
@@ -674,8 +674,8 @@ def test_the_run_corrects_its_prediction_and_names_what_was_off():
 def test_the_run_corrects_the_cpu_workers_rate_from_its_updates():
     """The CPU worker's seconds of AdamW and compute copy an update, as the optimizer's split says, against the
     plan's: the prediction again at the rates measured, said in the correction's line and kept as ``measured``."""
-    from trainer.executor import StepResult
-    from trainer.plan_watch import PlanWatch
+    from trainer.planning.plan_watch import PlanWatch
+    from trainer.run.executor import StepResult
 
     p = plan(layers=6, gpu=6 * GiB, w=workload(6, fwd=0.05))
     planned = p.prediction.busy["cpu"]
@@ -699,8 +699,8 @@ def test_the_run_corrects_the_disks_rate_from_the_traffic_of_the_update_it_waite
     the prediction again at the disk's rate in the run (the 14B on the H200 machine: 94 GB both ways in 61 s,
     where its quick probe gave 48 s); said in the correction's line, kept as ``measured``; a step that moved
     too little to tell leaves the disk as planned."""
-    from trainer.executor import StepResult
-    from trainer.plan_watch import PlanWatch
+    from trainer.planning.plan_watch import PlanWatch
+    from trainer.run.executor import StepResult
 
     p = plan(layers=8, gpu=8 * GiB, dram=4 * GiB, w=workload(8, fwd=0.05))
     m = p.machine
@@ -724,8 +724,8 @@ def test_a_run_whose_cpu_worker_is_slow_splits_its_updates_again_within_the_hbm_
     """``resplit``: for the plan's placement as it is, the split the figures measured in the run predict fastest,
     among those whose GPU worker's HBM fits beside what the plan placed; the run's watch takes it when the CPU
     worker measured slower than planned and it predicts at least 2% faster (never when not allowed to)."""
-    from trainer.executor import StepResult
-    from trainer.plan_watch import PlanWatch
+    from trainer.planning.plan_watch import PlanWatch
+    from trainer.run.executor import StepResult
 
     p = plan(layers=6, gpu=8 * GiB, w=workload(6, fwd=0.05))
     p = dataclasses.replace(p, hbm_room=p.hbm_room + 6 * GiB)  # (room the plan left, for the GPU worker)
@@ -777,8 +777,8 @@ def test_a_step_of_many_passes_extends_the_last_simulated_pass(passes):
 
 
 def test_steps_that_grow_are_reported_once():
-    from trainer.executor import StepResult
-    from trainer.plan_watch import PlanWatch
+    from trainer.planning.plan_watch import PlanWatch
+    from trainer.run.executor import StepResult
 
     p = plan(layers=6, gpu=80 * GiB)
     watch = PlanWatch(p, start=10)
@@ -823,7 +823,7 @@ def test_the_advised_tokens_are_the_fewest_within_ten_percent_of_the_compute_bou
     slowly: the advice is the fewest gradient_accumulation_steps within 10% of that rate (raising further helps
     less than the advice's threshold), not the compute-bound step twice as long; both are in the report."""
     from tiermem.plan.planner import compute_bound_at, predict_at, recommended_at
-    from trainer.run_plan import report
+    from trainer.planning.run_plan import report
 
     ga = 16
     p = plan(layers=8, layer_params=200_000_000, gpu=20 * GiB, dram=8 * GiB,
@@ -894,7 +894,7 @@ def test_a_plan_of_several_ranks_predicts_the_rank_it_names():
     """The planner's prediction of a plan of several ranks is its busiest rank's (``layout_of``: the plan's layout
     as the cost model takes it), not one process's, in the plan and in the run's corrections alike."""
     from tiermem.plan.planner import layout_of
-    from trainer.dp import owners
+    from trainer.parallel.dp import owners
 
     layers = 8
     specs = specs_for(layers, 50_000_000, 20_000_000)
@@ -911,10 +911,10 @@ def test_a_plan_of_several_ranks_predicts_the_rank_it_names():
 
 
 def test_micro_batches_run_in_pieces_where_hbm_is_short():
-    """The planner's physical micro-batch (trainer.run_plan.search_pieces): micro-batches of 4 rows whose layer
+    """The planner's physical micro-batch (trainer.planning.run_plan.search_pieces): micro-batches of 4 rows whose layer
     working set leaves too little HBM are refused whole but run as pieces of 2 rows (the working set scales with a
     piece's rows, the loss's does not); where the state fits in HBM beside the whole micro-batch, it stays whole."""
-    from trainer.run_plan import search_pieces
+    from trainer.planning.run_plan import search_pieces
 
     specs = specs_for(8, 200_000_000, 100_000_000)  # (30.2 GiB of state)
     w = dataclasses.replace(workload(8, micro_batches=4), micro_rows=4, layer_work_bytes=60 * GiB,

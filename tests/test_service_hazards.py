@@ -131,7 +131,7 @@ def test_the_checkpoint_the_service_names_is_resumed_even_when_overwriting(tmp_p
     """The service lost a run's state and named its newest checkpoint: the trainer resumes from it although
     overwrite_output_dir is set; a resume_from_checkpoint given wins, and the trainer says so."""
     from trainer.config import TrainConfig
-    from trainer.loop import find_resume
+    from trainer.outputs.resume import find_resume
 
     out = tmp_path / "out"
     for step in (2, 4):

@@ -58,7 +58,7 @@ def test_quickstart_trains_and_saves(tmp_path, capsys, monkeypatch):
 def test_a_run_prints_the_advice_its_plan_gives(tmp_path, capsys, monkeypatch):
     """What `tiermem plan` would advise (more tokens a step, more DRAM, a faster disk) is told at the run's start
     too, as written in its tiermem_plan.json."""
-    from trainer import run_plan
+    from trainer.planning import run_plan
 
     real = run_plan.report
 

@@ -24,8 +24,8 @@ from tests.procs import ROOT, child_env
 from tests.tiny_models import save_tiny_model, write_tokenized_dataset
 from trainer.cli import main
 from trainer.data.batches import StepPlan
-from trainer.dist import World
-from trainer.dp import my_rows, optimizer_threads, owners
+from trainer.parallel.dist import World
+from trainer.parallel.dp import my_rows, optimizer_threads, owners
 
 STEP = re.compile(r"^step (\d+)/\d+ \| loss (\S+) \| grad_norm (\S+)", re.M)
 HP = dict(gradient_accumulation_steps=2, learning_rate=1e-2, max_steps=6, lr_scheduler_type="cosine", warmup_steps=1,
@@ -158,7 +158,7 @@ def test_a_killed_rank_stops_the_run_and_the_rerun_resumes(tmp_path, tiny, capsy
     lines = [x for x in r.stderr.splitlines() if x.startswith("tiermem-train: error:")]
     assert len(lines) == 1 and "rank 1 (pid" in lines[0] and "rerun the same command" in lines[0], r.stderr[-3000:]
     assert (tmp_path / "two" / "checkpoint-3").is_dir() and not (tmp_path / "two" / "model.safetensors").exists()
-    assert (tmp_path / "two" / ".tiermem-train.lock").is_file()  # rank 0's (trainer.output_dir), let go of
+    assert (tmp_path / "two" / ".tiermem-train.lock").is_file()  # rank 0's (trainer.outputs.output_dir), let go of
     r = ranks(path, 2)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stdout and [s for s, _, _ in STEP.findall(r.stdout)] == ["4", "5", "6"]
@@ -190,7 +190,7 @@ def test_the_plan_leaves_hbm_for_the_gradients_in_flight_to_their_owners():
     from tiermem.plan.planner import plan_step
     from tiermem.plan.workload import Workload
     from tiermem.specs import TensorSpec, state_name
-    from trainer.dp import reduction_bytes
+    from trainer.parallel.dp import reduction_bytes
     from trainer.state import store_config
 
     specs = []
@@ -252,7 +252,7 @@ def test_a_second_process_attaches_to_the_host_store(make_cfg):
 def test_a_service_serves_the_ranks_of_one_host_only(tmp_path, tiny):
     from tiermem.errors import ConfigError
     from trainer.config import load_train_config
-    from trainer.dp_checks import check_supported
+    from trainer.parallel.dp_checks import check_supported
 
     cfg = load_train_config(write_cfg(tmp_path, tiny, "x", 2, tiermem_server="default", tiermem=None))
     check_supported(cfg, World(rank=0, size=2, local_rank=0, local_size=2))  # (one host: its service)
@@ -270,7 +270,7 @@ def test_a_service_serves_the_ranks_of_one_host_only(tmp_path, tiny):
 def test_what_several_ranks_refuse(tmp_path, tiny, over, needle):
     from tiermem.errors import ConfigError
     from trainer.config import load_train_config
-    from trainer.dp_checks import check_supported
+    from trainer.parallel.dp_checks import check_supported
 
     cfg = load_train_config(write_cfg(tmp_path, tiny, "x", 2, **over))
     check_supported(cfg, World())  # (one rank: nothing refused)
@@ -285,7 +285,7 @@ def test_what_several_ranks_refuse(tmp_path, tiny, over, needle):
 def test_state_pinned_to_hbm_is_refused_with_several_hosts_only(tmp_path, tiny):
     from tiermem.errors import ConfigError
     from trainer.config import load_train_config
-    from trainer.dp_checks import check_supported
+    from trainer.parallel.dp_checks import check_supported
 
     cfg = load_train_config(write_cfg(tmp_path, tiny, "x", 2, tiermem={"tiers": {"gpu": {"device": "cpu"}},
                                                                        "placement": {"exp_avg": "gpu"}}))

@@ -26,7 +26,7 @@ def tiermem(placement) -> dict:
 
 def same_state(a, b, tol: float = 1e-5) -> None:
     """Two checkpoints hold the same master weights and moments, wherever each one's state files put them."""
-    from trainer.checkpoint import _reader_of, state_readers
+    from trainer.outputs.checkpoint import _reader_of, state_readers
 
     ra, rb = state_readers(a), state_readers(b)
     try:
@@ -87,7 +87,7 @@ def test_bf16_master_weights_in_hbm_export_from_the_compute_copy(tmp_path, tiny,
     assert r.returncode == 0, r.stderr[-3000:]
     got = STEP.findall(r.stdout)
     assert len(got) == len(ref) == 6 and all(abs(float(a[1]) - float(b[1])) <= 2e-2 for a, b in zip(got, ref))
-    from trainer.checkpoint import _reader_of, state_readers
+    from trainer.outputs.checkpoint import _reader_of, state_readers
 
     model = load_file(tmp_path / "two" / "model.safetensors")
     readers = state_readers(tmp_path / "two" / "checkpoint-6")
@@ -102,14 +102,14 @@ def test_bf16_master_weights_in_hbm_export_from_the_compute_copy(tmp_path, tiny,
 
 
 def test_the_planner_keeps_every_ranks_hbm_within_its_budget():
-    """Synthetic figures, owners from trainer.dp: each rank's HBM — its owned state in HBM, the streaming slots,
-    the activations, the gradients in flight and its GPU worker's copies — fits the room, the compute copy is
+    """Synthetic figures, owners from trainer.parallel.dp: each rank's HBM — its owned state in HBM, the streaming
+    slots, the activations, the gradients in flight and its GPU worker's copies — fits the room, the compute copy is
     never in HBM, and with more room more state moves to HBM (on both ranks)."""
     from tiermem.plan.machine import Machine
     from tiermem.plan.planner import gpu_update_bytes, hbm_by_rank, plan_step
     from tiermem.plan.workload import Workload
     from tiermem.specs import TensorSpec, state_name
-    from trainer.dp import owners, reduction_bytes
+    from trainer.parallel.dp import owners, reduction_bytes
     from trainer.state import store_config
 
     groups = ["embed", *range(8), "head"]
@@ -155,7 +155,7 @@ def test_the_planner_gives_several_ranks_the_passes_one_process_takes():
     from tiermem.plan.planner import plan_step
     from tiermem.plan.workload import Workload
     from tiermem.specs import TensorSpec, state_name
-    from trainer.dp import owners
+    from trainer.parallel.dp import owners
     from trainer.state import store_config
 
     groups = ["embed", 0, 1, "head"]
@@ -176,16 +176,16 @@ def test_the_planner_gives_several_ranks_the_passes_one_process_takes():
 
 
 def test_each_rank_store_holds_only_its_own_hbm_state(make_cfg):
-    """The host's store with exp_avg pinned to gpu, as ``trainer.dp_session`` opens it: rank 0's store and rank 1's
-    attached one each create (and size their GPU tier for) the HBM tensors of the groups they own and name none of
-    the other's; both map every shared tensor."""
+    """The host's store with exp_avg pinned to gpu, as ``trainer.parallel.dp_session`` opens it: rank 0's store and
+    rank 1's attached one each create (and size their GPU tier for) the HBM tensors of the groups they own and name
+    none of the other's; both map every shared tensor."""
     from pathlib import Path
 
     from tiermem.plan.placement import make_plan
     from tiermem.specs import TensorSpec
     from tiermem.store.shared import HostStore
     from tiermem.store.store import Store
-    from trainer.dp_session import hbm_specs
+    from trainer.parallel.dp_session import hbm_specs
 
     cfg = make_cfg(placement={"param": "dram", "grad": "dram", "exp_avg": "gpu", "exp_avg_sq": "dram"}, nvme=False)
     cfg.tiers.dram.path = "/dev/shm"

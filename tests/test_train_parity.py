@@ -231,7 +231,7 @@ def test_auto_placement_with_resident_shared_groups_matches(tmp_path, capsys, gp
 def test_export_loads_in_transformers_with_the_same_logits(tmp_path, monkeypatch):
     """Import from a sharded checkpoint (index + shards), train, export sharded: transformers loads the
     export and computes the same logits as the reference model trained the plain way."""
-    import trainer.weights_io as weights_io
+    import trainer.outputs.weights_io as weights_io
 
     model_dir = tmp_path / "model"
     transformers.AutoModelForCausalLM.from_pretrained(save_tiny_model("llama", tmp_path / "single")).save_pretrained(
@@ -386,7 +386,8 @@ def test_updates_split_again_mid_run_train_as_plain_pytorch(tmp_path, capsys, mo
     import dataclasses
 
     from tiermem.plan.costmodel import Layout, predict
-    from trainer import loop, plan_watch
+    from trainer.planning import plan_watch
+    from trainer.run import watching
 
     model_dir, data_dir, name, ref, tiermem = small_gpu_run(tmp_path)
     before = {}
@@ -406,7 +407,7 @@ def test_updates_split_again_mid_run_train_as_plain_pytorch(tmp_path, capsys, mo
     monkeypatch.setattr(StoreAdamW, "_run_gpu", lambda self, groups, step, *a: on_gpu_worker.append(
         (step, {str(g) for g in groups})) or run_gpu(self, groups, step, *a))
     real = plan_watch.PlanWatch
-    monkeypatch.setattr(loop, "PlanWatch", lambda plan, start, may: real(plan, start, True))
+    monkeypatch.setattr(watching, "PlanWatch", lambda plan, start, may: real(plan, start, True))
     monkeypatch.setattr(plan_watch, "resplit", flipped)
     monkeypatch.setattr(plan_watch, "RESPLIT_CPU", 0.0)
     assert run_cli(tmp_path, model_dir, data_dir, name, tiermem) == 0

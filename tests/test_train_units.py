@@ -11,7 +11,7 @@ import torch
 
 from trainer.data.batches import StepPlan, collate
 from trainer.model.config import model_config_from_dict
-from trainer.schedule import lr_factor, warmup_steps
+from trainer.run.schedule import lr_factor, warmup_steps
 
 transformers = pytest.importorskip("transformers")
 
@@ -99,8 +99,8 @@ def test_a_resumed_run_logs_the_steps_its_killed_trainer_took_but_did_not_log(tm
     """trainer_log.jsonl of a run killed after taking step ``killed_after`` (its figures kept as pending, no
     line for it yet) and resumed at step ``resume`` (the service's last committed step, or a checkpoint)
     equals the uninterrupted run's: the pending steps up to ``resume`` are logged as they would have been."""
-    from trainer.executor import StepResult
-    from trainer.report import Reporter
+    from trainer.outputs.report import Reporter
+    from trainer.run.executor import StepResult
 
     total = 8
     result = lambda n: StepResult(1.0 / n, float(n), 100 * n, 0.5, 0.0, 0.0, {})
@@ -133,7 +133,7 @@ def test_an_out_of_memory_line_says_where_in_the_step():
     only "in step 1")."""
     from types import SimpleNamespace
 
-    from trainer.loop import _where
+    from trainer.run.stepping import _where
 
     assert _where(SimpleNamespace(layer=7, at_pass=2, last_passes=13)) == " of layer 7, pass 2 of 13"
     assert _where(SimpleNamespace(layer="head", at_pass=1, last_passes=1)) == " (head)"

@@ -14,6 +14,12 @@ class UserError(Exception):
     """A user-fixable problem; its message is one line that says what is wrong and how to fix it."""
 
     exit_code = 2
+    quiet = False  # another process of the run says it (several ranks): this one exits without a word
+    rank_prefix = ""  # "rank N: " before each line, where the run has several ranks
+
+    def lines(self) -> list[str]:
+        """The lines an entry point prints, one problem each."""
+        return [str(self)]
 
 
 class ConfigError(UserError):
@@ -26,6 +32,9 @@ class ConfigProblems(ConfigError):
     def __init__(self, problems: list[str]):
         super().__init__("\n".join(problems))
         self.problems = list(problems)
+
+    def lines(self) -> list[str]:
+        return list(self.problems)
 
 
 class BudgetError(UserError):

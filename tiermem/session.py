@@ -8,6 +8,9 @@ lives.
     ... load weights into session.store; session.loaded(step)
     ... train with session.optimizer; session.refresh_layout() before a save or the export
     session.finished() or session.stopping(error); session.close()
+
+The store's own API (``tiermem.store.store.Store``, ``tiermem.store.queries``) and these methods are all the
+trainer uses of either; ``tests/test_architecture.py`` checks it.
 """
 
 from __future__ import annotations
@@ -27,9 +30,32 @@ from tiermem.store.store import Store
 
 @dataclass
 class Session:
+    """A store and its optimizer, this process's or a service's."""
+
     store: Store
     optimizer: Optimizer
     attached: Attached | None = None  # the service's link, when the store is a service's
+
+    @property
+    def embedded(self) -> bool:
+        """Whether the store is this process's own (not a service's): its state goes with the process."""
+        return self.attached is None
+
+    @property
+    def server(self) -> str | None:
+        """The socket of the service the run is attached to, or None."""
+        return None if self.attached is None else str(self.attached.client.path)
+
+    @property
+    def service_plan(self) -> dict | None:
+        """The service's plan of the run (``tiermem.service.planning``), when it planned it; else None."""
+        return None if self.attached is None else self.attached.plan
+
+    @property
+    def updated_here(self) -> list:
+        """An attached run's groups that this process's GPU worker updates (the service the others), in order."""
+        opt = self.optimizer
+        return [] if self.attached is None else [g for g in opt.groups if g in opt.mine]
 
     @property
     def continues_at(self) -> int | None:
@@ -77,6 +103,7 @@ class Session:
             pass
 
     def close(self) -> None:
+        """Stop the optimizer, then close the store (or detach from the service)."""
         self.optimizer.close()
         if self.attached is not None:
             self.attached.close()

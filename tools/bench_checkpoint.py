@@ -4,7 +4,7 @@
 
 Fills a store (bf16 compute copy, fp32 master and moments, all in the DRAM arena) with random state,
 then: raw disk write (64 MiB blocks, fsync) and read (page cache evicted first) of --raw-size; the
-checkpoint save (trainer.checkpoint.Saver: HF safetensors + zarr state, fsynced, renamed) without checksums,
+checkpoint save (trainer.outputs.saver.Saver: HF safetensors + zarr state, fsynced, renamed) without checksums,
 with the CRC32Cs tiermem writes, and without again (the disk's speed drifts within a run: the first and last
 are averaged); then, from the one checkpoint with checksums, --rounds rounds of three resumes in a rotating
 order, each after the page cache is evicted and into a new store: "unchecked" (the same files, every
@@ -79,9 +79,10 @@ def main() -> None:
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     from tiermem.store.store import Store
-    from trainer import checkpoint as ckpt
     from trainer.model.config import model_config_from_dict
     from trainer.model.weights import all_weights, group_order
+    from trainer.outputs import checkpoint as ckpt
+    from trainer.outputs.saver import Saver
     from trainer.state import state_specs, store_config
 
     d = Path(args.dir)
@@ -122,7 +123,7 @@ def main() -> None:
         store.catalog.bump(g, to=1)
 
     def save(checksums: bool) -> tuple[float, int]:
-        saver = ckpt.Saver(store, mcfg, d, model_dir, torch.bfloat16, True, False, None,
+        saver = Saver(store, mcfg, d, model_dir, torch.bfloat16, True, False, None,
                            lambda s: print(s, flush=True), checksums=checksums)
         t0 = time.perf_counter()
         saver.begin(1, {"trainer_state.json": {"global_step": 1}})

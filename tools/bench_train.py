@@ -132,12 +132,12 @@ def run_tiermem(args, raw: dict, model_dir: Path, path: str = "template", around
 
     from tiermem.optim import AdamWConfig, StoreAdamW
     from tiermem.store.store import Store
-    from trainer import run_plan
-    from trainer.executor import Executor
     from trainer.model.select import load_model
     from trainer.model.weights import all_weights, group_order
+    from trainer.outputs.weights_io import init_weights
+    from trainer.planning import run_plan
+    from trainer.run.executor import Executor
     from trainer.state import state_specs, store_config
-    from trainer.weights_io import init_weights
 
     mcfg = load_model(model_dir, path)
     from trainer.model.compiled import choose  # (torch_compile, as tiermem-train takes it)

@@ -13,7 +13,7 @@ steps, then one step under the torch profiler, and prints:
 - the step's compute as the executor measured it (forward, loss, backward with one recompute), against the
   standalone ceiling of the same schedule: one layer's forward and its backward with recompute, the loss,
   a layer's gradient handling and the embedding's gradient, each timed alone at the step's micro-batch shape
-  in this process (``trainer.plan_workload``), summed over the step. The ratio is what streaming costs
+  in this process (``trainer.planning.plan_workload``), summed over the step. The ratio is what streaming costs
   the kernels (issue 17 asks for >= 0.9). The same parts are also timed before the run's first step, as a
   run's plan times them (a Qwen3-MoE plan predicted 1.6x less compute than its steps took).
 
@@ -96,7 +96,7 @@ def time_parts(mcfg, args, device: torch.device) -> dict:
     """Each part of the step's schedule timed alone at its micro-batch shape (a layer's forward, its backward
     with recompute, the loss, a layer's gradient handling, the embedding's gradient: seconds), and the caching
     allocator's device allocations and frees while they were timed."""
-    from trainer.plan_workload import _time
+    from trainer.planning.plan_workload import _time
 
     before = _device_allocs(device)
     t_f, t_b, t_h, t_g, t_e, _, _ = _time(mcfg, torch.bfloat16, args.batch, args.seq, device, args.loss_chunk)

@@ -84,14 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from tiermem.faults import install_from_env
         from trainer.config import load_train_config
-        from trainer.loop import run
         from trainer.preview import preview
+        from trainer.run.loop import run
 
         install_from_env()
         cfg = load_train_config(args.config, args.overrides)
         if args.preview is None and os.environ.get("FORCE_TORCHRUN"):  # (the config checked once, here, first)
-            from trainer.dist import relaunch
-            from trainer.dp_checks import check_supported
+            from trainer.parallel.dist import relaunch
+            from trainer.parallel.dp_checks import check_supported
 
             code = relaunch(sys.argv[1:] if argv is None else list(argv), lambda world: check_supported(cfg, world))
             if code is not None:
@@ -108,11 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         err = _user_error(e)
         if err is None:
             raise
-        if getattr(err, "quiet", False):  # (another rank of the run says it)
+        if err.quiet:  # (another rank of the run says it)
             return err.exit_code
-        prefix = getattr(err, "rank_prefix", "")
-        for line in getattr(err, "problems", None) or [str(err)]:
-            print(f"tiermem-train: error: {printable(prefix + line)}", file=sys.stderr)
+        for line in err.lines():
+            print(f"tiermem-train: error: {printable(err.rank_prefix + line)}", file=sys.stderr)
         return err.exit_code
 
 

@@ -288,6 +288,26 @@ def validate(c: TrainConfig, problems: list[str] | None = None, here: bool = Tru
         from trainer.data.templates import get_template
 
         _collect(bad, get_template, c.template)
+    _check_numbers(c, bad)
+    if not 0 <= c.seed < 2**32:
+        bad(f"seed must be from 0 to 2**32 - 1 (as the Hugging Face Trainer's), got {c.seed}")
+    if not (math.isfinite(c.tiermem_dist_timeout) and 0 < c.tiermem_dist_timeout <= 1e9):
+        bad(f"tiermem_dist_timeout must be a positive number of seconds (at most 1e9), got {c.tiermem_dist_timeout}")
+    if c.moe_aux_loss_coef is not None and not (math.isfinite(c.moe_aux_loss_coef) and c.moe_aux_loss_coef >= 0):
+        bad(f"moe_aux_loss_coef must be a non-negative number, got {c.moe_aux_loss_coef}")
+    _check_compute(c, bad)
+    if c.tiermem is not None and not isinstance(c.tiermem, (str, dict)):
+        bad("tiermem: expected a path to a tiermem config file or an inline mapping")
+    elif not c.tiermem_server:
+        from trainer.state import store_config
+
+        _collect(bad, store_config, c.tiermem, here)  # the store's config: keys, sizes, devices (budgets: at start)
+    if problems is None and len(found) > start:
+        raise ConfigError(found[start])
+
+
+def _check_numbers(c: TrainConfig, bad) -> None:
+    """The optimisation's numbers: finite, in their ranges."""
     numbers = {"learning_rate": c.learning_rate, "weight_decay": c.weight_decay, "max_grad_norm": c.max_grad_norm,
                "num_train_epochs": c.num_train_epochs, "warmup_ratio": c.warmup_ratio, "adam_beta1": c.adam_beta1,
                "adam_beta2": c.adam_beta2, "adam_epsilon": c.adam_epsilon, "val_size": c.val_size}
@@ -317,12 +337,10 @@ def validate(c: TrainConfig, problems: list[str] | None = None, here: bool = Tru
             bad("set max_steps or a positive num_train_epochs")
         if c.num_train_epochs > 1e9:  # (times the steps of an epoch, it must stay a number of steps)
             bad(f"num_train_epochs must be at most 1e9, got {c.num_train_epochs}")
-    if not 0 <= c.seed < 2**32:
-        bad(f"seed must be from 0 to 2**32 - 1 (as the Hugging Face Trainer's), got {c.seed}")
-    if not (math.isfinite(c.tiermem_dist_timeout) and 0 < c.tiermem_dist_timeout <= 1e9):
-        bad(f"tiermem_dist_timeout must be a positive number of seconds (at most 1e9), got {c.tiermem_dist_timeout}")
-    if c.moe_aux_loss_coef is not None and not (math.isfinite(c.moe_aux_loss_coef) and c.moe_aux_loss_coef >= 0):
-        bad(f"moe_aux_loss_coef must be a non-negative number, got {c.moe_aux_loss_coef}")
+
+
+def _check_compute(c: TrainConfig, bad) -> None:
+    """How the layers are computed: kept activations, pieces, torch.compile, the activation budget."""
     keep = c.tiermem_keep_activations
     if keep != "auto" and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 0):
         bad(f"tiermem_keep_activations must be a number of layers (0 or more) or auto, got {keep!r}")
@@ -342,14 +360,6 @@ def validate(c: TrainConfig, problems: list[str] | None = None, here: bool = Tru
 
         budget = _collect(bad, parse_size, c.tiermem_activation_budget, "tiermem_activation_budget")
         c.tiermem_activation_budget = budget if budget is not None else "auto"
-    if c.tiermem is not None and not isinstance(c.tiermem, (str, dict)):
-        bad("tiermem: expected a path to a tiermem config file or an inline mapping")
-    elif not c.tiermem_server:
-        from trainer.state import store_config
-
-        _collect(bad, store_config, c.tiermem, here)  # the store's config: keys, sizes, devices (budgets: at start)
-    if problems is None and len(found) > start:
-        raise ConfigError(found[start])
 
 
 def _check_eval(c: TrainConfig, bad) -> None:
@@ -379,30 +389,11 @@ def _collect(bad, fn, *args):
         return None
 
 
-def resolved(c: TrainConfig, store_cfg, activation_budget: int | None = None, store=None) -> dict:
+def resolved(c: TrainConfig, store, activation_budget: int | None = None) -> dict:
     """The config as it will run, for ``output_dir/training_args.yaml``: the store's config with every
-    ``auto`` decided (with ``store``, the one opened: its placement per kind, the tiers' budgets and the NVMe
+    ``auto`` decided (``store.config_as_run()``: its placement per kind, the tiers' budgets and a storage tier's
     backend as they are), and the activation budget in bytes (null: no limit)."""
     out = to_plain(c)
-    out["tiermem"] = to_plain(store_cfg)
+    out["tiermem"] = store.config_as_run()
     out["tiermem_activation_budget"] = activation_budget
-    plan = getattr(store, "plan", None)
-    if plan is not None:
-        tiers = out["tiermem"]["tiers"]
-        for name, budget in plan.budgets.items():
-            if tiers.get(name) is not None and budget is not None:
-                tiers[name]["budget"] = budget
-        if tiers.get("nvme") is not None and store.nvme is not None:
-            tiers["nvme"]["backend"] = store.nvme.backend_name
-        out["tiermem"]["placement"] = placement_of(plan.where)
     return out
-
-
-def placement_of(where: dict) -> dict:
-    """A plan's placement: kind -> tier where every group of the kind is on one tier, else kind -> {tier:
-    [groups]} (a record of the decision: ``auto`` spills the last layers' coldest kinds to NVMe)."""
-    by_kind: dict[str, dict[str, list]] = {}
-    for (group, kind), tier in where.items():
-        by_kind.setdefault(kind, {}).setdefault(tier, []).append(group)
-    return {kind: next(iter(tiers)) if len(tiers) == 1 else {t: [str(g) for g in gs] for t, gs in tiers.items()}
-            for kind, tiers in by_kind.items()}

@@ -46,11 +46,11 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
 
     from tiermem.plan.resolve import compute_device
     from tiermem.sizes import format_size
-    from trainer import run_plan
     from trainer.config import load_train_config
-    from trainer.loop import model_config
+    from trainer.planning import run_plan
+    from trainer.run.job import model_config
+    from trainer.run.when import saves
     from trainer.state import store_config, wants_cuda
-    from trainer.when import saves
 
     t0 = time.perf_counter()
     cfg = load_train_config(args.config, args.overrides, here=False)

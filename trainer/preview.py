@@ -16,7 +16,7 @@ LINES = "\n\t"  # the control characters dataset text keeps: its lines and tabs
 
 
 def preview(cfg: TrainConfig, n: int, ids_only: bool = False, out=print) -> None:
-    from trainer.loop import model_config
+    from trainer.run.job import model_config
 
     model_dir = Path(cfg.model_name_or_path)
     mcfg = model_config(model_dir, cfg)

@@ -28,8 +28,8 @@ the GPU, read once the group's update is home): an update that made a weight inf
 ``NonFiniteUpdate`` before the group's version moves on, so nothing reads it. The CPU worker does not: a read of
 the new compute copy there costs about as much as the update (on the H200 host's 14 threads 3.3 G params/s for the
 norm of a bf16 copy, against 3.0 for AdamW and the copy: 1.7 with the check). Its groups' weights are checked where
-they are written out (a checkpoint's and the exported model's files: ``trainer.weights_io``), and, when a step's
-loss or gradient norm is not finite, by the trainer before it says which (``trainer.executor``).
+they are written out (a checkpoint's and the exported model's files: ``trainer.outputs.weights_io``), and, when a step's
+loss or gradient norm is not finite, by the trainer before it says which (``trainer.run.executor``).
 """
 
 from __future__ import annotations
@@ -175,6 +175,7 @@ class StoreAdamW(GpuWorker):
         self.last_split: dict[str, float] = {}  # ... and where its time went
         self._busy, self._split, self._t0 = 0.0, {}, 0.0
         self.gate: Gate | None = None
+        self.part_gate: Gate | None = None  # (this process's part of a checkpoint: set_part_gate)
         # group updates the CPU worker made in place for want of room out of place (a group the GPU worker
         # found no room for is counted there, if it finds none either)
         self.no_room = 0
@@ -183,7 +184,20 @@ class StoreAdamW(GpuWorker):
         self.on_state_home = None
 
     def set_gate(self, gate: Gate | None) -> None:
+        """Make every group's update wait for ``gate`` first (a checkpoint saver's)."""
         self.gate = gate
+
+    def set_part_gate(self, gate: Gate | None) -> None:
+        """Every group's update waits for ``gate`` too, before the saver's (this process writes its part of each
+        checkpoint)."""
+        self.part_gate = gate
+
+    def expect_save(self, step: int) -> None:
+        """Nothing to hold: a saver in this process gates the updates (``set_gate``)."""
+
+    def wait_all(self, step: int) -> None:
+        """Until every group holds the last update (every group is this optimizer's)."""
+        self.wait()
 
     def resplit(self, on_gpu) -> None:
         """From the next step on, the GPU worker updates the groups in ``on_gpu`` (those whose state lives in
@@ -288,6 +302,8 @@ class StoreAdamW(GpuWorker):
             self._busy = max(self._busy, time.perf_counter() - self._t0)
 
     def _wait_gate(self, g: Group, step: int) -> None:
+        if self.part_gate is not None:
+            self._split["save_wait"] += self.part_gate(g, step)
         if self.gate is not None:
             self._split["save_wait"] += self.gate(g, step)
 

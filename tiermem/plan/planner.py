@@ -21,7 +21,7 @@ rank streams it from the shared arena, so every rank keeps the streaming slots).
 state, its slots, the activations, what the caller takes besides (``hbm_taken``: the gradients in flight) and
 its GPU worker's copies — must fit; the plan's need of the device tier is the fullest rank's. Several ranks run as many
 layer-major passes as one process would with a rank's micro-batches (each pass's gradients reduced to their
-owners, which keep the partial sums: ``trainer.dp``).
+owners, which keep the partial sums: ``trainer.parallel.dp``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What a training step asks of the store, as the planner needs it: the groups in the order the step
 touches them, each group's compute, the activations a pass keeps on the GPU, the tokens of a step.
 
-The store knows nothing of models: the trainer builds a ``Workload`` (``trainer.plan_workload``), timing one
+The store knows nothing of models: the trainer builds a ``Workload`` (``trainer.planning.plan_workload``), timing one
 layer on the GPU when there is one; the planner and the cost model read only these figures.
 """
 
@@ -62,7 +62,7 @@ class Workload:
 
     def in_pieces(self, rows: int) -> Workload:
         """The same step with each micro-batch of ``micro_rows`` rows computed as pieces of at most ``rows`` rows
-        (``trainer.pieces``): more, smaller micro-batches, the same tokens and compute; a layer's working set
+        (``trainer.run.pieces``): more, smaller micro-batches, the same tokens and compute; a layer's working set
         and a kept graph shrink with a piece's rows (the loss's does not: its logits are chunked anyway)."""
         if not self.micro_rows or rows >= self.micro_rows:
             return self

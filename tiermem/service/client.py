@@ -194,7 +194,28 @@ class RemoteOptimizer:
         client.on_version = self._on_version
 
     def set_gate(self, gate: Gate | None) -> None:
+        """Commits wait until ``gate`` lets each group's update go (a checkpoint saver's)."""
         self.gate = gate
+
+    def set_part_gate(self, gate: Gate | None) -> None:
+        """Not with a service: it keeps no state in a trainer's HBM, so no trainer writes a part of a checkpoint."""
+        raise UserError("a checkpoint written in parts by a service's ranks is not supported yet: a service's run "
+                        "keeps no state in HBM")
+
+    def expect_save(self, step: int) -> None:
+        """Nothing to hold: the commit of update ``step + 1`` waits for this process's saver (``set_gate``)."""
+
+    def wait_all(self, step: int) -> None:
+        """Until every group holds update ``step`` (the versions come from the service)."""
+        self.wait()
+
+    def resplit(self, on_gpu) -> None:
+        """Not with a service: the service splits each committed update between itself and the trainers."""
+        raise UserError("splitting an attached run's updates again is not supported yet: the service splits them")
+
+    def refresh_layout(self) -> None:
+        """Take the service's current places for every tensor (a commit's re-placement moved optimizer state)."""
+        apply_layout(self.store.catalog, self.client.request("layout", run=self.run)["layout"])
 
     def _on_version(self, g: Group, v: int) -> None:
         if g == self.groups[-1] and v == self.committed and self._t_commit:

@@ -11,7 +11,7 @@ place behind the undo copy of ``tiermem.service.journal`` where it cannot: NVMe-
 When the trainer leaves mid-update the service updates what it still owed (its own GPU worker, out of
 place). The service pushes each group's new version to its trainer.
 
-A run of several ranks of one host (``trainer.dp_service``): every rank attaches, rank 0 first (the run's
+A run of several ranks of one host (``trainer.parallel.dp_service``): every rank attaches, rank 0 first (the run's
 trainer: it loads, commits, finishes); each says which groups it owns, and its GPU worker takes those of the
 trainers' share; the versions go to every rank. A rank done says ``leave``; a rank lost otherwise detaches
 the whole run (the service finishes what the trainers owed, as for one trainer).

@@ -6,8 +6,9 @@
     host = HostStore.create(store, groups, processes, plan_staging)   # regions of the arena, the counters
     told = host.describe()                                            # JSON, sent to the others
     # every other process of the host
-    host = HostStore.attach(cfg, specs, told, local_rank, device, slots)
+    host = HostStore.attach(cfg, specs, told, local_rank, device, slots, owners=owners)
     host.store                                                        # a Store over the same bytes
+    host.plan                                                         # the first one's plan, as told
 
 - Every other process maps the arena and the NVMe file by name, as a service's trainer does
   (``tiermem.store.layout.attach_store``), with GPU slots of its own; it allocates only inside its own region
@@ -94,8 +95,21 @@ class HostStore:
         host._c.zero_()
         return host
 
+    @property
+    def plan(self):
+        """The host's plan (``tiermem.plan.placement.Plan``): the first process's own; on another, the one it told
+        (``describe``), over the layout this process maps."""
+        return self.store.plan
+
+    def files(self) -> list:
+        """The files the host's store lives in: its arena's (none when anonymous) and its storage tier's."""
+        tiers = self.store.tiers
+        shared = [tiers.host, *(tiers[n] for n in tiers.storage()[:1])]
+        return [t.path for t in shared if t is not None and t.path is not None]
+
     def describe(self) -> dict:
-        """What another process needs to attach (JSON)."""
+        """What another process needs to attach (JSON): the layout, the shared tiers, the counters, and the plan's
+        decisions besides the places (``told_plan``)."""
         store, cfg = self.store, self.store.cfg
         tiers = store.tiers
         disk = next(iter(tiers.storage()), None)
@@ -103,13 +117,16 @@ class HostStore:
                 "disk": shared_description(tiers.get(disk), cfg.tiers.get(disk), chosen=True),
                 "groups": self.groups, "processes": self.processes,
                 "counters": [self.counters.offset, self.counters.nbytes],
-                "regions": [None if r is None else [r.offset, r.nbytes] for r in self.regions]}
+                "regions": [None if r is None else [r.offset, r.nbytes] for r in self.regions],
+                "plan": told_plan(store.plan)}
 
     @classmethod
     def attach(cls, cfg, specs: list[TensorSpec], told: dict, local_rank: int, device: torch.device,
-               slots: int, resident: list[TensorSpec] = ()) -> HostStore:
+               slots: int, resident: list[TensorSpec] = (), owners: dict | None = None) -> HostStore:
         """Another process's side: the first one's arena and NVMe file mapped here, GPU slots of its own, and
-        its own HBM-resident tensors (``resident``; of ``specs`` only those the layout shares are mapped)."""
+        its own HBM-resident tensors (``resident``; of ``specs`` only those the layout shares are mapped). Its plan
+        takes the first one's decisions (``owners``: each group's owner, whose HBM holds the state the first one's
+        plan keeps in HBM)."""
         hbm = registry.primary(DEVICE)  # (the first process's HBM: not here)
         layout = {n: p for n, p in told["layout"].items() if p[0] != hbm}
         shared = [s for s in specs if s.name in layout]
@@ -118,6 +135,8 @@ class HostStore:
             region = told["regions"][local_rank]
             store.tiers.host.use_region(Extent(*region) if region else Extent(0, 0))
             regions = [None if r is None else Extent(*r) for r in told["regions"]]
+            if told.get("plan") is not None:
+                _take_plan(store.plan, told["plan"], specs, owners)
             return cls(store, told["groups"], int(told["processes"]), Extent(*told["counters"]), regions)
         except BaseException:
             store.close()
@@ -245,3 +264,31 @@ def alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def told_plan(plan) -> dict | None:
+    """A plan's decisions besides the places, as another process of the host takes them (JSON): the groups the GPU
+    updates, the activation budget, the passes, a micro-batch's rows and a piece's, and the (group, kind)s it keeps
+    in HBM (each in its owner's). None without a plan."""
+    if plan is None:
+        return None
+    hbm = registry.primary(DEVICE)
+    return {"gpu_updates": None if plan.gpu_updates is None else list(plan.gpu_updates),
+            "activation_budget": plan.activation_budget, "passes": plan.passes,
+            "hbm": [[g, k] for (g, k), t in plan.where.items() if t == hbm],
+            "micro_rows": plan.micro_rows, "piece_rows": plan.piece_rows}
+
+
+def _take_plan(plan, told: dict, specs: list[TensorSpec], owners: dict | None) -> None:
+    """An attached process's plan takes the first one's decisions (``told_plan``); with ``owners``, the state the
+    first one keeps in HBM is placed there too (in each group's owner's), and counted."""
+    plan.gpu_updates = None if told["gpu_updates"] is None else set(told["gpu_updates"])
+    plan.activation_budget, plan.passes = told["activation_budget"], told["passes"]
+    plan.micro_rows, plan.piece_rows = told["micro_rows"], told["piece_rows"]
+    where = {(g, k): registry.primary(DEVICE) for g, k in told["hbm"]}
+    if where and owners is not None:
+        plan.where.update(where)
+        for s in specs:
+            if (s.group, s.kind) in where:
+                plan.group_bytes[(s.group, s.kind)] = plan.group_bytes.get((s.group, s.kind), 0) + s.nbytes
+        plan.owners = owners

@@ -11,7 +11,8 @@ storage-resident state is staged through the host tier, and any tier the config 
     store.move(name, tier)                          # re-place one tensor
     store.stats()                                   # JSON-serialisable snapshot
 
-Operations on the same (group, kind) run in the order they were submitted.
+Operations on the same (group, kind) run in the order they were submitted. What a user asks of a store besides
+moving bytes (which tensors it holds, versions, traffic, its config as it runs) is ``tiermem.store.queries``'s.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from tiermem.plan.resolve import arena_pinned, compute_device
 from tiermem.sizes import align_up, format_size
 from tiermem.specs import Group, TensorSpec
 from tiermem.store.catalog import Catalog, Entry
+from tiermem.store.queries import StoreQueries
 from tiermem.store.tierset import Tiers, make_tiers
 from tiermem.store.views import GroupView, event_now, span_of, typed
 from tiermem.store.views import mark_valid as mark_entry_valid
@@ -40,7 +42,7 @@ from tiermem.tiers.extents import Extent, OutOfSpace
 from tiermem.transfer.mover import Location, Mover
 
 
-class Store:
+class Store(StoreQueries):
     def __init__(self, cfg: StoreConfig, capacity: dict[str, int], slot_bytes: int = 0, n_slots: int = 0,
                  pin: bool | None = None, plan: Plan | None = None, tiers: dict | None = None,
                  owner: dict | None = None):
@@ -74,11 +76,6 @@ class Store:
             return tiers.get(name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
-    @property
-    def device(self) -> torch.device:
-        """The device the store computes on (its device tier's)."""
-        return self.tiers.device.device
-
     @classmethod
     def open(cls, cfg: StoreConfig, specs: list[TensorSpec], streamed_kinds: tuple[str, ...] = ("param",),
              budgets: dict[str, int | None] | None = None, pin: bool | None = None, plan: Plan | None = None,
@@ -105,10 +102,6 @@ class Store:
         return self
 
     # -- tensors ------------------------------------------------------------------------------
-    def tier(self, name: str):
-        """The store's tier ``name`` (None: it has none of that name)."""
-        return self.tiers.get(name)
-
     def create(self, spec: TensorSpec, tier: str) -> Entry:
         """Reserve room for ``spec`` on ``tier``; its bytes are invalid until written."""
         if self.tier(tier) is None:
@@ -121,6 +114,7 @@ class Store:
         return self.catalog.add(spec, tier, extent)
 
     def delete(self, name: str) -> cf.Future:
+        """Remove tensor ``name`` and free its place, after every earlier operation on its group and kind."""
         entry = self.catalog[name]
 
         def run(_):
@@ -148,6 +142,7 @@ class Store:
         return back
 
     def location(self, entry: Entry) -> Location:
+        """Where a catalog entry's bytes are, for the mover."""
         return Location(entry.tier, entry.extent, entry.spec.nbytes)
 
     def _ordered(self, key_or_entry, fn) -> cf.Future:
@@ -460,10 +455,10 @@ class Store:
 
     # -- stats and lifetime ---------------------------------------------------------------------
     def stats(self) -> dict:
+        """A JSON-serialisable snapshot: each tier's use by kind, the links, the waits, the groups' versions."""
         from tiermem.store.stats import snapshot
 
         return snapshot(self)
-
 
     def flush(self, kind: str) -> None:
         """Wait until every operation submitted so far on tensors of ``kind`` has completed (raising the
@@ -474,6 +469,7 @@ class Store:
             f.result()
 
     def close(self) -> None:
+        """Wait for what is in flight, stop the mover, close the tiers (their files removed unless ``keep_files``)."""
         if self._closed:
             return
         self._closed = True

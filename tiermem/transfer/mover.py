@@ -103,7 +103,7 @@ class Mover:
         self.links = {name: LinkStats(name) for name in registry.links()}
         self._links_lock = threading.Lock()
         # the disks in either direction (the union of the storage links' busy time): what the cost model's disk
-        # resource spends, which the run measures its disk's rate against (trainer.plan_watch)
+        # resource spends, which the run measures its disk's rate against (trainer.planning.plan_watch)
         self.disk = LinkStats("disk both ways")
         gpu = self.tiers.get(self.device_name)
         dev = gpu.device if gpu is not None else torch.device("cpu")

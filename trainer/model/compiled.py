@@ -25,8 +25,7 @@ class CompileError(ValueError):
 def choose(setting, backend: str, mode: str | None, mcfg, on_cuda: bool) -> tuple[str, str | None] | None:
     """(backend, mode) when this run compiles its decoder layer, None when it runs the eager one. ``setting``
     is ``torch_compile``: true, false or auto (CUDA and a dense template model)."""
-    sparse = getattr(mcfg, "moe", None) is not None
-    generic = getattr(mcfg, "generic", False)
+    sparse, generic = mcfg.moe is not None, mcfg.generic
     if setting == "auto":
         return (backend, mode) if on_cuda and not sparse and not generic else None
     if not setting:

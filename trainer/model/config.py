@@ -91,6 +91,7 @@ class MoeSpec:
 
 @dataclass
 class ModelConfig:
+    generic = False  # (a model of the generic path is a trainer.model.generic.GenericConfig)
     family: str
     vocab_size: int
     hidden_size: int

@@ -66,7 +66,7 @@ def load_model(model_dir: str | Path, path: str = "auto", rope_scaling: str | No
 
 def model_stages(cfg, dtype: torch.dtype, device: torch.device):
     """The computation of ``cfg``'s model in the executor's terms."""
-    if getattr(cfg, "generic", False):
+    if cfg.generic:
         from trainer.model.generic import GenericStages
 
         return GenericStages(cfg, dtype, device)

@@ -1,7 +1,7 @@
 """The template's computation in the executor's terms: per-micro-batch contexts, the embedding, one decoder
 layer forward, its backward by recompute, the final norm + LM head loss, and the embedding's gradient.
 
-The executor (``trainer.executor``) runs a step layer-major over these, whatever computes them: this
+The executor (``trainer.run.executor``) runs a step layer-major over these, whatever computes them: this
 hand-written template for the Llama family, its MoE members and gpt-oss, or ``trainer.model.generic`` for other
 transformers models (the same methods). Weights come as dicts: the embedding's and the head's by full
 name, a layer's by names relative to the layer. Gradients come back in fp32.

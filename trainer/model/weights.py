@@ -94,7 +94,7 @@ def expert_weights(cfg: ModelConfig, i: int) -> list[Weight]:
 
 def all_weights(cfg) -> list[Weight]:
     """Every tensor, in forward order: embedding, layers, final norm, LM head."""
-    if hasattr(cfg, "weights"):  # a model of the generic path lists its own
+    if cfg.generic:  # a model of the generic path lists its own
         return cfg.weights()
     out = [Weight(EMBED, (cfg.vocab_size, cfg.hidden_size), "embed", True)]
     for i in range(cfg.num_layers):
@@ -113,7 +113,7 @@ def group_order(cfg: ModelConfig) -> list[int | str]:
 def init_weight(w: Weight, cfg: ModelConfig, gen: torch.Generator, device: torch.device) -> torch.Tensor:
     """A freshly initialised fp32 tensor, as Hugging Face initialises these models (normal(0, std) for
     matrices, embeddings, gpt-oss's sinks and router bias; ones for norms, zeros for other biases)."""
-    if hasattr(cfg, "init_weight"):  # a model of the generic path: as its transformers class initialises it
+    if cfg.generic:  # a model of the generic path: as its transformers class initialises it
         return cfg.init_weight(w, gen, device)
     if w.name.endswith("norm.weight"):
         return torch.ones(w.shape, device=device)

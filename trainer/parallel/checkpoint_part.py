@@ -1,7 +1,7 @@
 """One rank's part of a checkpoint: the state its HBM holds, written by that rank (several ranks of a host).
 
-The ranks of a host share one store, but a group's state may live in its owner's HBM (``trainer.dp_session``),
-which no other process can read. The lead's ``Saver`` (``trainer.checkpoint``) writes everything else; each
+The ranks of a host share one store, but a group's state may live in its owner's HBM (``trainer.parallel.dp_session``),
+which no other process can read. The lead's ``Saver`` (``trainer.outputs.saver``) writes everything else; each
 other rank holding such state writes its own part:
 
     part = PartSaver(store, mcfg, out_dir, rank, names, has_master, announce)
@@ -24,8 +24,9 @@ from tiermem.config import MOMENTS
 from tiermem.faults import HOOKS
 from tiermem.specs import state_name
 from tiermem.store.checkpoint import StateWriter
-from trainer.checkpoint import ReleaseGate, part_tmp
 from trainer.model.weights import all_weights, group_order
+from trainer.outputs.checkpoint import part_tmp
+from trainer.outputs.saver import ReleaseGate
 
 
 class PartSaver(ReleaseGate):
@@ -96,7 +97,7 @@ class PartSaver(ReleaseGate):
             if self._abort.is_set():
                 raise RuntimeError("the checkpoint's part was abandoned")
             try:
-                self.store.catalog.wait_version(g, step, timeout=0.2)
+                self.store.wait_version(g, step, timeout=0.2)
                 return
             except TimeoutError:
                 continue

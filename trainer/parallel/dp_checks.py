@@ -1,12 +1,12 @@
 """What a run of several ranks does not support yet, refused in one line (exit code 2) before anything starts,
 and the store config of one rank.
 
-Several ranks share one store per host (``trainer.dp_session``): the compute copy lives in the DRAM arena (or
+Several ranks share one store per host (``trainer.parallel.dp_session``): the compute copy lives in the DRAM arena (or
 on NVMe), where every rank reads it, and a group's other state there or in its owner's HBM. The compute copy in
 HBM (a pin of ``param`` to ``gpu``), state in HBM with several hosts, a service's run (``tiermem_server``) across
 hosts, hosts with different numbers of ranks, a load-balancing loss (whose statistics are a micro-batch's, which
 several ranks split) and kept activations (which need weights in HBM) are refused. (One host's ranks attached
-to its service: ``trainer.dp_service``.)
+to its service: ``trainer.parallel.dp_service``.)
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def check_supported(cfg, world, mcfg=None) -> None:
     if keep not in ("auto", 0):
         raise ConfigError(f"tiermem_keep_activations: {keep} {NOT_YET} ({n}): it needs weights in HBM, which the "
                           "ranks' shared store does not keep; set it to 0 or auto")
-    moe = getattr(mcfg, "moe", None) if mcfg is not None else None
+    moe = mcfg.moe if mcfg is not None else None
     if moe is not None and moe.aux_loss_coef:
         raise ConfigError(f"the router's load-balancing loss {NOT_YET} ({n}): its statistics are a micro-batch's, "
                           "which the ranks split; set moe_aux_loss_coef: 0 or run one process")
@@ -67,7 +67,7 @@ def rank_store_config(cfg, world):
         return scfg
     tiers = _raw(cfg.tiermem).get("tiers") or {}
     if not (isinstance(tiers.get("dram"), dict) and tiers["dram"].get("path")):
-        scfg.tiers.dram.path = "/dev/shm"
-    if scfg.tiers.gpu.device.startswith("cuda"):
-        scfg.tiers.gpu.device = f"cuda:{world.local_rank}"
+        scfg.tiers.host_tier.path = "/dev/shm"
+    if scfg.tiers.device_tier.device.startswith("cuda"):
+        scfg.tiers.device_tier.device = f"cuda:{world.local_rank}"
     return scfg

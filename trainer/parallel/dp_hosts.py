@@ -1,7 +1,7 @@
 """Several hosts (a first slice): a store per host, each holding every group, kept in step through
 torch.distributed.
 
-Within a host the ranks share one store and its counters (``trainer.dp_session``); across hosts an owner's
+Within a host the ranks share one store and its counters (``trainer.parallel.dp_session``); across hosts an owner's
 update lands only in its own host's store. So, from the trainer's thread of every rank, in the same order:
 
 - after each step, every group's new compute copy goes from its owner to the other hosts (a broadcast from the
@@ -49,13 +49,13 @@ class HostSync:
     def _share(self, version: int, kinds, needed) -> None:
         import torch.distributed as dist
 
-        cat, world = self.store.catalog, self.world
+        store, world = self.store, self.world
         for g in self.groups:
             src = self.owner[g]
             if not needed(self.node(src)):
                 continue
-            names = [e.spec.name for k in kinds for e in cat.group_entries(g, k)]
-            sizes = [cat[n].spec.nbytes for n in names]
+            names = [n for k in kinds for n in store.names(g, k)]
+            sizes = [store.spec(n).nbytes for n in names]
             if world.rank == src:
                 self.session.optimizer.wait_group(g, version)
                 buf = torch.cat([self.store.read(n).result().reshape(-1).view(torch.uint8) for n in names])
@@ -67,7 +67,7 @@ class HostSync:
                 continue
             off, writes = 0, []
             for n, size in zip(names, sizes):
-                spec = cat[n].spec
+                spec = store.spec(n)
                 t = buf[off: off + size].view(spec.dtype).view(spec.shape) if math.prod(spec.shape) else buf[:0]
                 writes.append(self.store.write(n, t))
                 off += size

@@ -378,7 +378,7 @@ def export_model(store, cfg: ModelConfig, out_dir: str | Path, source_kind: str,
     try:
         for w in all_weights(cfg):
             name = state_name(w.name, source_kind)
-            t = store.read(name if name in store.catalog else w.name).result()
+            t = store.read(name if store.holds(name) else w.name).result()
             writer.put(w.name, t)
             if progress:
                 progress(t.numel())

@@ -8,8 +8,11 @@ import json
 import math
 from pathlib import Path
 
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
 from tiermem.sizes import format_duration as _hms
-from trainer.executor import StepResult
+from trainer.run.executor import StepResult
 
 PENDING = "trainer_log.pending.jsonl"  # the steps taken since the last trainer_log line (see Reporter)
 FIGURES = ("loss", "grad_norm", "tokens", "seconds", "wait_transfer", "wait_optimizer")
@@ -48,7 +51,7 @@ class Reporter:
         self._kept = backlog  # what the pending file holds
         self._backlog = list(backlog)  # for replay
         self.window: list = []
-        self.pauses = None  # a trainer.gc_pauses.GcPauses: the collector's pauses, logged a step
+        self.pauses = None  # a trainer.run.gc_pauses.GcPauses: the collector's pauses, logged a step
         self._gc_logged = 0.0
         self.losses: list[tuple[int, float]] = [(r["current_steps"], r["loss"]) for r in rows if "loss" in r]
         self.eval_losses: list[tuple[int, float]] = [(r["current_steps"], r["eval_loss"]) for r in rows
@@ -204,3 +207,9 @@ def plot_loss(out_dir: Path, losses: list[tuple[int, float]], key: str = "loss")
     plt.savefig(path, format="png", dpi=100)
     plt.close(fig)
     return path
+
+
+def progress_bar(console: Console) -> Progress:
+    """A transient progress bar on the run's console (tokenizing, loading, training, exporting)."""
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                    console=console, transient=True)

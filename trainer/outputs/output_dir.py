@@ -26,7 +26,7 @@ from pathlib import Path
 
 from tiermem.errors import UserError
 from tiermem.service.owner import try_lock
-from trainer.weights_io import TOKENIZER_FILES
+from trainer.outputs.weights_io import TOKENIZER_FILES
 
 LOCK = ".tiermem-train.lock"
 TOOL = "tiermem-train"

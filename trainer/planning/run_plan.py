@@ -20,8 +20,9 @@ from tiermem.plan.placement import Plan
 from tiermem.plan.planner import ADVICE_GAIN, TIE, compute_bound_at, plan_step, recommended_at, tflops
 from tiermem.plan.workload import Workload
 from tiermem.sizes import format_size
-from trainer import pieces, plan_workload
 from trainer.config import MAX_MICRO_BATCHES as MAX_PIECES
+from trainer.planning import plan_workload
+from trainer.run import pieces
 from trainer.state import state_specs
 
 
@@ -62,7 +63,7 @@ def make(mcfg, dtype: torch.dtype, scfg: StoreConfig, shape: Shape, machine: Mac
     def plan_for(w: Workload) -> Plan:
         return plan_step(specs, scfg, w, machine, budgets, cuda=device.type == "cuda" if cuda is None else cuda,
                          hbm_state=hbm_state, hbm_taken=hbm_taken, owners=owners,
-                         keep_auto=keep == "auto" and keeps_activations(mcfg) and getattr(mcfg, "moe", None) is None)
+                         keep_auto=keep == "auto" and keeps_activations(mcfg) and mcfg.moe is None)
 
     if piece_rows != "auto" or not keeps_activations(mcfg):  # (a load-balancing loss is a micro-batch's)
         rows = shape.rows if piece_rows == "auto" else min(int(piece_rows), shape.rows)
@@ -114,8 +115,7 @@ def _with_pieces(plan: Plan, micro_rows: int, rows: int) -> Plan:
 def keeps_activations(mcfg) -> bool:
     """Whether a layer of this model can keep its activations (not while a load-balancing loss is on: its
     backward differentiates the router's term, which the recompute provides)."""
-    moe = getattr(mcfg, "moe", None)
-    return moe is None or not moe.aux_loss_coef
+    return mcfg.moe is None or not mcfg.moe.aux_loss_coef
 
 
 def local_budgets(scfg: StoreConfig, mcfg, dtype: torch.dtype, out_dir, saves: bool) -> dict:
@@ -154,12 +154,11 @@ def budgets_for(scfg: StoreConfig, machine: Machine) -> dict:
     from tiermem.plan.placement import default_budgets
 
     here = default_budgets(scfg)
-    t = scfg.tiers
-    dram = t.dram.budget if t.dram.budget is not None else int(machine.ram * 0.9)
+    dram = scfg.tiers.dram.budget if scfg.tiers.dram.budget is not None else int(machine.ram * 0.9)
     nvme = None
-    if t.nvme is not None:
-        nvme = t.nvme.budget if t.nvme.budget is not None else (machine.disk_free or here["nvme"])
-    return {"gpu": t.gpu.budget, "dram": dram, "nvme": nvme}
+    if scfg.tiers.nvme is not None:
+        nvme = scfg.tiers.nvme.budget if scfg.tiers.nvme.budget is not None else (machine.disk_free or here["nvme"])
+    return {"gpu": scfg.tiers.gpu.budget, "dram": dram, "nvme": nvme}
 
 
 def span(groups: list) -> str:

@@ -1,10 +1,10 @@
 """A data-parallel run's session on one rank when the host's store is a tiermem service's (``tiermem_server``).
 
 The service is the host's one store and its CPU worker, as for one trainer. Every rank attaches to it (rank 0
-first: it creates or finds the run; the others join it, saying which groups they own, ``trainer.dp.owners``),
+first: it creates or finds the run; the others join it, saying which groups they own, ``trainer.parallel.dp.owners``),
 maps the service's arena and NVMe file with GPU slots of its own, and follows each group's new version from the
 service's events. A layer's gradient is reduced to its owner as in an embedded run of several ranks
-(``trainer.dp.GradReducer``); the owner hands the sum to the service's arena. A step's commit is rank 0's, once
+(``trainer.parallel.dp.GradReducer``); the owner hands the sum to the service's arena. A step's commit is rank 0's, once
 every rank has its gradients home (a barrier); then each rank's GPU worker takes the groups of the update the
 service leaves to the trainers that it owns (``alloc``, ``flip``), and the service's CPU worker the rest. Rank 0
 loads the weights, writes the checkpoints and the export, and finishes the run; another rank says when it is
@@ -20,8 +20,7 @@ from tiermem.futures import done_future
 from tiermem.service import protocol
 from tiermem.service.client import RemoteOptimizer, attach
 from tiermem.session import Session
-from tiermem.store.layout import apply_layout
-from trainer.dp import GradReducer, owners
+from trainer.parallel.dp import GradReducer, owners
 
 
 class RankRemoteOptimizer(RemoteOptimizer):
@@ -39,7 +38,7 @@ class RankRemoteOptimizer(RemoteOptimizer):
             self.world.broadcast_json(self.moved)  # committed: the others may take their groups
             return fut
         if self.world.broadcast_json(None):  # (re-placement moved optimizer state before this update)
-            apply_layout(self.store.catalog, self.client.request("layout", run=self.run)["layout"])
+            self.refresh_layout()
         self.check()
         self.committed = step
         if self.mine:
@@ -92,7 +91,7 @@ def open_service_rank_session(world, specs, settings, server, run_id: str, label
             attached = attach(path, run_id, label, specs, settings, **ours)
         opt = attached.optimizer
         opt.world = world
-        reducer = GradReducer(world, owner, attached.store.catalog, attached.store.gpu.device)
+        reducer = GradReducer(world, owner, attached.store)
         return ServiceRankSession(attached.store, opt, attached, world=world, owner=owner, reducer=reducer)
     except BaseException:
         if attached is not None:
@@ -103,8 +102,8 @@ def open_service_rank_session(world, specs, settings, server, run_id: str, label
 def loaded(session: ServiceRankSession, start: int, groups) -> None:
     """Every rank starts at ``start``, once rank 0 has told the service the weights are in (``init``): each rank's
     catalog is at ``start`` (the service's events bring the same)."""
-    cat = session.store.catalog
+    store = session.store
     for g in groups:
-        if cat.version(g) < start:
-            cat.bump(g, to=start)
+        if store.version(g) < start:
+            store.set_version(g, start)
     session.optimizer.committed = start

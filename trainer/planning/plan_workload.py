@@ -16,13 +16,13 @@ import torch
 
 from tiermem.plan.machine import Machine
 from tiermem.plan.workload import Workload
-from trainer.executor import squared_norm
 from trainer.model.select import model_stages
 from trainer.model.weights import all_weights, init_weight
+from trainer.run.executor import squared_norm
 
 # a step's compute runs this much longer than the sum of its layers timed alone (measured on the H200 machine:
 # 1.05-1.07 for the 3B shape all in HBM, 1.11 for the 8B shape with a CPU AdamW beside it; docs/measurements.md).
-# The run corrects its prediction from its first steps (trainer.plan_watch) as well
+# The run corrects its prediction from its first steps (trainer.planning.plan_watch) as well
 IN_STEP = 1.08
 
 
@@ -45,14 +45,14 @@ def heaviest_layer(cfg) -> int:
 def layer_params(cfg, active: bool = False) -> int:
     """Parameters of the heaviest layer; ``active``: those one token computes with (its top-k experts)."""
     i = heaviest_layer(cfg)
-    if hasattr(cfg, "layer_params"):
+    if not cfg.generic:
         return cfg.layer_params(i, active)
     return sum(_numel(w.shape) for w in all_weights(cfg) if w.group == i)
 
 
 def layer_flops(cfg, seq: int) -> float:
     """FLOPs of one layer's forward per token at sequence length ``seq`` (matmuls + causal attention)."""
-    return 2.0 * layer_params(cfg, active=True) + 2.0 * seq * getattr(cfg, "q_size", cfg.hidden_size)
+    return 2.0 * layer_params(cfg, active=True) + 2.0 * seq * (cfg.hidden_size if cfg.generic else cfg.q_size)
 
 
 def head_flops(cfg) -> float:
@@ -120,15 +120,16 @@ def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, mach
 
 def _inter(cfg) -> int:
     """A token's intermediate width in a layer's feed-forward (its top-k experts' for a sparse model)."""
-    return (cfg.moe.top_k * cfg.moe.intermediate_size if getattr(cfg, "moe", None) is not None
-            else getattr(cfg, "intermediate_size", 4 * cfg.hidden_size))
+    if cfg.moe is not None:
+        return cfg.moe.top_k * cfg.moe.intermediate_size
+    return 4 * cfg.hidden_size if cfg.generic else cfg.intermediate_size
 
 
 def _time(cfg, dtype: torch.dtype, rows: int, seq: int, device: torch.device, loss_chunk: int):
     """Seconds of one micro-batch's layer forward, layer backward with recompute (its gradient cast to fp32
     and added up), and loss with its backward; of a layer's gradient handled once a step (its squared norm,
     its copy home) and of the embedding's gradient; and the bytes of GPU memory they need beyond their
-    inputs (the layer's, the loss's). As the executor runs them (trainer.executor), through the model's stages
+    inputs (the layer's, the loss's). As the executor runs them (trainer.run.executor), through the model's stages
     (the heaviest layer)."""
     gen = torch.Generator(device=device).manual_seed(0)
     stages = model_stages(cfg, dtype, device)

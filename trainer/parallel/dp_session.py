@@ -5,7 +5,7 @@ the others' staging regions and the host's counters, and tells them where everyt
 process group); the other ranks map the same arena and NVMe file by name (``tiermem.store.shared``), with GPU
 slots of their own. Where the plan keeps a group's state in HBM (``plan.owners``), it lives in its owner's: each
 rank's store creates the HBM-resident tensors of the groups it owns, and only those. Every rank then gets an
-``OwnerOptimizer`` over the groups it owns (``trainer.dp``).
+``OwnerOptimizer`` over the groups it owns (``trainer.parallel.dp``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tiermem.plan.placement import check_budgets
 from tiermem.session import Session
 from tiermem.store.shared import HostStore
 from tiermem.store.store import Store
-from trainer.dp import GradReducer, OwnerOptimizer, optimizer_threads, owners
+from trainer.parallel.dp import GradReducer, OwnerOptimizer, optimizer_threads, owners
 
 
 @dataclass
@@ -33,14 +33,21 @@ class RankSession(Session):
     remote: set = None  # ... and of the state other ranks keep in theirs (not in this rank's store)
     parts: list = None  # the other ranks whose HBM holds state a checkpoint keeps: each writes its part of them
 
+    @property
+    def plan(self):
+        """The host's plan: its first rank's own, or the one that rank told (``HostStore.plan``)."""
+        return self.host.plan
+
     def rank_done(self) -> None:
         """This rank (not the host's first) is done: its going away is no loss."""
         self.host.finished(self.world.local_rank)
 
     def close(self) -> None:
+        """Stop the optimizer, close the host's store; the rank that finds the host's first one gone without having
+        finished removes the arena and NVMe file it made."""
         dead = self.host.dead_peers(self.world.pids) if self.world.local_rank != 0 else []
         orphaned = 0 in dead and self.world.local_rank == min(r for r in self.world.pids if r not in dead)
-        files = [t.path for t in (self.store.dram, self.store.nvme) if t is not None and t.path is not None]
+        files = self.host.files()
         try:
             self.optimizer.close()
         finally:
@@ -70,7 +77,8 @@ def open_rank_session(world, specs, settings, scfg, plan) -> RankSession:
         plan.staging_bytes += HostStore.room(staging, world.local_size, len(groups))
         check_budgets(plan)
         hbm = [[g, k] for (g, k), t in plan.where.items() if t == "gpu"]
-        if hbm and plan.owners != owner:  # (the planner's owners are these: trainer.dp.owners of the same specs)
+        # (the planner's owners are these: trainer.parallel.dp.owners of the same specs)
+        if hbm and plan.owners != owner:
             raise RuntimeError("the plan keeps state in HBM for other owners than the session's")
         theirs = {(g, k) for g, k in hbm if owner[g] != world.rank}
         mine = [s for s in specs if (s.group, s.kind) not in theirs]
@@ -80,39 +88,27 @@ def open_rank_session(world, specs, settings, scfg, plan) -> RankSession:
         except BaseException:
             store.close()
             raise
-        told = dict(host.describe(), gpu_updates=None if plan.gpu_updates is None else list(plan.gpu_updates),
-                    activation_budget=plan.activation_budget, passes=plan.passes, hbm=hbm,
-                    micro_rows=plan.micro_rows, piece_rows=plan.piece_rows)
+        told = host.describe()  # (with the plan's decisions: HostStore.attach takes them)
     try:
         told = world.from_host_lead(told)
         if host is None:
-            where = {(g, k): "gpu" for g, k in told["hbm"]}
-            host = HostStore.attach(scfg, specs, told, world.local_rank, world.device(), scfg.tiers.gpu.slots,
-                                    resident=hbm_specs(specs, where, owner, world.rank))
-            p = host.store.plan
-            p.gpu_updates = None if told["gpu_updates"] is None else set(told["gpu_updates"])
-            p.activation_budget, p.passes = told["activation_budget"], told["passes"]
-            p.micro_rows, p.piece_rows = told["micro_rows"], told["piece_rows"]
-            if where:
-                p.where.update(where)
-                for s in specs:
-                    if (s.group, s.kind) in where:
-                        p.group_bytes[(s.group, s.kind)] = p.group_bytes.get((s.group, s.kind), 0) + s.nbytes
-                p.owners = owner
-        store = host.store
-        on_gpu = None if store.plan.gpu_updates is None else set(store.plan.gpu_updates) & owned
+            where = {(g, k): "gpu" for g, k in told["plan"]["hbm"]}
+            host = HostStore.attach(scfg, specs, told, world.local_rank, world.device(), scfg.tiers.device_tier.slots,
+                                    resident=hbm_specs(specs, where, owner, world.rank), owners=owner)
+        store, plan = host.store, host.plan
+        on_gpu = None if plan.gpu_updates is None else set(plan.gpu_updates) & owned
         local = StoreAdamW(store, [g for g in groups if g in owned], settings.decay, settings.adamw,
                            settings.has_master, on_gpu=on_gpu, threads=optimizer_threads(world.local_size))
         local.on_state_home = host.publish_state
-        store.catalog.on_bump = lambda g, v: host.publish_params(g, v) if g in owned else None
+        store.on_new_version(lambda g, v: host.publish_params(g, v) if g in owned else None)
         optimizer = OwnerOptimizer(local, owned, host, world)
     except BaseException:
         if host is not None:
             host.close()
             host.store.close()
         raise
-    reducer = GradReducer(world, owner, store.catalog, store.gpu.device)
-    hbm = {(g, k) for (g, k), t in store.plan.where.items() if t == "gpu"} if store.plan.owners is not None else set()
+    reducer = GradReducer(world, owner, store)
+    hbm = {(g, k) for (g, k), t in plan.where.items() if t == "gpu"} if plan.owners is not None else set()
     in_hbm = [s for s in specs if (s.group, s.kind) in hbm]
     return RankSession(store, optimizer, None, host=host, world=world, owner=owner, reducer=reducer,
                        own_hbm={s.name for s in in_hbm if owner[s.group] == world.rank},
@@ -124,13 +120,13 @@ def open_rank_session(world, specs, settings, scfg, plan) -> RankSession:
 def loaded(session: RankSession, start: int, groups) -> None:
     """The weights (and the optimizer's state, resuming) are in the host's store at ``start``, and every rank of
     the world knows it: each rank's catalog is at ``start``; the others' updates are followed from now on."""
-    world, host, cat = session.world, session.host, session.store.catalog
+    world, host, store = session.world, session.host, session.store
     for kind in ("param", "master", "exp_avg", "exp_avg_sq"):  # (the lead's writes; the others': their HBM's)
-        session.store.flush(kind)
+        store.flush(kind)
     if world.local_rank == 0:
         host.publish_all(start)
     world.barrier()
     for g in groups:
-        if cat.version(g) < start:
-            cat.bump(g, to=start)
+        if store.version(g) < start:
+            store.set_version(g, start)
     host.follow(session.optimizer.owned, world.pids, world.local_rank)

@@ -1,4 +1,5 @@
-"""The step schedule (DESIGN.md): one optimizer step over all of its micro-batches, layer by layer.
+"""The step schedule (docs/architecture.md has it too): one optimizer step over all of its micro-batches, layer
+by layer.
 
 1. Forward, layer-major: for each layer, wait for its weights on the GPU, run every micro-batch through
    it, keep each micro-batch's boundary activation, release the layer.
@@ -31,11 +32,11 @@ from tiermem.futures import all_of
 from tiermem.optim.finite import NonFiniteUpdate, all_finite
 from tiermem.specs import state_name
 from tiermem.store.prefetch import Prefetcher
-from trainer import pieces
 from trainer.model.layers import shift_labels
 from trainer.model.select import model_stages
 from trainer.model.weights import all_weights
-from trainer.weights_io import NonFiniteWeights
+from trainer.outputs.weights_io import NonFiniteWeights
+from trainer.run import pieces
 
 
 class NonFiniteStep(UserError):
@@ -77,8 +78,9 @@ class Executor:
     def __init__(self, store, cfg, dtype: torch.dtype, optimizer, max_grad_norm: float,
                  loss_chunk_tokens: int, activation_budget: int | None = None, keep_layers: int = 0, reducer=None,
                  piece_rows: int | None = None):
-        """``reducer`` (``trainer.dp.GradReducer``, several ranks): each group's gradient is reduced to the rank
-        that owns it, which alone hands it to the store; the loss, the token counts and the norm are the world's."""
+        """``reducer`` (``trainer.parallel.dp.GradReducer``, several ranks): each group's gradient is reduced to the
+        rank that owns it, which alone hands it to the store; the loss, the token counts and the norm are the
+        world's."""
         self.store, self.cfg, self.dtype, self.optimizer = store, cfg, dtype, optimizer
         self.reducer = reducer
         if reducer is not None:
@@ -87,7 +89,7 @@ class Executor:
             reducer.keep_partial = lambda g, grads: self.store.store_group(
                 g, "grad", {state_name(n, "grad"): t for n, t in grads.items()})
             reducer.wait = lambda fut: self.store.wait(fut, "gradient_partials")
-        self.device = store.gpu.device
+        self.device = store.device
         self.max_grad_norm = max_grad_norm
         self.loss_chunk = loss_chunk_tokens
         self.prefetch = Prefetcher(store, health=optimizer.check)
@@ -106,7 +108,7 @@ class Executor:
         self.keep_layers = keep_layers
         self.last_kept = 0
         # rows the GPU computes at once (tiermem_physical_batch_size: the planner's): a micro-batch of more rows
-        # runs as pieces of this many (trainer.pieces); None: the micro-batches as they are
+        # runs as pieces of this many (trainer.run.pieces); None: the micro-batches as they are
         self.piece_rows = piece_rows
         # before_commit(step, result): the step's figures, before the optimizer takes the step (a committed
         # step's figures must outlive a trainer killed before it logs them)
@@ -117,7 +119,7 @@ class Executor:
 
     # -- helpers ---------------------------------------------------------------------------------
     def _drain(self) -> None:
-        self.store.gpu.sync()
+        self.store.sync_device()
 
     def _take(self, req, phase: str) -> dict[str, torch.Tensor]:
         view, on_opt, on_xfer = Prefetcher.take(req, self._drain)
@@ -147,8 +149,7 @@ class Executor:
         adds it."""
         if self.reducer is not None or not self.optimizer.grads_home(group) or self.optimizer.grads_on_gpu(group):
             return False
-        entries = self.store.catalog.group_entries(group, "grad")
-        return bool(entries) and all(e.tier == "gpu" for e in entries)
+        return self.store.in_device_memory(group, "grad")
 
     def _grad_home(self, group, names) -> list[torch.Tensor]:
         """The gradient tensors in HBM of a group that ``_sums_at_home``, in the order of the weights ``names``."""
@@ -174,7 +175,7 @@ class Executor:
             return None
         bufs, futs = {}, []
         for n in self.local_names[group]:
-            spec = self.store.catalog[state_name(n, "grad")].spec
+            spec = self.store.spec(state_name(n, "grad"))
             bufs[n] = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
             futs.append(self.store.read(spec.name, out=bufs[n]))
         return bufs, all_of(futs)
@@ -185,7 +186,7 @@ class Executor:
         back (``partials``, from ``_partials``) to be added; the last pass's sum is the gradient, whose
         squared norm is returned. ``at_home``: ``grads`` are the group's home in HBM, summed there over the
         passes so far (``_sums_at_home``): nothing goes anywhere before the last pass. Several ranks: the
-        pass's gradient goes to the group's owner, which keeps the partial sums (``trainer.dp``)."""
+        pass's gradient goes to the group's owner, which keeps the partial sums (``trainer.parallel.dp``)."""
         if self.reducer is not None:
             self.reducer.reduce(group, grads, first, last)
             return None
@@ -207,8 +208,7 @@ class Executor:
         HBM (a streamed layer's slot is reused before its backward)."""
         out: set = set()
         for i in range(self.cfg.num_layers if self.keep_layers else 0):
-            entries = self.store.catalog.group_entries(i, "param")
-            if entries and all(e.tier == "gpu" for e in entries):
+            if self.store.in_device_memory(i, "param"):
                 out.add(i)
                 if len(out) == self.keep_layers:
                     break
@@ -295,7 +295,7 @@ class Executor:
         """The first group whose compute copy (the weights a step uses) holds inf or NaN, or None: asked once a step's
         loss or norm is not finite (the optimizer's CPU worker does not check what it writes: tiermem.optim)."""
         for w in all_weights(self.cfg):
-            if w.name in self.store.catalog and not all_finite([self.store.read(w.name).result()]):
+            if self.store.holds(w.name) and not all_finite([self.store.read(w.name).result()]):
                 return w.group
         return None
 
@@ -315,31 +315,9 @@ class Executor:
         targets = [shift_labels(b[1]).to(dev, non_blocking=True) for b in batches]
         masks = [b[3].to(dev, non_blocking=True) if len(b) > 3 else None for b in batches]
         ctx = model.contexts(ids, masks, n_micro, True)
-        keep = self.kept() if all(getattr(c, "router", None) is None for c in ctx) else set()
+        keep = self.kept() if all(c.router is None for c in ctx) else set()
         self.last_kept = len(keep)
-        graphs: dict = {}
-
-        # 1. forward, layer-major, keeping every micro-batch's boundary activations (and, for the kept
-        # layers, their whole graphs)
-        with torch.no_grad():
-            self.phase, self.layer = "forward", "embed"
-            view = self._take(r_embed, "forward")
-            acts = [[model.embed(view.tensors, x, c) for x, c in zip(ids, ctx)]]
-            view.release()
-            for i in range(L):
-                self.layer = i
-                view = self._take(r_fwd[i], "forward")
-                w = self._weights(view)
-                if i in keep:
-                    outs = [model.layer_graph(i, w, x, c) for x, c in zip(acts[i], ctx)]
-                    graphs[i] = [g for _, g in outs]
-                    acts.append([y for y, _ in outs])
-                    acts[i] = [None] * len(ids)  # (the graph holds the input)
-                else:
-                    acts.append([model.layer(i, w, x, c) for x, c in zip(acts[i], ctx)])
-                view.release()
-                HOOKS.point("forward", step + 1)
-            aux = model.forward_done(ctx)  # a sparse model's load-balancing loss (weighted), or None
+        acts, graphs, aux = self._forward(ids, ctx, keep, r_embed, r_fwd, step)
 
         # 2. loss + its backward, chunked over tokens
         self.phase, self.layer = "loss", "head"
@@ -408,6 +386,32 @@ class Executor:
         if aux is not None:
             loss = loss + aux / scale  # (the caller scales the summed loss by scale)
         return loss, (sum(sq) if last and self.reducer is None else None)
+
+    def _forward(self, ids: list, ctx: list, keep: set, r_embed, r_fwd: list, step: int):
+        """1. The forward, layer-major, keeping every micro-batch's boundary activations (and, for the ``keep``
+        layers, their whole graphs): (activations by layer, graphs by kept layer, a sparse model's load-balancing
+        loss (weighted) or None)."""
+        model, graphs = self.model, {}
+        with torch.no_grad():
+            self.phase, self.layer = "forward", "embed"
+            view = self._take(r_embed, "forward")
+            acts = [[model.embed(view.tensors, x, c) for x, c in zip(ids, ctx)]]
+            view.release()
+            for i in range(self.cfg.num_layers):
+                self.layer = i
+                view = self._take(r_fwd[i], "forward")
+                w = self._weights(view)
+                if i in keep:
+                    outs = [model.layer_graph(i, w, x, c) for x, c in zip(acts[i], ctx)]
+                    graphs[i] = [g for _, g in outs]
+                    acts.append([y for y, _ in outs])
+                    acts[i] = [None] * len(ids)  # (the graph holds the input)
+                else:
+                    acts.append([model.layer(i, w, x, c) for x, c in zip(acts[i], ctx)])
+                view.release()
+                HOOKS.point("forward", step + 1)
+            aux = model.forward_done(ctx)
+        return acts, graphs, aux
 
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor, int]], version: int) -> tuple[float, int]:
         """Forward only, layer-major, over ``batches`` with the weights of ``version`` (updates done so far):

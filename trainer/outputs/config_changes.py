@@ -1,6 +1,6 @@
 """What a rerun changed against the run whose checkpoint it resumes: one ``note:`` line per key, old and new
 value, and the run goes on with the new ones (as the Hugging Face Trainer does). What would make the saved
-state meaningless — another model's tensors, another tokenizer — is refused by ``trainer.checkpoint.check``.
+state meaningless — another model's tensors, another tokenizer — is refused by ``trainer.outputs.checkpoint.check``.
 
 The old values are the resolved config the checkpoint records (``tiermem_state.json``'s ``config``).
 """

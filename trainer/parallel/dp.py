@@ -26,9 +26,11 @@ import os
 
 import torch
 
+from tiermem.errors import UserError
 from tiermem.specs import Group
 from tiermem.store.shared import PeerLost
-from trainer.executor import squared_norm
+from trainer.parallel.dist import RankLost
+from trainer.run.executor import squared_norm
 
 
 def owners(groups: list[Group], specs, size: int) -> dict[Group, int]:
@@ -76,8 +78,9 @@ class GradReducer:
 
     IN_FLIGHT = 2
 
-    def __init__(self, world, owner: dict[Group, int], catalog, device: torch.device):
-        self.world, self.owner, self.catalog, self.device = world, owner, catalog, device
+    def __init__(self, world, owner: dict[Group, int], store):
+        """``store``: this rank's (the groups' names and shapes, the device the reductions run on)."""
+        self.world, self.owner, self.store, self.device = world, owner, store, store.device
         self.hand = None  # hand(group, grads): the executor's, to the store (set by the executor)
         self.read_partial = None  # read_partial(group) -> ({name: buffer}, future): the sum of the earlier passes
         self.keep_partial = None  # keep_partial(group, grads): the sum so far to the group's gradient home
@@ -87,7 +90,7 @@ class GradReducer:
         self._order: list[Group] = []
 
     def names(self, group: Group) -> list[str]:
-        return [e.spec.name for e in self.catalog.group_entries(group, "param")]
+        return self.store.names(group, "param")
 
     def reduce(self, group: Group, grads: dict[str, torch.Tensor] | None, first: bool = True,
                last: bool = True) -> None:
@@ -97,7 +100,7 @@ class GradReducer:
 
         names = self.names(group)
         if grads is None:
-            n = sum(math.prod(self.catalog[x].spec.shape) for x in names)
+            n = sum(math.prod(self.store.spec(x).shape) for x in names)
             buf = torch.zeros(n, dtype=torch.float32, device=self.device)
         else:
             buf = torch.cat([grads[x].reshape(-1).float() for x in names])
@@ -115,7 +118,7 @@ class GradReducer:
             return
         grads, off = {}, 0
         for x in names:
-            shape = self.catalog[x].spec.shape
+            shape = self.store.spec(x).shape
             k = math.prod(shape)
             grads[x] = buf[off: off + k].view(shape)
             off += k
@@ -186,19 +189,19 @@ class OwnerOptimizer:
         while True:
             self.check()
             try:
-                self.host.store.catalog.wait_version(g, version, timeout=0.2)
+                self.host.store.wait_version(g, version, timeout=0.2)
                 return
             except TimeoutError:
                 continue
 
     def wait_all(self, version: int) -> None:
         """Until every group, this rank's or another's, holds update ``version`` whole (before the export)."""
-        cat = self.host.store.catalog
+        store = self.host.store
         for g in self.host.groups:
             while True:
                 self.check()
                 try:
-                    cat.wait_version(g, version, timeout=0.2)
+                    store.wait_version(g, version, timeout=0.2)
                     break
                 except TimeoutError:
                     continue
@@ -212,7 +215,7 @@ class OwnerOptimizer:
             cause = self.local.failure
             if isinstance(cause, PeerLost):
                 raise self.world.lost([cause.local_rank]) from None
-            if hasattr(cause, "quiet"):  # (a RankLost from the worker)
+            if isinstance(cause, RankLost):  # (from the worker)
                 raise cause
             self.local.check()
 
@@ -236,9 +239,13 @@ class OwnerOptimizer:
         self.local.set_gate(self._wait)
 
     def set_part_gate(self, gate) -> None:
-        """This rank writes its part of the checkpoints (``trainer.checkpoint_part``): its gate too."""
+        """This rank writes its part of the checkpoints (``trainer.parallel.checkpoint_part``): its gate too."""
         self._part = gate
         self.local.set_gate(self._wait)
+
+    def resplit(self, on_gpu) -> None:
+        """Not with several ranks: each owner's split stays the plan's."""
+        raise UserError("splitting the updates again mid-run is not supported yet with several ranks")
 
     def _wait(self, g: Group, update: int) -> float:
         waited = self._part(g, update) if self._part is not None else 0.0
