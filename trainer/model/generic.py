@@ -127,9 +127,9 @@ class GenericConfig:
         owner, _, leaf = w.name.rpartition(".")
         parts = owner.split(".") if owner else []
         chain = [self.model.get_submodule(".".join(parts[:i])) for i in range(len(parts), -1, -1)]
-        kept = [(m, k, b.clone()) for m in chain for k, b in m._buffers.items() if b is not None]
-        meta = chain[0]._parameters[leaf]
-        chain[0]._parameters[leaf] = nn.Parameter(torch.empty(w.shape, dtype=torch.float32, device=device))
+        kept = [(m, k, b.clone()) for m in chain for k, b in m.named_buffers(recurse=False, remove_duplicate=False)]
+        meta = getattr(chain[0], leaf)
+        setattr(chain[0], leaf, nn.Parameter(torch.empty(w.shape, dtype=torch.float32, device=device)))
         seed = int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device))
         on_gpu = device.type == "cuda"
         cuda = [device.index if device.index is not None else torch.cuda.current_device()] if on_gpu else []
@@ -138,11 +138,11 @@ class GenericConfig:
                 torch.manual_seed(seed)
                 for m in chain:
                     self.model._init_weights(m)
-            return chain[0]._parameters[leaf].detach()
+            return getattr(chain[0], leaf).detach()
         finally:
-            chain[0]._parameters[leaf] = meta
+            setattr(chain[0], leaf, meta)
             for m, k, b in kept:
-                m._buffers[k] = b
+                setattr(m, k, b)
 
 
 def _class_and_config(raw: dict, where: str):
@@ -214,9 +214,8 @@ def _skeleton(cls, config) -> nn.Module:
         model = cls._from_config(config, dtype=torch.float32)  # (buffers in fp32 whatever config.json says)
     modules = list(model.modules())
     for m in modules:
-        for k, b in m._buffers.items():
-            if b is not None:
-                m._buffers[k] = torch.empty_like(b, device="cpu")
+        for k, b in list(m.named_buffers(recurse=False, remove_duplicate=False)):
+            setattr(m, k, torch.empty_like(b, device="cpu"))
     with torch.no_grad():
         for m in reversed(modules):
             model._init_weights(m)
