@@ -74,11 +74,11 @@ MOE_AND_HYBRID = ["qwen3_next", "deepseek_v3", "deepseek_v2", "glm4_moe", "llama
 
 
 def round_trip(model_dir) -> dict[str, torch.Tensor]:
-    """The checkpoint of ``model_dir`` loaded as the store holds it (trainer.weights_io: converted by transformers'
+    """The checkpoint of ``model_dir`` loaded as the store holds it (trainer.outputs.weights_io: converted by transformers'
     rules) and written back as the export writes it (reverted), without the store: its on-disk tensors."""
     from trainer.model.disk_layout import Exporter
     from trainer.model.select import load_model
-    from trainer.weights_io import _converted, check_weight_files, load_buffers
+    from trainer.outputs.weights_io import _converted, check_weight_files, load_buffers
 
     cfg = load_model(model_dir, "generic")
     check_weight_files(cfg, model_dir)
@@ -217,7 +217,7 @@ def test_a_resumed_run_routes_with_the_checkpoint_s_score_bias(tmp_path):
 def test_sharded_checkpoints_convert_across_their_files(tmp_path, monkeypatch):
     """A checkpoint whose experts' tensors lie in several shards (save_pretrained's max_shard_size) loads through the
     generic path, and the export, sharded too, names every tensor as the input's index does."""
-    import trainer.weights_io as weights_io
+    import trainer.outputs.weights_io as weights_io
 
     model_dir = tmp_path / "model"
     single = save_tiny_model("qwen3_next", tmp_path / "single")
