@@ -95,3 +95,13 @@ def test_the_checks_would_catch_a_break():
     assert anchor("Design choices: the runs behind them") == "design-choices-the-runs-behind-them"
     assert anchor("How to add a tier, a model family or a cost-model term") == \
         "how-to-add-a-tier-a-model-family-or-a-cost-model-term"
+
+
+def test_the_architecture_names_every_module():
+    """docs/architecture.md's "The parts" names every module of tiermem and the trainer: a new module gets its
+    line there."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    parts = text[text.index("## The parts"):text.index("## What each part may import")]
+    missing = [str(p.relative_to(ROOT)) for top in ("tiermem", "trainer") for p in sorted((ROOT / top).rglob("*.py"))
+               if p.stem not in ("__init__", "__main__") and not re.search(rf"\b{re.escape(p.stem)}\b", parts)]
+    assert not missing, f"docs/architecture.md (The parts) does not name {missing}"
