@@ -29,10 +29,18 @@ def cited_by_code() -> list[tuple[Path, int, str]]:
             for m in CITED.finditer(line)]
 
 
+def prose(doc: Path) -> str:
+    """A doc's text without its fenced code blocks (whose ``#`` lines are comments, not headings)."""
+    return re.sub(r"^```.*?^```", "", doc.read_text(), flags=re.M | re.S)
+
+
+def headings(doc: Path) -> list[str]:
+    return re.findall(r"^#+ (.+)$", prose(doc), re.M)
+
+
 def sections(doc: Path) -> list[str]:
     """The names a doc's sections go by: its headings and the bold titles of its bullets and paragraphs."""
-    text = doc.read_text()
-    return [*re.findall(r"^#+ (.+)$", text, re.M), *re.findall(r"^(?:- )?\*\*(.+?)\*\*", text, re.M)]
+    return [*headings(doc), *re.findall(r"^(?:- )?\*\*(.+?)\*\*", prose(doc), re.M)]
 
 
 def anchor(heading: str) -> str:
@@ -69,8 +77,7 @@ def test_every_link_resolves(doc):
         dest = (doc.parent / path).resolve() if path else doc
         if not dest.exists():
             broken.append(f"{target}: no such file")
-        elif frag and dest.suffix == ".md" and frag not in {anchor(h) for h in re.findall(r"^#+ (.+)$",
-                                                                                       dest.read_text(), re.M)}:
+        elif frag and dest.suffix == ".md" and frag not in {anchor(h) for h in headings(dest)}:
             broken.append(f"{target}: no such heading")
     assert not broken, f"{doc.relative_to(ROOT)}: " + "; ".join(broken)
 
@@ -86,13 +93,16 @@ def test_the_readme_is_under_300_lines():
     assert n < README_MAX_LINES, f"README.md has {n} lines: move detail into docs/"
 
 
-def test_the_checks_would_catch_a_break():
+def test_the_checks_would_catch_a_break(tmp_path):
     text = "DESIGN.md and docs/x.md, not ../shared/tools/a.sh, https://a.io/b.md"
     assert [m.group(1) for m in CITED.finditer(text)] == ["DESIGN.md", "docs/x.md"]
     assert LINK.findall("[a](docs/a.md#b) and [c](https://x.io)") == ["docs/a.md#b", "https://x.io"]
     assert SECTION.findall('docs/architecture.md ("Many hosts"); docs/service.md, "Liveness"') == [
         ("docs/architecture.md", "Many hosts"), ("docs/service.md", "Liveness")]
     assert anchor("Design choices: the runs behind them") == "design-choices-the-runs-behind-them"
+    doc = tmp_path / "d.md"
+    doc.write_text("# Title\n\n```bash\n# a comment\n```\n\n## Part\n")
+    assert headings(doc) == ["Title", "Part"]  # (not the comments of its code blocks)
     assert anchor("How to add a tier, a model family or a cost-model term") == \
         "how-to-add-a-tier-a-model-family-or-a-cost-model-term"
 
