@@ -16,7 +16,7 @@ import torch
 from tiermem.futures import all_of, done_future
 from tiermem.optim.finite import NonFiniteUpdate
 from tiermem.specs import MOMENTS, Group, state_name
-from tiermem.tiers.gpu import host_sync
+from tiermem.tiers.base import host_sync
 
 
 class GpuWorker:

@@ -52,9 +52,8 @@ from tiermem.optim.kernels import adamw_out_of_place, fused_adamw
 from tiermem.plan.machine import worker_threads
 from tiermem.plan.resolve import resolve_auto
 from tiermem.specs import MOMENTS, Group, state_name
-from tiermem.tiers.base import DEVICE, HOST
+from tiermem.tiers.base import DEVICE, HOST, host_sync
 from tiermem.tiers.extents import OutOfSpace
-from tiermem.tiers.gpu import host_sync
 
 default_threads = worker_threads  # CPU AdamW's threads (tiermem.plan.machine: the probe measures on as many)
 

@@ -27,7 +27,7 @@ from tiermem.tiers.base import STORAGE
 
 GB = 1e9
 
-# the H200 machine (DESIGN.md, docs/measurements.md): what a plan assumes for a figure it did not measure
+# the H200 machine (docs/measurements.md): what a plan assumes for a figure it did not measure
 H200 = {
     "h2d": 54.6 * GB, "d2h": 54.6 * GB,  # arena <-> GPU, pinned
     "nvme_read": 1.74 * GB, "nvme_write": 2.48 * GB,  # O_DIRECT, posix backend, 64 MiB blocks

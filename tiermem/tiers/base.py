@@ -37,6 +37,14 @@ ROLES = (DEVICE, HOST, STORAGE)
 MEMORY = (DEVICE, HOST)  # roles whose bytes have a memory view (``view``)
 
 
+def host_sync(stream) -> None:
+    """Wait for ``stream``'s work with the calling thread asleep, not spinning on a core (which the CPU
+    optimizer's threads need)."""
+    ev = torch.cuda.Event(blocking=True)
+    ev.record(stream)
+    ev.synchronize()
+
+
 @dataclass(frozen=True)
 class Making:
     """What making a store's tier needs besides its config section and capacity."""

@@ -18,7 +18,7 @@ import torch
 
 from tiermem.errors import BudgetError, ConfigError
 from tiermem.sizes import align_up, format_size, size_or_auto
-from tiermem.tiers.base import DEVICE, Making
+from tiermem.tiers.base import DEVICE, Making, host_sync
 from tiermem.tiers.extents import Extent, ExtentAllocator, OutOfSpace
 
 ALIGN = 512
@@ -46,14 +46,6 @@ class GpuTierConfig:
     device: str = field(default="auto", metadata={"convert": _device})
     # streamed-layer slots per kind fetched to the GPU (current, next, the one being freed)
     slots: int = field(default=3, metadata={"convert": _slots})
-
-
-def host_sync(stream) -> None:
-    """Wait for ``stream``'s work with the calling thread asleep, not spinning on a core (which the CPU
-    optimizer's threads need)."""
-    ev = torch.cuda.Event(blocking=True)
-    ev.record(stream)
-    ev.synchronize()
 
 
 @dataclass

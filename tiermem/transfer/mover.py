@@ -22,9 +22,8 @@ import torch
 from tiermem.errors import BudgetError
 from tiermem.futures import forward, started, then
 from tiermem.tiers import registry
-from tiermem.tiers.base import DEVICE, HOST, STORAGE
+from tiermem.tiers.base import DEVICE, HOST, STORAGE, host_sync
 from tiermem.tiers.extents import Extent, OutOfSpace
-from tiermem.tiers.gpu import host_sync
 from tiermem.transfer.links import LinkStats
 
 

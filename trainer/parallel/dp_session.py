@@ -18,6 +18,8 @@ from tiermem.plan.placement import check_budgets
 from tiermem.session import Session
 from tiermem.store.shared import HostStore
 from tiermem.store.store import Store
+from tiermem.tiers import registry
+from tiermem.tiers.base import DEVICE
 from trainer.parallel.dp import GradReducer, OwnerOptimizer, optimizer_threads, owners
 
 
@@ -60,13 +62,15 @@ class RankSession(Session):
 
 def hbm_specs(specs, where: dict, owner: dict, rank: int) -> list:
     """The specs of the HBM-resident tensors of the groups ``rank`` owns (``where``: the plan's tiers)."""
-    return [s for s in specs if where.get((s.group, s.kind)) == "gpu" and owner[s.group] == rank]
+    hbm = registry.primary(DEVICE)
+    return [s for s in specs if where.get((s.group, s.kind)) == hbm and owner[s.group] == rank]
 
 
 def open_rank_session(world, specs, settings, scfg, plan) -> RankSession:
     """This rank's session: ``plan`` (local rank 0's; None elsewhere) opens the host's store there, the others
     attach to it. Returns with the store's plan on every rank (placement, GPU updates, passes)."""
     groups = list(settings.groups)
+    device = registry.primary(DEVICE)  # (the device tier: HBM)
     owner = owners(groups, specs, world.size)
     owned = {g for g in groups if owner[g] == world.rank}
     host = None
@@ -76,7 +80,7 @@ def open_rank_session(world, specs, settings, scfg, plan) -> RankSession:
         # (the arena is the host's: the other ranks' staging regions and the counters are in its budget too)
         plan.staging_bytes += HostStore.room(staging, world.local_size, len(groups))
         check_budgets(plan)
-        hbm = [[g, k] for (g, k), t in plan.where.items() if t == "gpu"]
+        hbm = [[g, k] for (g, k), t in plan.where.items() if t == device]
         # (the planner's owners are these: trainer.parallel.dp.owners of the same specs)
         if hbm and plan.owners != owner:
             raise RuntimeError("the plan keeps state in HBM for other owners than the session's")
@@ -92,7 +96,7 @@ def open_rank_session(world, specs, settings, scfg, plan) -> RankSession:
     try:
         told = world.from_host_lead(told)
         if host is None:
-            where = {(g, k): "gpu" for g, k in told["plan"]["hbm"]}
+            where = {(g, k): device for g, k in told["plan"]["hbm"]}
             host = HostStore.attach(scfg, specs, told, world.local_rank, world.device(), scfg.tiers.device_tier.slots,
                                     resident=hbm_specs(specs, where, owner, world.rank), owners=owner)
         store, plan = host.store, host.plan
@@ -108,7 +112,7 @@ def open_rank_session(world, specs, settings, scfg, plan) -> RankSession:
             host.store.close()
         raise
     reducer = GradReducer(world, owner, store)
-    hbm = {(g, k) for (g, k), t in plan.where.items() if t == "gpu"} if plan.owners is not None else set()
+    hbm = {(g, k) for (g, k), t in plan.where.items() if t == device} if plan.owners is not None else set()
     in_hbm = [s for s in specs if (s.group, s.kind) in hbm]
     return RankSession(store, optimizer, None, host=host, world=world, owner=owner, reducer=reducer,
                        own_hbm={s.name for s in in_hbm if owner[s.group] == world.rank},

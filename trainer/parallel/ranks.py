@@ -27,6 +27,8 @@ from tiermem.errors import UserError
 from tiermem.plan.placement import make_plan
 from tiermem.session import Session, open_session
 from tiermem.sizes import format_size
+from tiermem.tiers import registry
+from tiermem.tiers.base import DEVICE
 from trainer.parallel.dist import RankLost, World
 from trainer.planning.placing import plan_run
 from trainer.state import store_config
@@ -332,7 +334,7 @@ class HostRanks(Several):
         mine = sorted((g for g, r in session.owner.items() if r == world.rank), key=lambda g: settings.groups.index(g))
         say(f"{world.size} ranks share this host's store; rank 0 updates {len(mine)} of {len(settings.groups)} groups "
             f"({span(mine)}) with {session.optimizer.local.threads} CPU AdamW threads, the others the rest")
-        in_hbm = plan.need(world.rank)["gpu"] - plan.slot_bytes * plan.n_slots
+        in_hbm = plan.need(world.rank)[registry.primary(DEVICE)] - plan.slot_bytes * plan.n_slots
         if plan.owners is not None and in_hbm:
             say(f"each rank keeps the state of its groups that live in HBM in its own GPU's (rank 0: "
                 f"{format_size(in_hbm)})")
