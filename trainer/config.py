@@ -33,6 +33,10 @@ SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 # batches published (16M tokens)
 MAX_MICRO_BATCHES = 1 << 20
 REPORTERS = ("tensorboard",)  # what report_to may name, besides none
+# Hugging Face's online reporters: tiermem runs offline, so naming one sends nothing (a note, as LLaMA-Factory's
+# examples name wandb); what it reports (the losses) is in the step lines, trainer_log.jsonl and tensorboard's files
+ONLINE_REPORTERS = ("azure_ml", "clearml", "codecarbon", "comet_ml", "dagshub", "dvclive", "flyte", "mlflow",
+                    "neptune", "swanlab", "trackio", "wandb")
 FP32_TINY = 1.1754943508222875e-38  # the smallest normal fp32 number: adam_epsilon's least value
 FP32_MAX = 3.4028234663852886e38  # the largest fp32 number: learning_rate's and weight_decay's largest value
 @dataclass
@@ -185,10 +189,10 @@ def load_train_config(path: str | Path, overrides: list[str] | None = None, here
     data = _answer_keys(data, problems, notes)
     cfg = load_dataclass(TrainConfig, data, "", problems)
     if cfg is not None:
+        cfg.notes = notes
         validate(cfg, problems, here)
     if problems:
         raise ConfigError(problems[0]) if len(problems) == 1 else ConfigProblems(problems)
-    cfg.notes = notes
     return cfg
 
 
@@ -248,13 +252,14 @@ def validate(c: TrainConfig, problems: list[str] | None = None, here: bool = Tru
     if c.finetuning_type != "full":
         bad(f"finetuning_type: {c.finetuning_type} is not supported: {REFUSED_VALUES['finetuning_type'][1]}")
     for name in report_targets(c.report_to):
-        if name == "wandb":
-            bad("report_to: wandb is not supported: tiermem runs offline and sends nothing to Weights & Biases; use "
-                "report_to: tensorboard (event files in output_dir) or none")
+        if name in ONLINE_REPORTERS:
+            c.notes = [*c.notes, f"note: report_to: {name} has no effect here: tiermem runs offline and sends nothing; "
+                                 "the losses are in the step lines and trainer_log.jsonl (report_to: tensorboard "
+                                 "writes event files)"]
         elif name not in REPORTERS:
             bad(f"report_to: {name} is not supported: tiermem runs offline and reports to tensorboard only (event "
                 "files in output_dir), besides its own trainer_log.jsonl: use report_to: tensorboard or none")
-    c.report_to = ",".join(report_targets(c.report_to)) or "none"
+    c.report_to = ",".join(n for n in report_targets(c.report_to) if n in REPORTERS) or "none"
     if c.train_from_scratch:
         c.tiermem_init = "random"
     if c.metric_for_best_model not in (None, "loss", "eval_loss"):
