@@ -85,12 +85,15 @@ class NvmeTierConfig:
                                            shown="required when the tier is set", help=(
         "directory of the tier's file <name>.nvme (created if its parent exists); or a list of directories, one "
         "per drive: the tier is striped over a file in each, io_chunk bytes to each in turn, each with its own "
-        "queue of threads, so a group's transfer keeps every drive busy and their rates add up"))
+        "queue of threads, so a group's transfer keeps every drive busy and their rates add up (the quick probe "
+        "and `tiermem probe --nvme-path A --nvme-path B` measure them together)"))
     budget: int | None = setting(None, convert=size_or_auto, yaml_type="size | auto", help=(
         "hard limit; the file is preallocated to what the placement needs. Unset: 90% of the disk's free space, "
         "less a checkpoint when the run saves them and output_dir is on the same disk (the exported model's room "
-        "is kept beside the state that stays on NVMe to the end); with several directories, the fullest drive's "
-        "free share times their number"), shown="90% of the disk's free space")
+        "is kept beside the state that stays on NVMe to the end: gradients and moments there are discarded, their "
+        "space given back, before the export; where the filesystem cannot punch holes it is kept from the whole "
+        "budget); with several directories, the fullest drive's free share times their number"),
+        shown="90% of the disk's free space")
     backend: Literal["auto", "kvikio", "posix"] = setting("auto", help=(
         "auto: kvikio when installed and able to do I/O here, else posix; the choice and the reason are logged"))
     threads: int = setting(8, convert=_threads, yaml_type="integer (1-1024)", help=(
