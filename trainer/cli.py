@@ -16,7 +16,8 @@ import sys
 from tiermem.errors import UserError, printable
 
 EPILOG = ("The YAML takes LLaMA-Factory's keys (and Hugging Face TrainingArguments') with their meanings; "
-          "`tiermem-train --keys` lists every key and what tiermem does with it. README.md has the details.")
+          "`tiermem-train --keys` lists every key: its type, default and meaning, or what tiermem does with it "
+          "(docs/config.md has the same).")
 
 
 def _user_error(e: BaseException) -> UserError | None:
