@@ -78,7 +78,7 @@ def round_trip(model_dir) -> dict[str, torch.Tensor]:
     rules) and written back as the export writes it (reverted), without the store: its on-disk tensors."""
     from trainer.model.disk_layout import Exporter
     from trainer.model.select import load_model
-    from trainer.weights_io import _converted, check_weight_files, load_buffers
+    from trainer.outputs.weights_io import _converted, check_weight_files, load_buffers
 
     cfg = load_model(model_dir, "generic")
     check_weight_files(cfg, model_dir)
