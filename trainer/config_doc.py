@@ -11,6 +11,7 @@ tests/test_config_doc.py checks that the committed docs/config.md is this module
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 import textwrap
 import types
@@ -80,8 +81,8 @@ def store_sections() -> Iterator[tuple[str, str, list[Key]]]:
 
     for name in registry.names():
         cls = registry.tier_type(name).Config
-        yield f"tiers.{name}", (cls.__doc__ or "").strip(), keys_of(cls, f"tiers.{name}.")
-    yield "optimizer", (OptimizerConfig.__doc__ or "").strip(), keys_of(OptimizerConfig, "optimizer.")
+        yield f"tiers.{name}", _doc(cls), keys_of(cls, f"tiers.{name}.")
+    yield "optimizer", _doc(OptimizerConfig), keys_of(OptimizerConfig, "optimizer.")
     sections = {"tiers", "optimizer"}
     yield "the top level", "", [k for k in keys_of(StoreConfig) if k.name not in sections]
 
@@ -122,7 +123,14 @@ def keys_text() -> Iterator[str]:
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
+    """``text`` in a Markdown table cell: its bars escaped, and its angle brackets (``<name>.arena``), which a
+    renderer would take for HTML."""
+    return text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _doc(cls: type) -> str:
+    """A config section's docstring as Markdown (one paragraph, single backticks)."""
+    return " ".join(inspect.cleandoc(cls.__doc__ or "").split()).replace("``", "`")
 
 
 def _table(keys: list[Key]) -> list[str]:
@@ -154,7 +162,7 @@ def markdown() -> str:
             "`tiermem serve --config`. Every `auto` is decided at start (`tiermem/plan/resolve.py`) and "
             "`output_dir/training_args.yaml` records the decided values.", ""]
     for heading, what, keys in store_sections():
-        out += [f"### {heading}", ""] + ([what, ""] if what else []) + [*_table(keys), ""]
+        out += [f"### {heading}", ""] + ([_cell(what), ""] if what else []) + [*_table(keys), ""]
     out += ["## Every other key", "",
             "Every other key of LLaMA-Factory's arguments and of Hugging Face's `TrainingArguments` gets an answer "
             "(`trainer/config_keys.py`): accepted without effect, with one `note:` line at start saying why, or "

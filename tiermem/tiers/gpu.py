@@ -40,7 +40,7 @@ def _slots(value: Any, where: str) -> int:
 
 @dataclass
 class GpuTierConfig:
-    """HBM for streamed layer slots and resident groups. ``budget: auto`` = what the placement needs."""
+    """HBM for streamed layer slots, resident groups and a step's activations; the device the store computes on."""
 
     budget: int | None = setting(None, convert=size_or_auto, yaml_type="size | auto", help=(
         "hard limit for the HBM the planner gives to state, streaming slots and a step's activations together"),
