@@ -1,6 +1,7 @@
-"""LLaMA-Factory's own examples/train_full/llama3_full_sft.yaml (configs/llamafactory/: the model pointed at
-the quickstart's, the bundled datasets, the deepspeed line removed) runs as it is, from a directory laid
-out as LLaMA-Factory's (data/, saves/), and leaves what LLaMA-Factory leaves."""
+"""LLaMA-Factory's own examples/train_full/llama3_full_sft.yaml, qwen3_full_sft.yaml and qwen3_full_sft_256k.yaml
+(configs/llamafactory/: the model pointed at the quickstart's, the bundled datasets, the deepspeed line removed)
+run as they are, from a directory laid out as LLaMA-Factory's (data/, saves/), and leave what LLaMA-Factory
+leaves."""
 
 from __future__ import annotations
 
@@ -10,15 +11,27 @@ import pytest
 
 from tests.procs import ROOT
 from trainer.cli import main
+from trainer.config import load_train_config
+
+LF = ROOT / "configs" / "llamafactory"
+# the keys of the Qwen3 examples that change nothing here, each noted
+QWEN3_NOTED = ("trust_remote_code", "enable_liger_kernel", "dataloader_num_workers", "gradient_checkpointing",
+               "ddp_timeout", "report_to: wandb")
+SEQUENCE_PARALLEL = ("sequence_parallel_size", "sequence_parallel_mode")
+
+
+def _laid_out(tmp_path, monkeypatch):
+    """``tmp_path`` as LLaMA-Factory's working directory (data/, models/), the current one."""
+    for d in ("data", "models"):
+        (tmp_path / d).symlink_to(ROOT / d)
+    monkeypatch.chdir(tmp_path)
 
 
 @pytest.mark.slow
 def test_llama3_full_sft_runs_unchanged(tmp_path, monkeypatch, capsys):
     from transformers import TrainerState
 
-    for d in ("data", "models"):
-        (tmp_path / d).symlink_to(ROOT / d)
-    monkeypatch.chdir(tmp_path)
+    _laid_out(tmp_path, monkeypatch)
     assert main([str(ROOT / "configs" / "quickstart.yaml"), "max_steps=1", "eval_strategy=no", "plot_loss=false"]) == 0
     capsys.readouterr()
     assert main([str(ROOT / "configs" / "llamafactory" / "llama3_full_sft.yaml")]) == 0  # no overrides
@@ -37,3 +50,42 @@ def test_llama3_full_sft_runs_unchanged(tmp_path, monkeypatch, capsys):
     for f in ("model.safetensors", "tokenizer.json", "training_loss.png", "training_args.yaml"):
         assert (out / f).is_file(), f
     assert not list(out.glob("checkpoint-*")), "save_steps 500 > 48 steps"
+
+
+@pytest.mark.parametrize("name, attn", [("qwen3_full_sft", "attn"), ("qwen3_full_sft_256k", "flash_attn")])
+def test_the_qwen3_long_context_examples_are_taken_with_notes(tmp_path, monkeypatch, name, attn):
+    """Every key of LLaMA-Factory's Qwen3 long-context examples is taken or noted (none refused): report_to:
+    wandb sends nothing, sequence parallelism is noted (one GPU holds the whole row), rope_scaling is taken."""
+    _laid_out(tmp_path, monkeypatch)
+    cfg = load_train_config(LF / f"{name}.yaml")
+    notes = "\n".join(cfg.notes)
+    for key in (*QWEN3_NOTED, attn):
+        assert f"note: {key} has no effect here: " in notes, (key, notes)
+    many = name.endswith("256k")
+    for key in SEQUENCE_PARALLEL:
+        assert (f"note: {key} has no effect here: one GPU holds the whole row" in notes) == many, notes
+    assert len(cfg.notes) == len(QWEN3_NOTED) + 1 + 2 * many, notes
+    assert cfg.rope_scaling == "yarn" and cfg.report_to == "none" and cfg.template == "qwen"
+    assert cfg.cutoff_len == (204800 if many else 131072)
+
+
+@pytest.mark.slow
+def test_the_qwen3_long_context_examples_run_unchanged(tmp_path, monkeypatch, capsys):
+    """Both Qwen3 examples train as they are (rows as long as the demo data's, cutoff_len as written) and export
+    config.json with RoPE scaled by yarn as LLaMA-Factory scales it."""
+    _laid_out(tmp_path, monkeypatch)
+    assert main([str(ROOT / "configs" / "quickstart.yaml"), "max_steps=1", "eval_strategy=no", "plot_loss=false"]) == 0
+    capsys.readouterr()
+    for name, out, cutoff, steps in (("qwen3_full_sft", "qwen3_8b_tbench_traces_sharegptv1_yarn_ds", 131072, 30),
+                                     ("qwen3_full_sft_256k", "qwen3_8b_tbench_traces_200k_ulysses_ds", 204800, 9)):
+        assert main([str(LF / f"{name}.yaml")]) == 0  # no overrides
+        printed = capsys.readouterr().out
+        assert f"note: rope_scaling: yarn with factor {cutoff // 256} for cutoff_len {cutoff}" in printed, printed
+        out = tmp_path / "output" / out
+        log = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
+        assert log[-1]["current_steps"] == steps, log  # 12 rows, 1 x 2 (1 x 4) rows a step, 5 (3) epochs
+        exported = json.loads((out / "config.json").read_text())
+        assert exported["max_position_embeddings"] == cutoff
+        assert exported["rope_scaling"] == {"rope_type": "yarn", "factor": cutoff / 256,
+                                            "original_max_position_embeddings": 256}
+        assert not list(out.glob("checkpoint-*")), "save_steps 50 > the steps"

@@ -14,12 +14,12 @@ The same schema is read by ``tiermem serve --config`` and inline under a trainin
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from tiermem.errors import ConfigError, nearest, shown
-from tiermem.schema import load_dataclass
+from tiermem.schema import load_dataclass, setting
 from tiermem.specs import KINDS, MOMENTS  # noqa: F401 - (MOMENTS: the trainer's name for them, from here)
 from tiermem.tiers import registry
 from tiermem.tiers.base import DEVICE, HOST
@@ -134,26 +134,42 @@ def _share(value: Any, where: str) -> float | None:
 class OptimizerConfig:
     """Where the optimizer step runs for groups whose state lives in DRAM or on NVMe."""
 
-    # fraction of those groups updated on the GPU (state streamed over PCIe and back) instead of by CPU
-    # AdamW; both run at once. auto: 0.7 with a CUDA GPU tier (measured best on the H200 machine), else 0.
-    gpu_share: float | None = field(default=None, metadata={"convert": _share})
-    # which of those groups the CPU worker takes: "spread" evenly over the forward order (both workers
-    # progress together), or the "last" ones the next forward needs (a slow CPU AdamW, such as the
-    # service's crash-safe one, then runs while the forward works through the GPU worker's groups).
-    # auto: last in a service with a GPU (measured best on the H200 machine), else spread
-    cpu_groups: Literal["auto", "spread", "last"] = "auto"
+    gpu_share: float | None = setting(None, convert=_share, yaml_type="fraction (0-1) | auto", shown="auto", help=(
+        "fraction of the DRAM/NVMe-resident groups whose AdamW step runs on the GPU (state streamed over PCIe and "
+        "back) beside CPU AdamW; auto: the planner's split in a training run and in a service's planned run; with "
+        "the fixed rule (every kind pinned) 0.7 with a CUDA GPU, 0 without, 0.85 in a service's config (its CPU "
+        "AdamW is crash-safe, so slower). A value set here wins over the planner's"))
+    cpu_groups: Literal["auto", "spread", "last"] = setting("auto", help=(
+        "which of those groups the CPU worker takes: spread evenly over the forward order (both workers progress "
+        "together), or last: the ones the next forward needs last (the GPU worker takes the first), for a slow "
+        "CPU AdamW such as the service's; auto: last in a service with a GPU (attached / embedded step time "
+        "1.003 against 1.05 with spread), else spread"))
 
 
 @dataclass
 class StoreConfig:
     """The whole tiermem config."""
 
-    tiers: TiersConfig = field(default_factory=default_tiers, metadata={"convert": _tiers})
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    placement: str | dict[str, str] = field(default="auto", metadata={"convert": _placement})
-    name: str | None = field(default=None, metadata={"convert": _name})  # names the arena and NVMe files;
-    # default tiermem-<pid>
-    probe: str | None = None  # a `tiermem probe --save` file the planner reads (None: a quick probe at start)
+    tiers: TiersConfig = setting(default_factory=default_tiers, convert=_tiers, help=(
+        "each tier's section (tiers.<name>), the registered tiers' only: gpu and dram always there, nvme when "
+        "set"))
+    optimizer: OptimizerConfig = setting(default_factory=OptimizerConfig, help="where the optimizer step runs")
+    placement: str | dict[str, str] = setting("auto", convert=_placement, yaml_type="auto | mapping kind -> tier",
+                                              help=(
+        "auto: the planner places every kind (param, grad, master, exp_avg, exp_avg_sq); or a mapping kind -> "
+        "tier pinning the kinds it names (the planner places the rest; auto as a tier is the same as not naming "
+        "the kind)"))
+    name: str | None = setting(None, convert=_name, shown="tiermem-<pid>", help=(
+        "names the arena and NVMe files (and a service's run record and lock) in the tiers' directories: one "
+        "plain file name, no /, no control characters, not . or .., at most 200 bytes"))
+    probe: str | None = setting(None, help=(
+        "a `tiermem probe --save` file the planner reads; null: a training run probes PCIe, the disk (each way "
+        "alone and both at once), CPU AdamW and its compute copy quickly at start (about 4 s)"))
+
+    # (not a key) the dotted keys the config gives a value of its own, neither null nor auto (``tiers.dram.path``,
+    # ``optimizer.gpu_share``): what it leaves to tiermem is not among them. Set by load_store_config; kept by a
+    # copy (resolve_auto's), so a resolved config still tells a decided value from the user's
+    set_keys: ClassVar[frozenset[str]] = frozenset()
 
     def pins(self) -> dict[str, str]:
         """The kinds the placement pins to a tier (``auto`` and kinds not named are the planner's)."""
@@ -161,6 +177,19 @@ class StoreConfig:
 
     def store_name(self) -> str:
         return self.name or f"tiermem-{os.getpid()}"
+
+
+def chosen_keys(data: dict, prefix: str = "") -> set[str]:
+    """The dotted keys of a tiermem config's mapping given a value of their own (neither null nor auto), walking
+    into ``tiers``, each tier's section and ``optimizer``."""
+    out = set()
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and (key in ("tiers", "optimizer") or prefix == "tiers."):
+            out |= chosen_keys(v, key + ".")
+        elif v is not None and v != "auto":
+            out.add(key)
+    return out
 
 
 def load_store_config(source: str | Path | dict[str, Any] | None, where: str = "tiermem") -> StoreConfig:
@@ -176,6 +205,7 @@ def load_store_config(source: str | Path | dict[str, Any] | None, where: str = "
     if "tiers" in data and data["tiers"] is None:
         raise ConfigError("tiers: expected a mapping, got None")
     cfg = load_dataclass(StoreConfig, data, "")
+    cfg.set_keys = frozenset(chosen_keys(data))
     for kind, tier in (cfg.placement.items() if isinstance(cfg.placement, dict) else ()):
         if tier != "auto" and cfg.tiers.get(tier) is None:
             raise ConfigError(f"placement puts '{kind}' on {tier} but tiers.{tier} is not configured; "

@@ -3,6 +3,9 @@
 Unknown keys are an error naming the key and the nearest valid one. A field may carry a converter in
 its metadata (``field(metadata={"convert": parse_size})``) that turns the raw YAML value into the
 field's value and raises ConfigError on bad input. Shared by the store's config and the trainer's.
+
+Every key of a config says what it means beside its type and default (``setting``): its metadata's ``help``,
+read by ``tiermem-train --keys`` and the generator of docs/config.md (``trainer.config_doc``).
 """
 
 from __future__ import annotations
@@ -14,6 +17,18 @@ import typing
 from typing import Any
 
 from tiermem.errors import ConfigError, nearest, shown
+
+
+def setting(default: Any = dataclasses.MISSING, *, help: str, shown: str | None = None, group: str | None = None,
+            convert: Any = None, yaml_type: str | None = None, default_factory: Any = dataclasses.MISSING) -> Any:
+    """A config field with its meaning: ``help`` (one paragraph; what the key does, its values), ``shown``
+    (the default as the docs show it, where the field's default value is a stand-in such as None for "decided
+    at start"), ``group`` (the heading it is listed under), ``convert`` (see the module) and ``yaml_type`` (what
+    the YAML may give, where a converter takes more than the field's type says: ``size | auto``)."""
+    meta = {"help": help}
+    given = (("shown", shown), ("group", group), ("convert", convert), ("yaml_type", yaml_type))
+    meta.update({k: v for k, v in given if v is not None})
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=meta)
 
 
 def _describe(tp: Any) -> str:

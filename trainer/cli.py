@@ -16,7 +16,8 @@ import sys
 from tiermem.errors import UserError, printable
 
 EPILOG = ("The YAML takes LLaMA-Factory's keys (and Hugging Face TrainingArguments') with their meanings; "
-          "`tiermem-train --keys` lists every key and what tiermem does with it. README.md has the details.")
+          "`tiermem-train --keys` lists every key: its type, default and meaning, or what tiermem does with it "
+          "(docs/config.md has the same).")
 
 
 def _user_error(e: BaseException) -> UserError | None:
@@ -52,19 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def print_keys() -> None:
-    """``--keys``: tiermem's own keys with their defaults, then every other known key and its answer."""
-    import dataclasses
+    """``--keys``: every key with its type, default and meaning (the training YAML's by group, the tiermem
+    config's by section), then every other known key and its answer."""
+    from trainer.config_doc import keys_text
 
-    from trainer.config import TrainConfig
-    from trainer.config_keys import KEYS, describe
-
-    print("taken (the meaning LLaMA-Factory and Hugging Face give them; README.md has the table):")
-    for f in dataclasses.fields(TrainConfig):
-        default = "required" if f.default is dataclasses.MISSING else f"default {f.default!r}"
-        print(f"  {f.name}: {default}")
-    print("known, with the answer tiermem gives them:")
-    for key in sorted(KEYS):
-        print(f"  {key}: {describe(key)}")
+    for line in keys_text():
+        print(line)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
 from tiermem.errors import ConfigError, ConfigProblems, nearest
 from tiermem.schema import load_dataclass, to_plain
 from tiermem.yamlfile import load_yaml, read_yaml
+from trainer.config_fields import TrainConfig
 from trainer.config_keys import KEYS, REFUSED_VALUES
 from trainer.paths import check_output_dir, expand_paths
 
@@ -33,102 +33,12 @@ SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 # batches published (16M tokens)
 MAX_MICRO_BATCHES = 1 << 20
 REPORTERS = ("tensorboard",)  # what report_to may name, besides none
+# Hugging Face's online reporters: tiermem runs offline, so naming one sends nothing (a note, as LLaMA-Factory's
+# examples name wandb); what it reports (the losses) is in the step lines, trainer_log.jsonl and tensorboard's files
+ONLINE_REPORTERS = ("azure_ml", "clearml", "codecarbon", "comet_ml", "dagshub", "dvclive", "flyte", "mlflow",
+                    "neptune", "swanlab", "trackio", "wandb")
 FP32_TINY = 1.1754943508222875e-38  # the smallest normal fp32 number: adam_epsilon's least value
 FP32_MAX = 3.4028234663852886e38  # the largest fp32 number: learning_rate's and weight_decay's largest value
-@dataclass
-class TrainConfig:
-    # model
-    model_name_or_path: str
-    output_dir: str
-    dataset: str
-    stage: Literal["pt", "sft"] = "sft"
-    do_train: bool = True
-    finetuning_type: str = "full"
-    train_from_scratch: bool = False  # as tiermem_init: random
-    tiermem_init: Literal["pretrained", "random"] = "pretrained"
-    # data
-    dataset_dir: str = "data"
-    template: str | None = None
-    cutoff_len: int = 2048
-    max_samples: int | None = None
-    train_on_prompt: bool = False
-    mask_history: bool = False
-    preprocessing_num_workers: int | None = None
-    overwrite_cache: bool = False
-    # evaluation
-    val_size: float = 0.0
-    eval_dataset: str | None = None
-    do_eval: bool | None = None  # evaluate at the end (eval_results.json); default: eval_strategy is not no
-    eval_strategy: Literal["no", "steps", "epoch"] = "no"
-    eval_steps: int | None = None
-    per_device_eval_batch_size: int = 8
-    metric_for_best_model: str | None = None  # loss or eval_loss: trainer_state.json's best_metric
-    # output
-    overwrite_output_dir: bool = False
-    logging_steps: int = 10
-    logging_first_step: bool = False
-    logging_dir: str | None = None  # report_to: tensorboard writes its event files here (default output_dir/runs)
-    save_strategy: Literal["no", "steps", "epoch"] = "steps"
-    save_steps: int | None = None  # with save_strategy steps: write output_dir/checkpoint-N every N steps
-    save_only_model: bool = False
-    save_total_limit: int | None = None
-    plot_loss: bool = False
-    report_to: Any = "none"  # none or tensorboard (a list or a comma-separated string, as Hugging Face's)
-    # optimisation
-    per_device_train_batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    learning_rate: float = 5e-5
-    num_train_epochs: float = 3.0
-    max_steps: int = -1
-    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
-    warmup_ratio: float = 0.0
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    max_grad_norm: float = 1.0
-    bf16: bool = False
-    seed: int = 42
-    resume_from_checkpoint: str | None = None
-    # tiermem's own
-    tiermem: Any = None  # a path to a tiermem config file, or the same mapping inline
-    tiermem_server: str | None = None
-    tiermem_skip_bad_rows: bool = False  # skip rows that do not fit their dataset's format (counted), not stop
-    tiermem_cache_dir: str | None = None  # tokenized-dataset cache; default $TIERMEM_CACHE or ~/.cache/tiermem
-    loss_chunk_tokens: int = 4096  # tokens per chunk of the LM-head loss (bounds the logits' memory)
-    # the router's load-balancing loss of a mixture-of-experts model (LLaMA-Factory's key): a weight > 0 turns it
-    # on with that weight, 0 off; unset: as config.json says (output_router_logits, router_aux_loss_coef)
-    moe_aux_loss_coef: float | None = None
-    # which code computes the model: auto (the template where it covers the architecture, else the generic
-    # path through transformers' own modules), template, or generic
-    tiermem_model_path: Literal["auto", "template", "generic"] = "auto"
-    # LLaMA-Factory's RoPE scaling for rows longer than the model's positions (trainer.model.rope's
-    # llamafactory_scaling): config.json scaled as LLaMA-Factory scales it, and exported so
-    rope_scaling: Literal["linear", "dynamic", "yarn", "llama3"] | None = None
-    # GPU memory a pass may fill with boundary activations; a step whose micro-batches need more runs as
-    # several layer-major passes. auto: half the GPU memory free after the store's; no limit on the CPU.
-    tiermem_activation_budget: Any = "auto"
-    # decoder layers whose forward keeps its activations for the backward instead of recomputing them (the
-    # first ones whose weights live in HBM: a streamed layer's weights are gone before its backward); 0: none;
-    # auto: the planner's choice, with the placement (a dense model's; a mixture of experts keeps none on auto)
-    tiermem_keep_activations: Any = "auto"
-    # rows the GPU computes at once: a micro-batch of per_device_train_batch_size rows runs as pieces of at most
-    # this many (the same step: the loss is the mean over all of its tokens); auto: the planner's (smaller pieces
-    # where HBM is short; the micro-batch's own while a load-balancing loss is on, a micro-batch's statistic)
-    tiermem_physical_batch_size: Any = "auto"
-    # torch.compile of the decoder layer (the template's dense layers; trainer.model.compiled): true, false, or
-    # auto (on CUDA); Hugging Face's keys, with its backend and mode (modes with CUDA graphs are refused)
-    torch_compile: Any = "auto"
-    torch_compile_backend: str = "inductor"
-    torch_compile_mode: str | None = None
-    # with several ranks (torchrun): seconds a collective, or a wait for another rank's update, may take before
-    # the run stops with one line naming the rank
-    tiermem_dist_timeout: float = 600.0
-    # resume from a checkpoint whose manifest has format 1 (file sizes only, no checksums: not verifiable)
-    tiermem_trust_old_checkpoints: bool = False
-
-    notes = ()  # (not a field) the note: lines of keys accepted without effect, set by load_train_config
 
 
 def _dynamo_backend(name) -> bool:
@@ -185,10 +95,10 @@ def load_train_config(path: str | Path, overrides: list[str] | None = None, here
     data = _answer_keys(data, problems, notes)
     cfg = load_dataclass(TrainConfig, data, "", problems)
     if cfg is not None:
+        cfg.notes = notes
         validate(cfg, problems, here)
     if problems:
         raise ConfigError(problems[0]) if len(problems) == 1 else ConfigProblems(problems)
-    cfg.notes = notes
     return cfg
 
 
@@ -248,13 +158,14 @@ def validate(c: TrainConfig, problems: list[str] | None = None, here: bool = Tru
     if c.finetuning_type != "full":
         bad(f"finetuning_type: {c.finetuning_type} is not supported: {REFUSED_VALUES['finetuning_type'][1]}")
     for name in report_targets(c.report_to):
-        if name == "wandb":
-            bad("report_to: wandb is not supported: tiermem runs offline and sends nothing to Weights & Biases; use "
-                "report_to: tensorboard (event files in output_dir) or none")
+        if name in ONLINE_REPORTERS:
+            c.notes = [*c.notes, f"note: report_to: {name} has no effect here: tiermem runs offline and sends nothing; "
+                                 "the losses are in the step lines and trainer_log.jsonl (report_to: tensorboard "
+                                 "writes event files)"]
         elif name not in REPORTERS:
             bad(f"report_to: {name} is not supported: tiermem runs offline and reports to tensorboard only (event "
                 "files in output_dir), besides its own trainer_log.jsonl: use report_to: tensorboard or none")
-    c.report_to = ",".join(report_targets(c.report_to)) or "none"
+    c.report_to = ",".join(n for n in report_targets(c.report_to) if n in REPORTERS) or "none"
     if c.train_from_scratch:
         c.tiermem_init = "random"
     if c.metric_for_best_model not in (None, "loss", "eval_loss"):
@@ -296,9 +207,7 @@ def validate(c: TrainConfig, problems: list[str] | None = None, here: bool = Tru
     if c.moe_aux_loss_coef is not None and not (math.isfinite(c.moe_aux_loss_coef) and c.moe_aux_loss_coef >= 0):
         bad(f"moe_aux_loss_coef must be a non-negative number, got {c.moe_aux_loss_coef}")
     _check_compute(c, bad)
-    if c.tiermem is not None and not isinstance(c.tiermem, (str, dict)):
-        bad("tiermem: expected a path to a tiermem config file or an inline mapping")
-    elif not c.tiermem_server:
+    if not c.tiermem_server:
         from trainer.state import store_config
 
         _collect(bad, store_config, c.tiermem, here)  # the store's config: keys, sizes, devices (budgets: at start)
@@ -340,26 +249,13 @@ def _check_numbers(c: TrainConfig, bad) -> None:
 
 
 def _check_compute(c: TrainConfig, bad) -> None:
-    """How the layers are computed: kept activations, pieces, torch.compile, the activation budget."""
-    keep = c.tiermem_keep_activations
-    if keep != "auto" and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 0):
-        bad(f"tiermem_keep_activations must be a number of layers (0 or more) or auto, got {keep!r}")
-    rows = c.tiermem_physical_batch_size
-    if rows != "auto" and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
-        bad(f"tiermem_physical_batch_size must be a number of rows (1 or more) or auto, got {rows!r}")
-    if c.torch_compile != "auto" and not isinstance(c.torch_compile, bool):
-        bad(f"torch_compile must be true, false or auto, got {c.torch_compile!r}")
+    """torch.compile's mode and backend (the keys' other values are checked as they are read)."""
     if c.torch_compile_mode not in (None, "default", "max-autotune-no-cudagraphs"):
         bad(f"torch_compile_mode must be default or max-autotune-no-cudagraphs (CUDA graphs cannot follow weights that "
             f"stream through slots), got {c.torch_compile_mode!r}")
     if c.torch_compile_backend != "inductor" and not _dynamo_backend(c.torch_compile_backend):
         bad(f"torch_compile_backend must name a torch.compile backend other than cudagraphs (inductor, aot_eager, "
             f"... : torch._dynamo.list_backends()), got {c.torch_compile_backend!r}")
-    if c.tiermem_activation_budget not in ("auto", None):
-        from tiermem.sizes import parse_size
-
-        budget = _collect(bad, parse_size, c.tiermem_activation_budget, "tiermem_activation_budget")
-        c.tiermem_activation_budget = budget if budget is not None else "auto"
 
 
 def _check_eval(c: TrainConfig, bad) -> None:

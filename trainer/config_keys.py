@@ -52,6 +52,9 @@ FREEZE = "used only by finetuning_type: freeze (tiermem trains every parameter: 
 RLHF = "used only by the rm, ppo, dpo and kto stages (tiermem trains stage pt or sft)"
 OPTIMIZER = "tiermem's optimizer is AdamW over fp32 master weights and moments; other optimizers are not supported"
 LOADING = "tiermem reads the model's safetensors directly, tensor by tensor"
+ONE_ROW = ("one GPU holds the whole row: tiermem bounds a long row's memory by streaming the layers' state and "
+           "recomputing each layer from its boundary activation, not by splitting the row over GPUs (several ranks "
+           "train rows of their own)")
 
 KEYS: dict[str, Answer] = {
     # -- LLaMA-Factory model arguments ------------------------------------------------------------------
@@ -87,6 +90,8 @@ KEYS: dict[str, Answer] = {
     **_refuse("changing the tokenizer's vocabulary is not supported", "init_special_tokens", ok=("noise_init",)),
     **_refuse("this changes the model's architecture, which tiermem does not support", "shift_attn",
               "mixture_of_depths", "use_unsloth", "upcast_layernorm", "upcast_lmhead_output"),
+    **_noop(ONE_ROW, "sequence_parallel_size", ok=(1,)),
+    **_noop(ONE_ROW, "sequence_parallel_mode"),
     **_refuse("KTransformers offload is not supported: tiermem keeps the state in its own tiered store", "use_kt"),
     **_noop("used only with use_kt", "kt_cpu_activation", "kt_weight_path", "kt_non_expert_weight_path",
             "kt_expert_checkpoint_path", "kt_use_lora_experts", "kt_lora_expert_num",

@@ -68,7 +68,7 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
     # (a run's plan replayed: the figures of the machine it ran on, unless a probe file is named)
     machine = there if there is not None and not (args.probe or scfg.probe) else \
         run_plan.machine_for(scfg, device, args.probe)
-    elsewhere = device.type != "cuda" and wants_cuda(cfg.tiermem)
+    elsewhere = device.type != "cuda" and wants_cuda(scfg)
     if elsewhere:
         # no GPU here: plan for the GPU machine the figures describe (what the run would do there)
         budgets = run_plan.budgets_for(scfg, machine)

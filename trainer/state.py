@@ -16,15 +16,14 @@ from tiermem.tiers.dram import check_budget
 from tiermem.yamlfile import read_yaml
 from trainer.model.weights import all_weights
 
+HOST_PATH = "tiers.dram.path"  # (the keys a run's checks ask about: the user's, or left to tiermem)
+DEVICE_KEY = "tiers.gpu.device"
 
-def store_config(value, here: bool = True) -> StoreConfig:
-    """The tiermem config of a training run: a file path, an inline mapping, or the defaults.
 
-    Embedded runs default the DRAM arena to ``anonymous`` (private huge pages: nothing to share, nothing
-    left behind, fast to pin); every ``auto`` (the GPU tier's device among them) is resolved by
-    ``tiermem.plan.resolve``. ``here``: the run is on this machine, whose memory bounds the DRAM budget
-    (``tiermem plan`` for another machine checks against that one's).
-    """
+def store_settings(value) -> StoreConfig:
+    """The tiermem config of a training run as it is written (a file path, an inline mapping, or the defaults),
+    nothing resolved: its ``set_keys`` say what the user chose. Embedded runs default the DRAM arena to
+    ``anonymous`` (private huge pages: nothing to share, nothing left behind, fast to pin)."""
     data = read_yaml(value, "tiermem config file") if isinstance(value, str) else copy.deepcopy(value or {})
     tiers = {} if data.get("tiers") is None else data["tiers"]
     if not isinstance(tiers, dict):
@@ -35,33 +34,30 @@ def store_config(value, here: bool = True) -> StoreConfig:
             tiers[key] = {}
         elif not isinstance(tiers[key], dict):
             raise ConfigError(f"tiers.{key}: expected a mapping of settings, got {tiers[key]!r}")
-    tiers["dram"].setdefault("path", "anonymous")
     cfg = load_store_config(data, str(value) if isinstance(value, str) else "tiermem")
+    if HOST_PATH not in cfg.set_keys:
+        cfg.tiers.host_tier.path = "anonymous"
+    return cfg
+
+
+def store_config(value, here: bool = True) -> StoreConfig:
+    """The tiermem config of a training run (``store_settings``) with every ``auto`` (the GPU tier's device among
+    them) resolved by ``tiermem.plan.resolve``. ``here``: the run is on this machine, whose memory bounds the
+    DRAM budget (``tiermem plan`` for another machine checks against that one's)."""
+    cfg = store_settings(value)
     if here:
         check_budget(cfg.tiers.dram.budget, cfg.tiers.dram.path)
     return resolve_auto(cfg, "embedded")
 
 
-def _raw(value) -> dict:
-    data = read_yaml(value, "tiermem config file") if isinstance(value, str) else (value or {})
-    return data if isinstance(data, dict) else {}
-
-
-def _mapping(value) -> dict:
-    return value if isinstance(value, dict) else {}
-
-
-def explicit_gpu_share(value) -> bool:
+def explicit_gpu_share(scfg: StoreConfig) -> bool:
     """Whether the run's tiermem config sets optimizer.gpu_share itself (then it wins over the planner's split)."""
-    opt = _raw(value).get("optimizer")
-    return isinstance(opt, dict) and opt.get("gpu_share") not in (None, "auto")
+    return "optimizer.gpu_share" in scfg.set_keys
 
 
-def wants_cuda(value) -> bool:
+def wants_cuda(scfg: StoreConfig) -> bool:
     """Whether the run's tiermem config computes on CUDA where there is one (device auto or cuda)."""
-    gpu = _mapping(_raw(value).get("tiers")).get("gpu")
-    device = gpu.get("device", "auto") if isinstance(gpu, dict) else "auto"
-    return str(device) == "auto" or str(device).startswith("cuda")
+    return DEVICE_KEY not in scfg.set_keys or scfg.tiers.device_tier.device.startswith("cuda")
 
 
 def state_specs(model_cfg, dtype: torch.dtype) -> list[TensorSpec]:

@@ -34,6 +34,7 @@ import psutil
 import torch
 
 from tiermem.errors import ConfigError, StorageError
+from tiermem.schema import setting
 from tiermem.sizes import align_up, format_size, size_or_auto
 from tiermem.tiers.base import HOST, Making
 from tiermem.tiers.extents import Extent, ExtentAllocator
@@ -50,10 +51,19 @@ SUFFIX = ".arena"
 class DramTierConfig:
     """The shared-memory arena; registered with CUDA as pinned memory when a GPU is present."""
 
-    budget: int | None = field(default=None, metadata={"convert": size_or_auto})
-    path: str = "/dev/shm"  # directory that holds the arena file, or "anonymous" (private huge pages)
-    pin: Literal["auto", "true", "false"] = "auto"
-    preallocate: bool = False  # fallocate first: a /dev/shm filled meanwhile fails cleanly (~0.2 s/GiB)
+    budget: int | None = setting(None, convert=size_or_auto, yaml_type="size | auto", help=(
+        "hard limit for the arena; one larger than the arena's filesystem (or, anonymous, than the machine's "
+        "memory) is refused at start. Unset: 90% of the host's free memory as the cgroup sees it (where a limit "
+        "is set) and of what the arena's directory has free"), shown="90% of what /dev/shm and RAM have free")
+    path: str = setting("/dev/shm", help=(
+        "directory of the arena file <name>.arena (shareable by name), or anonymous: private huge-page memory, "
+        "for one process. A training run's own store defaults to anonymous, to /dev/shm with several ranks "
+        "(they share it); a tmpfs mounted huge=always pins about 6 times faster than /dev/shm"))
+    pin: Literal["auto", "true", "false"] = setting("auto", help=(
+        "register the arena with CUDA (auto: when the store computes on a GPU)"))
+    preallocate: bool = setting(False, help=(
+        "fallocate the arena first, so a /dev/shm that another process fills meanwhile fails at start (about "
+        "0.2 s/GiB more)"))
 
 
 @dataclass

@@ -17,6 +17,7 @@ import psutil
 import torch
 
 from tiermem.errors import BudgetError, ConfigError
+from tiermem.schema import setting
 from tiermem.sizes import align_up, format_size, size_or_auto
 from tiermem.tiers.base import DEVICE, Making, host_sync
 from tiermem.tiers.extents import Extent, ExtentAllocator, OutOfSpace
@@ -39,13 +40,17 @@ def _slots(value: Any, where: str) -> int:
 
 @dataclass
 class GpuTierConfig:
-    """HBM for streamed layer slots and resident groups. ``budget: auto`` = what the placement needs."""
+    """HBM for streamed layer slots, resident groups and a step's activations; the device the store computes on."""
 
-    budget: int | None = field(default=None, metadata={"convert": size_or_auto})
-    # "auto" (CUDA when there is a GPU, else the CPU), "cuda", "cuda:N", or "cpu" (the CPU stand-in)
-    device: str = field(default="auto", metadata={"convert": _device})
-    # streamed-layer slots per kind fetched to the GPU (current, next, the one being freed)
-    slots: int = field(default=3, metadata={"convert": _slots})
+    budget: int | None = setting(None, convert=size_or_auto, yaml_type="size | auto", help=(
+        "hard limit for the HBM the planner gives to state, streaming slots and a step's activations together"),
+        shown="all of the GPU's memory (a quarter of free host memory for the CPU stand-in)")
+    device: str = setting("auto", convert=_device, yaml_type="auto | cuda | cuda:N | cpu", help=(
+        "the device the store computes on: auto (CUDA when there is a GPU, else the CPU), cuda, cuda:N, or cpu "
+        "(the CPU stand-in the tests use); a CUDA device the machine lacks is refused"))
+    slots: int = setting(3, convert=_slots, yaml_type="integer (1-64)", help=(
+        "streaming slots, each the size of the largest streamed group (the current, the next, the one being "
+        "freed)"))
 
 
 @dataclass

@@ -19,7 +19,7 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -27,6 +27,7 @@ import torch
 
 from tiermem.errors import ConfigError, StorageError, shown
 from tiermem.futures import all_of
+from tiermem.schema import setting
 from tiermem.sizes import align_up, format_size, parse_size, size_or_auto
 from tiermem.tiers import stripes
 from tiermem.tiers.base import STORAGE, DiskRates, Making
@@ -80,12 +81,27 @@ class NvmeTierConfig:
     """Preallocated files in a directory (or one per device: a list), read and written through kvikio or POSIX I/O;
     with several directories each group's bytes are striped over their files."""
 
-    path: str | list[str] | None = field(default=None, metadata={"convert": _paths})
-    budget: int | None = field(default=None, metadata={"convert": size_or_auto})
-    backend: Literal["auto", "kvikio", "posix"] = "auto"
-    threads: int = field(default=8, metadata={"convert": _threads})  # I/O threads (posix) or kvikio's pool size
-    io_chunk: int = field(default=16 << 20, metadata={"convert": _io_chunk})  # split large requests
-    direct: bool = True  # O_DIRECT where the filesystem allows it
+    path: str | list[str] | None = setting(None, convert=_paths, yaml_type="directory | list of directories",
+                                           shown="required when the tier is set", help=(
+        "directory of the tier's file <name>.nvme (created if its parent exists); or a list of directories, one "
+        "per drive: the tier is striped over a file in each, io_chunk bytes to each in turn, each with its own "
+        "queue of threads, so a group's transfer keeps every drive busy and their rates add up (the quick probe "
+        "and `tiermem probe --nvme-path A --nvme-path B` measure them together)"))
+    budget: int | None = setting(None, convert=size_or_auto, yaml_type="size | auto", help=(
+        "hard limit; the file is preallocated to what the placement needs. Unset: 90% of the disk's free space, "
+        "less a checkpoint when the run saves them and output_dir is on the same disk (the exported model's room "
+        "is kept beside the state that stays on NVMe to the end: gradients and moments there are discarded, their "
+        "space given back, before the export; where the filesystem cannot punch holes it is kept from the whole "
+        "budget); with several directories, the fullest drive's free share times their number"),
+        shown="90% of the disk's free space")
+    backend: Literal["auto", "kvikio", "posix"] = setting("auto", help=(
+        "auto: kvikio when installed and able to do I/O here, else posix; the choice and the reason are logged"))
+    threads: int = setting(8, convert=_threads, yaml_type="integer (1-1024)", help=(
+        "I/O threads (posix) or kvikio's thread pool"))
+    io_chunk: int = setting(16 << 20, convert=_io_chunk, yaml_type="size (4KiB-1GiB)", shown="16MiB", help=(
+        "large requests are split into pieces of this size, in flight at once"))
+    direct: bool = setting(True, help="O_DIRECT where the filesystem allows it (buffered I/O with a notice where "
+                                      "not)")
 
 
 def existing_parent(path: str) -> str:

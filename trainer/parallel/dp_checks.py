@@ -12,7 +12,7 @@ to its service: ``trainer.parallel.dp_service``.)
 from __future__ import annotations
 
 from tiermem.errors import ConfigError
-from trainer.state import _raw, store_config
+from trainer.state import HOST_PATH, store_config, store_settings
 
 NOT_YET = "is not supported yet with several ranks"
 
@@ -29,23 +29,18 @@ def check_supported(cfg, world, mcfg=None) -> None:
         raise ConfigError(f"tiermem_server with several hosts is not supported yet ({n} on "
                           f"{world.size // world.local_size} hosts): a service is one host's store; drop "
                           "tiermem_server (each host then has an embedded store) or run on one host")
-    raw = _raw(cfg.tiermem)
-    placement = raw.get("placement")
-    if isinstance(placement, dict):
-        on_gpu = sorted(k for k, t in placement.items() if t == "gpu")
-        if "param" in on_gpu:
-            raise ConfigError(f"placement pins param to gpu: the compute copy in HBM {NOT_YET} ({n}: every rank "
-                              "reads every group's from the host's arena); pin it to dram or nvme")
-        if on_gpu and world.size > world.local_size:
-            raise ConfigError(f"placement pins {', '.join(on_gpu)} to gpu: state in HBM is not supported yet with "
-                              f"several hosts ({n} on {world.size // world.local_size} hosts); pin it to dram or nvme")
-    tiers = raw.get("tiers") or {}
-    dram = tiers.get("dram") or {}
-    if isinstance(dram, dict) and str(dram.get("path")) == "anonymous" and world.local_size > 1:
+    chosen = store_settings(cfg.tiermem)
+    on_gpu = sorted(k for k, t in chosen.pins().items() if t == "gpu")
+    if "param" in on_gpu:
+        raise ConfigError(f"placement pins param to gpu: the compute copy in HBM {NOT_YET} ({n}: every rank "
+                          "reads every group's from the host's arena); pin it to dram or nvme")
+    if on_gpu and world.size > world.local_size:
+        raise ConfigError(f"placement pins {', '.join(on_gpu)} to gpu: state in HBM is not supported yet with "
+                          f"several hosts ({n} on {world.size // world.local_size} hosts); pin it to dram or nvme")
+    if HOST_PATH in chosen.set_keys and chosen.tiers.host_tier.path == "anonymous" and world.local_size > 1:
         raise ConfigError(f"tiers.dram.path: anonymous cannot be shared by the {world.local_size} ranks of this host; "
                           "set it to a tmpfs directory such as /dev/shm (the default with several ranks)")
-    gpu = tiers.get("gpu") or {}
-    device = str(gpu.get("device", "auto")) if isinstance(gpu, dict) else "auto"
+    device = chosen.tiers.device_tier.device
     if device.startswith("cuda:"):
         raise ConfigError(f"tiers.gpu.device: {device} names one GPU, but each of the {n} computes on its own "
                           "(cuda:LOCAL_RANK): set device to auto or cuda")
@@ -65,8 +60,7 @@ def rank_store_config(cfg, world):
     scfg = store_config(cfg.tiermem)
     if not world.several:
         return scfg
-    tiers = _raw(cfg.tiermem).get("tiers") or {}
-    if not (isinstance(tiers.get("dram"), dict) and tiers["dram"].get("path")):
+    if HOST_PATH not in scfg.set_keys:
         scfg.tiers.host_tier.path = "/dev/shm"
     if scfg.tiers.device_tier.device.startswith("cuda"):
         scfg.tiers.device_tier.device = f"cuda:{world.local_rank}"

@@ -55,7 +55,7 @@ def plan_run(job, scfg, say, hbm_state: bool = True, hbm_taken: int = 0, owners:
     if plan is not None:
         run_plan.keep_activations(plan, job.cfg.tiermem_keep_activations, job.mcfg)
         lines = run_plan.lines(plan)
-        if explicit_gpu_share(job.cfg.tiermem):  # the user's optimizer.gpu_share wins
+        if explicit_gpu_share(scfg):  # the user's optimizer.gpu_share wins
             plan.gpu_updates = None
             lines = run_plan.lines(plan)
         for line in lines:

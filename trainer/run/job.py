@@ -25,7 +25,7 @@ from trainer.outputs.resume import checked_resume
 from trainer.outputs.tensorboard import check_logging_dir
 from trainer.planning.placing import check_placement
 from trainer.run.schedule import warmup_steps
-from trainer.state import wants_cuda
+from trainer.state import store_settings, wants_cuda
 
 
 @dataclass
@@ -123,7 +123,7 @@ def compile_choice(cfg: TrainConfig, mcfg):
     an attached trainer's GPU)."""
     from trainer.model.compiled import CompileError, choose
 
-    on_cuda = torch.cuda.is_available() and (bool(cfg.tiermem_server) or wants_cuda(cfg.tiermem))
+    on_cuda = torch.cuda.is_available() and (bool(cfg.tiermem_server) or wants_cuda(store_settings(cfg.tiermem)))
     try:
         return choose(cfg.torch_compile, cfg.torch_compile_backend, cfg.torch_compile_mode, mcfg, on_cuda)
     except CompileError as e:
