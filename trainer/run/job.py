@@ -82,7 +82,7 @@ def prepare(cfg: TrainConfig, console: Console, say, ranks) -> Job:
         rows, eval_rows = prepare_data(cfg, mcfg, model_dir, console)
     show_example(rows, model_dir, say)
     # a step's rows: those of one process with per_device_train_batch_size x world size rows a micro-batch
-    plan = StepPlan(len(rows), cfg.per_device_train_batch_size * ranks.size, cfg.gradient_accumulation_steps,
+    plan = StepPlan(rows.examples, cfg.per_device_train_batch_size * ranks.size, cfg.gradient_accumulation_steps,
                     cfg.seed)
     total = plan.total_steps(cfg.num_train_epochs, cfg.max_steps)
     warmup = warmup_steps(total, cfg.warmup_steps, cfg.warmup_ratio)
