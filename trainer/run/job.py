@@ -24,6 +24,7 @@ from trainer.outputs.report import progress_bar
 from trainer.outputs.resume import checked_resume
 from trainer.outputs.tensorboard import check_logging_dir
 from trainer.planning.placing import check_placement
+from trainer.run.preference import check_ref_model, describe
 from trainer.run.schedule import warmup_steps
 from trainer.state import wants_cuda
 
@@ -44,6 +45,7 @@ class Job:
     dtype: torch.dtype
     resume: Path | None  # the checkpoint an embedded run resumes from
     store_plan: object = None  # the planner's plan of an embedded run (tiermem.plan.placement.Plan)
+    reference: object = None  # stage dpo: the reference's log-probabilities (trainer.run.preference.Reference)
 
     @property
     def n_params(self) -> int:
@@ -57,6 +59,9 @@ def prepare(cfg: TrainConfig, console: Console, say, ranks) -> Job:
     model_dir = Path(cfg.model_name_or_path)
     mcfg = model_config(model_dir, cfg)
     ranks.check_model(cfg, mcfg)
+    if cfg.stage == "dpo" and ranks.size > 1:
+        raise ConfigError("stage dpo with several ranks is not supported yet: run it in one process")
+    check_ref_model(cfg, mcfg, model_config)
     if mcfg.sliding_window is not None and cfg.cutoff_len > mcfg.sliding_window:
         raise ConfigError(f"cutoff_len {cfg.cutoff_len} exceeds the model's sliding_window {mcfg.sliding_window}; "
                           "sliding-window attention is not supported yet: lower cutoff_len")
@@ -95,10 +100,12 @@ def prepare(cfg: TrainConfig, console: Console, say, ranks) -> Job:
     say(f"[bold]tiermem-train[/]: {mcfg.family} {job.n_params / 1e6:,.1f}M params"
         + (f" ({active / 1e6:,.1f}M active)" if active != job.n_params else "")
         + (" (generic path)" if mcfg.generic else "") + f", {mcfg.num_layers} layers, "
-        f"{'bf16' if cfg.bf16 else 'fp32'}; {len(rows)} training rows"
+        f"{'bf16' if cfg.bf16 else 'fp32'}; {rows.examples} training {'pairs' if rows.pairs else 'rows'}"
         + (f", {len(eval_rows)} evaluation rows" if eval_rows is not None else "")
         + f"; {total} steps of {cfg.per_device_train_batch_size}x{cfg.gradient_accumulation_steps}"
-        + ranks.label + f" rows (warmup {warmup})")
+        + ranks.label + f" {'pairs' if rows.pairs else 'rows'} (warmup {warmup})")
+    if cfg.stage == "dpo":
+        say(describe(cfg, rows.examples))
     return job
 
 
@@ -139,7 +146,7 @@ def prepare_data(cfg: TrainConfig, mcfg, model_dir: Path, console: Console):
             task = progress.add_task(f"tokenizing {what}", total=None)
             rows = load_rows(names, cfg, mcfg, model_dir, lambda n: progress.advance(task, n),
                              lambda text: progress.update(task, description=f"tokenizing {what} ({text})"), say)
-        say(f"{what}: {len(rows)} rows from {', '.join(rows.sources)}"
+        say(f"{what}: {rows.examples} {'pairs' if rows.pairs else 'rows'} from {', '.join(rows.sources)}"
             + (" (from the cache)" if rows.from_cache else "")
             + (f"; {rows.dropped} dropped with nothing to predict" if rows.dropped else "")
             + (f"; {rows.skipped} bad rows skipped" if rows.skipped else ""))

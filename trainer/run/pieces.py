@@ -8,7 +8,9 @@ the same step (to rounding: the sums are added in another order).
 
     pieces = cut(batches, rows)        # [(input_ids, labels, tokens, mask)] of at most ``rows`` rows each
 
-A piece is right-trimmed to its own longest row (its other positions are padding: label -100, masked).
+A piece is right-trimmed to its own longest row (its other positions are padding: label -100, masked). What a
+micro-batch carries per row after its mask (stage dpo: the reference's log-probabilities) is cut with its rows;
+stage dpo's pieces hold whole pairs (an even number of rows: ``trainer.run.preference.pair_pieces``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ def cut(batches: list, rows: int | None) -> list:
                 continue
             m = mask[r0:r1]
             width = max(int(m.sum(1).max()), 1)  # (right-padded rows: its longest row)
-            out.append((ids[r0:r1, :width], labels[r0:r1, :width], int(m.sum()), m[:, :width]))
+            rest = tuple(x[r0:r1] for x in b[4:])  # (per-row figures: stage dpo's reference log-probabilities)
+            out.append((ids[r0:r1, :width], labels[r0:r1, :width], int(m.sum()), m[:, :width], *rest))
     return out
 
 
