@@ -45,8 +45,8 @@ def pair_pieces(rows: int | None) -> int | None:
     return None if rows is None else max(2, rows + rows % 2)
 
 
-def describe(cfg, n_pairs: int) -> str:
-    """The run's start line about its preference loss and its reference."""
+def describe(cfg, n_pairs: int | None = None) -> str:
+    """The run's start line (and ``tiermem plan``'s) about its preference loss and its reference."""
     loss = pref_loss_of(cfg)
     head = f"stage dpo: {NAMES[loss.kind]}, pref_beta {loss.beta:g}" + (
         f", pref_ftx {loss.ftx:g}" if loss.ftx else "") + (f", simpo_gamma {loss.simpo_gamma:g}"
@@ -54,8 +54,9 @@ def describe(cfg, n_pairs: int) -> str:
     if not loss.uses_reference:
         return head + "; no reference model"
     ref = cfg.ref_model or "the starting model"
+    pairs = "every pair" if n_pairs is None else f"the {n_pairs} pairs"
     return (head + f"; reference: {ref}, its log-probabilities computed once before the first step (a forward "
-            f"over the {n_pairs} pairs) and kept in checkpoints")
+            f"over {pairs}) and kept in checkpoints")
 
 
 class PreferenceHead:
