@@ -172,3 +172,10 @@ def test_pieces_of_one_pair_a_pass_each(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "each micro-batch of 2 rows runs as" not in out  # (the note counts rows: 4 a micro-batch here)
     assert "each step runs as 4 layer-major passes" in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["sigmoid", "simpo"])
+def test_the_generic_path_trains_as_plain_pytorch(tmp_path, kind):
+    """The preference head over the generic path's stages (transformers' own modules for the head)."""
+    check_run(tmp_path, "qwen3", kind, tiermem_model_path="generic")
