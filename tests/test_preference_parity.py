@@ -170,7 +170,7 @@ def test_pieces_of_one_pair_a_pass_each(tmp_path, capsys):
     pairs' losses are whole in their pieces and the step's gradient is the whole step's."""
     check_run(tmp_path, "llama", "sigmoid", tiermem_physical_batch_size=2, tiermem_activation_budget="1KiB")
     out = capsys.readouterr().out
-    assert "each micro-batch of 2 rows runs as" not in out  # (the note counts rows: 4 a micro-batch here)
+    assert "each micro-batch of 4 rows runs as 2 pieces of 2 rows" in out, out  # (2 pairs: 4 rows)
     assert "each step runs as 4 layer-major passes" in out, out
 
 

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tiermem.errors import ConfigError
@@ -126,7 +127,8 @@ def rows_digest(rows) -> str:
     """A digest of the training rows' ids and labels (the reference's figures belong to exactly these)."""
     h = hashlib.sha256()
     for ids, labels in zip(rows.input_ids, rows.labels):
-        h.update(json.dumps([ids, labels]).encode())
+        h.update(np.asarray(ids, dtype=np.int64).tobytes() + b"|")
+        h.update(b"-" if labels is None else np.asarray(labels, dtype=np.int64).tobytes() + b"|")
     return h.hexdigest()
 
 

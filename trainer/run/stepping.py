@@ -65,7 +65,7 @@ class Steps:
         except torch.OutOfMemoryError:
             raise BudgetError(
                 f"the GPU ran out of memory in step {step + 1} ({len(batches)} micro-batches of "
-                f"{cfg.per_device_train_batch_size} rows x up to {cfg.cutoff_len} tokens, as "
+                f"{cfg.micro_rows} rows x up to {cfg.cutoff_len} tokens, as "
                 f"{executor.last_passes or 1} layer-major passes, beside the state kept in HBM; in the "
                 f"{executor.phase}{_where(executor)}); lower "
                 "per_device_train_batch_size, tiermem_physical_batch_size or cutoff_len, "
@@ -92,7 +92,7 @@ class Steps:
             say(f"note: the activations of {executor.last_kept} layers are kept ({asked} "
                 "tiermem_keep_activations asks for; only layers whose weights live in HBM can be, none with "
                 "a load-balancing loss): their backward skips the recompute")
-        rows = cfg.per_device_train_batch_size
+        rows = cfg.micro_rows  # (stage dpo: two rows a pair)
         if executor.piece_rows and executor.piece_rows < rows and not (plan is not None and plan.piece_rows):
             say(f"note: each micro-batch of {rows} rows runs as {pieces.count(rows, executor.piece_rows)} pieces of "
                 f"{executor.piece_rows} row{'s' if executor.piece_rows > 1 else ''} "
