@@ -81,8 +81,11 @@ def test_resume_reads_the_reference_back(tmp_path):
     ({"val_size": 2}, "stage dpo: evaluation is not supported yet"),
     ({"tiermem_physical_batch_size": 3}, "tiermem_physical_batch_size must be even in stage dpo"),
     ({"dpo_label_smoothing": 0.1, "pref_loss": "ipo"}, "dpo_label_smoothing applies to pref_loss: sigmoid only"),
+    ({"ref_model": "OTHER"}, "its weights' names and shapes differ from the model's"),
 ])
 def test_what_is_not_supported_is_refused_in_one_line(tmp_path, capsys, over, words):
+    if over.get("ref_model") == "OTHER":  # (a model of another shape)
+        over = {"ref_model": str(save_tiny_model("qwen3", tmp_path / "other"))}
     cfg = _config(tmp_path, "out", **over)
     capsys.readouterr()
     assert main([cfg]) == 2

@@ -84,3 +84,27 @@ def test_the_losses_at_the_start():
 
 def test_pieces_hold_whole_pairs():
     assert [pair_pieces(r) for r in (None, 1, 2, 3, 8)] == [None, 2, 2, 4, 8]
+
+
+def test_tensorboard_and_trainer_state_carry_the_figures():
+    from trainer.outputs.hf_outputs import log_history
+    from trainer.outputs.tensorboard import tags_of
+
+    record = {"current_steps": 3, "loss": 0.6, "rewards/margins": 0.25, "logps/chosen": -12.5, "sft_loss": 1.5}
+    assert tags_of(record) == {"train/loss": 0.6, "train/rewards/margins": 0.25, "train/logps/chosen": -12.5,
+                               "train/sft_loss": 1.5}
+    (entry,) = log_history([record])
+    assert entry["rewards/margins"] == 0.25 and entry["sft_loss"] == 1.5 and entry["step"] == 3
+
+
+def test_pref_keys_with_another_stage_are_noted(tmp_path):
+    from trainer.config import load_train_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text(json.dumps({"model_name_or_path": "m", "output_dir": str(tmp_path / "o"), "dataset": "d",
+                                "pref_beta": 0.2, "pref_loss": "ipo"}))
+    cfg = load_train_config(path)
+    assert "note: pref_beta, pref_loss have no effect here: used only by stage dpo" in cfg.notes
+    assert cfg.micro_rows == cfg.per_device_train_batch_size
+    dpo = load_train_config(path, ["stage=dpo"])
+    assert not dpo.notes and dpo.micro_rows == 2 * dpo.per_device_train_batch_size
