@@ -119,7 +119,7 @@ def reference_dpo(model_dir, pairs, kind, beta, ftx=0.0, smoothing=0.0, ref_dir=
     return {n: p.detach() for n, p in model.state_dict().items()}
 
 
-def check_run(tmp_path, family, kind, ftx=0.0, smoothing=0.0, ref=False, **over):
+def check_run(tmp_path, family, kind, ftx=0.0, smoothing=0.0, ref=False, tiermem=None, **over):
     model_dir = save_tiny_model(family, tmp_path / "model")
     ref_dir = save_tiny_model(family, tmp_path / "ref", seed=1) if ref else None
     pairs = write_pairs(tmp_path / "data")
@@ -130,7 +130,8 @@ def check_run(tmp_path, family, kind, ftx=0.0, smoothing=0.0, ref=False, **over)
     keys = dict(stage="dpo", pref_loss=kind, pref_beta=beta, pref_ftx=ftx, dpo_label_smoothing=smoothing, **over)
     if ref:
         keys["ref_model"] = str(ref_dir)
-    assert run_cli(tmp_path, model_dir, tmp_path / "data", "pairs", nvme_moments(tmp_path), **keys) == 0
+    tiermem = tiermem or nvme_moments(tmp_path)
+    assert run_cli(tmp_path, model_dir, tmp_path / "data", "pairs", tiermem, **keys) == 0
     out = tmp_path / "out"
     assert_same_weights(out, expected, tied=family == "qwen3")
     got = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
@@ -179,3 +180,17 @@ def test_pieces_of_one_pair_a_pass_each(tmp_path, capsys):
 def test_the_generic_path_trains_as_plain_pytorch(tmp_path, kind):
     """The preference head over the generic path's stages (transformers' own modules for the head)."""
     check_run(tmp_path, "qwen3", kind, tiermem_model_path="generic")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [None, "1KiB"])
+def test_state_in_hbm_summed_at_home(tmp_path, capsys, budget):
+    """Placement auto with room for all of it in the (CPU-backed) GPU tier: the head's and the embedding's gradients
+    summed in their homes there (the preference head adds every row's into them), in one pass or a pass a pair."""
+    tiermem = {"tiers": {"gpu": {"device": "cpu", "slots": 2}, "dram": {"budget": "64MiB"}}, "placement": "auto",
+               "optimizer": {"gpu_share": 0.0}}
+    over = {"tiermem_activation_budget": budget} if budget else {}
+    check_run(tmp_path, "qwen3", "ipo", tiermem=tiermem, **over)
+    assert ("layer-major passes" in capsys.readouterr().out) == (budget is not None)
+    stats = json.loads((tmp_path / "out" / "store_stats.json").read_text())
+    assert "gradient_partials" not in stats["waits_s"]  # (summed at home: nothing read back between passes)
