@@ -108,3 +108,30 @@ def test_pref_keys_with_another_stage_are_noted(tmp_path):
     assert cfg.micro_rows == cfg.per_device_train_batch_size
     dpo = load_train_config(path, ["stage=dpo"])
     assert not dpo.notes and dpo.micro_rows == 2 * dpo.per_device_train_batch_size
+
+
+def test_the_planner_cuts_pairs_whole():
+    """The planner's pieces of a micro-batch of pairs are whole pairs: halves of the pairs, down to one pair."""
+    from trainer.run import pieces
+
+    assert pieces.candidates(8, 2) == [8, 4, 2] and pieces.candidates(6, 2) == [6, 4, 2]
+    assert pieces.candidates(2, 2) == [2] and pieces.candidates(6) == [6, 3, 2, 1]
+
+
+def test_the_planner_never_splits_a_pair():
+    """A micro-batch of one pair (2 rows) refused whole where HBM is short: cut into rows for SFT, refused for stage
+    dpo (a piece holds whole pairs), rather than planned at pieces it cannot run."""
+    import dataclasses
+
+    from tests.test_planner import GiB, machine, plan_step, specs_for, store_cfg, workload
+    from tiermem.errors import BudgetError
+    from trainer.planning.run_plan import search_pieces
+
+    specs = specs_for(8, 200_000_000, 100_000_000)
+    w = dataclasses.replace(workload(8, micro_batches=4), micro_rows=2, layer_work_bytes=60 * GiB,
+                            head_work_bytes=2 * GiB, working_bytes=60 * GiB + 2 * GiB)
+    tight = lambda wk: plan_step(specs, store_cfg(), wk, machine(gpu_memory=80 * GiB),
+                                 {"gpu": None, "dram": 4 * GiB, "nvme": 4 * GiB}, cuda=True)
+    assert search_pieces(2, w, tight).piece_rows == 1
+    with pytest.raises(BudgetError):
+        search_pieces(2, w, tight, unit=2)

@@ -141,7 +141,12 @@ class TrainConfig:
     @property
     def micro_rows(self) -> int:
         """Rows a micro-batch holds: per_device_train_batch_size examples, each a pair of rows in stage dpo."""
-        return self.per_device_train_batch_size * (2 if self.stage == "dpo" else 1)
+        return self.per_device_train_batch_size * self.pair_rows
+
+    @property
+    def pair_rows(self) -> int:
+        """Rows an example has: 2 in stage dpo (a pair: a piece the GPU computes at once holds whole pairs), else 1."""
+        return 2 if self.stage == "dpo" else 1
 
 
 def _dynamo_backend(name) -> bool:

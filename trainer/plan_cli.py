@@ -64,7 +64,7 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     scfg = store_config(cfg.tiermem, here=False)
     device = compute_device(scfg)
-    shape = run_plan.Shape(cfg.micro_rows, cfg.cutoff_len, cfg.gradient_accumulation_steps)
+    shape = run_plan.Shape(cfg.micro_rows, cfg.cutoff_len, cfg.gradient_accumulation_steps, cfg.pair_rows)
     measured, there = _workload(args.workload, mcfg, shape) if args.workload else (None, None)
     # (a run's plan replayed: the figures of the machine it ran on, unless a probe file is named)
     machine = there if there is not None and not (args.probe or scfg.probe) else \

@@ -37,9 +37,11 @@ def cut(batches: list, rows: int | None) -> list:
     return out
 
 
-def candidates(rows: int) -> list[int]:
+def candidates(rows: int, unit: int = 1) -> list[int]:
     """Rows a piece may have for micro-batches of ``rows`` rows, largest first: the whole micro-batch, then
-    halves (rounded up) down to one row."""
+    halves (rounded up) down to one row; ``unit``: pieces of whole units of that many rows (stage dpo's pairs: 2)."""
+    if unit > 1:
+        return [unit * r for r in candidates(max(rows // unit, 1))]
     out, r = [rows], rows
     while r > 1:
         r = -(-r // 2)
