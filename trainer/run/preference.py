@@ -150,9 +150,10 @@ def check_ref_model(cfg, mcfg, model_config) -> None:
     check_weight_files(ref, cfg.ref_model)
 
 
-def prepare_reference(job, session, executor, start: int, say) -> Reference | None:
+def prepare_reference(job, session, executor, start: int, say, console=None) -> Reference | None:
     """The reference's figures of the run (None: the loss needs none): read from the checkpoint resumed, or
-    computed now, before the first update, with ``ref_model``'s weights or the starting ones."""
+    computed now, before the first update, with ``ref_model``'s weights or the starting ones (a bar on
+    ``console``)."""
     cfg = job.cfg
     if cfg.stage != "dpo" or not pref_loss_of(cfg).uses_reference:
         return None
@@ -163,7 +164,14 @@ def prepare_reference(job, session, executor, start: int, say) -> Reference | No
     if cfg.ref_model is not None:
         _load_param(job, session, Path(cfg.ref_model))
     t0 = time.perf_counter()
-    sums, tokens = _forward(job, executor, start)
+    if console is None:
+        sums, tokens = _forward(job, executor, start)
+    else:
+        from trainer.outputs.report import progress_bar
+
+        with progress_bar(console) as bar:
+            task = bar.add_task("reference log-probabilities", total=job.rows.examples)
+            sums, tokens = _forward(job, executor, start, lambda n: bar.advance(task, n))
     seconds = time.perf_counter() - t0
     if cfg.ref_model is not None:
         _load_param(job, session, job.model_dir)  # (the starting weights back)
@@ -179,9 +187,9 @@ def _load_param(job, session, model_dir: Path) -> None:
     import_weights(session.store, job.mcfg, model_dir, {"param": job.dtype})
 
 
-def _forward(job, executor, version: int) -> tuple[list[float], int]:
+def _forward(job, executor, version: int, progress=None) -> tuple[list[float], int]:
     """Every row's summed log-probability with the weights of ``version``, a step's micro-batches at a time (the
-    pieces the executor computes at once); (the figures by row, the non-padding tokens)."""
+    pieces the executor computes at once); (the figures by row, the non-padding tokens). ``progress(pairs)``."""
     from trainer.run import pieces
     from trainer.run.stepping import pad_id
 
@@ -200,6 +208,8 @@ def _forward(job, executor, version: int) -> tuple[list[float], int]:
         tokens += sum(b[2] for b in cut)
         for ce in executor.forward_losses(cut, version, per_row=True):
             sums += [-float(x) for x in ce]
+        if progress is not None:
+            progress(sum(len(idx) for idx in mbs[g: g + group]))
     return sums, tokens
 
 
