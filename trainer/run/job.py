@@ -163,15 +163,17 @@ LINES = "\n\t"  # the control characters dataset text keeps on the terminal: the
 
 
 def show_example(rows: Rows, model_dir: Path, say) -> None:
-    """Print the first training example decoded, and the part of it that is trained (as LLaMA-Factory does)."""
+    """Print the first training example decoded, and the part of it that is trained (as LLaMA-Factory does; a pair's
+    chosen and rejected rows)."""
     if not (Path(model_dir) / "tokenizer.json").is_file():
         return
     from trainer.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir)
-    ids, labels = rows.input_ids[0], rows.labels[0]
-    trained = ids if labels is None else [t for t in labels if t != -100]
-    # (as Text: the dataset's own text, "[" and ":" included, is not read as rich markup or emoji codes)
-    say(Text(f"example input ({len(ids)} tokens):\n{printable(tok.decode(ids), keep=LINES)}"))
-    say(Text(f"example trained part ({len(trained)} tokens):\n{printable(tok.decode(trained), keep=LINES)}"))
+    for row, what in ((0, "chosen "), (1, "rejected ")) if rows.pairs else ((0, ""),):
+        ids, labels = rows.input_ids[row], rows.labels[row]
+        trained = ids if labels is None else [t for t in labels if t != -100]
+        # (as Text: the dataset's own text, "[" and ":" included, is not read as rich markup or emoji codes)
+        say(Text(f"example {what}input ({len(ids)} tokens):\n{printable(tok.decode(ids), keep=LINES)}"))
+        say(Text(f"example {what}trained part ({len(trained)} tokens):\n{printable(tok.decode(trained), keep=LINES)}"))
 
