@@ -161,7 +161,9 @@ def prepare_reference(job, session, executor, start: int, say, console=None) -> 
     if job.resume is not None:
         return _from_checkpoint(job.resume, digest)
     source = cfg.ref_model or "the starting model"
-    if cfg.ref_model is not None:
+    # (a ref_model that is the model trained: its weights are the starting ones, already in the store)
+    other = cfg.ref_model is not None and Path(cfg.ref_model).resolve() != Path(job.model_dir).resolve()
+    if other:
         _load_param(job, session, Path(cfg.ref_model))
     t0 = time.perf_counter()
     if console is None:
@@ -173,7 +175,7 @@ def prepare_reference(job, session, executor, start: int, say, console=None) -> 
             task = bar.add_task("reference log-probabilities", total=job.rows.examples)
             sums, tokens = _forward(job, executor, start, lambda n: bar.advance(task, n))
     seconds = time.perf_counter() - t0
-    if cfg.ref_model is not None:
+    if other:
         _load_param(job, session, job.model_dir)  # (the starting weights back)
     flops = 2 * job.n_params * tokens
     say(f"reference log-probabilities of {job.rows.examples} pairs ({source}): {tokens:,} tokens in {seconds:.2f}s, "
