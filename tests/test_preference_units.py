@@ -135,3 +135,32 @@ def test_the_planner_never_splits_a_pair():
     assert search_pieces(2, w, tight).piece_rows == 1
     with pytest.raises(BudgetError):
         search_pieces(2, w, tight, unit=2)
+
+
+def test_a_killed_runs_pending_steps_log_their_figures(tmp_path):
+    """Stage dpo's figures of a step a killed trainer took but did not log (kept as pending) are logged on the
+    resume as the straight run logged them."""
+    from trainer.outputs.report import Reporter
+    from trainer.run.executor import StepResult
+
+    figures = lambda n: {k: n / 10 for k in PrefLoss().logged()}
+    result = lambda n: StepResult(1.0 / n, float(n), 100 * n, 0.5, 0.0, 0.0, {}, figures(n))
+    logs = {}
+    for name in ("straight", "killed"):
+        out = tmp_path / name
+        out.mkdir()
+        rep = Reporter(out, 4, 1000, lambda text: None)
+        for n in range(1, 5):
+            rep.pending(n, result(n), 0.1, n / 4, float(n))
+            if name == "killed" and n == 3:
+                break
+            rep.step(n, result(n), 0.1, n / 4, float(n), n == 4, 2)
+        if name == "killed":  # (resumed at step 3, which it took but did not log)
+            rep = Reporter(out, 4, 1000, lambda text: None, resume_step=3)
+            rep.replay(2)
+            rep.pending(4, result(4), 0.1, 1.0, 4.0)
+            rep.step(4, result(4), 0.1, 1.0, 4.0, True, 2)
+        logs[name] = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
+    figs = lambda rows: [(r["current_steps"], r["rewards/margins"], r["logps/chosen"]) for r in rows]
+    assert figs(logs["killed"]) == figs(logs["straight"])
+    assert figs(logs["straight"]) == [(2, pytest.approx(0.15), pytest.approx(0.15)), (4, 0.35, 0.35)]
