@@ -42,12 +42,17 @@ def test_llama3_full_dpo_runs_unchanged(tmp_path, monkeypatch, capsys):
         assert (out / f).is_file(), f
 
 
-def _config(tmp_path, name: str, **over) -> str:
-    model_dir = tmp_path / "model"
-    if not model_dir.is_dir():
-        save_tiny_model("llama", model_dir)
-        write_pairs(tmp_path / "data", n_pairs=12)
-    cfg = dict(model_name_or_path=str(model_dir), stage="dpo", dataset="pairs", dataset_dir=str(tmp_path / "data"),
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """A tiny Llama and 12 tokenized pairs, made once for the module."""
+    d = tmp_path_factory.mktemp("shared")
+    save_tiny_model("llama", d / "model")
+    write_pairs(d / "data", n_pairs=12)
+    return d
+
+
+def _config(tmp_path, shared, name: str, **over) -> str:
+    cfg = dict(model_name_or_path=str(shared / "model"), stage="dpo", dataset="pairs", dataset_dir=str(shared / "data"),
                output_dir=str(tmp_path / name), per_device_train_batch_size=2, gradient_accumulation_steps=2,
                max_steps=6, learning_rate=1e-2, lr_scheduler_type="cosine", warmup_steps=1, logging_steps=1,
                pref_beta=0.5, tiermem={"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}}}, **over)
@@ -57,15 +62,15 @@ def _config(tmp_path, name: str, **over) -> str:
 
 
 @pytest.mark.slow
-def test_resume_reads_the_reference_back(tmp_path):
+def test_resume_reads_the_reference_back(tmp_path, shared):
     """A run resumed from checkpoint-3 takes the reference's figures from it (computed from the weights the run
     started with, not from checkpoint-3's): its weights and figures are the straight run's, bit for bit."""
-    assert main([_config(tmp_path, "straight")]) == 0
-    assert main([_config(tmp_path, "saved", save_steps=3)]) == 0
+    assert main([_config(tmp_path, shared, "straight")]) == 0
+    assert main([_config(tmp_path, shared, "saved", save_steps=3)]) == 0
     ckpt = tmp_path / "saved" / "checkpoint-3"
     ref = json.loads((ckpt / "tiermem_reference.json").read_text())
     assert len(ref["sums"]) == 24 and ref["source"] == "the starting model"
-    assert main([_config(tmp_path, "resumed", resume_from_checkpoint=str(ckpt))]) == 0
+    assert main([_config(tmp_path, shared, "resumed", resume_from_checkpoint=str(ckpt))]) == 0
     straight, resumed = (load_file(tmp_path / d / "model.safetensors") for d in ("straight", "resumed"))
     for n in straight:
         assert (resumed[n] == straight[n]).all(), n
@@ -83,10 +88,10 @@ def test_resume_reads_the_reference_back(tmp_path):
     ({"dpo_label_smoothing": 0.1, "pref_loss": "ipo"}, "dpo_label_smoothing applies to pref_loss: sigmoid only"),
     ({"ref_model": "OTHER"}, "its weights' names and shapes differ from the model's"),
 ])
-def test_what_is_not_supported_is_refused_in_one_line(tmp_path, capsys, over, words):
+def test_what_is_not_supported_is_refused_in_one_line(tmp_path, shared, capsys, over, words):
     if over.get("ref_model") == "OTHER":  # (a model of another shape)
         over = {"ref_model": str(save_tiny_model("qwen3", tmp_path / "other"))}
-    cfg = _config(tmp_path, "out", **over)
+    cfg = _config(tmp_path, shared, "out", **over)
     capsys.readouterr()
     assert main([cfg]) == 2
     err = capsys.readouterr().err
