@@ -51,7 +51,7 @@ def test_keys_of_the_full_sft_examples_each_get_an_answer(tmp_path):
 
 def test_every_problem_is_reported_in_one_run(tmp_path, capsys):
     path = _write(tmp_path, pure_bf16=True, rope_scaling="ntk", report_to="slack", deepspeed="ds_z3.json",
-                  gradient_checkpionting=True, learning_rate="fast", stage="dpo", cutoff_len=0,
+                  gradient_checkpionting=True, learning_rate="fast", stage="ppo", cutoff_len=0,
                   tiermem={"tiers": {"dram": {"budget": "lots"}}}, trust_remote_code=True)
     assert main([str(path)]) == 2
     out, err = capsys.readouterr()
@@ -61,7 +61,7 @@ def test_every_problem_is_reported_in_one_run(tmp_path, capsys):
     for needle in ("pure_bf16: true is refused: pure bf16", "rope_scaling: 'ntk' is not one of linear",
                    "report_to: slack is not supported",
                    "runs offline", "deepspeed: ds_z3.json is refused", "did you mean 'gradient_checkpointing'",
-                   "learning_rate: expected a number", "stage: dpo is not supported", "cutoff_len must be positive",
+                   "learning_rate: expected a number", "stage: ppo is not supported", "cutoff_len must be positive",
                    "tiers.dram.budget: cannot read 'lots' as a size"):
         assert sum(needle in line for line in lines) == 1, (needle, err)
     assert len(lines) == 9, err

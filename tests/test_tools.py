@@ -78,3 +78,21 @@ def test_the_generic_shapes_are_planned_at_the_depth_the_gpu_check_trains(tmp_pa
     assert tiermem(["plan", str(tmp_path / "train.yaml"), "cutoff_len=4096"]) == 0
     out = capsys.readouterr().out
     assert said in out and "64 x 1 rows x 4096 tokens" in out and "predicted step" in out, out
+
+
+@pytest.mark.slow
+def test_the_dpo_shape_run_is_pairs_and_planned_as_two_rows_a_pair(tmp_path, capsys):
+    """make_shape_run.py --stage dpo: tokenized pairs (a prompt masked, two responses), stage dpo; `tiermem plan`
+    counts a micro-batch of one pair as 2 rows and says where the reference comes from (the 8B DPO measurement's
+    setup, README's GPU command)."""
+    from tiermem.cli.main import main as tiermem
+
+    run = subprocess.run([sys.executable, "tools/make_shape_run.py", "--shape", "8b", "--dir", str(tmp_path), "--stage",
+                          "dpo", "--accum", "8", "--steps", "1", "--seq", "16"], cwd=ROOT, env=child_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    pair = json.loads((tmp_path / "data" / "tokens.jsonl").read_text().splitlines()[0])
+    assert pair["chosen_input_ids"][:4] == pair["rejected_input_ids"][:4] and pair["chosen_labels"][:4] == [-100] * 4
+    assert tiermem(["plan", str(tmp_path / "train.yaml"), "cutoff_len=2048"]) == 0
+    out = capsys.readouterr().out
+    assert "8 x 2 rows x 2048 tokens" in out and "stage dpo: DPO (sigmoid)" in out, out

@@ -19,6 +19,14 @@ of intermediate 2048 top-8 in 8 groups and a shared one, vocab 129280: 671 B par
 `--layers N` changes a shape's depth (DeepSeek-V3 keeps at most N - 1 dense layers first), `--experts N` the
 routed experts of a mixture of experts. Rows are `--seq` tokens each (4096); a
 step takes `--accum` micro-batches of `--batch` rows.
+
+`--stage dpo` makes preference pairs instead (tokenized, ranking: true): each a random prompt of a quarter of
+`--seq` tokens and two different random responses filling the rest, `--batch` pairs a micro-batch (2 x `--batch`
+rows of `--seq` tokens); the YAML trains stage dpo (`--set pref_loss=ipo` ...), its reference the starting weights
+(computed once before the first step):
+
+    python tools/make_shape_run.py --shape 8b --dir /tmp/dpo8b --stage dpo --seq 2048 --batch 1 --accum 8 \
+        --steps 5 --nvme /tmp/nvme
 """
 
 from __future__ import annotations
@@ -93,6 +101,7 @@ def main() -> None:
     ap.add_argument("--accum", type=int, default=32)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--nvme", help="tiers.nvme.path (the only tiermem setting)")
+    ap.add_argument("--stage", choices=["pt", "dpo"], default="pt", help="pt: token rows; dpo: preference pairs")
     ap.add_argument("--set", nargs="*", default=[], help="more key=value for the YAML")
     args = ap.parse_args()
     d = Path(args.dir)
@@ -111,12 +120,22 @@ def main() -> None:
     (d / "model" / "config.json").write_text(json.dumps(shape))
     rng = random.Random(0)
     rows = args.batch * args.accum * args.steps
+    draw = lambda n: [rng.randrange(shape["vocab_size"]) for _ in range(n)]
     with (d / "data" / "tokens.jsonl").open("w") as f:
         for _ in range(rows):
-            f.write(json.dumps({"input_ids": [rng.randrange(shape["vocab_size"]) for _ in range(args.seq)]}) + "\n")
+            if args.stage == "dpo":  # (a pair: a prompt, two responses)
+                prompt = draw(args.seq // 4)
+                pair = {}
+                for which in ("chosen", "rejected"):
+                    response = draw(args.seq - len(prompt))
+                    pair[f"{which}_input_ids"] = prompt + response
+                    pair[f"{which}_labels"] = [-100] * len(prompt) + response
+                f.write(json.dumps(pair) + "\n")
+            else:
+                f.write(json.dumps({"input_ids": draw(args.seq)}) + "\n")
     (d / "data" / "dataset_info.json").write_text(json.dumps(
-        {"tokens": {"file_name": "tokens.jsonl", "formatting": "tokenized"}}))
-    cfg = {"model_name_or_path": str(d / "model"), "tiermem_init": "random", "stage": "pt", "dataset": "tokens",
+        {"tokens": {"file_name": "tokens.jsonl", "formatting": "tokenized", "ranking": args.stage == "dpo"}}))
+    cfg = {"model_name_or_path": str(d / "model"), "tiermem_init": "random", "stage": args.stage, "dataset": "tokens",
            "dataset_dir": str(d / "data"), "cutoff_len": args.seq, "output_dir": str(d / "out"),
            "overwrite_output_dir": True, "per_device_train_batch_size": args.batch,
            "gradient_accumulation_steps": args.accum, "max_steps": args.steps, "learning_rate": 1e-5,

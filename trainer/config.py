@@ -195,6 +195,7 @@ def validate(c: TrainConfig, problems: list[str] | None = None, here: bool = Tru
     if c.max_samples is not None and c.max_samples <= 0:
         bad(f"max_samples must be positive, got {c.max_samples}")
     _check_eval(c, bad)
+    _check_preference(c, bad)
     if c.template is not None:
         from trainer.data.templates import get_template
 
@@ -256,6 +257,47 @@ def _check_compute(c: TrainConfig, bad) -> None:
     if c.torch_compile_backend != "inductor" and not _dynamo_backend(c.torch_compile_backend):
         bad(f"torch_compile_backend must name a torch.compile backend other than cudagraphs (inductor, aot_eager, "
             f"... : torch._dynamo.list_backends()), got {c.torch_compile_backend!r}")
+
+
+PREF_DEFAULTS = {"pref_beta": 0.1, "pref_ftx": 0.0, "pref_bco_weight": 0.0, "pref_loss": "sigmoid",
+                 "dpo_label_smoothing": 0.0, "simpo_gamma": 0.5, "ref_model": None}
+
+
+def _check_preference(c: TrainConfig, bad) -> None:
+    """Stage dpo's keys (LLaMA-Factory's meanings): in their ranges, and what is not supported yet refused; set
+    with another stage they change nothing (a note)."""
+    if c.stage != "dpo":
+        changed = [k for k, v in PREF_DEFAULTS.items() if getattr(c, k) != v]
+        if changed:
+            c.notes = (*c.notes, f"note: {', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect "
+                                 f"here: used only by stage dpo")
+        return
+    for k in ("pref_beta", "pref_ftx", "pref_bco_weight", "dpo_label_smoothing", "simpo_gamma"):
+        if not math.isfinite(getattr(c, k)):
+            bad(f"{k} must be a finite number, got {getattr(c, k)}")
+            return
+    if c.pref_beta <= 0:
+        bad(f"pref_beta must be positive, got {c.pref_beta}")
+    if c.pref_ftx < 0:
+        bad(f"pref_ftx must not be negative, got {c.pref_ftx}")
+    if c.pref_bco_weight != 0:
+        bad("pref_bco_weight: BCO's running reward baseline is not supported yet; set it to 0")
+    if c.pref_loss == "kto_pair":
+        bad("pref_loss: kto_pair is not supported: the losses are sigmoid, hinge, ipo, orpo and simpo")
+    if not 0 <= c.dpo_label_smoothing <= 0.5:
+        bad(f"dpo_label_smoothing must be in [0, 0.5], got {c.dpo_label_smoothing}")
+    if c.dpo_label_smoothing and c.pref_loss != "sigmoid":
+        bad(f"dpo_label_smoothing applies to pref_loss: sigmoid only, not {c.pref_loss}")
+    if c.ref_model is not None and c.pref_loss in ("orpo", "simpo"):
+        c.notes = (*c.notes, f"note: ref_model has no effect here: pref_loss {c.pref_loss} needs no reference model")
+    if c.eval_dataset is not None or c.val_size > 0 or c.do_eval:
+        bad("stage dpo: evaluation is not supported yet (its rewards and accuracies); remove eval_dataset, val_size "
+            "and eval_strategy")
+    if c.tiermem_server:
+        bad("stage dpo: a run attached to a service (tiermem_server) is not supported yet")
+    rows = c.tiermem_physical_batch_size
+    if isinstance(rows, int) and not isinstance(rows, bool) and rows % 2:
+        bad(f"tiermem_physical_batch_size must be even in stage dpo (a piece holds whole pairs), got {rows}")
 
 
 def _check_eval(c: TrainConfig, bad) -> None:

@@ -16,7 +16,8 @@ from tiermem.schema import setting
 from tiermem.sizes import parse_size
 
 # the groups the keys are listed under, in order, with their headings
-GROUPS = {"model": "Model", "data": "Data", "training": "Training", "evaluation": "Evaluation",
+GROUPS = {"model": "Model", "preference": "Preference training (stage dpo)", "data": "Data",
+          "training": "Training", "evaluation": "Evaluation",
           "outputs": "Outputs: logs, checkpoints, the model", "tiermem": "tiermem's own"}
 
 
@@ -65,6 +66,10 @@ def training(default=None, **kw):
     return setting(default, group="training", **kw)
 
 
+def preference(default=None, **kw):
+    return setting(default, group="preference", **kw)
+
+
 def own(default=None, **kw):
     return setting(default, group="tiermem", **kw)
 
@@ -86,15 +91,27 @@ class TrainConfig:
         "model_name_or_path, or is inside resume_from_checkpoint, is refused. One run at a time per output_dir "
         "(a lock file, output_dir/.tiermem-train.lock)"))
     dataset: str = data(MISSING, help="dataset names in dataset_dir/dataset_info.json, comma-separated")
-    stage: Literal["pt", "sft"] = model("sft", help=(
-        "pt: pre-training on packed text; sft: supervised fine-tuning on chat-templated rows, the prompt masked. "
-        "LLaMA-Factory's rm, ppo, dpo and kto are refused"))
+    stage: Literal["pt", "sft", "dpo"] = model("sft", help=(
+        "pt: pre-training on packed text; sft: supervised fine-tuning on chat-templated rows, the prompt masked; "
+        "dpo: preference training on ranking datasets (chosen and rejected responses; docs/preference.md). "
+        "LLaMA-Factory's rm, ppo and kto are refused"))
     do_train: bool = model(True, help="true: tiermem-train only trains (false, evaluation or prediction alone, is "
                                       "refused)")
     finetuning_type: str = model("full", help="full: every parameter is trained (lora, freeze and oft are refused)")
     train_from_scratch: bool = model(False, help="true: initialise from config.json alone, as tiermem_init: random")
     tiermem_init: Literal["pretrained", "random"] = own("pretrained", help=(
         "pretrained: the model's weights; random: initialise from config.json alone (benchmarks, the quickstart)"))
+    pref_beta: float = preference(0.1, help="the preference loss's beta: how far the policy may move from the "
+                                            "reference (simpo: the reward's scale)")
+    pref_ftx: float = preference(0.0, help="the SFT loss on the chosen response, this weight of it added")
+    pref_bco_weight: float = preference(0.0, help="LLaMA-Factory's BCO term: refused unless 0 (not supported yet)")
+    pref_loss: Literal["sigmoid", "hinge", "ipo", "kto_pair", "orpo", "simpo"] = preference("sigmoid", help=(
+        "sigmoid (DPO), hinge, ipo, orpo or simpo (orpo and simpo need no reference model); kto_pair is refused"))
+    dpo_label_smoothing: float = preference(0.0, help="sigmoid's label smoothing (conservative DPO), 0 to 0.5")
+    simpo_gamma: float = preference(0.5, help="simpo's target reward margin")
+    ref_model: str | None = preference(help=(
+        "the reference model's directory (its weights' log-probabilities computed once before the first step); "
+        "default: the model trained, as it starts"))
     dataset_dir: str = data("data", help="the directory of dataset_info.json and the datasets' files")
     template: str | None = data(help=(
         "the chat template of stage sft over alpaca or sharegpt data: default, empty, alpaca, llama2, llama3, "
@@ -227,3 +244,13 @@ class TrainConfig:
         "holds cannot be verified); without it such a checkpoint is refused in one line"))
 
     notes: ClassVar = ()  # (not a key) the note: lines of keys accepted without effect, set by load_train_config
+
+    @property
+    def micro_rows(self) -> int:
+        """Rows a micro-batch holds: per_device_train_batch_size examples, each a pair of rows in stage dpo."""
+        return self.per_device_train_batch_size * self.pair_rows
+
+    @property
+    def pair_rows(self) -> int:
+        """Rows an example has: 2 in stage dpo (a piece the GPU computes at once holds whole pairs), else 1."""
+        return 2 if self.stage == "dpo" else 1

@@ -7,7 +7,7 @@ Three answers:
 - **no effect** (``noop``): accepted whatever its value, and one ``note:`` line at start says why it changes
   nothing here (``gradient_checkpointing``: the step always recomputes from layer boundaries);
 - **refused** (``refuse``): running without it would train something other than what the config asks
-  for (LoRA, a DPO stage, DeepSpeed, fp16, streaming...): one line with the reason.
+  for (LoRA, a PPO stage, DeepSpeed, fp16, streaming...): one line with the reason.
 
 A key whose value asks for nothing beyond what tiermem does anyway (``fp16: false``, ``deepspeed: null``,
 ``push_to_hub: false``) is accepted silently: ``Answer.ok`` lists those values (``None`` always is one).
@@ -49,7 +49,7 @@ INFERENCE = "an inference or export setting of LLaMA-Factory's other commands"
 LOGGING = "tiermem prints its own dense step line and writes trainer_log.jsonl"
 LORA = "used only by finetuning_type: lora (tiermem trains every parameter: finetuning_type full)"
 FREEZE = "used only by finetuning_type: freeze (tiermem trains every parameter: finetuning_type full)"
-RLHF = "used only by the rm, ppo, dpo and kto stages (tiermem trains stage pt or sft)"
+RLHF = "used only by the rm, ppo and kto stages (tiermem trains stage pt, sft or dpo)"
 OPTIMIZER = "tiermem's optimizer is AdamW over fp32 master weights and moments; other optimizers are not supported"
 LOADING = "tiermem reads the model's safetensors directly, tensor by tensor"
 ONE_ROW = ("one GPU holds the whole row: tiermem bounds a long row's memory by streaming the layers' state and "
@@ -125,11 +125,12 @@ KEYS: dict[str, Answer] = {
             "create_new_adapter", "oft_rank", "oft_block_size", "oft_target", "module_dropout", "use_llama_pro"),
     **_noop(FREEZE, "freeze_trainable_layers", "freeze_trainable_modules", "freeze_extra_modules",
             "train_mm_proj_only"),
-    **_noop(RLHF, "pref_beta", "pref_ftx", "pref_bco_weight", "pref_loss", "dpo_label_smoothing", "kto_chosen_weight",
-            "kto_rejected_weight", "simpo_gamma", "ppo_buffer_size", "ppo_epochs", "ppo_score_norm", "ppo_target",
-            "ppo_whiten_rewards", "ref_model", "ref_model_adapters", "ref_model_quantization_bit", "reward_model",
-            "reward_model_adapters", "reward_model_quantization_bit", "reward_model_type", "ld_alpha",
-            "use_ref_model"),
+    **_noop(RLHF, "kto_chosen_weight", "kto_rejected_weight", "ppo_buffer_size", "ppo_epochs", "ppo_score_norm",
+            "ppo_target", "ppo_whiten_rewards", "reward_model", "reward_model_adapters",
+            "reward_model_quantization_bit", "reward_model_type", "use_ref_model"),
+    **_refuse("the reference model is a full model (ref_model: its path); adapters and quantization of it are not "
+              "supported", "ref_model_adapters", "ref_model_quantization_bit", ok=()),
+    **_refuse("LD-DPO's length-desensitised log-probabilities are not supported yet", "ld_alpha", ok=()),
     **_refuse(OPTIMIZER, "use_galore", "use_apollo", "use_badam", "use_adam_mini", "use_muon"),
     **_noop("used only with use_galore, use_apollo or use_badam (not supported)", "galore_target", "galore_rank",
             "galore_update_interval", "galore_scale", "galore_proj_type", "galore_layerwise", "apollo_target",
@@ -222,8 +223,8 @@ KEYS: dict[str, Answer] = {
 
 # values of taken keys that LLaMA-Factory knows and tiermem refuses, with why (the rest are type errors)
 REFUSED_VALUES: dict[str, tuple[tuple, str]] = {
-    "stage": (("pt", "sft"), "tiermem trains stage pt (pre-training) or sft; reward modelling, PPO, DPO and KTO are "
-                             "not supported"),
+    "stage": (("pt", "sft", "dpo"), "tiermem trains stage pt (pre-training), sft or dpo (preference pairs: DPO, IPO, "
+                                    "ORPO, SimPO); reward modelling, PPO and KTO are not supported"),
     "finetuning_type": (("full",), "tiermem does full-parameter training only (finetuning_type: full); LoRA, "
                                    "freeze and OFT are not supported"),
     "lr_scheduler_type": (("linear", "cosine", "constant", "constant_with_warmup"),

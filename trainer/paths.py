@@ -14,7 +14,7 @@ from pathlib import Path
 
 # the TrainConfig keys that name a file, a directory or a socket
 PATH_KEYS = ("model_name_or_path", "output_dir", "dataset_dir", "logging_dir", "tiermem_cache_dir",
-             "resume_from_checkpoint", "tiermem_server")
+             "resume_from_checkpoint", "tiermem_server", "ref_model")
 
 
 def expand(value: str) -> str:

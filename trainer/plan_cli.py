@@ -49,6 +49,7 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
     from trainer.config import load_train_config
     from trainer.planning import run_plan
     from trainer.run.job import model_config
+    from trainer.run.preference import describe
     from trainer.run.when import saves
     from trainer.state import store_config, wants_cuda
 
@@ -63,7 +64,7 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     scfg = store_config(cfg.tiermem, here=False)
     device = compute_device(scfg)
-    shape = run_plan.Shape(cfg.per_device_train_batch_size, cfg.cutoff_len, cfg.gradient_accumulation_steps)
+    shape = run_plan.Shape(cfg.micro_rows, cfg.cutoff_len, cfg.gradient_accumulation_steps, cfg.pair_rows)
     measured, there = _workload(args.workload, mcfg, shape) if args.workload else (None, None)
     # (a run's plan replayed: the figures of the machine it ran on, unless a probe file is named)
     machine = there if there is not None and not (args.probe or scfg.probe) else \
@@ -91,6 +92,9 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
     data["model"] = {"family": mcfg.family, "params": mcfg.num_params(), "layers": mcfg.num_layers}
     data["shape"] = {"rows": shape.rows, "tokens_per_row": shape.seq, "micro_batches": shape.micro_batches}
     data["plan_seconds"] = time.perf_counter() - t0
+    if cfg.stage == "dpo":  # (the reference's log-probabilities: computed once before the first step)
+        data["preference"] = {"pref_loss": cfg.pref_loss, "reference": None if cfg.pref_loss in ("orpo", "simpo")
+                              else {"model": cfg.ref_model or "the starting model", "how": "computed once"}}
     pred = data["prediction"]
     n = mcfg.num_params()
     text = [f"model: {mcfg.family}, " + (f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M")
@@ -98,6 +102,7 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
             f"{'bf16' if cfg.bf16 else 'fp32'}; a step: {shape.micro_batches} x {shape.rows} rows x {shape.seq} "
             f"tokens = {shape.tokens:,} tokens",
             f"machine: {machine.source}" + (f"; assumed: {', '.join(machine.assumed)}" if machine.assumed else ""),
+            *([describe(cfg)] if cfg.stage == "dpo" else []),
             f"compute: {p.workload.timed}",
             "state: " + ", ".join(f"{k} {format_size(v)}" for k, v in data["state_bytes"].items())
             + f" = {format_size(sum(data['state_bytes'].values()))}",

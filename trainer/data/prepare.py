@@ -6,6 +6,9 @@
   rendered by the chat ``template`` and labelled per turn (``sft``); with ``stage: pt`` the first user
   message's text is the document: every document gets the eos token, all are concatenated and cut into
   ``cutoff_len`` blocks (the remainder is dropped), each block starting with bos when the tokenizer adds one.
+- ranking datasets (``ranking: true``) are stage dpo's, and stage dpo takes only them: each pair becomes two
+  rows, chosen then rejected (``trainer.data.pairs``); a pair either of whose rows has nothing to predict is
+  dropped (both rows).
 
 ``max_samples`` caps the rows read from each dataset. A bad row stops with one line naming the file and
 row, unless ``tiermem_skip_bad_rows`` is set (then it is skipped and counted). Rows left with nothing to
@@ -30,6 +33,14 @@ import numpy as np
 import torch
 
 from trainer.data.convert import BadRow, alpaca, columns_of, sharegpt, tags_of
+from trainer.data.pairs import (
+    alpaca_pair,
+    check_tokenized_pair,
+    encode_pair,
+    response_columns,
+    sharegpt_pair,
+    trains_something,
+)
 from trainer.data.registry import DataError, DatasetEntry, read_rows, resolve
 from trainer.data.sft import IGNORE, encode_example
 
@@ -44,12 +55,25 @@ class Rows:
     skipped: int = 0  # bad rows skipped (tiermem_skip_bad_rows)
     sources: list[str] = field(default_factory=list)
     from_cache: bool = False
+    pairs: bool = False  # preference pairs: rows 2k (chosen) and 2k+1 (rejected) are example k
 
     def __len__(self) -> int:
         return len(self.input_ids)
 
+    @property
+    def examples(self) -> int:
+        """The examples the steps draw from: the rows, or the pairs of a preference dataset."""
+        return len(self.input_ids) // 2 if self.pairs else len(self.input_ids)
+
+    def rows_of(self, idx: list[int]) -> list[int]:
+        """The row indices of examples ``idx`` (a pair's: chosen, rejected)."""
+        return [r for i in idx for r in (2 * i, 2 * i + 1)] if self.pairs else list(idx)
+
     def subset(self, idx: list[int]) -> Rows:
-        return Rows([self.input_ids[i] for i in idx], [self.labels[i] for i in idx], 0, 0, self.sources)
+        """Examples ``idx`` (indices of examples: of pairs for preference data)."""
+        rows = self.rows_of(idx)
+        return Rows([self.input_ids[i] for i in rows], [self.labels[i] for i in rows], 0, 0, self.sources,
+                    pairs=self.pairs)
 
 
 # -- reading ------------------------------------------------------------------------------------------
@@ -73,6 +97,11 @@ def _parsed_rows(entry: DatasetEntry, cfg, out: Rows, parse):
 
 
 def _tokenized(entry: DatasetEntry, cfg, vocab: int, out: Rows) -> None:
+    if entry.ranking:
+        check = lambda row: check_tokenized_pair(row, vocab, cfg.cutoff_len)
+        for pair in _parsed_rows(entry, cfg, out, check):
+            _keep_pair(out, pair)
+        return
     for ids, labels in _parsed_rows(entry, cfg, out, lambda row: _check_tokenized(row, vocab)):
         _keep(out, ids[: cfg.cutoff_len], None if labels is None else labels[: cfg.cutoff_len])
 
@@ -103,10 +132,25 @@ def _keep(out: Rows, ids: list[int], labels: list[int] | None) -> None:
     out.labels.append(labels)
 
 
+def _keep_pair(out: Rows, pair: tuple) -> None:
+    """A pair's two rows (chosen ids, labels, rejected ids, labels), unless either has nothing to predict."""
+    if not (trains_something(pair[0], pair[1]) and trains_something(pair[2], pair[3])):
+        out.dropped += 1
+        return
+    out.input_ids += [pair[0], pair[2]]
+    out.labels += [pair[1], pair[3]]
+
+
 def _conversations(entry: DatasetEntry, cfg, out: Rows):
-    """The conversations of the good rows of an alpaca/sharegpt entry."""
+    """The conversations of the good rows of an alpaca/sharegpt entry (of a ranking entry: (conversation, chosen,
+    rejected))."""
     cols = columns_of(entry.formatting, entry.columns)
     tags = tags_of(entry.tags)
+    if entry.ranking:
+        responses = response_columns(entry.columns)
+        if entry.formatting == "alpaca":
+            return _parsed_rows(entry, cfg, out, lambda row: alpaca_pair(row, cols, responses))
+        return _parsed_rows(entry, cfg, out, lambda row: sharegpt_pair(row, cols, tags, responses))
     if entry.formatting == "alpaca":
         return _parsed_rows(entry, cfg, out, lambda row: alpaca(row, cols, prompt_only=cfg.stage == "pt"))
     return _parsed_rows(entry, cfg, out, lambda row: sharegpt(row, cols, tags))
@@ -128,6 +172,11 @@ def _encode_sft_chunk(items: list[tuple[list[dict], str]]) -> list[tuple[list[in
     w = _WORKER
     return [encode_example(w["template"], w["tok"], m, s, w["cutoff"], w["train_on_prompt"], w["mask_history"])
             for m, s in items]
+
+
+def _encode_pair_chunk(items: list[tuple[list[dict], str, str, str]]) -> list[tuple]:
+    w = _WORKER
+    return [encode_pair(w["template"], w["tok"], m, s, c, r, w["cutoff"]) for m, s, c, r in items]
 
 
 def _encode_text_chunk(texts: list[str]) -> list[list[int]]:
@@ -189,14 +238,18 @@ def build_rows(names: str, cfg, model_cfg, model_dir, progress=None, status=None
     ``progress(rows)`` as rows are done, ``status(text)`` when a pool of workers starts."""
     progress = progress or (lambda n: None)
     entries = resolve(names, cfg.dataset_dir)
-    out = Rows([], [], sources=[e.name for e in entries])
+    check_ranking(entries, cfg.stage)
+    out = Rows([], [], sources=[e.name for e in entries], pairs=cfg.stage == "dpo")
     convs, texts = [], []
     for e in entries:
         if e.formatting == "tokenized":
             _tokenized(e, cfg, model_cfg.vocab_size, out)
         else:
             for conv in _conversations(e, cfg, out):
-                if cfg.stage == "pt":
+                if e.ranking:
+                    conv, chosen, rejected = conv
+                    convs.append((conv.messages, conv.system, chosen, rejected))
+                elif cfg.stage == "pt":
                     texts.append(conv.messages[0]["content"])
                 else:
                     convs.append((conv.messages, conv.system))
@@ -206,8 +259,12 @@ def build_rows(names: str, cfg, model_cfg, model_dir, progress=None, status=None
         if cfg.template is None:
             raise DataError("stage sft over alpaca/sharegpt data needs a chat template: set template: (one of "
                             "default, empty, alpaca, llama2, llama3, mistral, qwen, gemma)")
-        for ids, labels in _map(_encode_sft_chunk, convs, init, workers, progress, status):
-            _keep(out, ids, labels)
+        if out.pairs:
+            for pair in _map(_encode_pair_chunk, convs, init, workers, progress, status):
+                _keep_pair(out, pair)
+        else:
+            for ids, labels in _map(_encode_sft_chunk, convs, init, workers, progress, status):
+                _keep(out, ids, labels)
     if texts:
         _pack(_map(_encode_text_chunk, texts, init, workers, progress, status), cfg, model_dir, out)
     if convs or texts:
@@ -216,6 +273,16 @@ def build_rows(names: str, cfg, model_cfg, model_dir, progress=None, status=None
         raise DataError(f"dataset {names}: no usable rows ({out.dropped} dropped with nothing to predict, "
                         f"{out.skipped} bad rows skipped)")
     return out
+
+
+def check_ranking(entries: list[DatasetEntry], stage: str) -> None:
+    """Stage dpo takes ranking datasets only, and the other stages none."""
+    for e in entries:
+        if e.ranking and stage != "dpo":
+            raise DataError(f"dataset '{e.name}' is a ranking (preference) dataset: it trains stage dpo, not {stage}")
+        if not e.ranking and stage == "dpo":
+            raise DataError(f"dataset '{e.name}' is not a ranking dataset: stage dpo trains on pairs (ranking: true "
+                            "in dataset_info.json, with chosen and rejected columns)")
 
 
 def _check_vocab(rows: Rows, vocab: int, model_dir) -> None:
@@ -276,7 +343,7 @@ def cache_key(names: str, cfg, model_dir) -> str:
             st = f.stat()
             files.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
     md = Path(model_dir)
-    key = {"v": CACHE_VERSION, "entries": [[e.name, e.formatting, e.columns, e.tags] for e in entries],
+    key = {"v": CACHE_VERSION, "entries": [[e.name, e.formatting, e.columns, e.tags, e.ranking] for e in entries],
            "files": files, "tokenizer": [_digest(md / n) for n in ("tokenizer.json", "tokenizer_config.json",
                                                                    "config.json")],
            "stage": cfg.stage, "template": cfg.template, "cutoff_len": cfg.cutoff_len, "max_samples": cfg.max_samples,
@@ -291,7 +358,8 @@ def _save(path: Path, rows: Rows) -> None:
     ids = np.fromiter((t for r in rows.input_ids for t in r), dtype=np.int32, count=int(lens.sum()))
     labels = np.fromiter((t for r, lab in zip(rows.input_ids, rows.labels) for t in (lab if lab is not None else r)),
                          dtype=np.int32, count=int(lens.sum()))
-    meta = json.dumps({"dropped": rows.dropped, "skipped": rows.skipped, "sources": rows.sources})
+    meta = json.dumps({"dropped": rows.dropped, "skipped": rows.skipped, "sources": rows.sources,
+                       "pairs": rows.pairs})
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp.npz")
     try:
@@ -333,7 +401,8 @@ def _load(path: Path, vocab: int) -> Rows | None:
     if not ok:
         raise _Damaged("its arrays do not agree with each other or with the model's vocabulary")
     bounds = np.concatenate([[0], np.cumsum(lens)])
-    rows = Rows([], [], meta["dropped"], meta["skipped"], meta["sources"], from_cache=True)
+    rows = Rows([], [], meta["dropped"], meta["skipped"], meta["sources"], from_cache=True,
+                pairs=bool(meta.get("pairs")))
     for n in range(len(lens)):
         a, b = bounds[n], bounds[n + 1]
         rows.input_ids.append(ids[a:b].tolist())
@@ -362,7 +431,7 @@ def load_rows(names: str, cfg, model_cfg, model_dir, progress=None, status=None,
 
 def split_eval(rows: Rows, val_size: float, seed: int) -> tuple[Rows, Rows]:
     """Hold out ``val_size`` of the rows (a fraction below 1, or a count) for evaluation, by a seeded draw."""
-    n = len(rows)
+    n = rows.examples
     n_eval = math.ceil(val_size * n) if val_size < 1 else int(val_size)
     if not 0 < n_eval < n:
         raise DataError(f"val_size {val_size} leaves {n - n_eval} of {n} rows for training; lower it")

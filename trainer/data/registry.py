@@ -2,7 +2,8 @@
 
 An entry names a ``file_name`` (json, jsonl, csv, parquet or txt; or a folder of them), a
 ``formatting`` (``alpaca``, ``sharegpt``, or ours: ``tokenized``), optional ``columns`` (prompt, query,
-response, history, system, tools / messages, system, tools) and, for sharegpt, ``tags`` (role_tag,
+response, history, system, tools / messages, system, tools; chosen, rejected), ``ranking`` (a preference dataset,
+for stage dpo: ``trainer.data.pairs``) and, for sharegpt, ``tags`` (role_tag,
 content_tag, user_tag, assistant_tag, observation_tag, function_tag, system_tag). Hub entries
 (``hf_hub_url`` ...) cannot be fetched offline and are refused with what to do instead.
 """
@@ -34,6 +35,7 @@ class DatasetEntry:
     formatting: str = "alpaca"
     columns: dict | None = None  # None: LLaMA-Factory's defaults
     tags: dict | None = None
+    ranking: bool = False  # a preference dataset: each row a prompt with a chosen and a rejected response
 
 
 def load_registry(dataset_dir: str | Path) -> dict:
@@ -66,8 +68,8 @@ def resolve(names: str, dataset_dir: str | Path) -> list[DatasetEntry]:
                 raise DataError(f"dataset '{name}' is fetched from a hub ({hub}), which tiermem cannot do offline; "
                                 "download the data and point 'file_name' at it")
             raise DataError(f"{where}: entry '{name}' has no file_name")
-        if entry.get("ranking"):
-            raise DataError(f"dataset '{name}' is a ranking (preference) dataset; only sft and pt are supported")
+        if not isinstance(entry.get("ranking", False), bool):
+            raise DataError(f"dataset '{name}': 'ranking' must be true or false")
         if entry.get("num_samples") is not None or entry.get("split", "train") != "train":
             raise DataError(f"dataset '{name}': 'num_samples' and 'split' are not supported yet; use max_samples")
         formatting = entry.get("formatting", "alpaca")
@@ -78,7 +80,7 @@ def resolve(names: str, dataset_dir: str | Path) -> list[DatasetEntry]:
             if key in entry and not isinstance(entry[key], dict):
                 raise DataError(f"dataset '{name}': '{key}' must be a mapping")
         out.append(DatasetEntry(name, _files(Path(dataset_dir) / entry["file_name"], name), formatting,
-                                entry.get("columns"), entry.get("tags")))
+                                entry.get("columns"), entry.get("tags"), entry.get("ranking", False)))
     if not out:
         raise DataError("dataset: no dataset named")
     return out

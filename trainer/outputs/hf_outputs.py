@@ -17,6 +17,8 @@ import json
 import math
 from pathlib import Path
 
+from trainer.model.pref_loss import FIGURES as PREF_FIGURES
+
 LOG = "trainer_log.jsonl"
 
 
@@ -42,7 +44,8 @@ def log_history(rows: list[dict]) -> list[dict]:
         step, epoch = r["current_steps"], r.get("epoch")
         if "loss" in r:
             out.append({"epoch": epoch, "grad_norm": r.get("grad_norm"), "learning_rate": r.get("lr"),
-                        "loss": r["loss"], "num_input_tokens_seen": r.get("total_tokens"), "step": step})
+                        "loss": r["loss"], "num_input_tokens_seen": r.get("total_tokens"),
+                        **{k: r[k] for k in PREF_FIGURES if k in r}, "step": step})  # (stage dpo's rewards...)
         if "eval_loss" in r:
             entry = {"epoch": epoch, "eval_loss": r["eval_loss"]}
             entry.update({k: r[k] for k in ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second")

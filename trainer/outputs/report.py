@@ -83,7 +83,8 @@ class Reporter:
 
     def pending(self, step: int, result, lr: float, epoch: float, elapsed: float) -> None:
         """Keep ``step``'s figures until a line covers them (call before the optimizer takes the step)."""
-        r = {"step": step, **{k: getattr(result, k) for k in FIGURES}, "lr": lr, "epoch": epoch, "elapsed": elapsed}
+        r = {"step": step, **{k: getattr(result, k) for k in FIGURES}, "lr": lr, "epoch": epoch, "elapsed": elapsed,
+             **({"figures": result.figures} if result.figures else {})}
         self._kept.append(r)
         with self.pending_path.open("a") as f:
             f.write(json.dumps(r) + "\n")
@@ -92,8 +93,8 @@ class Reporter:
         """Log the steps a killed trainer took (committed) but had not logged yet, as it would have."""
         backlog, self._backlog = self._backlog, []
         for r in backlog:
-            self.step(r["step"], StepResult(*(r[k] for k in FIGURES), {}), r["lr"], r["epoch"], r["elapsed"],
-                      r["step"] == self.total, every)
+            self.step(r["step"], StepResult(*(r[k] for k in FIGURES), {}, r.get("figures", {})), r["lr"], r["epoch"],
+                      r["elapsed"], r["step"] == self.total, every)
 
     def step(self, step: int, result, lr: float, epoch: float, elapsed: float, force: bool, every: int) -> None:
         self.window.append(result)
@@ -118,9 +119,11 @@ class Reporter:
                               for k in ("compute", "wait_transfer", "wait_optimizer"))
         self.losses.append((step, loss))
         predicted = f" (predicted {self.predicted:.3f})" if self.predicted is not None else ""
+        figures = {k: sum(r.figures.get(k, 0.0) for r in w) / len(w) for k in w[-1].figures}  # (stage dpo's)
         self.print(f"step {step}/{self.total} | loss {loss:.4f} | grad_norm {w[-1].grad_norm:.3f} | lr {lr:.3e} | "
                    f"{tps:,.0f} tok/s | {tflops:.3g} TFLOP/s | step {secs / len(w):.3f}s{predicted} = compute "
-                   f"{compute:.3f} + wait transfer {xfer:.3f} + wait optimizer {opt:.3f} | ETA {_hms(remaining)}")
+                   f"{compute:.3f} + wait transfer {xfer:.3f} + wait optimizer {opt:.3f} | ETA {_hms(remaining)}"
+                   + figures_text(figures))
         record = {"current_steps": step, "total_steps": self.total, "loss": loss,
                   "grad_norm": round(w[-1].grad_norm, 6), "lr": lr, "epoch": round(epoch, 4),
                   "percentage": round(step / self.total * 100, 2), "elapsed_time": _hms(elapsed),
@@ -128,6 +131,7 @@ class Reporter:
                   "tflops": round(tflops, 3), "step_seconds": round(secs / len(w), 4),
                   "compute_seconds": round(compute, 4), "wait_transfer_seconds": round(xfer, 4),
                   "wait_optimizer_seconds": round(opt, 4)}
+        record.update(figures)
         if self.predicted is not None:
             record["predicted_step_seconds"] = round(self.predicted, 4)
         if self.pauses is not None:  # (the garbage collector's pauses since the line before, a step)
@@ -174,6 +178,21 @@ class Reporter:
                "train_tokens_per_second": round(self.total_tokens / max(self.train_seconds, 1e-9), 2)}
         self.pending_path.unlink(missing_ok=True)  # the run is whole: every step has its line
         return res
+
+
+def figures_text(figures: dict) -> str:
+    """Stage dpo's figures for the step line: " | rewards chosen .. rejected .. accuracy .. margin .. | logps
+    chosen .. rejected ..", and the SFT and odds-ratio losses when logged ("" without figures)."""
+    if not figures:
+        return ""
+    f = figures
+    text = (f" | rewards chosen {f['rewards/chosen']:.4f} rejected {f['rewards/rejected']:.4f} accuracy "
+            f"{f['rewards/accuracies']:.2f} margin {f['rewards/margins']:.4f} | logps chosen {f['logps/chosen']:.3f} "
+            f"rejected {f['logps/rejected']:.3f}")
+    for k in ("sft_loss", "odds_ratio_loss"):
+        if k in f:
+            text += f" | {k} {f[k]:.4f}"
+    return text
 
 
 def smooth(values: list[float]) -> list[float]:

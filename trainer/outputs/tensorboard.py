@@ -20,6 +20,7 @@ from pathlib import Path
 import crc32c
 
 from tiermem.errors import ConfigError, UserError
+from trainer.model.pref_loss import FIGURES as PREF_FIGURES
 
 
 def _varint(n: int) -> bytes:
@@ -94,7 +95,8 @@ class EventWriter:
 
 # trainer_log.jsonl fields and the Hugging Face TensorBoardCallback's tags for them
 TAGS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/learning_rate", "epoch": "train/epoch",
-        "throughput": "train/tokens_per_second", "eval_loss": "eval/loss"}
+        "throughput": "train/tokens_per_second", "eval_loss": "eval/loss",
+        **{k: f"train/{k}" for k in PREF_FIGURES}}  # (stage dpo's: train/rewards/chosen ...)
 
 
 def tags_of(record: dict) -> dict[str, float]:

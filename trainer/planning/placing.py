@@ -24,7 +24,7 @@ def check_placement(cfg, mcfg, dtype: torch.dtype, ranks=None) -> None:
     machine = Machine.h200("the fit check")
     if device.type == "cuda":
         machine.gpu_memory = torch.cuda.get_device_properties(device).total_memory
-    shape = run_plan.Shape(cfg.per_device_train_batch_size, cfg.cutoff_len, cfg.gradient_accumulation_steps)
+    shape = run_plan.Shape(cfg.micro_rows, cfg.cutoff_len, cfg.gradient_accumulation_steps, cfg.pair_rows)
     budgets = run_plan.local_budgets(scfg, mcfg, dtype, cfg.output_dir, saves(cfg))
     specs = state_specs(mcfg, dtype)
     hbm_state, taken, owners = (True, 0, None) if ranks is None else ranks.sharing(group_order(mcfg), specs)
@@ -38,8 +38,8 @@ def step_shape(job) -> run_plan.Shape:
     """The first step's micro-batches as the planner sees them: rows x padded tokens, and how many."""
     cfg = job.cfg
     mbs = job.plan.rows_of_step(0) if job.total else [[0]]
-    seq = max(max(len(job.rows.input_ids[i]) for i in idx) for idx in mbs)
-    return run_plan.Shape(cfg.per_device_train_batch_size, seq, len(mbs))
+    seq = max(max(len(job.rows.input_ids[r]) for r in job.rows.rows_of(idx)) for idx in mbs)
+    return run_plan.Shape(cfg.micro_rows, seq, len(mbs), cfg.pair_rows)
 
 
 def plan_run(job, scfg, say, hbm_state: bool = True, hbm_taken: int = 0, owners: dict | None = None):

@@ -31,6 +31,7 @@ class Shape:
     rows: int  # rows a micro-batch
     seq: int  # tokens a row (padded)
     micro_batches: int  # micro-batches a step
+    unit: int = 1  # rows a piece holds whole (stage dpo: 2, a pair's)
 
     @property
     def tokens(self) -> int:
@@ -71,24 +72,27 @@ def make(mcfg, dtype: torch.dtype, scfg: StoreConfig, shape: Shape, machine: Mac
         return _with_pieces(plan_for(w), shape.rows, rows)
     w = workload or measure(shape.rows)
     # (the CPU stand-in measures no working set: its micro-batches are cut only where they are refused whole)
-    best = search_pieces(shape.rows, w, plan_for, faster=device.type == "cuda" if cuda is None else cuda)
+    best = search_pieces(shape.rows, w, plan_for, faster=device.type == "cuda" if cuda is None else cuda,
+                         unit=shape.unit)
     if best.piece_rows == shape.rows or workload is not None or not time_it:
         return best
-    for rows in [r for r in pieces.candidates(shape.rows) if r <= best.piece_rows]:  # (timed at that shape; where
-        try:  # its working set is larger than scaled, at a smaller one)
+    # (timed at that shape; where its working set is larger than scaled, at a smaller one)
+    for rows in [r for r in pieces.candidates(shape.rows, shape.unit) if r <= best.piece_rows]:
+        try:
             return _with_pieces(plan_for(measure(rows)), shape.rows, rows)
         except BudgetError as e:
             refused = e
     raise refused
 
 
-def search_pieces(rows: int, w: Workload, plan_for, faster: bool = True) -> Plan:
+def search_pieces(rows: int, w: Workload, plan_for, faster: bool = True, unit: int = 1) -> Plan:
     """The plan (``plan_for(workload)``) of micro-batches of ``rows`` rows computed whole, or in pieces of halves
     of them, down to one row, while a smaller piece is predicted faster (by more than the planner's tie; not
     ``faster``: never) or the larger piece's plan is refused (BudgetError): the first of near-equal plans (the
-    largest pieces). Refused when every piece is: the smallest's refusal (the nearest to fitting)."""
+    largest pieces). Refused when every piece is: the smallest's refusal (the nearest to fitting). ``unit``: pieces
+    hold whole units of that many rows (stage dpo's pairs)."""
     best = refused = None
-    for r in pieces.candidates(rows):
+    for r in pieces.candidates(rows, unit):
         if w.micro_batches * pieces.count(rows, r) > MAX_PIECES:
             break  # (a step's pieces are bounded as its micro-batches are: trainer.config.MAX_MICRO_BATCHES)
         try:

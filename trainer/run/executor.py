@@ -11,7 +11,9 @@ by layer.
    order while the next step's forward consumes them (forward of layer i waits only for update i).
 
 The loss of a step is the mean over all its unmasked label tokens (labels shifted by one), as the
-Hugging Face Trainer computes it, plus a sparse model's load-balancing loss when it is on. The executor
+Hugging Face Trainer computes it, plus a sparse model's load-balancing loss when it is on; with an ``objective``
+(stage dpo: ``trainer.run.preference.PreferenceHead``) the head's loss is that objective's (the mean over the
+step's pairs of their preference losses). The executor
 computes on the store's GPU device (the CPU in tests), with the model's stages (``trainer.model.stages``:
 the template; ``trainer.model.generic``: a transformers model's own modules).
 """
@@ -22,7 +24,7 @@ import dataclasses
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -59,6 +61,7 @@ class StepResult:
     wait_transfer: float  # the GPU stood idle waiting for weights to arrive
     wait_optimizer: float  # ... waiting for the optimizer to finish a group's update
     waits_by_phase: dict  # phase -> {"transfer": s, "optimizer": s} (forward, loss, backward)
+    figures: dict = field(default_factory=dict)  # an objective's figures of the step (stage dpo: the rewards...)
 
     @property
     def compute(self) -> float:
@@ -113,6 +116,9 @@ class Executor:
         # before_commit(step, result): the step's figures, before the optimizer takes the step (a committed
         # step's figures must outlive a trainer killed before it logs them)
         self.before_commit = None
+        # the head's loss when it is not the cross-entropy over the trained tokens (stage dpo's preference loss:
+        # trainer.run.preference.PreferenceHead); None: the cross-entropy
+        self.objective = None
         # the trainer's thread, the copy lanes, the prefetcher and the optimizer hand work to each other
         # many times a step: a 5 ms GIL switch interval (Python's default) would add up to waits
         sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
@@ -253,7 +259,7 @@ class Executor:
             got = world.sum([trained, tokens, *counts])
             trained, tokens, n_pass = int(got[0]), int(got[1]), max(int(x) for x in got[2:])
             self.last_passes = max(n_pass, 1)
-        scale = 1.0 / max(trained, 1)
+        scale = 1.0 / max(trained, 1) if self.objective is None else self.objective.begin(batches)
         loss = sumsq = None
         for p in range(n_pass):
             self.at_pass = p + 1
@@ -284,7 +290,8 @@ class Executor:
             if coef < 1.0:
                 grad_scale = 1.0 / coef
         result = StepResult(loss_value, norm, tokens, time.perf_counter() - t_start, self._waits[0],
-                            self._waits[1], self._phase_waits)
+                            self._waits[1], self._phase_waits,
+                            self.objective.figures() if self.objective is not None else {})
         if self.before_commit is not None:
             self.before_commit(step + 1, result)
         self.optimizer.step(step + 1, lr, grad_scale)
@@ -330,7 +337,9 @@ class Executor:
         g_tied = None
         grads_y = []
         for mb, h in enumerate(acts[L]):  # (the micro-batches' gradients added into the first's, or the home's)
-            part, gh, head_grads, g_tied = model.head_loss_backward(
+            head_loss_backward = model.head_loss_backward if self.objective is None else \
+                self.objective.head_loss_backward(model, batches[mb])
+            part, gh, head_grads, g_tied = head_loss_backward(
                 h, targets[mb], view.tensors, tied_view.tensors if tied else None, scale, self.loss_chunk,
                 acc=head_grads, tied_acc=g_tied)
             loss += part
@@ -416,6 +425,13 @@ class Executor:
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor, int]], version: int) -> tuple[float, int]:
         """Forward only, layer-major, over ``batches`` with the weights of ``version`` (updates done so far):
         (summed loss over the trained tokens, their count)."""
+        total = sum(float(x) for x in self.forward_losses(batches, version))
+        return total, sum(int((shift_labels(b[1]) != -100).sum()) for b in batches)
+
+    def forward_losses(self, batches: list, version: int, per_row: bool = False) -> list[torch.Tensor]:
+        """Forward only, layer-major, over ``batches`` with the weights of ``version``: each batch's summed
+        cross-entropy over its trained tokens, or (``per_row``) each of its rows' (a tensor [rows]: the negated
+        log-probability of a row's trained tokens, as stage dpo's reference needs)."""
         cfg, dev = self.cfg, self.device
         req = self.prefetch.request
         r_embed = req("embed", "param", version)
@@ -438,12 +454,18 @@ class Executor:
             view = self._take(r_head, "eval")
             tied_view = self._take(r_tied, "eval") if r_tied is not None else None
             tied_w = tied_view.tensors if tied_view is not None else None
-            total = sum(float(model.head_loss(h, shift_labels(b[1]).to(dev), view.tensors, tied_w, self.loss_chunk))
-                        for h, b in zip(hs, batches))
+            out = []
+            for h, b in zip(hs, batches):
+                targets = shift_labels(b[1]).to(dev)
+                if per_row:
+                    out.append(torch.stack([model.head_loss(h[r: r + 1], targets[r: r + 1], view.tensors, tied_w,
+                                                            self.loss_chunk) for r in range(h.shape[0])]))
+                else:
+                    out.append(model.head_loss(h, targets, view.tensors, tied_w, self.loss_chunk))
             view.release()
             if tied_view is not None:
                 tied_view.release()
-        return total, sum(int((shift_labels(b[1]) != -100).sum()) for b in batches)
+        return out
 
     def close(self) -> None:
         self.prefetch.close()

@@ -24,6 +24,7 @@ from trainer.outputs.report import progress_bar
 from trainer.outputs.resume import checked_resume
 from trainer.outputs.tensorboard import check_logging_dir
 from trainer.planning.placing import check_placement
+from trainer.run.preference import check_ref_model, describe
 from trainer.run.schedule import warmup_steps
 from trainer.state import store_settings, wants_cuda
 
@@ -44,6 +45,7 @@ class Job:
     dtype: torch.dtype
     resume: Path | None  # the checkpoint an embedded run resumes from
     store_plan: object = None  # the planner's plan of an embedded run (tiermem.plan.placement.Plan)
+    reference: object = None  # stage dpo: the reference's log-probabilities (trainer.run.preference.Reference)
 
     @property
     def n_params(self) -> int:
@@ -57,6 +59,9 @@ def prepare(cfg: TrainConfig, console: Console, say, ranks) -> Job:
     model_dir = Path(cfg.model_name_or_path)
     mcfg = model_config(model_dir, cfg)
     ranks.check_model(cfg, mcfg)
+    if cfg.stage == "dpo" and ranks.size > 1:
+        raise ConfigError("stage dpo with several ranks is not supported yet: run it in one process")
+    check_ref_model(cfg, mcfg, model_config)
     if mcfg.sliding_window is not None and cfg.cutoff_len > mcfg.sliding_window:
         raise ConfigError(f"cutoff_len {cfg.cutoff_len} exceeds the model's sliding_window {mcfg.sliding_window}; "
                           "sliding-window attention is not supported yet: lower cutoff_len")
@@ -82,7 +87,7 @@ def prepare(cfg: TrainConfig, console: Console, say, ranks) -> Job:
         rows, eval_rows = prepare_data(cfg, mcfg, model_dir, console)
     show_example(rows, model_dir, say)
     # a step's rows: those of one process with per_device_train_batch_size x world size rows a micro-batch
-    plan = StepPlan(len(rows), cfg.per_device_train_batch_size * ranks.size, cfg.gradient_accumulation_steps,
+    plan = StepPlan(rows.examples, cfg.per_device_train_batch_size * ranks.size, cfg.gradient_accumulation_steps,
                     cfg.seed)
     total = plan.total_steps(cfg.num_train_epochs, cfg.max_steps)
     warmup = warmup_steps(total, cfg.warmup_steps, cfg.warmup_ratio)
@@ -95,10 +100,12 @@ def prepare(cfg: TrainConfig, console: Console, say, ranks) -> Job:
     say(f"[bold]tiermem-train[/]: {mcfg.family} {job.n_params / 1e6:,.1f}M params"
         + (f" ({active / 1e6:,.1f}M active)" if active != job.n_params else "")
         + (" (generic path)" if mcfg.generic else "") + f", {mcfg.num_layers} layers, "
-        f"{'bf16' if cfg.bf16 else 'fp32'}; {len(rows)} training rows"
+        f"{'bf16' if cfg.bf16 else 'fp32'}; {rows.examples} training {'pairs' if rows.pairs else 'rows'}"
         + (f", {len(eval_rows)} evaluation rows" if eval_rows is not None else "")
         + f"; {total} steps of {cfg.per_device_train_batch_size}x{cfg.gradient_accumulation_steps}"
-        + ranks.label + f" rows (warmup {warmup})")
+        + ranks.label + f" {'pairs' if rows.pairs else 'rows'} (warmup {warmup})")
+    if cfg.stage == "dpo":
+        say(describe(cfg, rows.examples))
     return job
 
 
@@ -139,7 +146,7 @@ def prepare_data(cfg: TrainConfig, mcfg, model_dir: Path, console: Console):
             task = progress.add_task(f"tokenizing {what}", total=None)
             rows = load_rows(names, cfg, mcfg, model_dir, lambda n: progress.advance(task, n),
                              lambda text: progress.update(task, description=f"tokenizing {what} ({text})"), say)
-        say(f"{what}: {len(rows)} rows from {', '.join(rows.sources)}"
+        say(f"{what}: {rows.examples} {'pairs' if rows.pairs else 'rows'} from {', '.join(rows.sources)}"
             + (" (from the cache)" if rows.from_cache else "")
             + (f"; {rows.dropped} dropped with nothing to predict" if rows.dropped else "")
             + (f"; {rows.skipped} bad rows skipped" if rows.skipped else ""))
@@ -156,15 +163,17 @@ LINES = "\n\t"  # the control characters dataset text keeps on the terminal: the
 
 
 def show_example(rows: Rows, model_dir: Path, say) -> None:
-    """Print the first training example decoded, and the part of it that is trained (as LLaMA-Factory does)."""
+    """Print the first training example decoded, and the part of it that is trained (as LLaMA-Factory does; a pair's
+    chosen and rejected rows)."""
     if not (Path(model_dir) / "tokenizer.json").is_file():
         return
     from trainer.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir)
-    ids, labels = rows.input_ids[0], rows.labels[0]
-    trained = ids if labels is None else [t for t in labels if t != -100]
-    # (as Text: the dataset's own text, "[" and ":" included, is not read as rich markup or emoji codes)
-    say(Text(f"example input ({len(ids)} tokens):\n{printable(tok.decode(ids), keep=LINES)}"))
-    say(Text(f"example trained part ({len(trained)} tokens):\n{printable(tok.decode(trained), keep=LINES)}"))
+    for row, what in ((0, "chosen "), (1, "rejected ")) if rows.pairs else ((0, ""),):
+        ids, labels = rows.input_ids[row], rows.labels[row]
+        trained = ids if labels is None else [t for t in labels if t != -100]
+        # (as Text: the dataset's own text, "[" and ":" included, is not read as rich markup or emoji codes)
+        say(Text(f"example {what}input ({len(ids)} tokens):\n{printable(tok.decode(ids), keep=LINES)}"))
+        say(Text(f"example {what}trained part ({len(trained)} tokens):\n{printable(tok.decode(trained), keep=LINES)}"))
 

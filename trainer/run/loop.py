@@ -24,6 +24,7 @@ from trainer.run.gc_pauses import GcPauses
 from trainer.run.job import Job, prepare
 from trainer.run.loading import load_weights
 from trainer.run.opening import describe_store, open_training_session
+from trainer.run.preference import prepare_reference
 from trainer.run.saving import Saving
 from trainer.run.stepping import Steps, make_executor
 from trainer.run.watching import PlanWatcher
@@ -61,6 +62,7 @@ def train(job: Job, session: Session, start: int, ranks, console: Console, say) 
     try:
         outputs.start(ranks.lead)  # output_dir's lock, training_args.yaml, the plan, TensorBoard
         executor = make_executor(job, session, ranks)
+        job.reference = prepare_reference(job, session, executor, start, say, console)  # (stage dpo: before any update)
         report = outputs.log(start, pauses)
         watcher = PlanWatcher(job, session, ranks, out, start, report)
         outputs.follow(executor, watcher)  # the stats file

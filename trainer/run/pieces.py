@@ -8,7 +8,9 @@ the same step (to rounding: the sums are added in another order).
 
     pieces = cut(batches, rows)        # [(input_ids, labels, tokens, mask)] of at most ``rows`` rows each
 
-A piece is right-trimmed to its own longest row (its other positions are padding: label -100, masked).
+A piece is right-trimmed to its own longest row (its other positions are padding: label -100, masked). What a
+micro-batch carries per row after its mask (stage dpo: the reference's log-probabilities) is cut with its rows;
+stage dpo's pieces hold whole pairs (an even number of rows: ``trainer.run.preference.pair_pieces``).
 """
 
 from __future__ import annotations
@@ -30,13 +32,16 @@ def cut(batches: list, rows: int | None) -> list:
                 continue
             m = mask[r0:r1]
             width = max(int(m.sum(1).max()), 1)  # (right-padded rows: its longest row)
-            out.append((ids[r0:r1, :width], labels[r0:r1, :width], int(m.sum()), m[:, :width]))
+            rest = tuple(x[r0:r1] for x in b[4:])  # (per-row figures: stage dpo's reference log-probabilities)
+            out.append((ids[r0:r1, :width], labels[r0:r1, :width], int(m.sum()), m[:, :width], *rest))
     return out
 
 
-def candidates(rows: int) -> list[int]:
+def candidates(rows: int, unit: int = 1) -> list[int]:
     """Rows a piece may have for micro-batches of ``rows`` rows, largest first: the whole micro-batch, then
-    halves (rounded up) down to one row."""
+    halves (rounded up) down to one row; ``unit``: pieces of whole units of that many rows (stage dpo's pairs: 2)."""
+    if unit > 1:
+        return [unit * r for r in candidates(max(rows // unit, 1))]
     out, r = [rows], rows
     while r > 1:
         r = -(-r // 2)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from trainer.outputs import checkpoint as ckpt
 from trainer.outputs import hf_outputs as hf
 from trainer.outputs.saver import Saver, lineage_for
+from trainer.run.preference import REFERENCE_FILE
 from trainer.run.when import save_due, saves
 
 
@@ -47,7 +48,10 @@ class Saving:
                    "rng": ckpt.rng_state(), "config": self.config()}
             hf_state = hf.trainer_state(cfg, hf.log_rows(self.out, done), done, total, plan.epoch_of(done),
                                         plan.steps_per_epoch, job.n_params, checkpoints=self.saved)
-            self.saver.begin(done, {"trainer_state.json": hf_state, "tiermem_state.json": own})
+            files = {"trainer_state.json": hf_state, "tiermem_state.json": own}
+            if job.reference is not None:  # (stage dpo: a resume reads them back)
+                files[REFERENCE_FILE] = job.reference.state()
+            self.saver.begin(done, files)
 
     def finish(self) -> None:
         """The last update done (every rank's, before the lead exports: the export reads it) and the last

@@ -14,6 +14,7 @@ from trainer.data.batches import collate
 from trainer.planning.placing import activation_budget, kept_layers, piece_rows
 from trainer.run import pieces
 from trainer.run.executor import Executor, NonFiniteStep, StepResult
+from trainer.run.preference import PreferenceHead, pair_pieces, pref_loss_of
 from trainer.run.schedule import lr_factor
 
 
@@ -21,9 +22,14 @@ def make_executor(job, session, ranks) -> Executor:
     """The run's step executor, over its store and optimizer, with the plan's activation budget, kept layers and
     pieces (several ranks: the gradients reduced to their owners)."""
     cfg, plan, store = job.cfg, job.store_plan, session.store
-    return Executor(store, job.mcfg, job.dtype, session.optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens,
-                    activation_budget(cfg, store, plan), kept_layers(cfg, plan), reducer=ranks.reducer(),
-                    piece_rows=piece_rows(cfg, plan))
+    dpo = cfg.stage == "dpo"
+    rows = pair_pieces(piece_rows(cfg, plan)) if dpo else piece_rows(cfg, plan)  # (stage dpo: whole pairs)
+    executor = Executor(store, job.mcfg, job.dtype, session.optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens,
+                        activation_budget(cfg, store, plan), kept_layers(cfg, plan), reducer=ranks.reducer(),
+                        piece_rows=rows)
+    if dpo:
+        executor.objective = PreferenceHead(pref_loss_of(cfg))
+    return executor
 
 
 class Steps:
@@ -49,9 +55,7 @@ class Steps:
         cfg, job, executor = self.job.cfg, self.job, self.executor
         mbs = job.plan.rows_of_step(step)
         self.rows_seen += sum(len(idx) for idx in mbs)
-        pad = pad_id(job.mcfg)
-        batches = [collate([job.rows.input_ids[i] for i in idx], [job.rows.labels[i] for i in idx], pad)
-                   for idx in self.ranks.my_rows(mbs, cfg.per_device_train_batch_size)]
+        batches = [self.batch(idx) for idx in self.ranks.my_rows(mbs, cfg.per_device_train_batch_size)]
         self.lr = cfg.learning_rate * lr_factor(cfg.lr_scheduler_type, step, job.total, job.warmup)
         try:
             return executor.step(batches, step, self.lr)
@@ -61,13 +65,21 @@ class Steps:
         except torch.OutOfMemoryError:
             raise BudgetError(
                 f"the GPU ran out of memory in step {step + 1} ({len(batches)} micro-batches of "
-                f"{cfg.per_device_train_batch_size} rows x up to {cfg.cutoff_len} tokens, as "
+                f"{cfg.micro_rows} rows x up to {cfg.cutoff_len} tokens, as "
                 f"{executor.last_passes or 1} layer-major passes, beside the state kept in HBM; in the "
                 f"{executor.phase}{_where(executor)}); lower "
                 "per_device_train_batch_size, tiermem_physical_batch_size or cutoff_len, "
                 "tiermem_activation_budget (a step then runs as "
                 "several layer-major passes)" + (", tiermem_keep_activations" if executor.last_kept
                                                  else "") + " or tiers.gpu.budget") from None
+
+    def batch(self, idx: list[int]):
+        """The micro-batch of examples ``idx`` (stage dpo: pairs, their rows chosen then rejected, and the
+        reference's figures of those rows after the mask)."""
+        rows = self.job.rows
+        r = rows.rows_of(idx)
+        b = collate([rows.input_ids[i] for i in r], [rows.labels[i] for i in r], pad_id(self.job.mcfg))
+        return b if self.job.reference is None else (*b, self.job.reference.of(idx))
 
     def notes(self, step: int) -> None:
         """What the run's first step showed: the layers that kept their activations, the pieces a micro-batch
@@ -80,7 +92,7 @@ class Steps:
             say(f"note: the activations of {executor.last_kept} layers are kept ({asked} "
                 "tiermem_keep_activations asks for; only layers whose weights live in HBM can be, none with "
                 "a load-balancing loss): their backward skips the recompute")
-        rows = cfg.per_device_train_batch_size
+        rows = cfg.micro_rows  # (stage dpo: two rows a pair)
         if executor.piece_rows and executor.piece_rows < rows and not (plan is not None and plan.piece_rows):
             say(f"note: each micro-batch of {rows} rows runs as {pieces.count(rows, executor.piece_rows)} pieces of "
                 f"{executor.piece_rows} row{'s' if executor.piece_rows > 1 else ''} "
