@@ -227,9 +227,11 @@ def test_a_non_finite_step_is_not_applied(good, capsys):
     rc = run(cfg)
     err = capsys.readouterr().err
     assert rc == 2, err
-    assert err.startswith("tiermem-train: error: step 2: gradient norm is ") and err.count("\n") == 1, err
+    assert err.startswith("tiermem-train: error: step 2: gradient norm is ") and err.count("\n") == 2, err
     assert "the step was not applied" in err and "lower learning_rate" in err
-    out = tmp / "out"
+    out = tmp / "out"  # (the second line: where the run got to and the command that continues)
+    stop = err.splitlines()[1]
+    assert stop.startswith(f"tiermem-train: stopped at step 1 of 4; newest checkpoint {out}/checkpoint-1"), stop
     assert (out / "checkpoint-1").is_dir() and not (out / "checkpoint-2").exists()
     assert not (out / "model.safetensors").exists()
     log = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
