@@ -89,6 +89,7 @@ class TrainConfig:
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
     bf16: bool = False
+    tf32: bool | None = None  # Hugging Face's: TF32 matmuls on CUDA (true), none (false), torch's default (unset)
     seed: int = 42
     resume_from_checkpoint: str | None = None
     # tiermem's own

@@ -24,6 +24,7 @@ from trainer.run.gc_pauses import GcPauses
 from trainer.run.job import Job, prepare
 from trainer.run.loading import load_weights
 from trainer.run.opening import describe_store, open_training_session
+from trainer.run.precision import tf32_mode
 from trainer.run.reached import Reached
 from trainer.run.saving import Saving
 from trainer.run.stepping import Steps, make_executor
@@ -40,6 +41,11 @@ def run(cfg: TrainConfig, console: Console | None = None, reached: Reached | Non
 
 def _run(cfg: TrainConfig, console: Console, ranks, reached: Reached) -> dict:
     say = lambda text: console.print(text, soft_wrap=True, highlight=False)
+    with tf32_mode(cfg, say):  # (tf32: set before anything is computed, put back at the end)
+        return _stages(cfg, console, ranks, reached, say)
+
+
+def _stages(cfg: TrainConfig, console: Console, ranks, reached: Reached, say) -> dict:
     ranks.enter("prepare")
     job = prepare(cfg, console, say, ranks)
     session = open_training_session(job, ranks, say)
