@@ -125,8 +125,18 @@ def main(argv: list[str] | None = None) -> int:
             return err.exit_code
         for line in err.lines():
             print(f"tiermem-train: error: {printable(err.rank_prefix + line)}", file=sys.stderr)
-        say_stopped("stopped", reached, cfg, args)
+        if not _service_lost(err):  # (its line says how to go on: start the service again, rerun)
+            say_stopped("stopped", reached, cfg, args)
         return err.exit_code
+
+
+def _service_lost(err: UserError) -> bool:
+    """The run's service went away (its state with it, maybe): the error's own line says how to continue."""
+    if "tiermem.service.client" not in sys.modules:  # (never attached: it cannot have lost a service)
+        return False
+    from tiermem.service.client import ServiceLost
+
+    return isinstance(err, ServiceLost)
 
 
 def say_stopped(how: str, reached, cfg, args, always: bool = False) -> None:
@@ -150,6 +160,7 @@ def terminated_raises(exc: type[BaseException]):
         return
 
     def raise_it(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (once: a second one must not cut the stop's own cleanup)
         raise exc()
 
     before = signal.signal(signal.SIGTERM, raise_it)
