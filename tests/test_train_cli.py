@@ -40,6 +40,7 @@ def test_quickstart_trains_and_saves(tmp_path, capsys, monkeypatch):
     assert args["max_steps"] == 40 and args["tiermem"]["tiers"]["dram"]["path"] == "anonymous"
     printed = capsys.readouterr().out
     assert "step 40/40 | loss" in printed and "tok/s" in printed and "wait transfer" in printed
+    assert printed.startswith("training data: ") and "\n\n\n" not in printed  # (no progress bars' empty lines)
     # the run's plan, as `tiermem plan --json` gives it: planned again from the step it measured, the same
     ran = json.loads((out / "tiermem_plan.json").read_text())
     assert ran["run"]["compute_factor"] > 0 and ran["run"]["predicted_step_seconds"] > 0  # (what the run measured)
