@@ -158,6 +158,7 @@ def test_a_real_ctrl_c_names_the_command_that_continues(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 130, err
-    line = err.strip().splitlines()[-1]
+    assert len(err.strip().splitlines()) == 1, err  # (one line: nothing else on stderr)
+    line = err.strip()
     assert line == (f"tiermem-train: interrupted at step 4 of 8; newest checkpoint {out}/checkpoint-4; continue with: "
                     f"{shlex.join(['tiermem-train', *args, f'resume_from_checkpoint={out}/checkpoint-4'])}"), err
