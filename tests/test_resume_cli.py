@@ -99,12 +99,23 @@ def test_sigterm_stops_as_ctrl_c_does_and_says_no_checkpoint_was_saved(tmp_path,
     out = tmp_path / "qs"
     stop_at(monkeypatch, 3, lambda: os.kill(os.getpid(), signal.SIGTERM))
     before = signal.getsignal(signal.SIGTERM)
-    assert main(quick(out)) == 128 + signal.SIGTERM
+    args = quick(out, "save_steps=null")
+    assert main(args) == 128 + signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) is before  # (put back after the run)
     err = capsys.readouterr().err
     assert err == ("tiermem-train: terminated (SIGTERM) at step 2 of 6; no checkpoint was saved (save_steps is not "
-                   "set); start again from step 0 with: " + shlex.join(["tiermem-train", *quick(out)]) + "\n"), err
+                   "set); start again from step 0 with: " + shlex.join(["tiermem-train", *args]) + "\n"), err
     assert not any(out.glob("checkpoint-*"))
+
+
+def test_a_stop_says_why_there_is_no_checkpoint(tmp_path, capsys, monkeypatch):
+    """The quickstart saves every 50 steps: a 6-step run of it saves none, and the line says so."""
+    monkeypatch.chdir(ROOT)
+    stop_at(monkeypatch, 2, raise_ctrl_c)
+    assert main(quick(tmp_path / "qs")) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("tiermem-train: interrupted at step 1 of 6; no checkpoint is saved in this run "
+                          "(save_steps: 50, beyond its 6); start again from step 0 with: tiermem-train "), err
 
 
 def test_an_error_before_training_began_is_one_line_still(tmp_path, capsys, monkeypatch):

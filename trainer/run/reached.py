@@ -78,6 +78,8 @@ def why_none(cfg, reached: Reached) -> str:
         return "no checkpoint was saved (save_steps is not set)"
     if cfg.save_strategy == "steps":
         first = (reached.start // cfg.save_steps + 1) * cfg.save_steps
+        if first > reached.total:
+            return f"no checkpoint is saved in this run (save_steps: {cfg.save_steps}, beyond its {reached.total})"
         return f"no checkpoint was saved yet (save_steps: {cfg.save_steps}, the first due at step {first})"
     return "no checkpoint was saved yet (save_strategy: epoch)"
 
