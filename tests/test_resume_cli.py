@@ -153,8 +153,10 @@ def test_overwrite_output_dir_sets_the_earlier_runs_outputs_aside(tmp_path, caps
 
 
 @pytest.mark.slow
-def test_a_real_ctrl_c_names_the_command_that_continues(tmp_path):
-    """SIGINT, as a terminal sends it, to a run held inside step 5 after checkpoint-4."""
+@pytest.mark.parametrize("sig,code,how", [(signal.SIGINT, 130, "interrupted"),
+                                          (signal.SIGTERM, 143, "terminated (SIGTERM)")])
+def test_a_real_ctrl_c_names_the_command_that_continues(tmp_path, sig, code, how):
+    """SIGINT, as a terminal sends it (or SIGTERM, as kill does), to a run held inside step 5 after checkpoint-4."""
     out = tmp_path / "qs"
     args = quick(out, "max_steps=8", "save_steps=4")
     proc = subprocess.Popen([sys.executable, "-m", "trainer.cli", *args], cwd=ROOT, text=True,
@@ -164,12 +166,12 @@ def test_a_real_ctrl_c_names_the_command_that_continues(tmp_path):
         while not (out / "checkpoint-4" / "checkpoint.json").is_file():
             assert proc.poll() is None, proc.communicate()
             time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 130, err
+    assert proc.returncode == code, err
     assert len(err.strip().splitlines()) == 1, err  # (one line: nothing else on stderr)
     line = err.strip()
-    assert line == (f"tiermem-train: interrupted at step 4 of 8; newest checkpoint {out}/checkpoint-4; continue with: "
+    assert line == (f"tiermem-train: {how} at step 4 of 8; newest checkpoint {out}/checkpoint-4; continue with: "
                     f"{shlex.join(['tiermem-train', *args, f'resume_from_checkpoint={out}/checkpoint-4'])}"), err
