@@ -40,10 +40,14 @@ def run(tmp_path, cfg, *overrides, raw: bytes | None = None) -> int:
     return main([str(path), *overrides])
 
 
-def expect_one_line(capsys, rc, *needles, out: Path | None = None):
+def expect_one_line(capsys, rc, *needles, out: Path | None = None, after_steps: bool = False):
+    """One line of error, exit code 2 (``after_steps``: the run had begun its steps, and a second line says where
+    it stopped and the command that continues)."""
     err = capsys.readouterr().err
     assert rc == 2, err
-    assert err.startswith("tiermem-train: error: ") and err.count("\n") == 1, err
+    assert err.startswith("tiermem-train: error: ") and err.count("\n") == 1 + after_steps, err
+    if after_steps:
+        assert err.splitlines()[1].startswith("tiermem-train: stopped at step "), err
     for n in needles:
         assert n in err, err
     if out is not None:
@@ -185,7 +189,7 @@ def test_disk_full_during_the_export_leaves_no_temp_files(setup, capsys, monkeyp
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(weights_io._ShardWriter, "write", full)
-    expect_one_line(capsys, run(tmp, cfg), "No space left")
+    expect_one_line(capsys, run(tmp, cfg), "No space left", after_steps=True)
     assert not list((tmp / "out").rglob("*.tmp")), sorted(p.name for p in (tmp / "out").rglob("*"))
 
 
@@ -477,14 +481,20 @@ def test_an_update_that_makes_weights_non_finite_stops_the_run_before_it_is_save
         shutil.rmtree(out, ignore_errors=True)
         capsys.readouterr()
         expect_one_line(capsys, run(tmp, dict(cfg, learning_rate=1e38, bf16=bf16, tiermem=tiermem, **over)), needle,
-                        "inf or NaN")
+                        "inf or NaN", after_steps=True)
         assert not (out / "model.safetensors").exists() and not list(out.glob("checkpoint-*")), list(out.iterdir())
 
 # -- config files: the one YAML loader (tiermem.yamlfile) --------------------------------------------------------
 
 @pytest.fixture
 def bare(tmp_path):
-    """A config whose problems are found before any model or data is read (none is there)."""
+    """A config whose problems are found before any model or data is read (what the config's check reads is all
+    there is: the model's config.json, the dataset's entry and its file)."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "dataset_info.json").write_text('{"toy": {"file_name": "toy.json"}}')
+    (tmp_path / "data" / "toy.json").write_text("[]")
     cfg = {"model_name_or_path": str(tmp_path / "model"), "dataset": "toy", "dataset_dir": str(tmp_path / "data"),
            "output_dir": str(tmp_path / "out"), "max_steps": 2,
            "tiermem": {"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}}}}

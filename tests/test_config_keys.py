@@ -29,9 +29,16 @@ def test_every_hugging_face_training_argument_has_an_answer():
 
 
 def _write(tmp_path, **keys):
+    """A config over a model directory and a dataset that are there (what the config's check reads of them)."""
+    (tmp_path / "m").mkdir(exist_ok=True)
+    (tmp_path / "m" / "config.json").write_text("{}")
+    (tmp_path / "data").mkdir(exist_ok=True)
+    (tmp_path / "data" / "dataset_info.json").write_text('{"d": {"file_name": "d.json"}}')
+    (tmp_path / "data" / "d.json").write_text("[]")
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"model_name_or_path": str(tmp_path / "m"), "dataset": "d",
-                                    "output_dir": str(tmp_path / "out"), **keys}))
+                                    "dataset_dir": str(tmp_path / "data"), "output_dir": str(tmp_path / "out"),
+                                    **keys}))
     return path
 
 

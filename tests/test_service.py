@@ -334,7 +334,9 @@ def test_a_non_finite_step_is_not_committed_and_the_service_says_why(env):
             run = env.train("nan", learning_rate=1e35, lr_scheduler_type="constant", max_steps=4)
             assert run.returncode == 2, run.stderr
             assert run.stderr.startswith("tiermem-train: error: step 2: gradient norm is "), run.stderr
-            assert run.stderr.count("\n") == 1, run.stderr
+            assert run.stderr.count("\n") == 2, run.stderr  # (the second: where it stopped, the way on)
+            assert run.stderr.splitlines()[1].startswith("tiermem-train: stopped at step 1 of 4; the service keeps "
+                                                         "the run's state: continue with: tiermem-train "), run.stderr
             if attempt:
                 assert "continuing the service's run at step 1" in run.stdout, run.stdout
             deadline = time.time() + 30
@@ -353,7 +355,7 @@ def test_weights_an_update_of_the_service_made_inf_stop_the_trainer_in_one_line(
     svc = env.service()
     try:
         run = env.train("inf", learning_rate=1e38, max_steps=2, warmup_steps=0)
-        assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+        assert run.returncode == 2 and run.stderr.count("\n") == 2, run.stderr  # (and where it stopped)
         assert run.stderr.startswith("tiermem-train: error: update 1 made weights of group "), run.stderr
         assert not (env.tmp / "inf" / "model.safetensors").exists()
         svc.wait_for("the run stays at step 1")

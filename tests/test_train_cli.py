@@ -40,6 +40,7 @@ def test_quickstart_trains_and_saves(tmp_path, capsys, monkeypatch):
     assert args["max_steps"] == 40 and args["tiermem"]["tiers"]["dram"]["path"] == "anonymous"
     printed = capsys.readouterr().out
     assert "step 40/40 | loss" in printed and "tok/s" in printed and "wait transfer" in printed
+    assert printed.startswith("training data: ") and "\n\n\n" not in printed  # (no progress bars' empty lines)
     # the run's plan, as `tiermem plan --json` gives it: planned again from the step it measured, the same
     ran = json.loads((out / "tiermem_plan.json").read_text())
     assert ran["run"]["compute_factor"] > 0 and ran["run"]["predicted_step_seconds"] > 0  # (what the run measured)
@@ -227,9 +228,11 @@ def test_a_non_finite_step_is_not_applied(good, capsys):
     rc = run(cfg)
     err = capsys.readouterr().err
     assert rc == 2, err
-    assert err.startswith("tiermem-train: error: step 2: gradient norm is ") and err.count("\n") == 1, err
+    assert err.startswith("tiermem-train: error: step 2: gradient norm is ") and err.count("\n") == 2, err
     assert "the step was not applied" in err and "lower learning_rate" in err
-    out = tmp / "out"
+    out = tmp / "out"  # (the second line: where the run got to and the command that continues)
+    stop = err.splitlines()[1]
+    assert stop.startswith(f"tiermem-train: stopped at step 1 of 4; newest checkpoint {out}/checkpoint-1"), stop
     assert (out / "checkpoint-1").is_dir() and not (out / "checkpoint-2").exists()
     assert not (out / "model.safetensors").exists()
     log = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]

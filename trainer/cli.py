@@ -10,8 +10,12 @@ tiermem-train CONFIG`` (``NPROC_PER_NODE`` processes, default the GPUs), as llam
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
+import threading
+import traceback
 
 from tiermem.errors import UserError, printable
 
@@ -75,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("the training YAML is required (tiermem-train CONFIG [key=value ...]; --keys lists the keys)")
     if args.ids and args.preview is None:
         parser.error("--ids goes with --preview N")
+    from trainer.run.reached import Reached, Terminated
+
+    reached, cfg = Reached(), None
     try:
         from tiermem.faults import install_from_env
         from trainer.config import load_train_config
@@ -93,21 +100,68 @@ def main(argv: list[str] | None = None) -> int:
         if args.preview is not None:
             preview(cfg, args.preview, ids_only=args.ids)
         else:
-            run(cfg)
+            with terminated_raises(Terminated):
+                run(cfg, reached=reached)
         return 0
     except KeyboardInterrupt:
-        print("tiermem-train: interrupted", file=sys.stderr)
+        say_stopped("interrupted", reached, cfg, args, always=True)
         return 130
+    except Terminated:
+        say_stopped("terminated (SIGTERM)", reached, cfg, args, always=True)
+        return 128 + signal.SIGTERM
     except Exception as e:
         err = _user_error(e)
         if err is None:
-            raise
+            traceback.print_exc()
+            say_stopped("stopped", reached, cfg, args)
+            return 1
         if err.quiet:  # (another rank of the run says it)
             return err.exit_code
         for line in err.lines():
             print(f"tiermem-train: error: {printable(err.rank_prefix + line)}", file=sys.stderr)
+        if not _service_lost(err):  # (its line says how to go on: start the service again, rerun)
+            say_stopped("stopped", reached, cfg, args)
         return err.exit_code
 
+
+def _service_lost(err: UserError) -> bool:
+    """The run's service went away (its state with it, maybe): the error's own line says how to continue."""
+    if "tiermem.service.client" not in sys.modules:  # (never attached: it cannot have lost a service)
+        return False
+    from tiermem.service.client import ServiceLost
+
+    return isinstance(err, ServiceLost)
+
+
+def say_stopped(how: str, reached, cfg, args, always: bool = False) -> None:
+    """The line of a run that stopped before its end: the step reached, the newest checkpoint, the command that
+    continues (an error before training began says nothing more; Ctrl-C and SIGTERM say at least ``how``)."""
+    from trainer.run.reached import stop_line
+
+    if cfg is None or not reached.lead or (reached.step is None and not always):
+        if always:
+            print(f"tiermem-train: {how}", file=sys.stderr)
+        return
+    print(f"tiermem-train: {printable(stop_line(how, reached, cfg, args.config, args.overrides))}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def terminated_raises(exc: type[BaseException]):
+    """SIGTERM raises ``exc`` in the main thread while the run goes on (the run then stops as on Ctrl-C); the
+    handler before is put back after. Several ranks install their own when they join (``trainer.parallel.dist``)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_it(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (once: a second one must not cut the stop's own cleanup)
+        raise exc()
+
+    before = signal.signal(signal.SIGTERM, raise_it)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 if __name__ == "__main__":
     sys.exit(main())

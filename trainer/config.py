@@ -196,6 +196,8 @@ def validate(c: TrainConfig, problems: list[str] | None = None, here: bool = Tru
         bad(f"max_samples must be positive, got {c.max_samples}")
     _check_eval(c, bad)
     _check_preference(c, bad)
+    if here:
+        _check_inputs(c, bad)
     if c.template is not None:
         from trainer.data.templates import get_template
 
@@ -316,6 +318,23 @@ def _check_eval(c: TrainConfig, bad) -> None:
         c.do_eval = c.eval_strategy != "no"  # as the Hugging Face Trainer does
     elif c.do_eval and not has_eval:
         bad("do_eval: true needs evaluation data: set val_size or eval_dataset")
+
+
+def _check_inputs(c: TrainConfig, bad) -> None:
+    """What the run reads, checked with the rest of the config: the model's config.json and every dataset's
+    problems (each unknown name with the names dataset_info.json has, unusable entries, missing files)."""
+    from trainer.data.registry import problems as dataset_problems
+    from trainer.model.config import ModelConfigError, read_config_json
+
+    if c.model_name_or_path:  # (an empty path is refused already)
+        try:
+            read_config_json(c.model_name_or_path)
+        except ModelConfigError as e:
+            bad(str(e))
+    names = [n.strip() for v in (c.dataset, c.eval_dataset) if v for n in str(v).split(",") if n.strip()]
+    if c.dataset_dir:
+        for line in dataset_problems(",".join(dict.fromkeys(names)), c.dataset_dir):
+            bad(line)
 
 
 def _collect(bad, fn, *args):

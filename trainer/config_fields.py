@@ -175,6 +175,9 @@ class TrainConfig:
     max_grad_norm: float = training(1.0, help="clip the global gradient norm (exact, over all parameters); 0: no "
                                               "clipping")
     bf16: bool = training(False, help="a bf16 compute copy with fp32 master weights and moments; false: fp32")
+    tf32: bool | None = training(help=(
+        "Hugging Face's: true turns on TF32 matmuls (CUDA matmul and cuDNN) for the run, false turns them off; "
+        "unset leaves torch's default. A note where it changes nothing (no CUDA, a GPU before Ampere, bf16)"))
     seed: int = training(42, help="the data order (randperm seeded with seed + epoch) and tiermem_init: random")
     resume_from_checkpoint: str | None = outputs(help=(
         "a checkpoint directory to resume from"), shown="the newest complete checkpoint in output_dir, unless "

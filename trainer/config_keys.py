@@ -174,7 +174,6 @@ KEYS: dict[str, Answer] = {
     **_refuse("fp16 training is not supported; use bf16: true or bf16: false (fp32)", "fp16", "fp16_full_eval"),
     **_noop("used only with fp16 (not supported)", "fp16_opt_level", "fp16_backend", "half_precision_backend"),
     **_noop("evaluation uses the training's compute copy of the weights (bf16 with bf16: true)", "bf16_full_eval"),
-    **_noop("tiermem leaves torch's matmul precision as it is", "tf32"),
     **_refuse(OPTIMIZER, "optim", ok=("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused",
                                       "adamw_torch_xla", "adamw_torch_npu_fused")),
     **_refuse(OPTIMIZER, "adafactor"),

@@ -74,7 +74,7 @@ def _remove(arena) -> None:
 
 
 def _arenas(args) -> int:
-    from tiermem.tiers.dram import SUFFIX, header_problem, list_arenas
+    from tiermem.tiers.arena_files import SUFFIX, header_problem, list_arenas
 
     if args.force and not args.clean:
         raise UserError("--force goes with --clean: `tiermem arenas --clean --force`")
@@ -168,13 +168,36 @@ TIMEOUT_HELP = ("seconds without a word from the service before giving up on it 
                 "second; default $TIERMEM_SERVICE_TIMEOUT or 30)")
 
 
+# what each command's own --help says first (`tiermem --help` lists their one-line summaries)
+DESCRIPTIONS = {
+    "probe": "Measures the links the store moves state over (the pinned DRAM arena to and from the GPU, the disk to "
+             "and from the arena, the arena's setup), through tiermem and raw: the median of --reps runs each. "
+             "--save FILE writes the figures the planner reads (tiermem plan --probe FILE). Without CUDA the GPU's "
+             "links and the pinning are not measured, and the table says so.",
+    "arenas": "Lists the DRAM arenas (shared-memory files) in --dir with their size and owner, and which were left "
+              "behind by a process that is gone; --clean removes those (not one a service can recover a run from, "
+              "unless --force).",
+    "serve": "Runs the store as a service: trainers attach to it (tiermem_server in their YAML) and their state "
+             "outlives them. It listens on --socket until SIGTERM or Ctrl-C.",
+    "top": "A live view of a run's store (an embedded run's --run OUTPUT_DIR, or a service's socket): its tiers, "
+           "links, step and waits; --once prints one frame.",
+    "stats": "One snapshot of a run's store (an embedded run's --run OUTPUT_DIR, or a service's socket), as JSON or "
+             "in the Prometheus text format.",
+}
+
+
+def _command(sub, name: str, summary: str) -> argparse.ArgumentParser:
+    """The subcommand ``name``: ``summary`` in `tiermem --help`, its description in its own --help."""
+    return sub.add_parser(name, help=summary, description=DESCRIPTIONS[name])
+
+
 def build_parser() -> argparse.ArgumentParser:
     from tiermem import __version__
 
     p = argparse.ArgumentParser(prog="tiermem", description=__doc__.replace("``", ""))
     p.add_argument("--version", action="version", version=f"tiermem {__version__}")
     sub = p.add_subparsers(dest="command", required=True, help="the command (each takes --help)")
-    pr = sub.add_parser("probe", help="measure every link on this machine, through tiermem and raw")
+    pr = _command(sub, "probe", "measure every link on this machine, through tiermem and raw")
     pr.add_argument("--size", default="2GiB", help="bytes per transfer (default 2GiB)")
     pr.add_argument("--nvme-path", action="append", help="directory on the disk to measure (default: a temporary one "
                     "in .); given several times, the disks striped together, as a tiers.nvme.path list is")
@@ -184,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pr.add_argument("--save", help="also write the JSON to this file (the planner reads it)")
     pr.set_defaults(fn=_probe)
-    ar = sub.add_parser("arenas", help="list shared-memory arenas, and which were left behind")
+    ar = _command(sub, "arenas", "list shared-memory arenas, and which were left behind")
     ar.add_argument("--dir", default="/dev/shm", help="the directory of the arenas (default /dev/shm)")
     ar.add_argument("--clean", action="store_true",
                     help="remove arenas whose owner is gone, except those a service can recover a run from")
@@ -192,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --clean, remove recoverable arenas too (their runs' state is lost: they resume from "
                          "their newest checkpoints)")
     ar.set_defaults(fn=_arenas)
-    sv = sub.add_parser("serve", help="run the store as a service that trainers attach to (tiermem_server=PATH)")
+    sv = _command(sub, "serve", "run the store as a service that trainers attach to (tiermem_server=PATH)")
     sv.add_argument("--config", required=True, help="the tiermem config (tiers, placement, name)")
     sv.add_argument("--socket", help="the control socket's path (default: $XDG_RUNTIME_DIR/tiermem/tiermem.sock "
                                      "or /tmp/tiermem-UID/tiermem.sock)")
@@ -202,14 +225,14 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--metrics-addr", default="127.0.0.1",
                     help="the address the metrics endpoint listens on (default 127.0.0.1; 0.0.0.0 for every one)")
     sv.set_defaults(fn=_serve)
-    tp = sub.add_parser("top", help="a live view of a run's store: tiers, links, step, waits")
+    tp = _command(sub, "top", "a live view of a run's store: tiers, links, step, waits")
     tp.add_argument("--run", metavar="OUTPUT_DIR", help="follow the embedded run writing to OUTPUT_DIR")
     tp.add_argument("--socket", help="a tiermem service's socket (default: this user's default socket)")
     tp.add_argument("--once", action="store_true", help="print one frame and exit")
     tp.add_argument("--probe", help="a `tiermem probe --save` file: show each link's measured ceiling")
     tp.add_argument("--timeout", type=float, metavar="S", help=TIMEOUT_HELP)
     tp.set_defaults(fn=_top)
-    st = sub.add_parser("stats", help="one snapshot of a run's store, for scripts")
+    st = _command(sub, "stats", "one snapshot of a run's store, for scripts")
     st.add_argument("--run", metavar="OUTPUT_DIR", help="the embedded run writing to OUTPUT_DIR")
     st.add_argument("--socket", help="a tiermem service's socket (default: this user's default socket)")
     st.add_argument("--timeout", type=float, metavar="S", help=TIMEOUT_HELP)

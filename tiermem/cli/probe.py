@@ -238,9 +238,12 @@ def probe_arena_setup(directory: Path | str, size: int, name: str, raw: float | 
     total = time.perf_counter() - t0
     reg, touch = arena.register_seconds, arena.touch_seconds
     arena.close()
-    note = (f"{format_size(size)} in {directory}: create {total - reg - touch:.2f} s, touch pages {touch:.2f} s, "
-            f"cudaHostRegister {reg:.2f} s")
-    note += "; raw: pin_memory=True of up to 4 GiB, scaled" if pin else "; no CUDA: not registered"
+    if pin:
+        note = (f"{format_size(size)} in {directory}: create {total - reg - touch:.2f} s, touch pages {touch:.2f} s, "
+                f"cudaHostRegister {reg:.2f} s; raw: pin_memory=True of up to 4 GiB, scaled")
+    else:  # (an arena is touched and registered only to be pinned: those figures were not measured)
+        note = (f"{format_size(size)} in {directory}: create only; touch pages and cudaHostRegister not measured: "
+                "no CUDA (the arena is not pinned)")
     label = "arena setup" + (" (anonymous)" if str(directory) == "anonymous" else "")
     row = _row(label, total, raw, unit="s", note=note, raw_what="")
     row["ratio"] = raw / total if raw else None  # > 1: faster than the baseline
@@ -330,7 +333,9 @@ def render(result: dict) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=f"tiermem probe ({format_size(result['size'])} transfers)")
+    # (the title at the left and the terminal's own width: a title centred in a wider console than the terminal
+    # starts the output with lines of spaces)
+    table = Table(title=f"tiermem probe ({format_size(result['size'])} transfers)", title_justify="left")
     for col in ("link", "tiermem", "raw", "ratio", "note"):
         table.add_column(col, justify="right" if col in ("tiermem", "raw", "ratio") else "left")
     for r in result["rows"]:
@@ -338,4 +343,4 @@ def render(result: dict) -> None:
         table.add_row(r["link"], fmt(r["tiermem"]), fmt(r["raw"]),
                       "-" if r["ratio"] is None else f"{r['ratio']:.2f}",
                       escape(r["note"] + (f" (raw: {r['raw_is']})" if r["raw_is"] else "")))
-    Console(width=200).print(table)
+    Console().print(table)

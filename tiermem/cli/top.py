@@ -26,8 +26,6 @@ from rich.text import Text
 from tiermem.errors import UserError
 from tiermem.files import read_bytes
 from tiermem.sizes import format_duration, format_size
-from tiermem.tiers import registry
-from tiermem.tiers.base import DEVICE, HOST, STORAGE
 
 KIND_MARK = {"param": ("P", "cyan"), "grad": ("G", "magenta"), "master": ("M", "green"),
              "exp_avg": ("1", "yellow"), "exp_avg_sq": ("2", "blue")}
@@ -37,6 +35,9 @@ BAR = 24
 def probe_links() -> dict[str, str]:
     """``tiermem probe``'s rows (by the start of their label) -> the links of the store they measured: the arena
     is the host tier, the GPU the device tier, NVMe the first storage tier."""
+    from tiermem.tiers import registry
+    from tiermem.tiers.base import DEVICE, HOST, STORAGE
+
     host, dev = registry.primary(HOST), registry.primary(DEVICE)
     out = {"arena -> GPU": f"{host}->{dev}", "GPU -> arena": f"{dev}->{host}"}
     for disk in registry.of_role(STORAGE)[:1]:
@@ -149,6 +150,9 @@ def plan_rows(snap: dict) -> list[tuple[str, str, str]]:
     opt = (run.get("optimizer") or {}).get("split") or {}
     s = lambda v: f"{v:.3f} s"
     b = lambda v: format_size(int(v))
+    from tiermem.tiers import registry
+    from tiermem.tiers.base import DEVICE, HOST, STORAGE
+
     host, dev = registry.primary(HOST), registry.primary(DEVICE)
     measured = lambda links: sum(measured_bytes.get(k, 0) for k in links)  # noqa: E731
     rows = [("step", s(plan["predicted_step_s"]), s(run.get("step_s") or 0.0)),
@@ -265,13 +269,9 @@ def render(snap: dict, ceiling: dict[str, float] | None = None):
 def read_service(socket_path, timeout: float | None = None) -> dict:
     """One snapshot from a running service (``tiermem serve``); one line when it does not answer within
     ``timeout`` seconds of silence (protocol.service_timeout)."""
-    from tiermem.service.client import ServiceClient
+    from tiermem.service.ask import ask
 
-    client = ServiceClient(socket_path, timeout)
-    try:
-        return client.request("stats")["snapshot"]
-    finally:
-        client.close()
+    return ask(socket_path, "stats", timeout)["snapshot"]
 
 
 def top(read, once: bool, probe: str | None, interval: float = 0.5) -> int:

@@ -1,14 +1,16 @@
-"""A JSON-serialisable snapshot of the store: tiers, links and waits. Cheap enough to take every second."""
+"""A JSON-serialisable snapshot of the store: tiers, links and waits. Cheap enough to take every second. The
+checks of a snapshot read back (``snapshot_problem``) import nothing heavy: ``tiermem stats --run`` needs no
+torch."""
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
 
-from tiermem.tiers.base import DEVICE
-
 
 def snapshot(store) -> dict:
+    from tiermem.tiers.base import DEVICE
+
     tiers_of = store.tiers
     by_kind: dict[str, dict[str, int]] = {t: defaultdict(int) for t in tiers_of}
     valid: dict[str, int] = defaultdict(int)

@@ -11,11 +11,12 @@ content_tag, user_tag, assistant_tag, observation_tag, function_tag, system_tag)
 from __future__ import annotations
 
 import csv
+import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tiermem.errors import ConfigError, nearest
+from tiermem.errors import ConfigError, ConfigProblems, nearest
 from tiermem.files import is_regular, read_json
 
 READABLE = (".json", ".jsonl", ".csv", ".parquet", ".txt")
@@ -26,6 +27,10 @@ ENTRY_KEYS = ("file_name", "formatting", "columns", "tags", "ranking", "split", 
 
 class DataError(ConfigError):
     """A dataset file or row is unusable."""
+
+
+class DataProblems(ConfigProblems, DataError):
+    """Several datasets' problems, found in one pass: one line each."""
 
 
 @dataclass
@@ -49,41 +54,82 @@ def load_registry(dataset_dir: str | Path) -> dict:
 
 
 def resolve(names: str, dataset_dir: str | Path) -> list[DatasetEntry]:
-    info = load_registry(dataset_dir)
+    """The entries of the comma-separated dataset ``names``; every problem of them found in one pass (unknown names
+    with the names ``dataset_info.json`` has, unusable entries, missing files), raised as one line each."""
+    entries, found = _entries(names, dataset_dir)
+    if found:
+        raise DataError(found[0]) if len(found) == 1 else DataProblems(found)
+    return entries
+
+
+def problems(names: str, dataset_dir: str | Path) -> list[str]:
+    """What is wrong with the comma-separated dataset ``names`` in ``dataset_dir``, one line each ([]: nothing):
+    the config's check, before anything is read."""
+    return _entries(names, dataset_dir)[1]
+
+
+def _entries(names: str, dataset_dir: str | Path) -> tuple[list[DatasetEntry], list[str]]:
+    try:
+        info = load_registry(dataset_dir)
+    except DataError as e:
+        return [], [str(e)]
     where = Path(dataset_dir) / "dataset_info.json"
-    out = []
-    for name in [n.strip() for n in names.split(",") if n.strip()]:
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    if not wanted:
+        return [], ["dataset: no dataset named"]
+    out, found = [], []
+    for name in wanted:
         if name not in info:
-            raise DataError(f"dataset '{name}' is not in {where}{nearest(name, list(info))}")
-        entry = info[name]
-        if not isinstance(entry, dict):
-            raise DataError(f"{where}: entry '{name}' must be a mapping")
-        for key in entry:
-            if key not in ENTRY_KEYS:
-                raise DataError(f"{where}: entry '{name}' has unknown key '{key}'{nearest(key, ENTRY_KEYS)}")
-        if "file_name" not in entry:
-            hub = next((k for k in ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
-                        if k in entry), None)
-            if hub:
-                raise DataError(f"dataset '{name}' is fetched from a hub ({hub}), which tiermem cannot do offline; "
-                                "download the data and point 'file_name' at it")
-            raise DataError(f"{where}: entry '{name}' has no file_name")
-        if not isinstance(entry.get("ranking", False), bool):
-            raise DataError(f"dataset '{name}': 'ranking' must be true or false")
-        if entry.get("num_samples") is not None or entry.get("split", "train") != "train":
-            raise DataError(f"dataset '{name}': 'num_samples' and 'split' are not supported yet; use max_samples")
-        formatting = entry.get("formatting", "alpaca")
-        if formatting not in FORMATTINGS:
-            raise DataError(f"dataset '{name}': formatting '{formatting}' is not supported"
-                            f"{nearest(str(formatting), FORMATTINGS)}; formattings are {', '.join(FORMATTINGS)}")
-        for key in ("columns", "tags"):
-            if key in entry and not isinstance(entry[key], dict):
-                raise DataError(f"dataset '{name}': '{key}' must be a mapping")
-        out.append(DatasetEntry(name, _files(Path(dataset_dir) / entry["file_name"], name), formatting,
-                                entry.get("columns"), entry.get("tags"), entry.get("ranking", False)))
-    if not out:
-        raise DataError("dataset: no dataset named")
-    return out
+            found.append(f"dataset '{name}' is not in {where}; {_names_it_has(name, list(info))}")
+            continue
+        try:
+            out.append(_entry(name, info[name], where, Path(dataset_dir)))
+        except DataError as e:
+            found.append(str(e))
+    return out, found
+
+
+# how many of dataset_info.json's names an unknown dataset's line lists (the closest first where it has more)
+LISTED = 12
+
+
+def _names_it_has(name: str, names: list[str]) -> str:
+    """The names of ``dataset_info.json`` for an unknown dataset's line: all of them, or the closest first."""
+    if not names:
+        return "it names no dataset"
+    if len(names) <= LISTED:
+        return "the names it has: " + ", ".join(sorted(names))
+    close = difflib.get_close_matches(name, names, n=LISTED, cutoff=0.0)
+    return f"it has {len(names)} names, the closest: {', '.join(close)} and {len(names) - len(close)} more"
+
+
+def _entry(name: str, entry, where: Path, dataset_dir: Path) -> DatasetEntry:
+    """The entry ``name`` of ``where`` checked, its files found."""
+    if not isinstance(entry, dict):
+        raise DataError(f"{where}: entry '{name}' must be a mapping")
+    for key in entry:
+        if key not in ENTRY_KEYS:
+            raise DataError(f"{where}: entry '{name}' has unknown key '{key}'{nearest(key, ENTRY_KEYS)}")
+    if "file_name" not in entry:
+        hub = next((k for k in ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
+                    if k in entry), None)
+        if hub:
+            raise DataError(f"dataset '{name}' is fetched from a hub ({hub}), which tiermem cannot do offline; "
+                            "download the data and point 'file_name' at it")
+        raise DataError(f"{where}: entry '{name}' has no file_name")
+    if not isinstance(entry.get("ranking", False), bool):
+        raise DataError(f"dataset '{name}': 'ranking' must be true or false")
+    if entry.get("num_samples") is not None or entry.get("split", "train") != "train":
+        raise DataError(f"dataset '{name}': 'num_samples' and 'split' are not supported yet; use max_samples")
+    formatting = entry.get("formatting", "alpaca")
+    if formatting not in FORMATTINGS:
+        raise DataError(f"dataset '{name}': formatting '{formatting}' is not supported"
+                        f"{nearest(str(formatting), FORMATTINGS)}; formattings are {', '.join(FORMATTINGS)}")
+    for key in ("columns", "tags"):
+        if key in entry and not isinstance(entry[key], dict):
+            raise DataError(f"dataset '{name}': '{key}' must be a mapping")
+    return DatasetEntry(name, _files(dataset_dir / entry["file_name"], name), formatting, entry.get("columns"),
+                        entry.get("tags"), entry.get("ranking", False))
 
 
 def _files(path: Path, name: str) -> list[Path]:

@@ -13,6 +13,12 @@ a run writes (``LEFT``) and the lock file is there to say it was this tool's run
 again instead of being refused, while a user's own files in ``output_dir`` still make the run refuse it. A run
 that finishes removes the lock file (holding the lock: a run waiting to take it checks that the file it locked
 is still the one at the path).
+
+``overwrite_output_dir: true`` over an earlier run (a run that starts from step 0, not a resume): once the lock is
+taken, the earlier run's top-level outputs (``LEFT``: the exported model, the results, the logs and plots) are
+moved into ``previous-YYYYmmdd-HHMMSS/`` beside them, with one note naming them, before the new run writes; its
+``checkpoint-N`` folders stay, as Hugging Face's Trainer keeps them (a checkpoint of the same step is replaced when
+this run saves it), and so do TensorBoard's ``runs/`` (one folder a run) and files of the user's own.
 """
 
 from __future__ import annotations
@@ -37,7 +43,9 @@ LEFT = {"training_args.yaml", "tiermem_plan.json", "trainer_log.jsonl", "trainer
         "tiermem_stats.json", "store_stats.json", "train_results.json", "eval_results.json", "all_results.json",
         "trainer_state.json", "training_loss.png", "training_eval_loss.png", "config.json",
         "model.safetensors.index.json", "runs", *TOKENIZER_FILES}
-LEFT_PATTERNS = (re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors"), re.compile(r"\.checkpoint-\d+\.tmp-.+"))
+LEFT_PATTERNS = (re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors"), re.compile(r"\.checkpoint-\d+\.tmp-.+"),
+                 re.compile(r"previous-\d{8}-\d{6}(-\d+)?"))
+KEPT = {"runs"}  # what a new run over an earlier one leaves in place: each run's TensorBoard folder is its own
 
 
 class OutputDirInUse(UserError):
@@ -144,3 +152,36 @@ def interrupted_run(out: Path) -> bool:
         return False
     return all(p.name == LOCK or p.name in LEFT or p.name.removesuffix(".tmp") in LEFT
                or any(r.fullmatch(p.name.removesuffix(".tmp")) for r in LEFT_PATTERNS) for p in out.iterdir())
+
+
+def earlier_outputs(out: Path) -> list[Path]:
+    """The top-level files an earlier run left in ``out`` that a new run would write again (its checkpoints, the
+    lock, ``runs/`` and the folders earlier runs were set aside in excluded), in name order."""
+    def ours(name: str) -> bool:
+        name = name.removesuffix(".tmp")
+        return (name in LEFT - KEPT or LEFT_PATTERNS[0].fullmatch(name) is not None)
+
+    return sorted((p for p in Path(out).iterdir() if ours(p.name)), key=lambda p: p.name) if Path(out).is_dir() else []
+
+
+def set_aside(out: Path, say) -> Path | None:
+    """``overwrite_output_dir`` over an earlier run: its outputs in ``out`` moved into a new ``previous-<time>``
+    folder there, saying so in one note; the folder (None: there was nothing to move)."""
+    found = earlier_outputs(out)
+    if not found:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(max(p.stat(follow_symlinks=False).st_mtime
+                                                               for p in found)))
+    dest, n = Path(out) / f"previous-{stamp}", 1
+    while dest.exists():
+        dest, n = Path(out) / f"previous-{stamp}-{n}", n + 1
+    dest.mkdir()
+    for p in found:
+        os.replace(p, dest / p.name)
+    named = [p.name for p in found if p.name in ("model.safetensors", "train_results.json", "trainer_log.jsonl",
+                                                  "training_loss.png")] or [p.name for p in found[:3]]
+    more = len(found) - len(named)
+    say(f"note: overwrite_output_dir: this run starts over from step 0; the earlier run's {', '.join(named)}"
+        f"{f' and {more} more' if more else ''} moved to {dest} (its checkpoint-N folders stay; one this run saves "
+        "replaces the one of the same step)")
+    return dest

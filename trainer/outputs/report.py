@@ -229,6 +229,7 @@ def plot_loss(out_dir: Path, losses: list[tuple[int, float]], key: str = "loss")
 
 
 def progress_bar(console: Console) -> Progress:
-    """A transient progress bar on the run's console (tokenizing, loading, training, exporting)."""
+    """A transient progress bar on the run's console (tokenizing, loading, training, exporting); none where the
+    console is not a terminal (a file, a pipe: each bar would leave an empty line there)."""
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                    console=console, transient=True)
+                    console=console, transient=True, disable=not console.is_terminal)

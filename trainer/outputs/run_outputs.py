@@ -1,7 +1,8 @@
-"""What a run writes besides its checkpoints. At its start: output_dir's lock (the lead's), training_args.yaml
-(the config as it runs), the plan as tiermem_plan.json (replayable: ``tiermem plan --workload FILE``), TensorBoard's
-writer, the step log (``trainer.outputs.report``) and the stats file ``tiermem top`` follows. At its end: the
-exported model, the results files and trainer_state.json, the loss plots and store_stats.json."""
+"""What a run writes besides its checkpoints. At its start: output_dir's lock (the lead's; an earlier run's outputs
+set aside first under overwrite_output_dir), training_args.yaml (the config as it runs), the plan as
+tiermem_plan.json (replayable: ``tiermem plan --workload FILE``), TensorBoard's writer, the step log
+(``trainer.outputs.report``) and the stats file ``tiermem top`` follows. At its end: the exported
+model, the results files and trainer_state.json, the loss plots and store_stats.json."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tiermem.store.stats import StatsFile
 from trainer.config import resolved
 from trainer.outputs import checkpoint as ckpt
 from trainer.outputs import hf_outputs as hf
-from trainer.outputs.output_dir import OutputLock
+from trainer.outputs.output_dir import OutputLock, set_aside
 from trainer.outputs.report import Reporter, plot_loss, progress_bar
 from trainer.outputs.tensorboard import open_writer
 from trainer.outputs.weights_io import export_model
@@ -37,6 +38,8 @@ class RunOutputs:
         out.mkdir(parents=True, exist_ok=True)
         if lead:  # (held until the run ends: a second run on output_dir is refused, and touches nothing here)
             self.lock = OutputLock.take(out, say)
+            if cfg.overwrite_output_dir and job.resume is None and self.session.continues_at is None:
+                set_aside(out, say)  # (the earlier run's outputs: out of the new run's way, with a note)
         ckpt.remove_partial(out)
         self.budget = activation_budget(cfg, store, plan)
         self.tb = open_writer(cfg, out) if lead else None  # report_to: tensorboard (sets cfg.logging_dir)
@@ -110,8 +113,8 @@ class RunOutputs:
         self.stats.close()
         self.stats = None
         session.finished()
-        self.say(f"done: {total} steps in {runtime:.1f}s, train_loss {results['train_loss']:.4f}; "
-                 f"model saved to {out}")
+        steps = f"{total - start} steps this run ({total} in all)" if start else f"{total} steps"
+        self.say(f"done: {steps} in {runtime:.1f}s, train_loss {results['train_loss']:.4f}; model saved to {out}")
         self.lock.release(finished=True)
         return results
 

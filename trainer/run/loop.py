@@ -24,22 +24,29 @@ from trainer.run.gc_pauses import GcPauses
 from trainer.run.job import Job, prepare
 from trainer.run.loading import load_weights
 from trainer.run.opening import describe_store, open_training_session
+from trainer.run.precision import tf32_mode
 from trainer.run.preference import prepare_reference
+from trainer.run.reached import Reached
 from trainer.run.saving import Saving
 from trainer.run.stepping import Steps, make_executor
 from trainer.run.watching import PlanWatcher
 
 
-def run(cfg: TrainConfig, console: Console | None = None) -> dict:
+def run(cfg: TrainConfig, console: Console | None = None, reached: Reached | None = None) -> dict:
     """The whole run: prepare (check, tokenize), open the store (embedded or the service's), load the
-    weights, train, export."""
+    weights, train, export. ``reached``: filled as the run goes (where it got to, when it stops before its end)."""
     ranks = choose(World.from_env(), cfg)
     with ranks.running(cfg):
-        return _run(cfg, ranks.console(console), ranks)
+        return _run(cfg, ranks.console(console), ranks, reached or Reached())
 
 
-def _run(cfg: TrainConfig, console: Console, ranks) -> dict:
+def _run(cfg: TrainConfig, console: Console, ranks, reached: Reached) -> dict:
     say = lambda text: console.print(text, soft_wrap=True, highlight=False)
+    with tf32_mode(cfg, say):  # (tf32: set before anything is computed, put back at the end)
+        return _stages(cfg, console, ranks, reached, say)
+
+
+def _stages(cfg: TrainConfig, console: Console, ranks, reached: Reached, say) -> dict:
     ranks.enter("prepare")
     job = prepare(cfg, console, say, ranks)
     session = open_training_session(job, ranks, say)
@@ -47,7 +54,8 @@ def _run(cfg: TrainConfig, console: Console, ranks) -> dict:
     try:
         describe_store(session.store, say)
         start = load_weights(job, session, ranks, console, say)
-        return train(job, session, start, ranks, console, say)
+        reached.began(job.out, start, job.total, job.resume, not session.embedded, ranks.lead)
+        return train(job, session, start, ranks, console, say, reached)
     except BaseException as e:
         session.stopping(e)
         raise
@@ -55,8 +63,11 @@ def _run(cfg: TrainConfig, console: Console, ranks) -> dict:
         session.close()
 
 
-def train(job: Job, session: Session, start: int, ranks, console: Console, say) -> dict:
-    """Steps ``start``..total (logging, checkpoints, evaluation), then the export; returns the results."""
+def train(job: Job, session: Session, start: int, ranks, console: Console, say,
+          reached: Reached | None = None) -> dict:
+    """Steps ``start``..total (logging, checkpoints, evaluation), then the export; returns the results
+    (``reached``: the steps done, the newest checkpoint when it stops before its end)."""
+    reached = reached or Reached()
     out = ranks.output_dir(job.out)  # (the other ranks write to a scratch folder, removed at the end)
     pauses, outputs, executor, saving = GcPauses(), RunOutputs(job, session, out, say), None, None
     try:
@@ -75,6 +86,7 @@ def train(job: Job, session: Session, start: int, ranks, console: Console, say) 
             for step in range(start, job.total):
                 result = steps.take(step, saving)
                 ranks.after_step(step + 1)  # (several hosts: every host's next forward reads the new weights)
+                reached.stepped(step + 1)
                 steps.notes(step)
                 watcher.observe(step, result, say)
                 steps.log(step, result)
@@ -93,6 +105,7 @@ def train(job: Job, session: Session, start: int, ranks, console: Console, say) 
     except BaseException:
         if saving is not None:
             saving.settle()  # a checkpoint already read out of the store is still worth writing
+            reached.settled(saving.lineage, job.cfg.save_only_model)
         raise
     finally:
         pauses.close()

@@ -30,6 +30,11 @@ class Saving:
         elif not cfg.save_only_model:  # (this rank writes the state its HBM holds, if it holds any)
             self.part = ranks.part_saver(job)
 
+    @property
+    def lineage(self) -> str | None:
+        """The lineage of the checkpoints this process writes (None: it writes none)."""
+        return self.saver.lineage if self.saver is not None else None
+
     def after(self, done: int) -> None:
         """Step ``done`` is taken: checkpoint-``done`` begins when it is due."""
         job, cfg = self.job, self.job.cfg
