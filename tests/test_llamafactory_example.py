@@ -57,6 +57,8 @@ def test_the_qwen3_long_context_examples_are_taken_with_notes(tmp_path, monkeypa
     """Every key of LLaMA-Factory's Qwen3 long-context examples is taken or noted (none refused): report_to:
     wandb sends nothing, sequence parallelism is noted (one GPU holds the whole row), rope_scaling is taken."""
     _laid_out(tmp_path, monkeypatch)
+    (tmp_path / "saves" / "quickstart").mkdir(parents=True)  # (the quickstart's model, as the config's check sees it)
+    (tmp_path / "saves" / "quickstart" / "config.json").write_text("{}")
     cfg = load_train_config(LF / f"{name}.yaml")
     notes = "\n".join(cfg.notes)
     for key in (*QWEN3_NOTED, attn):
@@ -135,7 +137,7 @@ def test_the_stock_yaml_gets_every_problem_in_one_run(tmp_path, monkeypatch, cap
     assert main(["llama3_full_sft.yaml"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert all(line.startswith("tiermem-train: error: ") for line in err), err
-    has = "the names it has: demo_alpaca, demo_pt, demo_sharegpt"
+    has = "the names it has: demo_alpaca, demo_dpo_alpaca, demo_pt, demo_sharegpt, dpo_en_demo"
     assert f"tiermem-train: error: dataset 'identity' is not in data/dataset_info.json; {has}" in err, err
     assert f"tiermem-train: error: dataset 'alpaca_en_demo' is not in data/dataset_info.json; {has}" in err, err
     assert any("deepspeed" in line for line in err) and any("model_name_or_path" in line for line in err), err
