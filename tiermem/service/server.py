@@ -66,7 +66,7 @@ from tiermem.service.owner import Ownership
 from tiermem.service.planning import plan_run, service_machine
 from tiermem.service.replace import Replacement
 from tiermem.service.requests import RequestError, field_of, is_key, object_of
-from tiermem.service.runs import Client, Run, label_of, newest_checkpoint, no_room_note, room_for_new_state
+from tiermem.service.runs import Client, Run, kept_line, label_of, newest_checkpoint, no_room_note, room_for_new_state
 from tiermem.service.updates import UpdateRequests
 from tiermem.specs import MOMENTS, TensorSpec
 from tiermem.store.layout import create_store, layout_of, reopen_store, shared_description, spec_from_json, spec_to_json
@@ -465,8 +465,8 @@ class Service(UpdateRequests, Replacement, Monitoring, Listening):
                                                                          if run.peers else ""))
                     self._detach(run)  # what it still owed of the update in flight is the service's to finish
                 self._close_run(keep=True)
-                self.say(f"stopped; run {label_of(run)} kept at step {run.state.committed} for the next "
-                         "`tiermem serve` with this config")
+                self.say(f"stopped; run {label_of(run)} kept at step {run.state.committed}: "
+                         + kept_line(self.cfg, self.config_path))
 
 
 def serve(config_path: str, socket_path: str | None, fresh: bool) -> int:
