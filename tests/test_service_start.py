@@ -78,7 +78,7 @@ def test_the_bundled_service_configs_run_on_this_machine(name):
     from tiermem.service.config import service_config
 
     cfg = service_config(str(ROOT / "configs" / "tiermem" / name))
-    assert cfg.tiers.device_tier.device == "auto"
+    assert cfg.tiers.device_tier.device == "auto" and cfg.tiers.dram.path != "anonymous" and cfg.name
     assert compute_device(cfg).type == ("cuda" if torch_cuda() else "cpu")
 
 

@@ -59,6 +59,7 @@ from tiermem.plan.placement import default_budgets, make_plan
 from tiermem.schema import to_plain
 from tiermem.service import protocol
 from tiermem.service.config import gpu_share, planning_config, service_config
+from tiermem.service.discarding import Discarding
 from tiermem.service.journal import Journal, UndoGuard, make_private, state_dir, undo_bytes, write_atomic
 from tiermem.service.listening import Listening
 from tiermem.service.monitor import Monitoring
@@ -79,7 +80,7 @@ from tiermem.tiers.nvme import check_directory, directories
 log = logging.getLogger(__name__)
 
 
-class Service(UpdateRequests, Replacement, Monitoring, Listening):
+class Service(UpdateRequests, Replacement, Monitoring, Listening, Discarding):
     def __init__(self, config_path: str, socket_path: str | None, fresh: bool = False, say=print):
         self.config_path, self.say = config_path, say
         self.cfg = service_config(config_path)
@@ -141,14 +142,6 @@ class Service(UpdateRequests, Replacement, Monitoring, Listening):
                 "config": str(Path(self.config_path).resolve()), "socket": str(self.socket_path)}
 
     # -- runs ------------------------------------------------------------------------------------------
-    def _discard_recorded(self) -> None:
-        name, t = self.cfg.store_name(), self.cfg.tiers
-        files = [Path(d) / f"{name}.nvme" for d in directories(t.nvme)] if t.nvme is not None else []
-        for p in (Path(t.dram.path) / f"{name}.arena", self.record_path, self.journal_path, *files):
-            if p is not None and p.exists():
-                p.unlink()
-                self.say(f"discarded {p}")
-
     def _recover(self) -> None:
         if not self.record_path.is_file():
             return
@@ -311,10 +304,13 @@ class Service(UpdateRequests, Replacement, Monitoring, Listening):
         world, rank = msg.get("world", 1), msg.get("rank", 0)
         if not (type(world) is int and type(rank) is int and 1 <= world <= 1024 and 0 <= rank < world):
             raise RequestError("'world' and 'rank' must be whole numbers, 0 <= rank < world <= 1024")
-        owns = msg.get("owns")
+        owns, fresh = msg.get("owns"), msg.get("fresh", False)
         if world > 1 and not (isinstance(owns, list) and all(is_key(g) for g in owns)):
             raise RequestError("a rank of several must say which groups it owns ('owns': a list of groups)")
+        if type(fresh) is not bool:
+            raise RequestError("'fresh' must be true or false")
         with self.lock:
+            replaced = self._discard_for(run_id) if fresh and rank == 0 else None
             run = self.run
             if run is not None and run.record["run"] != run_id:
                 label = run.record["label"]
@@ -354,7 +350,7 @@ class Service(UpdateRequests, Replacement, Monitoring, Listening):
                     "arena": {"name": cfg.store_name(), "dir": cfg.tiers.dram.path},
                     "nvme": shared_description(nvme, cfg.tiers.nvme),
                     "config": to_plain(cfg), "gpu_share": run.record["gpu_share"], "plan": run.record.get("plan"),
-                    "trainer_groups": [g for g in run.optimizer.groups if g in client.groups]}
+                    "trainer_groups": [g for g in run.optimizer.groups if g in client.groups], "replaced": replaced}
 
     def _leave(self, client: Client, msg: dict) -> dict:
         """A rank other than 0 is done (its last update is whole): its going away is no loss to the run."""
