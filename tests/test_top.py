@@ -7,6 +7,7 @@ import json
 import re
 from pathlib import Path
 
+import torch
 import yaml
 from rich.console import Console
 
@@ -115,6 +116,8 @@ def test_top_and_stats_follow_a_real_run(tmp_path, capsys):
            "tiermem": {"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}}}}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     assert train_main([str(tmp_path / "c.yaml")]) == 0
+    if not torch.cuda.is_available():  # (placed by the H200's figures, as a layout must not turn on a CPU's load)
+        assert "plan: the prediction is for the H200 machine's figures (no GPU here" in capsys.readouterr().out
     capsys.readouterr()
     assert tiermem_main(["top", "--run", str(tmp_path / "out"), "--once"]) == 0
     shown = capsys.readouterr().out
