@@ -126,7 +126,8 @@ def kept_line(cfg, config_path: str) -> str:
     size = lambda p: format_size(p.stat().st_size) if p.is_file() else "0 B"  # noqa: E731
     held = f"its arena {arena} holds {size(arena)} of RAM" + "".join(f", {p} {size(p)} of disk" for p in disk)
     where = "" if Path(t.dram.path).resolve() == Path("/dev/shm") else f" --dir {t.dram.path}"
-    return (f"{held}; `tiermem serve --config {Path(config_path).resolve()}` continues it (then the trainer's same "
-            f"command), or free {'them' if disk else 'it'}: `tiermem arenas{where} --clean --force`"
+    return (f"{held}; `tiermem serve --config {Path(config_path).resolve()}` continues it (then the trainer's "
+            f"command, overwrite_output_dir unset), or free {'them' if disk else 'it'}: "
+            f"`tiermem arenas{where} --clean --force`"
             + (f" and rm {' '.join(map(str, disk))}" if disk else "")
             + " (the run then starts from its newest checkpoint)")
