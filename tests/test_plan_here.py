@@ -79,3 +79,11 @@ def test_this_machines_figures_are_measured_and_the_rest_said_to_be_assumed(monk
 def test_the_split_of_the_updates_counts_in_words():
     assert updates_split(1, 6) == "GPU 1 group, CPU 5 groups"
     assert updates_split(0, 1) == "GPU 0 groups, CPU 1 group"
+
+
+def test_probe_h200_plans_for_the_h200_machines_figures_without_a_probe_file(fixed_cpu, capsys):
+    """`--probe h200`: the H200 machine's figures by name (the shapes' plans in tools/ run anywhere so)."""
+    rc, text, err = plan(["configs/quickstart.yaml", "--probe", "h200"], capsys)
+    assert rc == 0, err
+    assert "machine: the H200 machine's figures (docs/measurements.md), as --probe h200 asks\n" in text, text
+    assert "compute: estimated from FLOPs at 520 TFLOP/s" in text and "131.0 GiB usable HBM" in text

@@ -26,6 +26,8 @@ from pathlib import Path
 
 from tiermem.errors import ConfigError, UserError
 
+H200_NAME = "h200"  # --probe h200: the H200 machine's figures, with no probe file (the shapes' plans of tools/)
+
 
 def _args(argv):
     p = argparse.ArgumentParser(prog="tiermem plan", description=__doc__.split("\n\n")[0])
@@ -34,7 +36,8 @@ def _args(argv):
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--probe", help="a `tiermem probe --save` file to plan with: the machine it describes (default: "
                                    "the config's tiermem.probe, else this machine: a quick probe of its GPU, or "
-                                   "without one its CPU's figures)")
+                                   "without one its CPU's figures); `h200`: the H200 machine's figures "
+                                   "(docs/measurements.md)")
     p.add_argument("--workload", help="a `tiermem plan --json` file, or a run's output_dir/tiermem_plan.json, of "
                                       "the same model and micro-batches: plan with the step measured there (its "
                                       "tokens, layer timings, kept graphs) and, unless --probe is given, the "
@@ -47,6 +50,7 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
     import torch
 
     from tiermem.plan.here import cpu_machine
+    from tiermem.plan.machine import Machine
     from tiermem.plan.resolve import compute_device
     from tiermem.sizes import format_size
     from trainer.config import load_train_config
@@ -60,7 +64,7 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
     if cfg.tiermem_server:
         raise ConfigError("tiermem plan plans a run's own store; a run attached to a service (tiermem_server) is "
                           "placed by the service")
-    if args.probe and not Path(args.probe).is_file():
+    if args.probe and args.probe != H200_NAME and not Path(args.probe).is_file():
         raise ConfigError(f"probe file {args.probe} not found; make one with `tiermem probe --save {args.probe}`")
     mcfg = model_config(Path(cfg.model_name_or_path), cfg)
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
@@ -73,6 +77,9 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
     described = there is not None or bool(args.probe or scfg.probe)
     if device.type != "cuda" and not described:
         machine = cpu_machine(_existing_disk(scfg), scfg.tiers.gpu.budget)
+    elif args.probe == H200_NAME:
+        machine = Machine.h200("the H200 machine's figures (docs/measurements.md), as --probe h200 asks")
+        machine.assumed = []  # (none of them measured, as the source line says)
     else:
         machine = there if there is not None and not (args.probe or scfg.probe) else \
             run_plan.machine_for(scfg, device, args.probe)
