@@ -130,6 +130,12 @@ def env(tmp_path):
     shutil.rmtree(sock_dir, ignore_errors=True)
 
 
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def losses(out: Path) -> list[tuple[int, float, float]]:
     """A run's trainer_log: (step, loss, grad_norm) of each line."""
     rows = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
@@ -204,7 +210,9 @@ def test_the_service_plans_a_run_from_its_trainers_step(env):
         assert run.returncode == 0, run.stderr
         assert "plan: dram " in run.stdout and "plan: predicted step" in run.stdout, run.stdout
         assert "plan: gpu" not in run.stdout  # (the service's state never lives in the trainer's HBM)
-        svc.wait_for("planned: predicted step")
+        svc.wait_for("planned for ")  # (the figures it planned for named: on a CPU, the H200's, said so)
+        assert " pass a step" in svc.text and "pass(es)" not in svc.text, svc.text
+        assert ("planned for the H200 machine's figures (no GPU here" in svc.text) == (not torch_cuda()), svc.text
         assert same(env.weights("planned"), ref)
     finally:
         assert svc.stop() == 0

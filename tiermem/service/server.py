@@ -218,8 +218,9 @@ class Service(UpdateRequests, Replacement, Monitoring, Listening, Discarding):
         planned = plan_run(specs, self.plan_cfg, self.cfg, msg.get("plan"), self._machine)
         if planned is not None:  # the trainer sent its step: the planner's placement, split and passes
             plan, share, told = planned
-            self.say(f"planned: predicted step {plan.prediction.step:.2f}s, {plan.passes} pass(es) a step, the "
-                     f"trainer's GPU worker updating {share:.0%} of the groups")
+            self.say(f"planned for {plan.machine.source}: predicted step {plan.prediction.step:.2f}s, {plan.passes} "
+                     f"pass{'es' if plan.passes > 1 else ''} a step, the trainer's GPU worker updating {share:.0%} of "
+                     "the groups")
         else:  # (no workload sent, or every kind pinned: the fixed rule)
             plan, told = make_plan(specs, self.plan_cfg, ("param",), dict(default_budgets(self.cfg), gpu=0)), None
             share = gpu_share(self.plan_cfg)
