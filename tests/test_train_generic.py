@@ -75,11 +75,12 @@ MOE_AND_HYBRID = ["qwen3_next", "deepseek_v3", "deepseek_v2", "glm4_moe", "llama
 
 
 def round_trip(model_dir) -> dict[str, torch.Tensor]:
-    """The checkpoint of ``model_dir`` loaded as the store holds it (trainer.weights_io: converted by transformers'
-    rules) and written back as the export writes it (reverted), without the store: its on-disk tensors."""
+    """The checkpoint of ``model_dir`` loaded as the store holds it (trainer.outputs.weights_io: converted by
+    transformers' rules) and written back as the export writes it (reverted), without the store: its on-disk
+    tensors."""
     from trainer.model.disk_layout import Exporter
     from trainer.model.select import load_model
-    from trainer.weights_io import _converted, check_weight_files, load_buffers
+    from trainer.outputs.weights_io import _converted, check_weight_files, load_buffers
 
     cfg = load_model(model_dir, "generic")
     check_weight_files(cfg, model_dir)
