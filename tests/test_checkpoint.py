@@ -155,6 +155,7 @@ def test_overwrite_output_dir_starts_afresh(setup):
         assert (t == first[n]).all()
 
 
+@pytest.mark.slow  # (issue 40: among the quick subset's slowest on 2 cores; the whole suite runs it)
 def test_bf16_resume_with_the_gpu_worker_matches_the_straight_run(setup):
     """bf16 compute copy + fp32 master, a share of the layers updated by the optimizer's GPU worker: a run
     resumed from checkpoint-3 (the weights' compute copy rebuilt from the fp32 master) ends where the

@@ -237,6 +237,7 @@ def test_cache_reuses_and_invalidates(tmp_path, model_dir, capsys, monkeypatch):
     assert len(builds) == 4
 
 
+@pytest.mark.slow  # (issue 40: among the quick subset's slowest on 2 cores; the whole suite runs it)
 def test_workers_give_the_same_rows(tmp_path, model_dir, capsys, monkeypatch):
     import trainer.data.prepare as prep
 

@@ -413,3 +413,32 @@ def test_a_stopped_service_is_told_in_one_line_and_a_slow_one_is_waited_for(env)
             trainer.communicate()
         svc.proc.send_signal(signal.SIGCONT)
         svc.stop()
+
+
+def test_a_stopped_service_says_what_it_keeps_and_how_to_free_it(tmp_path, capsys):
+    """At stop with a run in progress the service names what it keeps (its arena in RAM, its NVMe file on disk, with
+    their sizes), how to continue the run and how to free them; the command it gives frees the arena."""
+    import json
+    import shlex
+
+    from tiermem.cli import main as tiermem
+    from tiermem.tiers.dram import HEADER, MAGIC
+
+    said = []
+    svc, path, _ = _service_on_nvme(tmp_path, said.append)
+    svc.shutdown()
+    svc.release()
+    line = said[-1]
+    arena, nvme = tmp_path / "shm" / "hz.arena", tmp_path / "nvme" / "hz.nvme"
+    assert line.startswith("stopped; run ") and "kept at step 0" in line, line
+    assert f"its arena {arena} holds " in line and " of RAM" in line and f"{nvme} " in line and " of disk" in line
+    assert f"`tiermem serve --config {path.resolve()}` continues it" in line, line
+    command = line.split("free them: `")[1].split("`")[0]
+    assert command == f"tiermem arenas --dir {tmp_path / 'shm'} --clean --force" and f"rm {nvme}" in line, line
+    with open(arena, "r+b") as f:  # its owner gone, as after the service's process ends
+        header = json.loads(f.read(HEADER)[len(MAGIC):].rstrip(b"\0"))
+        f.seek(0)
+        f.write((MAGIC + json.dumps(dict(header, pid=_dead_pid())).encode()).ljust(HEADER, b"\0"))
+    capsys.readouterr()
+    assert tiermem(shlex.split(command)[1:]) == 0
+    assert not arena.exists(), capsys.readouterr().out

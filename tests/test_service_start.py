@@ -68,3 +68,21 @@ def test_metrics_port_serves_prometheus_text(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs" / "tiermem").glob("*.yaml")))
+def test_the_bundled_service_configs_run_on_this_machine(name):
+    """Each bundled service config is taken as written here, with or without a GPU (device auto: CUDA when
+    there is one, else the CPU stand-in); a pinned `device: cuda` was refused on a machine without CUDA."""
+    from tiermem.plan.resolve import compute_device
+    from tiermem.service.config import service_config
+
+    cfg = service_config(str(ROOT / "configs" / "tiermem" / name))
+    assert cfg.tiers.device_tier.device == "auto" and cfg.tiers.dram.path != "anonymous" and cfg.name
+    assert compute_device(cfg).type == ("cuda" if torch_cuda() else "cpu")
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

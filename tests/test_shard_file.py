@@ -31,7 +31,7 @@ def _write(path, sizes, seed=0):
     return tensors
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sizes=st.lists(st.integers(1, 700), min_size=1, max_size=6), chunk=st.sampled_from([16, 64, 100]),
        per_shard=st.integers(1, 4))
 def test_one_piece_reads_equal_zarr_and_the_tensors_written(tmp_path_factory, monkeypatch, sizes, chunk, per_shard):

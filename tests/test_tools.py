@@ -56,7 +56,7 @@ def test_the_gpt_oss_shape_is_planned_at_the_depth_the_gpu_check_trains(tmp_path
 
     cfg = load_model_config(tmp_path / "model")
     assert cfg.family == "gpt_oss" and cfg.windows == (128, None, 128) and cfg.rope["rope_type"] == "yarn"
-    assert tiermem(["plan", str(tmp_path / "train.yaml"), "cutoff_len=4096"]) == 0
+    assert tiermem(["plan", str(tmp_path / "train.yaml"), "cutoff_len=4096", "--probe", "h200"]) == 0
     said = capsys.readouterr().out
     assert "gpt_oss, 10.80 B params, 3 layers" in said and "64 x 1 rows x 4096 tokens" in said, said
 
@@ -75,7 +75,7 @@ def test_the_generic_shapes_are_planned_at_the_depth_the_gpu_check_trains(tmp_pa
                           "--accum", "64", "--steps", "1", "--seq", "16"], cwd=ROOT, env=child_env(),
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    assert tiermem(["plan", str(tmp_path / "train.yaml"), "cutoff_len=4096"]) == 0
+    assert tiermem(["plan", str(tmp_path / "train.yaml"), "cutoff_len=4096", "--probe", "h200"]) == 0
     out = capsys.readouterr().out
     assert said in out and "64 x 1 rows x 4096 tokens" in out and "predicted step" in out, out
 

@@ -7,6 +7,7 @@ import json
 import re
 from pathlib import Path
 
+import torch
 import yaml
 from rich.console import Console
 
@@ -115,13 +116,16 @@ def test_top_and_stats_follow_a_real_run(tmp_path, capsys):
            "tiermem": {"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}}}}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     assert train_main([str(tmp_path / "c.yaml")]) == 0
+    if not torch.cuda.is_available():  # (placed by the H200's figures, as a layout must not turn on a CPU's load)
+        assert "plan: the prediction is for the H200 machine's figures (no GPU here" in capsys.readouterr().out
     capsys.readouterr()
     assert tiermem_main(["top", "--run", str(tmp_path / "out"), "--once"]) == 0
     shown = capsys.readouterr().out
     assert "finished: step 3/3, train_loss " in shown and "phase" not in shown, shown
     assert "dram->gpu" in shown and "loss" in shown
-    assert "predicted" in shown and "at full overlap" in shown
-    assert "plan against the last step" in shown and "GPU compute" in shown  # (the planner placed it)
+    # one prediction, the plan's (the planner placed it), in words
+    assert "plan against the last step (bound: GPU compute)" in shown and "GPU compute" in shown, shown
+    assert "at full overlap" not in shown
     assert tiermem_main(["stats", "--run", str(tmp_path / "out"), "--json"]) == 0
     snap = json.loads(capsys.readouterr().out)
     assert snap["run"]["step"] == 3 and set(snap["store"]["tiers"]) >= {"gpu", "dram"}
@@ -153,3 +157,22 @@ def test_the_plan_is_shown_against_the_measured_step():
     shown = frame(snap)
     assert "plan against the last step (bound: gpu)" in shown and "PCIe from the GPU" in shown
     assert plan_rows(SNAPSHOT) == [] and "plan against" not in frame(SNAPSHOT)
+
+
+def test_a_services_frame_shows_its_committed_step_one_prediction_and_no_eta_without_a_trainer():
+    """Over a service: the header's step is the service's committed step (the trainer's last report lags it), no
+    ETA while no trainer is attached, and one prediction: the plan's, its bound in words."""
+    plan = {"predicted_step_s": 0.2, "busy": {"gpu": 0.15, "cpu": 0.2}, "bound": "cpu", "bound_said": "CPU AdamW",
+            "compute": 0.15, "wait_optimizer": 0.05, "wait_transfer": 0.0, "bytes": {"h2d": MiB, "d2h": MiB}}
+    snap = json.loads(json.dumps(SNAPSHOT))
+    snap["run"].update(plan=plan, optimizer=dict(snap["run"]["optimizer"], committed=31, updated=31))
+    snap["service"] = {"socket": "/tmp/s.sock", "run": "r", "label": {"output_dir": "out"}, "trainer_pid": None}
+    shown = frame(snap)
+    head = shown.splitlines()[0]
+    assert "step 31/120" in head and "ETA" not in head and "layer" not in head, head
+    assert "no trainer attached; committed step 31" in " ".join(shown.split())
+    assert "plan against the last step (bound: CPU AdamW)" in shown and "at full overlap" not in shown, shown
+    snap["service"]["trainer_pid"] = 4242  # attached again: its ETA
+    assert "ETA 0:01:35" in frame(snap).splitlines()[0]
+    del snap["run"]["plan"]  # a run the planner did not place (every kind pinned): the full-overlap bound instead
+    assert "at full overlap" in frame(snap) and "plan against" not in frame(snap)

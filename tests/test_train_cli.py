@@ -192,7 +192,11 @@ def test_placement_over_budget(good, capsys):
 def test_not_yet_supported_keys_say_so(good, capsys):
     cfg, run, tmp = good
     _expect_error(capsys, tmp, run(dict(cfg, fp16=True)), "fp16", "not supported")
-    _expect_error(capsys, tmp, run(dict(cfg, tiermem_server="/tmp/sock")), "tiermem_server", "tiermem=null")
+    # (a tiermem key beside tiermem_server, as in the quickstart attached to a service: one note, then the attach)
+    rc = run(dict(cfg, tiermem_server=str(tmp / "none.sock")))
+    out, err = capsys.readouterr()
+    assert rc == 2 and err.count("\n") == 1 and "no tiermem service at" in err, err
+    assert out.count("note: tiermem has no effect with tiermem_server: the service's store config") == 1, out
     _expect_error(capsys, tmp, run(dict(cfg, tiermem=None, tiermem_server=str(tmp / "none.sock"))),
                   "no tiermem service at", "tiermem serve")
     _expect_error(capsys, tmp, run(dict(cfg, deepspeed="ds.json")), "deepspeed")

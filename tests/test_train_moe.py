@@ -20,7 +20,7 @@ from trainer.model.moe import RouterStats, experts, grouped_available, moe_ffn, 
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("family,passes", [("qwen3_moe", 2), ("mixtral", 1),
+@pytest.mark.parametrize("family,passes", [pytest.param("qwen3_moe", 2, marks=pytest.mark.slow), ("mixtral", 1),
                                            pytest.param("gpt_oss", 2, marks=pytest.mark.slow)])
 def test_moe_training_matches_transformers(tmp_path, family, passes):
     model_dir = save_tiny_model(family, tmp_path / "model")

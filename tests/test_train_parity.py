@@ -269,7 +269,7 @@ def test_bf16_loss_curve_matches_the_mixed_precision_recipe(tmp_path):
     assert cfg["dtype"] == "bfloat16" and "torch_dtype" not in cfg  # transformers 5 warns of torch_dtype
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])  # (qwen3's tiny model ties its head)
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])  # (qwen3 ties its head)
 def test_kept_activations_train_exactly_as_the_recompute(tmp_path, family, capsys):
     """tiermem_keep_activations: the layers whose weights live in HBM keep their forward's graph and skip the
     recompute; the weights are bit for bit those of the recomputing run, and plain PyTorch's to rounding;
@@ -312,6 +312,7 @@ def test_kept_activations_train_exactly_as_the_recompute(tmp_path, family, capsy
     assert all(torch.equal(runs["auto"][n], runs[0][n]) for n in runs[0])
 
 
+@pytest.mark.slow  # (issue 40: among the quick subset's slowest on 2 cores; the whole suite runs it)
 def test_compiled_layers_train_as_plain_pytorch(tmp_path, capsys):
     """torch_compile: true runs the decoder layer through torch.compile (its forward, the recomputing
     backward and the kept graphs): the weights are plain PyTorch's to rounding. (aot_eager: dynamo and AOT
@@ -350,7 +351,8 @@ def small_gpu_run(tmp_path):
     return model_dir, data_dir, name, ref, tiermem
 
 
-@pytest.mark.parametrize("case", ["resident+streamed", "cpu worker", "pinned on nvme", "two passes"])
+@pytest.mark.parametrize("case", ["resident+streamed", *(pytest.param(c, marks=pytest.mark.slow) for c in
+                                                          ("cpu worker", "pinned on nvme", "two passes"))])
 def test_planner_layouts_match_plain_pytorch(tmp_path, case):
     """The planner's layouts on a (CPU stand-in) GPU too small for the whole state: groups that live in HBM
     (updated in place), a streamed group, an explicit gpu_share (the CPU worker takes the resident groups
@@ -379,6 +381,7 @@ def test_planner_layouts_match_plain_pytorch(tmp_path, case):
     assert_same_weights(tmp_path / "out", ref, tied=False)
 
 
+@pytest.mark.slow  # (issue 40: among the quick subset's slowest on 2 cores; the whole suite runs it)
 def test_updates_split_again_mid_run_train_as_plain_pytorch(tmp_path, capsys, monkeypatch):
     """A run that splits its updates again after its first steps (as one on CUDA does when its CPU worker
     measures slower than planned) hands groups from one worker to the other between steps: the weights are

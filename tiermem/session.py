@@ -63,6 +63,11 @@ class Session:
         return self.attached.committed if self.attached is not None and self.attached.initialized else None
 
     @property
+    def replaced(self) -> int | None:
+        """The step of this run's state the service discarded when asked to start afresh (``fresh``), else None."""
+        return self.attached.replaced if self.attached is not None else None
+
+    @property
     def named_checkpoint(self) -> dict | None:
         """The checkpoint a service that lost this run's state names to resume from ({checkpoint, step})."""
         return self.attached.resume if self.attached is not None and not self.attached.initialized else None
@@ -113,13 +118,15 @@ class Session:
 
 def open_session(specs: list[TensorSpec], settings: OptimSettings, config: StoreConfig | None = None,
                  server: str | Path | None = None, run_id: str = "", label: dict | None = None,
-                 plan: Plan | None = None, plan_input: dict | None = None) -> Session:
+                 plan: Plan | None = None, plan_input: dict | None = None, fresh: bool = False) -> Session:
     """The store for ``specs`` with its optimizer: opened here from ``config`` (its autos resolved by the
     caller; placed by ``plan``, the planner's, when given: its GPU-updated groups go to the optimizer's GPU
     worker), or attached to the service at ``server`` (``default``: this user's default socket) for run
-    ``run_id`` (which plans a new run from ``plan_input``, {workload, hbm_room}, when given)."""
+    ``run_id`` (which plans a new run from ``plan_input``, {workload, hbm_room}, when given; ``fresh``: a run the
+    service holds for ``run_id`` is discarded and this one starts anew, ``Session.replaced``)."""
     if server is not None:
-        attached = attach(protocol.server_socket(server), run_id, label or {}, specs, settings, plan_input)
+        attached = attach(protocol.server_socket(server), run_id, label or {}, specs, settings, plan_input,
+                          fresh=fresh)
         return Session(attached.store, attached.optimizer, attached)
     store = Store.open(config, specs, streamed_kinds=("param",), plan=plan)
     try:

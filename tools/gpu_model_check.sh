@@ -67,13 +67,13 @@ PY
 case "${1:-plan}" in
 plan)
   s=$(date +%s.%N)
-  python3 -m trainer.plan_cli /tmp/oss/train.yaml > "$OUT/plan_oss.txt" 2>&1; rc=$?
+  python3 -m trainer.plan_cli /tmp/oss/train.yaml --probe h200 > "$OUT/plan_oss.txt" 2>&1; rc=$?
   cat "$OUT/plan_oss.txt"
   summary+=("tiermem plan gpt-oss-120B at $LAYERS layers (rc $rc, $(python3 -c "print(f'{$(date +%s.%N) - $s:.1f}')") s): \
 $(grep -E "^predicted step" "$OUT/plan_oss.txt")")
   python3 tools/make_shape_run.py --shape gpt-oss-120b --dir /tmp/oss36 --accum 64 --steps 1 --nvme /tmp/nvme \
     >/dev/null
-  python3 -m trainer.plan_cli /tmp/oss36/train.yaml > "$OUT/plan_oss36.txt" 2>&1
+  python3 -m trainer.plan_cli /tmp/oss36/train.yaml --probe h200 > "$OUT/plan_oss36.txt" 2>&1
   summary+=("tiermem plan gpt-oss-120B, 36 layers (rc $?): $(tail -1 "$OUT/plan_oss36.txt")")
   ;;
 oss)
@@ -93,7 +93,7 @@ $(last_step /tmp/oss/out/trainer_log.jsonl /tmp/oss/model/config.json)")
 moe-plan)
   for run in next:generic dsv3:generic qmoe:template qmoe:generic; do
     name=${run%:*} path=${run#*:}
-    python3 -m trainer.plan_cli /tmp/$name/train.yaml tiermem_model_path=$path > "$OUT/plan_${name}_$path.txt" 2>&1
+    python3 -m trainer.plan_cli /tmp/$name/train.yaml --probe h200 tiermem_model_path=$path > "$OUT/plan_${name}_$path.txt" 2>&1
     rc=$?
     cat "$OUT/plan_${name}_$path.txt"
     summary+=("tiermem plan $name $path (rc $rc): $(grep -E "^(model|predicted step)|error" \
@@ -101,7 +101,7 @@ moe-plan)
   done
   python3 tools/make_shape_run.py --shape deepseek-v3 --layers 4 --dir /tmp/dsv3full --accum 64 --steps 1 \
     --nvme /tmp/nvme >/dev/null
-  python3 -m trainer.plan_cli /tmp/dsv3full/train.yaml > "$OUT/plan_dsv3full.txt" 2>&1
+  python3 -m trainer.plan_cli /tmp/dsv3full/train.yaml --probe h200 > "$OUT/plan_dsv3full.txt" 2>&1
   summary+=("tiermem plan DeepSeek-V3, 4 layers of all 256 experts (rc $?): $(tail -1 "$OUT/plan_dsv3full.txt")")
   ;;
 next|dsv3)

@@ -99,6 +99,10 @@ def load_train_config(path: str | Path, overrides: list[str] | None = None, here
         validate(cfg, problems, here)
     if problems:
         raise ConfigError(problems[0]) if len(problems) == 1 else ConfigProblems(problems)
+    if cfg.tiermem_server and cfg.tiermem is not None:  # (the quickstart's tiermem key, attached to a service)
+        cfg.notes = [*cfg.notes, "note: tiermem has no effect with tiermem_server: the service's store config "
+                     "(`tiermem serve --config`) places the state of an attached run"]
+        cfg.tiermem = None
     return cfg
 
 
@@ -171,9 +175,6 @@ def validate(c: TrainConfig, problems: list[str] | None = None, here: bool = Tru
     if c.metric_for_best_model not in (None, "loss", "eval_loss"):
         bad(f"metric_for_best_model: {c.metric_for_best_model} is not supported: the only metric is the evaluation "
             "loss (loss or eval_loss)")
-    if c.tiermem_server and c.tiermem is not None:
-        bad("tiermem and tiermem_server are both set: an attached run uses the service's store config "
-            "(`tiermem serve --config`); remove the tiermem key (or add tiermem=null)")
     if c.save_steps is not None and c.save_steps <= 0:
         bad(f"save_steps must be positive, got {c.save_steps}")
     if c.save_total_limit is not None and c.save_total_limit <= 0:

@@ -7,8 +7,9 @@ tokens/s, TFLOP/s, its split per resource and what bounds it), the smallest grad
 which the step is compute-bound with this placement, and one line of advice when a change would help by
 more than 10% (on tokens: the fewest gradient_accumulation_steps within 10% of the compute-bound rate). A run
 that cannot fit in the three tiers gets one line saying how much more of what it needs (exit 2). Without a GPU
-it plans from ``--probe FILE`` (a ``tiermem probe --save`` file of the GPU machine), or from the H200 machine's
-figures and says so. Overrides make it a what-if tool:
+it plans for the GPU machine ``--probe FILE`` describes (a ``tiermem probe --save`` file made there), else for this
+machine as a run here would go (the CPU stand-in, its figures measured now), and says which. Overrides make it a
+what-if tool:
 ``tiermem plan my.yaml tiermem.tiers.dram.budget=64GiB``.
 
 Reached as ``tiermem plan`` (an entry point of the ``tiermem.commands`` group) or ``python -m trainer.plan_cli``.
@@ -25,14 +26,18 @@ from pathlib import Path
 
 from tiermem.errors import ConfigError, UserError
 
+H200_NAME = "h200"  # --probe h200: the H200 machine's figures, with no probe file (the shapes' plans of tools/)
+
 
 def _args(argv):
     p = argparse.ArgumentParser(prog="tiermem plan", description=__doc__.split("\n\n")[0])
     p.add_argument("config", help="training YAML (LLaMA-Factory keys), as tiermem-train takes it")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. gradient_accumulation_steps=64")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--probe", help="a `tiermem probe --save` file to plan with (default: the config's "
-                                   "tiermem.probe, else a quick probe of this machine's GPU, else assumed figures)")
+    p.add_argument("--probe", help="a `tiermem probe --save` file to plan with: the machine it describes (default: "
+                                   "the config's tiermem.probe, else this machine: a quick probe of its GPU, or "
+                                   "without one its CPU's figures); `h200`: the H200 machine's figures "
+                                   "(docs/measurements.md)")
     p.add_argument("--workload", help="a `tiermem plan --json` file, or a run's output_dir/tiermem_plan.json, of "
                                       "the same model and micro-batches: plan with the step measured there (its "
                                       "tokens, layer timings, kept graphs) and, unless --probe is given, the "
@@ -44,12 +49,13 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
     """(the plan as data, its text lines) for ``tiermem plan``'s arguments."""
     import torch
 
+    from tiermem.plan.here import cpu_machine
+    from tiermem.plan.machine import Machine
     from tiermem.plan.resolve import compute_device
     from tiermem.sizes import format_size
     from trainer.config import load_train_config
     from trainer.planning import run_plan
     from trainer.run.job import model_config
-    from trainer.run.preference import describe
     from trainer.run.when import saves
     from trainer.state import store_config, wants_cuda
 
@@ -58,7 +64,7 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
     if cfg.tiermem_server:
         raise ConfigError("tiermem plan plans a run's own store; a run attached to a service (tiermem_server) is "
                           "placed by the service")
-    if args.probe and not Path(args.probe).is_file():
+    if args.probe and args.probe != H200_NAME and not Path(args.probe).is_file():
         raise ConfigError(f"probe file {args.probe} not found; make one with `tiermem probe --save {args.probe}`")
     mcfg = model_config(Path(cfg.model_name_or_path), cfg)
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
@@ -66,10 +72,18 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
     device = compute_device(scfg)
     shape = run_plan.Shape(cfg.micro_rows, cfg.cutoff_len, cfg.gradient_accumulation_steps, cfg.pair_rows)
     measured, there = _workload(args.workload, mcfg, shape) if args.workload else (None, None)
-    # (a run's plan replayed: the figures of the machine it ran on, unless a probe file is named)
-    machine = there if there is not None and not (args.probe or scfg.probe) else \
-        run_plan.machine_for(scfg, device, args.probe)
-    elsewhere = device.type != "cuda" and wants_cuda(scfg)
+    # (a run's plan replayed: the figures of the machine it ran on, unless a probe file is named; without a GPU and
+    # without either, this machine's own: the CPU stand-in's)
+    described = there is not None or bool(args.probe or scfg.probe)
+    if device.type != "cuda" and not described:
+        machine = cpu_machine(_existing_disk(scfg), scfg.tiers.gpu.budget)
+    elif args.probe == H200_NAME:
+        machine = Machine.h200("the H200 machine's figures (docs/measurements.md), as --probe h200 asks")
+        machine.assumed = []  # (none of them measured, as the source line says)
+    else:
+        machine = there if there is not None and not (args.probe or scfg.probe) else \
+            run_plan.machine_for(scfg, device, args.probe)
+    elsewhere = device.type != "cuda" and wants_cuda(scfg) and described
     if elsewhere:
         # no GPU here: plan for the GPU machine the figures describe (what the run would do there)
         budgets = run_plan.budgets_for(scfg, machine)
@@ -95,28 +109,44 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
     if cfg.stage == "dpo":  # (the reference's log-probabilities: computed once before the first step)
         data["preference"] = {"pref_loss": cfg.pref_loss, "reference": None if cfg.pref_loss in ("orpo", "simpo")
                               else {"model": cfg.ref_model or "the starting model", "how": "computed once"}}
+    text = _text(cfg, scfg, mcfg, shape, machine, p, data, budgets if elsewhere else None)
+    return data, text
+
+
+def _text(cfg, scfg, mcfg, shape, machine, p, data: dict, elsewhere: dict | None) -> list[str]:
+    """The plan in words (``elsewhere``: the budgets of the machine a file describes, not this one)."""
+    from tiermem.plan.here import in_words
+    from tiermem.sizes import format_size
+    from trainer.planning import run_plan
+    from trainer.run.preference import describe
+
     pred = data["prediction"]
     n = mcfg.num_params()
+    disk = ("nvme_read", "nvme_write", "nvme_both")  # (figures of no use to a run without the storage tier)
+    assumed = [k for k in machine.assumed if scfg.tiers.nvme is not None or k not in disk]
     text = [f"model: {mcfg.family}, " + (f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M")
             + f" params, {mcfg.num_layers} layers, "
             f"{'bf16' if cfg.bf16 else 'fp32'}; a step: {shape.micro_batches} x {shape.rows} rows x {shape.seq} "
             f"tokens = {shape.tokens:,} tokens",
-            f"machine: {machine.source}" + (f"; assumed: {', '.join(machine.assumed)}" if machine.assumed else ""),
+            f"machine: {machine.source}" + (f"; not measured, the H200 machine's figures for {in_words(assumed)}"
+                                             if assumed else ""),
+            *_disk_budget_line(scfg, machine, elsewhere),
             *([describe(cfg)] if cfg.stage == "dpo" else []),
             f"compute: {p.workload.timed}",
             "state: " + ", ".join(f"{k} {format_size(v)}" for k, v in data["state_bytes"].items())
             + f" = {format_size(sum(data['state_bytes'].values()))}",
             *(f"  {line}" for line in run_plan.where_lines(p)),
             "need: " + "; ".join(run_plan.budget_lines(p)),
-            f"updates: GPU {len(data['gpu_updates'])} groups, CPU {len(p.workload.groups) - len(data['gpu_updates'])}; "
+            f"updates: {run_plan.updates_split(len(data['gpu_updates']), len(p.workload.groups))}; "
             f"{p.passes} pass{'es' if p.passes > 1 else ''} a step"
             + (f"; the activations of {run_plan.span(sorted(p.keep))} kept (no recompute)" if p.keep else ""),
             f"predicted step: {pred['step_seconds']:.2f} s = {pred['tokens_per_s']:,.0f} tokens/s, "
-            f"{pred['tflops']:.0f} TFLOP/s; bound: {_bound(p)}",
+            f"{pred['tflops']:.3g} TFLOP/s; bound: {_bound(p)}",
             f"  split: {run_plan.split_line(p)}"]
     cb = data["compute_bound"]
     if cb is None:
-        text.append("compute-bound: not within 4096x these tokens with this placement")
+        text.append("compute-bound: never with this placement, at any gradient_accumulation_steps up to 4,096 times "
+                    "this one")
     elif cb["gradient_accumulation_steps"] == cfg.gradient_accumulation_steps:
         text.append("compute-bound: already, at this gradient_accumulation_steps")
     else:
@@ -124,7 +154,31 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
                     f"step {cb['step_seconds']:.2f} s, {cb['tokens_per_s']:,.0f} tokens/s")
     if data["advice"]:
         text.append(f"advice: {data['advice']}")
-    return data, text
+    return text
+
+
+def _existing_disk(scfg):
+    """The storage tier's directories that exist (measured for this machine's figures; ``tiermem plan`` creates
+    nothing), or None."""
+    nv = scfg.tiers.nvme
+    if nv is None:
+        return None
+    dirs = [d for d in (nv.path if isinstance(nv.path, (list, tuple)) else [nv.path]) if Path(d).is_dir()]
+    return dirs or None
+
+
+def _disk_budget_line(scfg, machine, budgets: dict | None) -> list[str]:
+    """Where the NVMe budget of a plan for another machine comes from when the config leaves it unset: the probe
+    file's disk, else (said, not mixed in silently) this machine's."""
+    from tiermem.sizes import format_size
+
+    nv = scfg.tiers.nvme
+    if budgets is None or nv is None or nv.budget is not None or budgets.get("nvme") is None:
+        return []
+    if machine.disk_free:
+        return [f"nvme budget: {format_size(budgets['nvme'])}, the free space of the disk the figures describe"]
+    return [f"nvme budget: {format_size(budgets['nvme'])}, this machine's free disk space (the figures have none of "
+            "theirs: set tiers.nvme.budget for the machine planned for)"]
 
 
 def _workload(path: str, mcfg, shape):

@@ -178,6 +178,11 @@ def render(snap: dict, ceiling: dict[str, float] | None = None):
     ceiling = ceiling or {}
     parts = []
     step, total = run.get("step"), run.get("total_steps")
+    svc = snap.get("service")
+    committed = (run.get("optimizer") or {}).get("committed")
+    if svc is not None and isinstance(committed, int):
+        step = committed  # (a service's run is where its last commit left it: the trainer's report lags it)
+    attached = svc is None or bool(svc.get("trainer_pid"))
     head = Text(f"tiermem top — {store.get('store', '?')} (pid {snap.get('pid', '?')})", style="bold")
     if total and run.get("finished"):
         head.append(f"   finished: step {step or 0}/{total}, train_loss {run.get('train_loss', float('nan')):.4f}, "
@@ -185,11 +190,11 @@ def render(snap: dict, ceiling: dict[str, float] | None = None):
     elif total:
         layer = run.get("layer")
         head.append(f"   step {step or 0}/{total} ({(step or 0) / total:.0%})   phase {run.get('phase', '-')}"
-                    + (f", layer {layer}" if layer is not None else "") + f"   ETA {format_duration(run.get('eta_s'))}")
+                    + (f", layer {layer}" if layer is not None and attached else "")
+                    + (f"   ETA {format_duration(run.get('eta_s'))}" if attached else ""))
         if "service" not in snap and not _alive(snap.get("pid")):
             head.append(f"   stopped: pid {snap.get('pid')} is gone before the run finished", style="red")
     parts.append(head)
-    svc = snap.get("service")
     if svc is not None:
         opt = run.get("optimizer") or {}
         if svc.get("run") is None:
@@ -237,7 +242,8 @@ def render(snap: dict, ceiling: dict[str, float] | None = None):
             f" = compute {split.get('compute', 0.0):.3f} + wait transfer {split.get('wait_transfer', 0.0):.3f}"
             f" + wait optimizer {split.get('wait_optimizer', 0.0):.3f}",
         ]
-        best = predict(snap, ceiling)
+        rows = plan_rows(snap)
+        best = None if rows else predict(snap, ceiling)  # (one prediction: the plan's, where the run has one)
         if best is not None:
             lines.append(f"predicted {best['seconds']:.3f} s at full overlap, bound by {best['bound']} ("
                          + ", ".join(f"{k} {v:.3f}" for k, v in best["parts"].items())
@@ -253,10 +259,10 @@ def render(snap: dict, ceiling: dict[str, float] | None = None):
             lines.append("store waits (not GPU idle): " + ", ".join(f"{k} {v:.2f} s" for k, v in waits.items()))
         parts.append(Text("training", style="bold"))
         parts.extend(Text(line) for line in lines)
-        rows = plan_rows(snap)
         if rows:
-            parts.append(Text(f"plan against the last step (bound: {(run.get('plan') or {}).get('bound')})",
-                              style="bold"))
+            plan = run.get("plan") or {}
+            bound = str(plan.get("bound_said") or plan.get("bound"))[:80]
+            parts.append(Text(f"plan against the last step (bound: {bound})", style="bold"))
             table = Table(box=None, padding=(0, 1))
             for col in ("", "predicted", "measured"):
                 table.add_column(col, justify="left" if not col else "right")

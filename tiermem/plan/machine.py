@@ -146,7 +146,7 @@ class Machine:
         figures = {**H200, **got}
         disk = machine.get("disk_free")
         return cls(**figures, disk_free=disk if isinstance(disk, int) and disk > 0 else None,
-                   source=f"probe {path}", assumed=sorted(k for k in H200 if k not in got))
+                   source=f"the one the probe file {path} describes", assumed=sorted(k for k in H200 if k not in got))
 
     @classmethod
     def measure(cls, nvme_dir: str | None = None, device: torch.device | None = None) -> Machine:

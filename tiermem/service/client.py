@@ -289,6 +289,7 @@ class Attached:
     committed: int
     resume: dict | None = None  # the service lost this run's state: {checkpoint, step} to resume from
     plan: dict | None = None  # the service's plan of the run (tiermem.service.planning), when it planned it
+    replaced: int | None = None  # asked to start afresh: the step of this run's state the service discarded
 
     def request(self, op: str, **fields) -> dict:
         return self.client.request(op, run=self.run, **fields)
@@ -313,11 +314,12 @@ class Attached:
 
 def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: OptimSettings,
            plan: dict | None = None, rank: int = 0, world: int = 1, owns: list | None = None,
-           local_rank: int = 0, optimizer_type: type | None = None) -> Attached:
+           local_rank: int = 0, optimizer_type: type | None = None, fresh: bool = False) -> Attached:
     """Attach to the service at ``path`` for run ``run_id`` (created there if the service holds no run; with
     ``plan``, {workload, hbm_room}, the service plans it). A rank of several (``rank`` of ``world``, rank 0
     first) says which groups it ``owns``: of each update's groups the service leaves to the trainers' GPU
-    workers, it takes those.
+    workers, it takes those. ``fresh`` (overwrite_output_dir): a run the service holds for this run id, with no
+    trainer attached, is discarded and this one starts anew (``Attached.replaced``: the step it was at).
 
     The trainer computes on the service config's device tier's ``device`` (the CPU when there is no CUDA); a rank of
     several on CUDA, on ``cuda:local_rank``."""
@@ -326,7 +328,8 @@ def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: Optim
         reply = client.request("hello", run=run_id, label=label, specs=[spec_to_json(s) for s in specs],
                                optim=optim.to_json(), pid=os.getpid(), rank=rank, world=world,
                                **({"owns": list(owns)} if owns is not None else {}),
-                               **({"plan": plan} if plan is not None else {}))
+                               **({"plan": plan} if plan is not None else {}),
+                               **({"fresh": True} if fresh else {}))
         cfg = load_store_config(reply["config"], "the service's config")
         device = compute_device(cfg)
         if world > 1 and device.type == "cuda":
@@ -349,4 +352,4 @@ def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: Optim
     opt = (optimizer_type or RemoteOptimizer)(client, store, optim.groups, run_id, reply["committed"], local,
                                               float(reply.get("gpu_share", 0.0)))
     return Attached(client, store, opt, run_id, reply["initialized"], reply["committed"], reply.get("resume"),
-                    reply.get("plan"))
+                    reply.get("plan"), reply.get("replaced"))

@@ -112,3 +112,22 @@ def newest_checkpoint(record: dict) -> tuple[Path | None, str]:
     if not found:
         return None, f"It has no checkpoint in {out}: start it again."
     return found[-1][1], f"Newest checkpoint: {found[-1][1]} (rerun the trainer: it resumes from there)."
+
+
+def kept_line(cfg, config_path: str) -> str:
+    """What a stopped service leaves of its run (its arena in RAM, its NVMe files on disk), how to continue the
+    run and how to free them instead (``cfg``: the service's StoreConfig)."""
+    from tiermem.sizes import format_size
+    from tiermem.tiers.nvme import directories
+
+    name, t = cfg.store_name(), cfg.tiers
+    arena = Path(t.dram.path) / f"{name}.arena"
+    disk = [p for p in (Path(d) / f"{name}.nvme" for d in directories(t.nvme)) if p.is_file()] if t.nvme else []
+    size = lambda p: format_size(p.stat().st_size) if p.is_file() else "0 B"  # noqa: E731
+    held = f"its arena {arena} holds {size(arena)} of RAM" + "".join(f", {p} {size(p)} of disk" for p in disk)
+    where = "" if Path(t.dram.path).resolve() == Path("/dev/shm") else f" --dir {t.dram.path}"
+    return (f"{held}; `tiermem serve --config {Path(config_path).resolve()}` continues it (then the trainer's "
+            f"command, overwrite_output_dir unset), or free {'them' if disk else 'it'}: "
+            f"`tiermem arenas{where} --clean --force`"
+            + (f" and rm {' '.join(map(str, disk))}" if disk else "")
+            + " (the run then starts from its newest checkpoint)")

@@ -59,6 +59,7 @@ from tiermem.plan.placement import default_budgets, make_plan
 from tiermem.schema import to_plain
 from tiermem.service import protocol
 from tiermem.service.config import gpu_share, planning_config, service_config
+from tiermem.service.discarding import Discarding
 from tiermem.service.journal import Journal, UndoGuard, make_private, state_dir, undo_bytes, write_atomic
 from tiermem.service.listening import Listening
 from tiermem.service.monitor import Monitoring
@@ -66,7 +67,7 @@ from tiermem.service.owner import Ownership
 from tiermem.service.planning import plan_run, service_machine
 from tiermem.service.replace import Replacement
 from tiermem.service.requests import RequestError, field_of, is_key, object_of
-from tiermem.service.runs import Client, Run, label_of, newest_checkpoint, no_room_note, room_for_new_state
+from tiermem.service.runs import Client, Run, kept_line, label_of, newest_checkpoint, no_room_note, room_for_new_state
 from tiermem.service.updates import UpdateRequests
 from tiermem.specs import MOMENTS, TensorSpec
 from tiermem.store.layout import create_store, layout_of, reopen_store, shared_description, spec_from_json, spec_to_json
@@ -79,7 +80,7 @@ from tiermem.tiers.nvme import check_directory, directories
 log = logging.getLogger(__name__)
 
 
-class Service(UpdateRequests, Replacement, Monitoring, Listening):
+class Service(UpdateRequests, Replacement, Monitoring, Listening, Discarding):
     def __init__(self, config_path: str, socket_path: str | None, fresh: bool = False, say=print):
         self.config_path, self.say = config_path, say
         self.cfg = service_config(config_path)
@@ -141,14 +142,6 @@ class Service(UpdateRequests, Replacement, Monitoring, Listening):
                 "config": str(Path(self.config_path).resolve()), "socket": str(self.socket_path)}
 
     # -- runs ------------------------------------------------------------------------------------------
-    def _discard_recorded(self) -> None:
-        name, t = self.cfg.store_name(), self.cfg.tiers
-        files = [Path(d) / f"{name}.nvme" for d in directories(t.nvme)] if t.nvme is not None else []
-        for p in (Path(t.dram.path) / f"{name}.arena", self.record_path, self.journal_path, *files):
-            if p is not None and p.exists():
-                p.unlink()
-                self.say(f"discarded {p}")
-
     def _recover(self) -> None:
         if not self.record_path.is_file():
             return
@@ -225,8 +218,9 @@ class Service(UpdateRequests, Replacement, Monitoring, Listening):
         planned = plan_run(specs, self.plan_cfg, self.cfg, msg.get("plan"), self._machine)
         if planned is not None:  # the trainer sent its step: the planner's placement, split and passes
             plan, share, told = planned
-            self.say(f"planned: predicted step {plan.prediction.step:.2f}s, {plan.passes} pass(es) a step, the "
-                     f"trainer's GPU worker updating {share:.0%} of the groups")
+            self.say(f"planned for {plan.machine.source}: predicted step {plan.prediction.step:.2f}s, {plan.passes} "
+                     f"pass{'es' if plan.passes > 1 else ''} a step, the trainer's GPU worker updating {share:.0%} of "
+                     "the groups")
         else:  # (no workload sent, or every kind pinned: the fixed rule)
             plan, told = make_plan(specs, self.plan_cfg, ("param",), dict(default_budgets(self.cfg), gpu=0)), None
             share = gpu_share(self.plan_cfg)
@@ -311,10 +305,13 @@ class Service(UpdateRequests, Replacement, Monitoring, Listening):
         world, rank = msg.get("world", 1), msg.get("rank", 0)
         if not (type(world) is int and type(rank) is int and 1 <= world <= 1024 and 0 <= rank < world):
             raise RequestError("'world' and 'rank' must be whole numbers, 0 <= rank < world <= 1024")
-        owns = msg.get("owns")
+        owns, fresh = msg.get("owns"), msg.get("fresh", False)
         if world > 1 and not (isinstance(owns, list) and all(is_key(g) for g in owns)):
             raise RequestError("a rank of several must say which groups it owns ('owns': a list of groups)")
+        if type(fresh) is not bool:
+            raise RequestError("'fresh' must be true or false")
         with self.lock:
+            replaced = self._discard_for(run_id) if fresh and rank == 0 else None
             run = self.run
             if run is not None and run.record["run"] != run_id:
                 label = run.record["label"]
@@ -354,7 +351,7 @@ class Service(UpdateRequests, Replacement, Monitoring, Listening):
                     "arena": {"name": cfg.store_name(), "dir": cfg.tiers.dram.path},
                     "nvme": shared_description(nvme, cfg.tiers.nvme),
                     "config": to_plain(cfg), "gpu_share": run.record["gpu_share"], "plan": run.record.get("plan"),
-                    "trainer_groups": [g for g in run.optimizer.groups if g in client.groups]}
+                    "trainer_groups": [g for g in run.optimizer.groups if g in client.groups], "replaced": replaced}
 
     def _leave(self, client: Client, msg: dict) -> dict:
         """A rank other than 0 is done (its last update is whole): its going away is no loss to the run."""
@@ -465,8 +462,8 @@ class Service(UpdateRequests, Replacement, Monitoring, Listening):
                                                                          if run.peers else ""))
                     self._detach(run)  # what it still owed of the update in flight is the service's to finish
                 self._close_run(keep=True)
-                self.say(f"stopped; run {label_of(run)} kept at step {run.state.committed} for the next "
-                         "`tiermem serve` with this config")
+                self.say(f"stopped; run {label_of(run)} kept at step {run.state.committed}: "
+                         + kept_line(self.cfg, self.config_path))
 
 
 def serve(config_path: str, socket_path: str | None, fresh: bool) -> int:

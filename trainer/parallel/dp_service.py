@@ -74,9 +74,9 @@ class ServiceRankSession(Session):
 
 
 def open_service_rank_session(world, specs, settings, server, run_id: str, label: dict,
-                              plan_input: dict | None) -> ServiceRankSession:
+                              plan_input: dict | None, fresh: bool = False) -> ServiceRankSession:
     """This rank's session of the service's run: rank 0 attaches first (with the step's workload, for the service
-    to plan a new run), the others after it."""
+    to plan a new run; ``fresh``: discarding a run of this id it holds), the others after it."""
     path = protocol.server_socket(server)
     owner = owners(list(settings.groups), specs, world.size)
     mine = [g for g in settings.groups if owner[g] == world.rank]
@@ -84,7 +84,7 @@ def open_service_rank_session(world, specs, settings, server, run_id: str, label
     ours = dict(rank=world.rank, world=world.size, owns=mine, local_rank=world.local_rank,
                 optimizer_type=RankRemoteOptimizer)
     if world.rank == 0:
-        attached = attach(path, run_id, label, specs, settings, plan_input, **ours)
+        attached = attach(path, run_id, label, specs, settings, plan_input, fresh=fresh, **ours)
     try:
         world.barrier()  # (the run exists in the service, rank 0 its trainer)
         if world.rank != 0:

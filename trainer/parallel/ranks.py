@@ -111,10 +111,12 @@ class OneProcess:
         self.session = open_session(specs, settings, config=scfg, plan=job.store_plan)
         return self.session
 
-    def attach(self, specs: list, settings, server, run_id: str, label: dict, plan_input: dict | None) -> Session:
-        """The store of the service at ``server``, attached to for run ``run_id``."""
+    def attach(self, specs: list, settings, server, run_id: str, label: dict, plan_input: dict | None,
+               fresh: bool = False) -> Session:
+        """The store of the service at ``server``, attached to for run ``run_id`` (``fresh``: a run it holds of
+        that id is discarded, the run starts anew)."""
         self.session = open_session(specs, settings, server=server, label=label, run_id=run_id,
-                                    plan_input=plan_input)
+                                    plan_input=plan_input, fresh=fresh)
         return self.session
 
     @property
@@ -403,10 +405,12 @@ class ServiceRanks(Several):
     def loads_checkpoint(self) -> bool:
         return self.world.rank == 0
 
-    def attach(self, specs: list, settings, server, run_id: str, label: dict, plan_input: dict | None) -> Session:
+    def attach(self, specs: list, settings, server, run_id: str, label: dict, plan_input: dict | None,
+               fresh: bool = False) -> Session:
         from trainer.parallel.dp_service import open_service_rank_session
 
-        self.session = open_service_rank_session(self.world, specs, settings, server, run_id, label, plan_input)
+        self.session = open_service_rank_session(self.world, specs, settings, server, run_id, label, plan_input,
+                                                 fresh)
         return self.session
 
     def all_loaded(self, start: int, groups: list) -> None:

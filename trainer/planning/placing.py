@@ -58,6 +58,11 @@ def plan_run(job, scfg, say, hbm_state: bool = True, hbm_taken: int = 0, owners:
         if explicit_gpu_share(scfg):  # the user's optimizer.gpu_share wins
             plan.gpu_updates = None
             lines = run_plan.lines(plan)
+        # (placed by fixed figures on a CPU: a layout never turns on its load)
+        if device.type != "cuda" and not scfg.probe:
+            lines.append("plan: the prediction is for the H200 machine's figures (no GPU here and no probe file): the "
+                         "CPU stand-in's steps take far longer, and its first steps correct it; `tiermem plan` "
+                         "predicts with this machine's")
         for line in lines:
             say(line)
     return plan

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from tiermem.plan.costmodel import predict
+from tiermem.plan.costmodel import describe_bound, predict
 from tiermem.plan.planner import layout_of, resplit
 
 STEADY_FROM = 2  # steps before this (0-based, since the start or a resume) fill the pipeline
@@ -49,8 +49,9 @@ class PlanWatch:
 
     def live(self) -> dict:
         p = self.prediction
-        return {"predicted_step_s": p.step, "busy": dict(p.busy), "bound": p.bound, "compute": p.compute,
-                "wait_optimizer": p.wait_optimizer, "wait_transfer": p.wait_transfer, "bytes": dict(p.bytes)}
+        return {"predicted_step_s": p.step, "busy": dict(p.busy), "bound": p.bound,
+                "bound_said": describe_bound(p.bound), "compute": p.compute, "wait_optimizer": p.wait_optimizer,
+                "wait_transfer": p.wait_transfer, "bytes": dict(p.bytes)}
 
     def observe(self, n: int, result, split: dict | None = None, disk: tuple | None = None) -> list[str]:
         """Take the ``n``-th step of this run (0-based), the optimizer's split of its last finished update

@@ -106,8 +106,8 @@ def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, mach
         work = layer_work + rows * min(seq, loss_chunk) * cfg.vocab_size * 4 * 2 + 4 * head_p  # (+ the loss's fp32
         # gradient)
         kept = rows * seq * (10 * cfg.hidden_size + 4 * _inter(cfg)) * itemsize  # (a layer's saved activations)
-        how = (f"estimated from FLOPs at {rate / 1e12:.0f} TFLOP/s"
-               + (" (an assumed figure)" if "gpu_tflops" in machine.assumed else f" ({machine.source})"))
+        how = (f"estimated from FLOPs at {rate / 1e12:.3g} TFLOP/s"
+               + (" (an assumed figure)" if "gpu_tflops" in machine.assumed else " (the machine's figure)"))
     fwd = {i: fwd_l for i in range(cfg.num_layers)}
     bwd = {i: bwd_l for i in range(cfg.num_layers)}
     fwd["head"], bwd["head"] = head / 3, 2 * head / 3

@@ -233,8 +233,7 @@ def lines(plan: Plan, ga: int | None = None) -> list[str]:
     if plan.gpu_updates is None:
         updates = "updates: as optimizer.gpu_share says (the prediction assumed the planner's split)"
     else:
-        n = len(plan.gpu_updates)
-        updates = f"updates: GPU {n} groups, CPU {len(w.groups) - n}"
+        updates = f"updates: {updates_split(len(plan.gpu_updates), len(w.groups))}"
     if plan.piece_rows and plan.piece_rows < plan.micro_rows:
         n = pieces.count(plan.micro_rows, plan.piece_rows)
         passes += (f"; each micro-batch of {plan.micro_rows} rows runs as {n} pieces of {plan.piece_rows} "
@@ -243,6 +242,11 @@ def lines(plan: Plan, ga: int | None = None) -> list[str]:
            f"plan: predicted step {p.step:.2f}s = {w.tokens / p.step:,.0f} tokens/s, {tflops(w, p.step):.0f} TFLOP/s; "
            f"bound: {describe_bound(p.bound)} ({split_line(plan)})"]
     return out
+
+
+def updates_split(gpu: int, groups: int) -> str:
+    """How many groups each worker updates: ``GPU 1 group, CPU 5 groups``."""
+    return ", ".join(f"{who} {n} group{'s' if n != 1 else ''}" for who, n in (("GPU", gpu), ("CPU", groups - gpu)))
 
 
 def report(plan: Plan, ga: int) -> dict:

@@ -36,9 +36,14 @@ def open_training_session(job, ranks, say) -> Session:
     workload, plan_input = run_plan.service_plan_input(mcfg, job.dtype, step_shape(job), cfg.loss_chunk_tokens,
                                                        cfg.tiermem_physical_batch_size)
     run_id = run_identity(cfg, mcfg, job.dtype, job.rows)
-    session = ranks.attach(specs, settings, cfg.tiermem_server, run_id, label, plan_input)
+    # (overwrite_output_dir as Hugging Face means it: the run starts afresh, the service's run of it discarded)
+    session = ranks.attach(specs, settings, cfg.tiermem_server, run_id, label, plan_input,
+                           fresh=cfg.overwrite_output_dir)
     try:
         say(attach_line(session))
+        if session.replaced is not None:
+            say(f"note: overwrite_output_dir: the service's run of this output_dir (at step {session.replaced}) is "
+                "discarded; this run starts at step 0 (overwrite_output_dir: false continues a service's run)")
         if session.service_plan is not None:  # the service planned the run (as an embedded run plans)
             job.store_plan = run_plan.from_service(session.service_plan, specs, workload,
                                                    cfg.per_device_train_batch_size)
