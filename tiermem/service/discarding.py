@@ -4,18 +4,14 @@ it). A mixin of ``tiermem.service.server.Service``."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from tiermem.service.runs import label_of
-from tiermem.tiers.nvme import directories
+from tiermem.tiers.kept import arena_file, disk_files
 
 
 class Discarding:
     def _discard_recorded(self) -> None:
         """``--fresh``: the arena, NVMe files, run record and journal of the store's name are removed unread."""
-        name, t = self.cfg.store_name(), self.cfg.tiers
-        files = [Path(d) / f"{name}.nvme" for d in directories(t.nvme)] if t.nvme is not None else []
-        for p in (Path(t.dram.path) / f"{name}.arena", self.record_path, self.journal_path, *files):
+        for p in (arena_file(self.cfg), self.record_path, self.journal_path, *disk_files(self.cfg)):
             if p is not None and p.exists():
                 p.unlink()
                 self.say(f"discarded {p}")

@@ -118,14 +118,13 @@ def kept_line(cfg, config_path: str) -> str:
     """What a stopped service leaves of its run (its arena in RAM, its NVMe files on disk), how to continue the
     run and how to free them instead (``cfg``: the service's StoreConfig)."""
     from tiermem.sizes import format_size
-    from tiermem.tiers.nvme import directories
+    from tiermem.tiers.kept import arena_dir, arena_file, disk_files
 
-    name, t = cfg.store_name(), cfg.tiers
-    arena = Path(t.dram.path) / f"{name}.arena"
-    disk = [p for p in (Path(d) / f"{name}.nvme" for d in directories(t.nvme)) if p.is_file()] if t.nvme else []
+    arena = arena_file(cfg)
+    disk = [p for p in disk_files(cfg) if p.is_file()]
     size = lambda p: format_size(p.stat().st_size) if p.is_file() else "0 B"  # noqa: E731
     held = f"its arena {arena} holds {size(arena)} of RAM" + "".join(f", {p} {size(p)} of disk" for p in disk)
-    where = "" if Path(t.dram.path).resolve() == Path("/dev/shm") else f" --dir {t.dram.path}"
+    where = "" if arena_dir(cfg).resolve() == Path("/dev/shm") else f" --dir {arena_dir(cfg)}"
     return (f"{held}; `tiermem serve --config {Path(config_path).resolve()}` continues it (then the trainer's "
             f"command, overwrite_output_dir unset), or free {'them' if disk else 'it'}: "
             f"`tiermem arenas{where} --clean --force`"
