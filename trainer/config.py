@@ -117,6 +117,10 @@ class TrainConfig:
     # this many (the same step: the loss is the mean over all of its tokens); auto: the planner's (smaller pieces
     # where HBM is short; the micro-batch's own while a load-balancing loss is on, a micro-batch's statistic)
     tiermem_physical_batch_size: Any = "auto"
+    # tokens a decoder layer computes at once over a long row (its norms, projections and feed-forward; the
+    # attention takes the whole row): auto cuts rows of more than 16,384 tokens into chunks of at most 8,192
+    # (docs/long-context.md); a number: micro-batches of more tokens are cut along the sequence into that many
+    tiermem_seq_chunk: Any = "auto"
     # torch.compile of the decoder layer (the template's dense layers; trainer.model.compiled): true, false, or
     # auto (on CUDA); Hugging Face's keys, with its backend and mode (modes with CUDA graphs are refused)
     torch_compile: Any = "auto"
@@ -347,6 +351,9 @@ def _check_compute(c: TrainConfig, bad) -> None:
     rows = c.tiermem_physical_batch_size
     if rows != "auto" and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
         bad(f"tiermem_physical_batch_size must be a number of rows (1 or more) or auto, got {rows!r}")
+    chunk = c.tiermem_seq_chunk
+    if chunk != "auto" and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        bad(f"tiermem_seq_chunk must be a number of tokens (1 or more) or auto, got {chunk!r}")
     if c.torch_compile != "auto" and not isinstance(c.torch_compile, bool):
         bad(f"torch_compile must be true, false or auto, got {c.torch_compile!r}")
     if c.torch_compile_mode not in (None, "default", "max-autotune-no-cudagraphs"):
