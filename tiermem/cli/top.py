@@ -30,7 +30,7 @@ from tiermem.tiers import registry
 from tiermem.tiers.base import DEVICE, HOST, STORAGE
 
 KIND_MARK = {"param": ("P", "cyan"), "grad": ("G", "magenta"), "master": ("M", "green"),
-             "exp_avg": ("1", "yellow"), "exp_avg_sq": ("2", "blue")}
+             "exp_avg": ("1", "yellow"), "exp_avg_sq": ("2", "blue"), "activations": ("A", "red")}
 BAR = 24
 
 
