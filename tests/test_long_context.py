@@ -145,3 +145,117 @@ def test_a_bad_seq_chunk_and_a_load_balancing_loss_over_chunks_are_refused(tmp_p
     err = capsys.readouterr().err
     line = [x for x in err.splitlines() if "error" in x]
     assert len(line) == 1 and "over rows cut into sequence chunks (4 tokens a row) is not supported yet" in line[0], err
+
+
+def test_activations_in_dram_train_the_same_weights_as_on_the_gpu_and_plain_pytorch(tmp_path, monkeypatch, capsys):
+    """tiermem_activations: dram puts every layer's input of a step in the arena (written as the forward leaves the
+    layer, read back ahead of its backward): 5 fp32 steps end with plain PyTorch's weights, and with the very bits
+    of the same run with its activations on the GPU; the plan says where they went, the store counted their bytes."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from tests.test_train_parity import assert_same_weights, reference_training, run_cli
+    from tests.tiny_models import save_tiny_model, write_tokenized_dataset
+    from trainer.run import offload
+
+    model_dir = save_tiny_model("llama", tmp_path / "model")
+    data_dir = tmp_path / "data"
+    name = write_tokenized_dataset(data_dir)
+    ref = reference_training(model_dir, data_dir, name, [])
+    seen = {"reserved": 0, "taken": 0}
+    real_take = offload.Stash.take
+
+    def take(self, i, mb, here):
+        got = real_take(self, i, mb, here)
+        seen["taken"] += i in self.host
+        seen["reserved"] = max(seen["reserved"], self.store.reserved().get("dram", 0))
+        return got
+
+    monkeypatch.setattr(offload.Stash, "take", take)
+    weights = {}
+    for where in ("dram", "gpu"):
+        tiermem = {"tiers": {"gpu": {"device": "cpu", "budget": "256MiB"}, "dram": {"budget": "256MiB"}}}
+        out = tmp_path / f"out-{where}"
+        assert run_cli(tmp_path, model_dir, data_dir, name, tiermem, output_dir=str(out),
+                       tiermem_activations=where) == 0
+        said = capsys.readouterr().out
+        assert ("boundary activations: every layer's input in dram" in said) == (where == "dram"), said
+        assert_same_weights(out, ref, tied=False)
+        weights[where] = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+        # (on the CPU stand-in the executor's tensors are host memory: the copies are the arena's own link's)
+        moved = json.loads((out / "store_stats.json").read_text())["links"]["dram->dram"]["bytes"]
+        assert (moved > 0) == (where == "dram"), moved
+        if where == "dram":
+            assert seen["taken"] > 0 and seen["reserved"] > 0, seen
+            seen["taken"] = 0
+    assert seen["taken"] == 0  # (the GPU run wrote nothing out)
+    for k, v in weights["gpu"].items():
+        assert torch.equal(v, weights["dram"][k]), k
+
+
+def test_the_planner_places_boundary_activations_in_dram_where_one_pass_does_not_hold_them_on_the_gpu():
+    """A step of 16 micro-batches whose boundary activations (8 GiB a layer) do not fit HBM beside a model whose
+    state does not either: with activations on the GPU it takes several passes (each moving the streamed layers'
+    partial gradients both ways); on auto the planner puts layers' inputs in DRAM (written out and read back over the
+    link, which the cost model counts) and runs fewer passes, predicted faster, within every budget; a row too long
+    for HBM at any number of passes (one micro-batch) is planned only so."""
+    from tests.test_planner import GiB, machine, specs_for, store_cfg, workload
+    from tiermem.plan.planner import plan_step
+
+    layers = 8
+    specs = specs_for(layers, 600_000_000, 100_000_000)
+    m = machine(gpu_memory=80 * GiB)
+    budgets = {"gpu": None, "dram": 200 * GiB, "nvme": 200 * GiB}
+    w = workload(layers, tokens=16 * 65536, micro_batches=16, boundary=(layers + 1) * 4096 * 2)
+    assert w.layer_boundary_bytes(1) == 8 * GiB  # (a layer's input, all 16 micro-batches)
+
+    def plan(activations, wl=w):
+        return plan_step(specs, store_cfg(), wl, m, budgets, cuda=True, activations=activations)
+
+    on_gpu, auto, dram = plan("gpu"), plan("auto"), plan("dram")
+    assert on_gpu.passes > 1 and on_gpu.act_host == 0
+    assert auto.act_host > 0 and auto.passes < on_gpu.passes and auto.prediction.step < on_gpu.prediction.step
+    assert dram.act_host == layers
+    for p in (auto, dram):
+        one = w.layer_boundary_bytes(p.passes)
+        assert p.act_host_bytes >= p.act_host * one and p.need()["dram"] <= budgets["dram"]
+        assert p.need()["gpu"] + p.activation_bytes <= p.hbm_room
+        # (each boundary in DRAM goes out and comes back every pass: the link's bytes count it)
+        assert p.prediction.bytes["d2h"] >= p.passes * p.act_host * one
+        assert p.prediction.bytes["h2d"] >= p.passes * p.act_host * one
+    assert on_gpu.prediction.bytes["d2h"] < dram.prediction.bytes["d2h"]
+    # one long row: its boundaries (72 GiB) never fit beside the state and working set on the GPU
+    row = workload(layers, tokens=1 << 20, micro_batches=1, boundary=(layers + 1) * 4096 * 2, working=10 * GiB)
+    with pytest.raises(Exception, match="do not fit|does not fit"):
+        plan("gpu", row)
+    long = plan("auto", row)
+    assert long.act_host >= 1 and long.passes == 1
+
+
+def test_the_store_reserves_room_for_activations_and_counts_it():
+    """Store.reserve / put / get / unreserve: a tensor written to an extent of the arena comes back bit for bit;
+    stats() counts the reserved bytes as the kind "activations" of the tier until they are freed; no room is one
+    line (BudgetError)."""
+    from tiermem.config import load_store_config
+    from tiermem.errors import BudgetError
+    from tiermem.specs import TensorSpec
+    from tiermem.store.store import Store
+
+    cfg = load_store_config({"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}},
+                             "placement": {"param": "dram"}})
+    specs = [TensorSpec("w", (1000,), torch.float32, "param", 0),
+             TensorSpec("room", (4096,), torch.float32, "param", 1)]
+    with Store.open(cfg, specs) as store:  # (the arena is sized for the specs: "room" gives its place back)
+        store.delete("room").result()
+        x = torch.randn(3, 50, 7, dtype=torch.bfloat16)
+        place = store.reserve("dram", x.numel() * 2)
+        assert store.stats()["tiers"]["dram"]["by_kind"]["activations"] >= x.numel() * 2
+        store.put(x, place).result()
+        back = torch.empty_like(x)
+        store.get(place, back).result()
+        assert torch.equal(back, x)
+        store.unreserve(place)
+        assert "activations" not in store.stats()["tiers"]["dram"]["by_kind"] and store.reserved() == {}
+        with pytest.raises(BudgetError, match="dram has no room for a boundary activation"):
+            store.reserve("dram", 1 << 40)

@@ -121,6 +121,10 @@ class TrainConfig:
     # attention takes the whole row): auto cuts rows of more than 16,384 tokens into chunks of at most 8,192
     # (docs/long-context.md); a number: micro-batches of more tokens are cut along the sequence into that many
     tiermem_seq_chunk: Any = "auto"
+    # where a step's boundary activations (each layer's input, kept for the recompute) live: gpu; dram (the pinned
+    # arena, written as the forward leaves a layer, read back ahead of its backward); auto: on the GPU, the first
+    # layers' in DRAM where a step would otherwise need more than one pass (the planner's choice, with the state)
+    tiermem_activations: Literal["auto", "gpu", "dram"] = "auto"
     # torch.compile of the decoder layer (the template's dense layers; trainer.model.compiled): true, false, or
     # auto (on CUDA); Hugging Face's keys, with its backend and mode (modes with CUDA graphs are refused)
     torch_compile: Any = "auto"
@@ -351,6 +355,8 @@ def _check_compute(c: TrainConfig, bad) -> None:
     rows = c.tiermem_physical_batch_size
     if rows != "auto" and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
         bad(f"tiermem_physical_batch_size must be a number of rows (1 or more) or auto, got {rows!r}")
+    if c.tiermem_activations == "dram" and c.tiermem_server:
+        bad("tiermem_activations: dram is not supported yet with tiermem_server (the arena's room is the service's)")
     chunk = c.tiermem_seq_chunk
     if chunk != "auto" and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
         bad(f"tiermem_seq_chunk must be a number of tokens (1 or more) or auto, got {chunk!r}")

@@ -11,7 +11,7 @@ import torch
 from tiermem.errors import BudgetError
 from tiermem.sizes import format_size
 from trainer.data.batches import collate
-from trainer.planning.placing import activation_budget, kept_layers, piece_rows
+from trainer.planning.placing import activation_budget, activations_home, kept_layers, piece_rows
 from trainer.run import pieces
 from trainer.run.executor import Executor, NonFiniteStep, StepResult
 from trainer.run.schedule import lr_factor
@@ -23,7 +23,7 @@ def make_executor(job, session, ranks) -> Executor:
     cfg, plan, store = job.cfg, job.store_plan, session.store
     return Executor(store, job.mcfg, job.dtype, session.optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens,
                     activation_budget(cfg, store, plan), kept_layers(cfg, plan), reducer=ranks.reducer(),
-                    piece_rows=piece_rows(cfg, plan))
+                    piece_rows=piece_rows(cfg, plan), act_host=activations_home(cfg, plan))
 
 
 class Steps:
