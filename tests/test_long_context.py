@@ -147,10 +147,13 @@ def test_a_bad_seq_chunk_and_a_load_balancing_loss_over_chunks_are_refused(tmp_p
     assert len(line) == 1 and "over rows cut into sequence chunks (4 tokens a row) is not supported yet" in line[0], err
 
 
-def test_activations_in_dram_train_the_same_weights_as_on_the_gpu_and_plain_pytorch(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("budget", [None, "1KiB"])
+def test_activations_in_dram_train_the_same_weights_as_on_the_gpu_and_plain_pytorch(tmp_path, monkeypatch, capsys,
+                                                                                    budget):
     """tiermem_activations: dram puts every layer's input of a step in the arena (written as the forward leaves the
-    layer, read back ahead of its backward): 5 fp32 steps end with plain PyTorch's weights, and with the very bits
-    of the same run with its activations on the GPU; the plan says where they went, the store counted their bytes."""
+    layer, read back ahead of its backward), in one pass or (a small activation budget) a pass a micro-batch: 5 fp32
+    steps end with plain PyTorch's weights, and with the very bits of the same run with its activations on the GPU;
+    the plan says where they went, the store counted their bytes."""
     import json
 
     from safetensors.torch import load_file
@@ -177,9 +180,11 @@ def test_activations_in_dram_train_the_same_weights_as_on_the_gpu_and_plain_pyto
     for where in ("dram", "gpu"):
         tiermem = {"tiers": {"gpu": {"device": "cpu", "budget": "256MiB"}, "dram": {"budget": "256MiB"}}}
         out = tmp_path / f"out-{where}"
+        over = {"tiermem_activation_budget": budget} if budget else {}
         assert run_cli(tmp_path, model_dir, data_dir, name, tiermem, output_dir=str(out),
-                       tiermem_activations=where) == 0
+                       tiermem_activations=where, **over) == 0
         said = capsys.readouterr().out
+        assert ("each step runs as 2 layer-major passes" in said) == (budget is not None), said
         assert ("boundary activations: every layer's input in dram" in said) == (where == "dram"), said
         assert_same_weights(out, ref, tied=False)
         weights[where] = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
