@@ -264,3 +264,26 @@ def test_the_store_reserves_room_for_activations_and_counts_it():
         assert "activations" not in store.stats()["tiers"]["dram"]["by_kind"] and store.reserved() == {}
         with pytest.raises(BudgetError, match="dram has no room for a boundary activation"):
             store.reserve("dram", 1 << 40)
+
+
+def test_the_planner_counts_a_long_rows_layer_in_chunks():
+    """The working set planned for one row of 524,288 tokens of the Llama-3.1-8B shape is the chunked layer's (its
+    hidden-wide tensors and one chunk's feed-forward: under 45 GiB), not the whole layer's (its 14336-wide
+    activations for every token: over 100 GiB); a short row's is as before, and a long row keeps no graph."""
+    from tests.test_planner import GiB, SHAPE_8B
+    from tiermem.plan.machine import Machine
+    from trainer.planning import plan_workload
+
+    cfg = model_config_from_dict(SHAPE_8B)
+    m = Machine.h200("test")
+
+    def build(seq):
+        return plan_workload.build(cfg, torch.bfloat16, 1, seq, 1, m, torch.device("cpu"), 4096, time_it=False)
+
+    long = build(524288)
+    assert long.layer_work_bytes < 45 * GiB and long.kept_bytes == 0
+    cfg.seq_chunk = 1 << 20  # (no chunks: the whole layer)
+    assert build(524288).layer_work_bytes > 100 * GiB
+    cfg.seq_chunk = None
+    short = build(4096)
+    assert short.layer_work_bytes == 4096 * (14 * 4096 + 4 * 14336) * 2 and short.kept_bytes > 0

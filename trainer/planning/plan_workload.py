@@ -198,8 +198,9 @@ def _time(cfg, dtype: torch.dtype, rows: int, seq: int, device: torch.device, lo
         sync()
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    t_f = timed(fwd)
-    t_b = timed(bwd)
+    reps = 1 if rows * seq > chunked.AUTO_WHOLE else 3  # (a long row's layer runs for seconds: once after the first)
+    t_f = timed(fwd, reps)
+    t_b = timed(bwd, reps)
     t_g = timed(grad_step)
     layer_work = torch.cuda.max_memory_allocated(device) - base if cuda else 0
     gy = torch.randn(x.shape, device=device, dtype=dtype, generator=gen)
@@ -207,7 +208,7 @@ def _time(cfg, dtype: torch.dtype, rows: int, seq: int, device: torch.device, lo
     def embed_grad():
         sum(g.pow(2).sum() for g in stages.embed_grads(embed_w, [ids], [gy], [ctx], None).values())
 
-    t_e = timed(embed_grad, 2)
+    t_e = timed(embed_grad, min(reps, 2))
     # (a long row's layer runs in chunks and keeps no graph: trainer.run.executor)
     kept = _kept_bytes(stages, layer, w, x, ctx) if stages.chunk(x, ctx) is None else 0
     targets = torch.randint(0, cfg.vocab_size, (rows, seq), device=device, generator=gen)
@@ -215,7 +216,7 @@ def _time(cfg, dtype: torch.dtype, rows: int, seq: int, device: torch.device, lo
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    t_h = timed(lambda: stages.head_loss_backward(x, targets, head_w, tied, 1.0, loss_chunk), 2)
+    t_h = timed(lambda: stages.head_loss_backward(x, targets, head_w, tied, 1.0, loss_chunk), min(reps, 2))
     head_work = torch.cuda.max_memory_allocated(device) - base if cuda else 0
     return t_f, t_b, t_h, t_g, t_e, (layer_work, head_work), kept
 
