@@ -58,7 +58,7 @@ def test_a_layer_in_chunks_is_the_whole_layer(family, layer):
     ctx = stages.contexts([torch.zeros(2, 50, dtype=torch.long)], [None], 1, False)[0]
     assert stages.chunk(x, ctx) == 13
     y = stages.layer(layer, w, x, ctx)
-    gx, gw = stages.layer_backward(layer, w, x, gy, ctx)
+    gx, gw = stages.layer_backward(layer, w, x, gy.clone(), ctx)  # (the chunked backward writes over its gy)
     cfg.seq_chunk = 1000  # (the whole layer)
     assert stages.chunk(x, ctx) is None
     y0 = stages.layer(layer, w, x, ctx)
@@ -270,7 +270,7 @@ def test_the_planner_counts_a_long_rows_layer_in_chunks():
     """The working set planned for one row of 524,288 tokens of the Llama-3.1-8B shape is the chunked layer's (its
     hidden-wide tensors and one chunk's feed-forward: under 45 GiB), not the whole layer's (its 14336-wide
     activations for every token: over 100 GiB); a short row's is as before, and a long row keeps no graph."""
-    from tests.test_planner import GiB, SHAPE_8B
+    from tests.test_planner import SHAPE_8B, GiB
     from tiermem.plan.machine import Machine
     from trainer.planning import plan_workload
 

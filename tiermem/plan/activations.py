@@ -16,6 +16,7 @@ from tiermem.plan.placement import Plan
 from tiermem.plan.workload import Workload
 
 EXTENT_ALIGN = 4096  # (an extent of the host tier is a multiple of it: tiermem.tiers.extents)
+SLACK = 0.03
 
 
 def host_counts(w: Workload, activations: str, possible: bool) -> list[int]:
@@ -32,11 +33,13 @@ def host_counts(w: Workload, activations: str, possible: bool) -> list[int]:
 
 
 def host_activation_bytes(w: Workload, passes: int, host: int) -> int:
-    """Room in the host tier for the boundaries 0..``host``-1 of a pass (each micro-batch's extent aligned)."""
+    """Room in the host tier for the boundaries 0..``host``-1 of a pass: each micro-batch's extent aligned, and
+    ``SLACK`` more (a later step's rows are cut into passes by the same bytes, but its extents may not fall in
+    the holes the last pass left)."""
     if not host:
         return 0
     per_pass = -(-w.micro_batches // passes)
-    return host * (w.layer_boundary_bytes(passes) + per_pass * EXTENT_ALIGN)
+    return host * (int(w.layer_boundary_bytes(passes) * (1 + SLACK)) + per_pass * EXTENT_ALIGN)
 
 
 def candidates(w: Workload, passes: list, hosts: list, one_pass: list, kept_from, keep_counts):

@@ -148,7 +148,8 @@ def _add(acc: dict, names: list[str], grads) -> None:
 def backward(w: dict[str, torch.Tensor], x: torch.Tensor, gy: torch.Tensor, rope, cfg, window: int | None,
              chunk: int, parts=(pre_attention, post_attention)):
     """Recompute the layer over ``x`` in chunks and backpropagate ``gy``: (input gradient, the weights'
-    gradients in fp32 in ``w``'s order)."""
+    gradients in fp32 in ``w``'s order). The input gradient is written over ``gy`` chunk by chunk, once each chunk
+    of it has been used (a row-long tensor fewer at the attention's backward): ``gy`` is the caller's no more."""
     pre, post = parts
     t = x.shape[1]
     names = list(w)
@@ -161,7 +162,7 @@ def backward(w: dict[str, torch.Tensor], x: torch.Tensor, gy: torch.Tensor, rope
         a = _attend(q, k, v, sinks, window, cfg)
     a_in = a.detach()
     ga = torch.empty_like(a_in)
-    gx = torch.empty_like(x)
+    gx = gy  # (each chunk's input gradient over its own output gradient, once that is used)
     for s, e in spans(t, chunk):
         xc = x[:, s:e].detach().requires_grad_()
         ac = a_in[:, s:e].requires_grad_()

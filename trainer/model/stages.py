@@ -87,7 +87,8 @@ class TemplateStages:
 
     def layer_backward(self, i: int, w: dict[str, torch.Tensor], x: torch.Tensor, gy: torch.Tensor, ctx: MicroBatch):
         """Recompute the layer from its input ``x`` and backpropagate ``gy`` (plus the layer's share of the
-        load-balancing loss): (input gradient, the weights' gradients in ``w``'s order)."""
+        load-balancing loss): (input gradient, the weights' gradients in ``w``'s order). Over a row cut into chunks
+        the input gradient is written over ``gy`` (``trainer.model.chunked.backward``)."""
         c = self.chunk(x, ctx)
         if c is not None:
             return chunked.backward(w, x, gy, ctx.rope, self.cfg, self.cfg.window(i), c, self._parts)

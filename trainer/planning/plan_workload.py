@@ -127,13 +127,13 @@ def seq_chunk(cfg, rows: int, seq: int) -> int | None:
 def layer_work_estimate(cfg, rows: int, seq: int, itemsize: int) -> int:
     """GPU memory a layer's forward + backward of one micro-batch needs beyond its input, estimated: a whole
     layer's backward keeps about 14 hidden-sized and 4 intermediate-sized tensors per token; a layer in sequence
-    chunks (a long row) about 10 hidden-sized per token of the row (q, k, v, the attention's output, their and the
+    chunks (a long row) about 9 hidden-sized per token of the row (q, k, v, the attention's output, their and the
     output's gradients, the attention kernel's fp32 scratch) and the whole layer's of one chunk."""
     per_token = (14 * cfg.hidden_size + 4 * _inter(cfg)) * itemsize
     c = seq_chunk(cfg, rows, seq)
     if c is None:
         return rows * seq * per_token
-    return rows * seq * 10 * cfg.hidden_size * itemsize + rows * c * per_token + 4 * layer_params(cfg)  # (+ the
+    return rows * seq * 9 * cfg.hidden_size * itemsize + rows * c * per_token + 4 * layer_params(cfg)  # (+ the
     # chunks' fp32 sum of the weights' gradients)
 
 
