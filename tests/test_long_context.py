@@ -236,6 +236,9 @@ def test_the_planner_places_boundary_activations_in_dram_where_one_pass_does_not
         plan("gpu", row)
     long = plan("auto", row)
     assert long.act_host >= 1 and long.passes == 1
+    budgets["dram"] = 40 * GiB  # (DRAM short too: the refusal says the activations do not go to NVMe yet)
+    with pytest.raises(Exception, match=r"boundary activations in DRAM were tried too; on NVMe they are not supported"):
+        plan("auto", row)
 
 
 def test_the_store_reserves_room_for_activations_and_counts_it():

@@ -11,6 +11,7 @@ model counts their copies on the link each way (``costmodel``: ``Layout.act_host
 
 from __future__ import annotations
 
+from tiermem.errors import BudgetError
 from tiermem.plan.costmodel import Layout
 from tiermem.plan.placement import Plan
 from tiermem.plan.workload import Workload
@@ -72,3 +73,11 @@ def host_budgets(budgets: dict, host: str, act_host: int) -> dict | None:
     if not act_host or budgets.get(host) is None:
         return budgets
     return {**budgets, host: budgets[host] - act_host} if budgets[host] >= act_host else None
+
+
+def not_on_nvme(err: BudgetError, tried: int) -> BudgetError:
+    """The planner's refusal, saying (where layouts with boundary activations in the host tier were tried:
+    ``tried``) that they do not go to NVMe yet."""
+    if not tried:
+        return err
+    return BudgetError(f"{err} (boundary activations in DRAM were tried too; on NVMe they are not supported yet)")

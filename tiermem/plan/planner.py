@@ -34,7 +34,7 @@ import psutil
 from tiermem.config import StoreConfig
 from tiermem.errors import BudgetError
 from tiermem.plan.activations import candidates as _candidates
-from tiermem.plan.activations import host_activation_bytes, host_budgets, host_counts, set_host_activations
+from tiermem.plan.activations import host_activation_bytes, host_budgets, host_counts, not_on_nvme, set_host_activations
 from tiermem.plan.costmodel import SLOTS, Layout, Prediction, predict, rank_of
 from tiermem.plan.machine import Machine
 from tiermem.plan.placement import ALIGN, Plan, check_budgets, default_budgets, staging_bytes
@@ -118,8 +118,7 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
     budgets = dict(budgets) if budgets is not None else {**default_budgets(cfg), device: cfg.tiers.device_tier.budget}
     (group_bytes, params), pins = sizes(specs), cfg.pins()
     room = hbm_room(m, budgets, cuda) - hbm_taken
-    need_total = sum(group_bytes.values())
-    best: tuple | None = None
+    need_total, best = sum(group_bytes.values()), None
     short, host, one_pass = None, registry.primary(HOST), []  # (one_pass: a layout of one pass, activations on GPU)
     keeps = keep_auto and hbm_state and w.kept_bytes and owners is None
     candidates = _candidates(w, [fixed_passes] if fixed_passes else pass_counts(w.micro_batches),
@@ -183,7 +182,8 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
                     best = (pred.step, layout, pred, state_room, act, home)  # passes, more state in HBM)
                 one_pass += [True] if p == 1 and not h else []
     if best is None:
-        raise short or BudgetError(does_not_fit(need_total, room, w, budgets, partials))
+        raise not_on_nvme(short or BudgetError(does_not_fit(need_total, room, w, budgets, partials)),
+                          host_counts(w, activations, owners is None and hbm_state)[-1])
     _, layout, pred, state_room, act, home = best
     plan = _finish_plan(layout, group_bytes, cfg, {**budgets, device: state_room})
     plan.owners = owners
