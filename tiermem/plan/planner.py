@@ -49,7 +49,8 @@ SPILL_ORDER = ("exp_avg_sq", "exp_avg", "master", "grad", "param")  # coldest fi
 DISCARDED_AT_END = ("grad", "exp_avg", "exp_avg_sq")  # on NVMe: given back to the disk before the export
 CPU_SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
 TIE = 0.005  # a later candidate layout must predict a step this much shorter to be taken
-# ... and one that moves state off HBM to keep layers' graphs this much: on the H200 (8B, 16 x 4096 tokens) such
+# ... and one that moves state off HBM to keep layers' graphs (or more boundary activations off it: their copies are
+# not measured on the GPU yet) this much: on the H200 (8B, 16 x 4096 tokens) such
 # a layout was predicted 1.8% faster (6.82 -> 6.70 s) and measured 0.9% faster (7.10 -> 7.04 s): the moved
 # groups' updates and copies cost more beside the forward than the cost model counts
 KEEP_TIE = 0.015
@@ -174,9 +175,9 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
                 layout = Layout(where, gpu_updates, p, cfg.tiers.device_tier.slots, kept, act_host=h,
                                 **rank_of(owners, params))
                 pred = predict(layout, w, m, group_bytes, params)
-                # (state moved off HBM for kept graphs must earn its keep)
-                moved = best is not None and kept and (_hbm_used(where, group_bytes, cfg)
-                                                         < _hbm_used(best[1].where, group_bytes, cfg))
+                # (state moved off HBM for kept graphs, and activations moved off it, must earn their keep)
+                moved = best is not None and ((kept and _hbm_used(where, group_bytes, cfg)
+                                               < _hbm_used(best[1].where, group_bytes, cfg)) or h > best[1].act_host)
                 tie = KEEP_TIE if moved else TIE
                 if best is None or pred.step < best[0] * (1 - tie):  # (the first of near-equal layouts: fewer
                     best = (pred.step, layout, pred, state_room, act, home)  # passes, more state in HBM)
