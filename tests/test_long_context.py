@@ -93,7 +93,7 @@ def test_the_mlp_is_never_whole(monkeypatch):
     assert seen == [14, 14, 12] * 2
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_rows_cut_into_chunks_train_plain_pytorchs_weights(tmp_path, monkeypatch, family):
     """tiermem_seq_chunk 8 over micro-batches of 2 rows of up to 20 tokens: every layer's forward and backward run
     in chunks of at most 4 tokens of each row; 5 fp32 steps (accumulation, clipping, moments on NVMe) end with plain
@@ -147,12 +147,13 @@ def test_a_bad_seq_chunk_and_a_load_balancing_loss_over_chunks_are_refused(tmp_p
     assert len(line) == 1 and "over rows cut into sequence chunks (4 tokens a row) is not supported yet" in line[0], err
 
 
-@pytest.mark.parametrize("budget", [None, "1KiB"])
+@pytest.mark.parametrize("budget,chunk", [(None, None), pytest.param("1KiB", None, marks=pytest.mark.slow),
+                                          pytest.param(None, 8, marks=pytest.mark.slow)])
 def test_activations_in_dram_train_the_same_weights_as_on_the_gpu_and_plain_pytorch(tmp_path, monkeypatch, capsys,
-                                                                                    budget):
+                                                                                    budget, chunk):
     """tiermem_activations: dram puts every layer's input of a step in the arena (written as the forward leaves the
-    layer, read back ahead of its backward), in one pass or (a small activation budget) a pass a micro-batch: 5 fp32
-    steps end with plain PyTorch's weights, and with the very bits of the same run with its activations on the GPU;
+    layer, read back ahead of its backward), in one pass or (a small activation budget) a pass a micro-batch, with
+    the layers whole or in sequence chunks (tiermem_seq_chunk 8): 5 fp32 steps end with plain PyTorch's weights, and with the very bits of the same run with its activations on the GPU;
     the plan says where they went, the store counted their bytes."""
     import json
 
@@ -181,6 +182,7 @@ def test_activations_in_dram_train_the_same_weights_as_on_the_gpu_and_plain_pyto
         tiermem = {"tiers": {"gpu": {"device": "cpu", "budget": "256MiB"}, "dram": {"budget": "256MiB"}}}
         out = tmp_path / f"out-{where}"
         over = {"tiermem_activation_budget": budget} if budget else {}
+        over.update({"tiermem_seq_chunk": chunk} if chunk else {})
         assert run_cli(tmp_path, model_dir, data_dir, name, tiermem, output_dir=str(out),
                        tiermem_activations=where, **over) == 0
         said = capsys.readouterr().out
