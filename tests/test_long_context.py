@@ -153,8 +153,9 @@ def test_activations_in_dram_train_the_same_weights_as_on_the_gpu_and_plain_pyto
                                                                                     budget, chunk):
     """tiermem_activations: dram puts every layer's input of a step in the arena (written as the forward leaves the
     layer, read back ahead of its backward), in one pass or (a small activation budget) a pass a micro-batch, with
-    the layers whole or in sequence chunks (tiermem_seq_chunk 8): 5 fp32 steps end with plain PyTorch's weights, and with the very bits of the same run with its activations on the GPU;
-    the plan says where they went, the store counted their bytes."""
+    the layers whole or in sequence chunks (tiermem_seq_chunk 8): 5 fp32 steps end with plain PyTorch's weights,
+    and with the very bits of the same run with its activations on the GPU; the plan says where they went, the
+    store counted their bytes."""
     import json
 
     from safetensors.torch import load_file
