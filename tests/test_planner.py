@@ -104,11 +104,16 @@ def test_budgets_are_never_exceeded(gpu, dram, layers, nvme_read, cpu, kept_mib)
     assert (need["gpu"] + p.activation_bytes + gpu_update_bytes(p.where, p.group_bytes, p.gpu_updates) + kept
             <= p.hbm_room)
     assert all(p.where[(g, "param")] == "gpu" for g in p.keep)
-    if p.passes > 1:  # (beside the activations: the largest group's gradient partials read back on later passes)
-        largest = max(b for (_, k), b in p.group_bytes.items() if k == "grad")
+    if p.passes > 1 and not p.act_host:  # (beside the activations: the largest group's gradient partials read back
+        largest = max(b for (_, k), b in p.group_bytes.items() if k == "grad")  # on later passes)
         assert p.activation_bytes == w.activation_bytes(p.passes) + largest
         assert p.activation_budget == w.activation_bytes(p.passes) - w.working_bytes
-    assert need["dram"] <= dram * GiB
+    if p.act_host:  # (some boundaries in DRAM: those on the GPU and two in flight in HBM, the rest in the arena)
+        largest = max(b for (_, k), b in p.group_bytes.items() if k == "grad") if p.passes > 1 else 0
+        assert p.activation_bytes == w.hbm_activation_bytes(p.passes, p.act_host) + largest
+        assert p.act_host_bytes >= p.act_host * w.layer_boundary_bytes(p.passes)
+        assert p.activation_budget == w.layer_boundary_bytes(p.passes) * (layers + 1)
+    assert need["dram"] <= dram * GiB  # (the activations there included)
     assert need["nvme"] <= 200 * GiB
     assert p.prediction.step > 0
 
@@ -935,3 +940,18 @@ def test_micro_batches_run_in_pieces_where_hbm_is_short():
     assert p.piece_rows == 4 and all(t == "gpu" for t in p.where.values())
     with pytest.raises(BudgetError):  # (even one row a piece leaves the state no room)
         search_pieces(4, w, plan_for({"gpu": 30 * GiB, "dram": 4 * GiB, "nvme": 4 * GiB}))
+
+
+def test_plan_says_where_the_boundary_activations_go(plan_yaml, capsys):
+    """tiermem_activations: dram (every layer's input in the arena) in `tiermem plan`'s text and JSON, the arena's
+    need counting them; gpu: none there."""
+    probe = "tests/golden/probe_h200.json"
+    rc, text, err = run_plan([plan_yaml, "--probe", probe, "tiermem_activations=dram"], capsys)
+    assert rc == 0, err
+    assert "boundary activations: every layer's input in dram" in text and "(boundary activations" in text, text
+    _, js, _ = run_plan([plan_yaml, "--probe", probe, "--json", "tiermem_activations=dram"], capsys)
+    data = json.loads(js)
+    assert data["activations"]["host_boundaries"] == 32 and data["activations"]["host_bytes"] >= 32 * 32 * 4096 * 8192
+    assert data["tiers"]["dram"]["need"] <= data["tiers"]["dram"]["budget"]
+    _, js, _ = run_plan([plan_yaml, "--probe", probe, "--json", "tiermem_activations=gpu"], capsys)
+    assert json.loads(js)["activations"] == {"host_boundaries": 0, "host_bytes": 0}

@@ -31,6 +31,13 @@ training state in HBM); TFLOP/s counts the active parameters (6 N_active tokens)
 261 GiB at 24 layers) outgrows the DRAM arena: give the NVMe tier a directory (``--nvme DIR``):
 
     python tools/bench_train.py --shape qwen3-moe --batch 4 --accum 4 --nvme /path/on/nvme
+
+Long rows (docs/long-context.md): ``--seq-chunk`` (tiermem_seq_chunk; auto cuts rows over 16,384 tokens into
+chunks of at most 8,192) and ``--activations auto|gpu|dram`` (tiermem_activations: the boundary activations on the
+GPU or, the first layers' inputs, in the DRAM arena); the JSON has how many lived in DRAM and the step's wait for
+them. One row of 524,288 tokens of the 8B shape (plain PyTorch cannot hold it: ``--only tiermem``):
+
+    python tools/bench_train.py --shape 8b --batch 1 --accum 1 --seq 524288 --only tiermem --nvme /path/on/nvme
 """
 
 from __future__ import annotations
@@ -144,6 +151,10 @@ def run_tiermem(args, raw: dict, model_dir: Path, path: str = "template", around
 
     mcfg.compile = choose(compile_arg(getattr(args, "compile", "auto")), "inductor", None, mcfg,
                           torch.cuda.is_available())
+    chunk = getattr(args, "seq_chunk", "auto")  # (tiermem_seq_chunk: a long row's layer in sequence chunks)
+    if not mcfg.generic:
+        mcfg.seq_chunk = None if chunk == "auto" else int(chunk)
+    activations = getattr(args, "activations", "auto")  # (tiermem_activations)
     data = {"tiers": {"gpu": {"slots": args.slots}}, "optimizer": {"gpu_share": args.gpu_share}}
     if args.nvme:
         data["tiers"]["nvme"] = {"path": args.nvme}
@@ -157,7 +168,7 @@ def run_tiermem(args, raw: dict, model_dir: Path, path: str = "template", around
         t0 = time.perf_counter()
         machine = run_plan.machine_for(scfg, dev, args.probe)
         plan = run_plan.make(mcfg, torch.bfloat16, scfg, run_plan.Shape(args.batch, args.seq, args.accum), machine,
-                             dev, args.loss_chunk, keep=getattr(args, "keep", 0))
+                             dev, args.loss_chunk, keep=getattr(args, "keep", 0), activations=activations)
         run_plan.keep_activations(plan, getattr(args, "keep", 0), mcfg)
         t_plan = time.perf_counter() - t0
         for line in run_plan.lines(plan):
@@ -177,7 +188,8 @@ def run_tiermem(args, raw: dict, model_dir: Path, path: str = "template", around
     keep = getattr(args, "keep", 0)
     if keep == "auto":  # (the plan's choice, as tiermem-train takes it)
         keep = len(getattr(plan, "keep", ()) or ())
-    ex = Executor(store, mcfg, torch.bfloat16, opt, 1.0, args.loss_chunk, budget, keep)
+    act_host = ("dram", plan.act_host) if plan is not None and plan.act_host else (None, 0)
+    ex = Executor(store, mcfg, torch.bfloat16, opt, 1.0, args.loss_chunk, budget, keep, act_host=act_host)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     starts, results, opt_s = [], [], []
@@ -211,6 +223,8 @@ def run_tiermem(args, raw: dict, model_dir: Path, path: str = "template", around
             "losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
             "gradient_partials_wait_s": stats.get("waits_s", {}).get("gradient_partials", 0.0) / total,
             "plan_s": t_plan, "alloc_retries": retries, "kept_layers": ex.last_kept,
+            "activations_in_dram": act_host[1], "activation_wait_s": stats.get("waits_s", {}).get("activations", 0.0)
+            / total,
             "predicted_s": plan.prediction.step if plan is not None else None,
             "predicted": plan.prediction.to_json() if plan is not None else None}
 
@@ -232,6 +246,10 @@ def main() -> None:
                     help="tiermem's model path: the hand-written template, the generic one, or both (no plain run)")
     ap.add_argument("--slots", type=int, default=3)
     ap.add_argument("--loss-chunk", type=int, default=4096)
+    ap.add_argument("--seq-chunk", default="auto", help="tiermem_seq_chunk: tokens a layer computes at once over a "
+                    "long row (auto: rows over 16384 tokens in chunks of at most 8192)")
+    ap.add_argument("--activations", choices=["auto", "gpu", "dram"], default="auto",
+                    help="tiermem_activations: where the boundary activations live (auto: the planner's)")
     ap.add_argument("--gpu-share", default="auto", help="tiermem optimizer.gpu_share (auto, or 0..1)")
     ap.add_argument("--passes", type=int, default=0,
                     help="tiermem: run each step as this many layer-major passes (partial gradients in DRAM between)")

@@ -254,6 +254,8 @@ def _check_numbers(c: TrainConfig, bad) -> None:
 
 def _check_compute(c: TrainConfig, bad) -> None:
     """torch.compile's mode and backend (the keys' other values are checked as they are read)."""
+    if c.tiermem_activations == "dram" and c.tiermem_server:
+        bad("tiermem_activations: dram is not supported yet with tiermem_server (the arena's room is the service's)")
     if c.torch_compile_mode not in (None, "default", "max-autotune-no-cudagraphs"):
         bad(f"torch_compile_mode must be default or max-autotune-no-cudagraphs (CUDA graphs cannot follow weights that "
             f"stream through slots), got {c.torch_compile_mode!r}")

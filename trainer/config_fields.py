@@ -228,6 +228,15 @@ class TrainConfig:
         "in the plan line: the micro-batch whole, or halves of it while a smaller piece is predicted faster or "
         "the larger does not fit; whole while a load-balancing loss is on (a micro-batch's statistic) and in an "
         "attached run"))
+    tiermem_seq_chunk: int | Literal["auto"] = own("auto", convert=_whole_or_auto(1, "tokens"), help=(
+        "tokens a decoder layer computes at once over a long row (its norms, projections and feed-forward; the "
+        "attention takes the whole row): auto cuts rows of more than 16,384 tokens into chunks of at most 8,192 "
+        "(docs/long-context.md); a number: micro-batches of more tokens are cut along the sequence into that many"))
+    tiermem_activations: Literal["auto", "gpu", "dram"] = own("auto", help=(
+        "where a step's boundary activations (each layer's input, kept for the recompute) live: gpu; dram (the "
+        "pinned arena, written as the forward leaves a layer, read back ahead of its backward); auto: on the GPU, "
+        "the first layers' in DRAM where a step would otherwise need more than one pass (the planner's choice, "
+        "with the state). NVMe does not take them yet"))
     torch_compile: bool | Literal["auto"] = training("auto", convert=_bool_or_auto, help=(
         "compile the decoder layer with torch.compile (the template's dense layers: one compiled function for "
         "every layer, the weights its inputs): auto compiles on CUDA, where it fuses the norms, RoPE, SwiGLU and "

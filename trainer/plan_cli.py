@@ -92,13 +92,13 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
                               f"machine's memory ({format_size(machine.ram)})")
         p = run_plan.make(mcfg, dtype, scfg, shape, machine, device, cfg.loss_chunk_tokens, time_it=False,
                           budgets=budgets, cuda=True, keep=cfg.tiermem_keep_activations, workload=measured,
-                          piece_rows=cfg.tiermem_physical_batch_size)
+                          piece_rows=cfg.tiermem_physical_batch_size, activations=cfg.tiermem_activations)
     else:
         store_config(cfg.tiermem)  # (the DRAM budget against this machine's memory)
         budgets = run_plan.local_budgets(scfg, mcfg, dtype, cfg.output_dir, saves(cfg))
         p = run_plan.make(mcfg, dtype, scfg, shape, machine, device, cfg.loss_chunk_tokens, budgets=budgets,
                           keep=cfg.tiermem_keep_activations, workload=measured,
-                          piece_rows=cfg.tiermem_physical_batch_size)
+                          piece_rows=cfg.tiermem_physical_batch_size, activations=cfg.tiermem_activations)
     if p is None:
         raise ConfigError("the placement pins every kind to a tier: nothing to plan (leave some kind to auto)")
     run_plan.keep_activations(p, cfg.tiermem_keep_activations, mcfg)
@@ -139,7 +139,8 @@ def _text(cfg, scfg, mcfg, shape, machine, p, data: dict, elsewhere: dict | None
             "need: " + "; ".join(run_plan.budget_lines(p)),
             f"updates: {run_plan.updates_split(len(data['gpu_updates']), len(p.workload.groups))}; "
             f"{p.passes} pass{'es' if p.passes > 1 else ''} a step"
-            + (f"; the activations of {run_plan.span(sorted(p.keep))} kept (no recompute)" if p.keep else ""),
+            + (f"; the activations of {run_plan.span(sorted(p.keep))} kept (no recompute)" if p.keep else "")
+            + (f"; {run_plan.activations_line(p)}" if p.act_host else ""),
             f"predicted step: {pred['step_seconds']:.2f} s = {pred['tokens_per_s']:,.0f} tokens/s, "
             f"{pred['tflops']:.3g} TFLOP/s; bound: {_bound(p)}",
             f"  split: {run_plan.split_line(p)}"]

@@ -28,7 +28,7 @@ from tiermem.files import read_bytes
 from tiermem.sizes import format_duration, format_size
 
 KIND_MARK = {"param": ("P", "cyan"), "grad": ("G", "magenta"), "master": ("M", "green"),
-             "exp_avg": ("1", "yellow"), "exp_avg_sq": ("2", "blue")}
+             "exp_avg": ("1", "yellow"), "exp_avg_sq": ("2", "blue"), "activations": ("A", "red")}
 BAR = 24
 
 

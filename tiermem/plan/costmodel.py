@@ -67,6 +67,9 @@ class Layout:
     # the host's cores); the others' run on the peers' (None: every group, one process)
     mine: frozenset | None = None
     ranks: int = 1
+    # the boundary activations 0..act_host-1 (layer i's input) live in the host tier: written out over the link as
+    # the forward makes them, read back one layer ahead of their layer's backward
+    act_host: int = 0
 
 
 def rank_of(owners: dict | None, group_params: dict) -> dict:
@@ -320,6 +323,10 @@ class _Step:
         p = max(1, layout.passes)
         slot_free: list = []  # compute ops whose end frees a slot, in order
         partial_home: dict[Group, int] = {}
+        index = {g: j for j, g in enumerate(w.layers)}  # (layer j's input is boundary j; its output j + 1)
+        one = w.layer_boundary_bytes(p) if layout.act_host else 0
+        act_out: dict[int, int] = {}  # boundary -> the op writing it out
+        bwd_ops: list = []  # the backward's compute ops, in order
 
         def fetch(g, deps):
             """The group's weights on the GPU: a slot filled over PCIe (or on the GPU from an offer)."""
@@ -341,6 +348,10 @@ class _Step:
                     f = None  # the GPU worker offered the new compute copy: copied on the GPU
                 else:
                     f = fetch(g, [upd])
+                back = None  # (the layer's input read back, one layer ahead: after the backward before last)
+                if phase == "bwd" and index[g] < layout.act_host:
+                    back = h2d(one, [act_out.get(index[g]), bwd_ops[-2] if len(bwd_ops) > 1 else None],
+                               f"activation {index[g]}")
                 partial = None
                 own = g in self.mine  # (several ranks: a layer's gradient goes to its owner, which keeps the sums)
                 if not first and phase in ("bwd", "loss", "embed_bwd") and role(g, "grad") != DEVICE:
@@ -349,8 +360,13 @@ class _Step:
                 seconds = (w.fwd.get(g, 0.0) if phase in ("fwd",) else max(bwd, 0.0)
                            if phase != "loss" else w.fwd.get(g, 0.0) + w.bwd.get(g, 0.0)) / p
                 # (a peer's partial sums are its own to add)
-                c = self.sim.op("gpu", seconds, [self.last_compute, upd, tied_upd, f, partial if own else None],
-                                f"{phase} {g}")
+                c = self.sim.op("gpu", seconds, [self.last_compute, upd, tied_upd, f, partial if own else None,
+                                                 back], f"{phase} {g}")
+                made = 0 if g == w.first and phase == "fwd" else index[g] + 1 if phase == "fwd" else None
+                if made is not None and made < layout.act_host:  # (a boundary made: written out)
+                    act_out[made] = d2h(one, [c], f"activation {made} out")
+                if phase == "bwd":
+                    bwd_ops.append(c)
                 self.compute_ops.append((c, g, upd if upd is not None else tied_upd))
                 self.last_compute = c
                 if f is not None:

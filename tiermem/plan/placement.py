@@ -54,6 +54,10 @@ class Plan:
     # of more rows runs as pieces of this many; the workload's micro-batches are the pieces). 0: not planned
     micro_rows: int = 0
     piece_rows: int = 0
+    # the boundary activations 0..act_host-1 (layer i's input) live in the host tier, in ``act_host_bytes`` of its
+    # room beside the state (a pass's worth: tiermem.store.scratch); the others on the GPU
+    act_host: int = 0
+    act_host_bytes: int = 0
 
     def need(self, rank: int | None = None) -> dict[str, int]:
         """Bytes each registered tier needs (the device tier: the streaming slots too; the host tier: the staging of
@@ -62,7 +66,7 @@ class Plan:
         device = registry.primary(DEVICE)
         out = dict.fromkeys(registry.names(), 0)
         out[device] += self.slot_bytes * self.n_slots
-        out[registry.primary(HOST)] += self.staging_bytes
+        out[registry.primary(HOST)] += self.staging_bytes + self.act_host_bytes
         by_rank: dict = defaultdict(int)
         for key, tier in self.where.items():
             if tier == device and self.owners is not None:

@@ -33,6 +33,8 @@ import psutil
 
 from tiermem.config import StoreConfig
 from tiermem.errors import BudgetError
+from tiermem.plan.activations import candidates as _candidates
+from tiermem.plan.activations import host_activation_bytes, host_budgets, host_counts, not_on_nvme, set_host_activations
 from tiermem.plan.costmodel import SLOTS, Layout, Prediction, predict, rank_of
 from tiermem.plan.machine import Machine
 from tiermem.plan.placement import ALIGN, Plan, check_budgets, default_budgets, staging_bytes
@@ -47,7 +49,8 @@ SPILL_ORDER = ("exp_avg_sq", "exp_avg", "master", "grad", "param")  # coldest fi
 DISCARDED_AT_END = ("grad", "exp_avg", "exp_avg_sq")  # on NVMe: given back to the disk before the export
 CPU_SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
 TIE = 0.005  # a later candidate layout must predict a step this much shorter to be taken
-# ... and one that moves state off HBM to keep layers' graphs this much: on the H200 (8B, 16 x 4096 tokens) such
+# ... and one that moves state off HBM to keep layers' graphs (or more boundary activations off it: their copies are
+# not measured on the GPU yet) this much: on the H200 (8B, 16 x 4096 tokens) such
 # a layout was predicted 1.8% faster (6.82 -> 6.70 s) and measured 0.9% faster (7.10 -> 7.04 s): the moved
 # groups' updates and copies cost more beside the forward than the cost model counts
 KEEP_TIE = 0.015
@@ -98,7 +101,7 @@ def pass_counts(micro_batches: int) -> list[int]:
 def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine,
               budgets: dict | None = None, cuda: bool = True, fixed_passes: int | None = None,
               hbm_state: bool = True, gpu_worker: bool = True, keep_auto: bool = False,
-              hbm_taken: int = 0, owners: dict | None = None) -> Plan:
+              hbm_taken: int = 0, owners: dict | None = None, activations: str = "auto") -> Plan:
     """The fastest predicted placement of ``specs`` for steps of ``w`` on machine ``m`` (see the module).
     ``hbm_state`` False: no state in HBM (a service's run: the state outlives the trainer's GPU); HBM holds
     the activations, the slots and the GPU worker's copies. ``gpu_worker`` False: the CPU updates every
@@ -110,34 +113,30 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
     layout keeps as many more as its leftover HBM holds. Kept graphs are weighed at the number of passes
     chosen without them: they never add passes (each pass moves the streamed groups' partial gradients both
     ways, which the GPU runs have shown costs more than the cost model counts). ``owners`` (several ranks of a
-    host: group -> rank): each group's HBM-resident state lives in its owner's HBM (see the module)."""
+    host: group -> rank): each group's HBM-resident state lives in its owner's HBM (see the module).
+    ``activations`` (tiermem_activations): where the boundary activations may live (``host_counts``)."""
     device = registry.primary(DEVICE)  # (its budget: the device tier's, or unset all of its HBM, activations too)
     budgets = dict(budgets) if budgets is not None else {**default_budgets(cfg), device: cfg.tiers.device_tier.budget}
     (group_bytes, params), pins = sizes(specs), cfg.pins()
     room = hbm_room(m, budgets, cuda) - hbm_taken
-    need_total = sum(group_bytes.values())
-    best: tuple | None = None
-    short = None
-    def candidates():  # (passes, layers given HBM for kept graphs, whether leftover HBM keeps more): the
-        for p in ([fixed_passes] if fixed_passes else pass_counts(w.micro_batches)):  # passes chosen without
-            yield p, 0, False  # kept graphs, then kept graphs at those passes (they never add passes)
-        if best is not None and keep_auto and hbm_state and w.kept_bytes and owners is None:
-            for k in keep_counts(w, True):
-                yield best[1].passes, k, True
-
+    need_total, best = sum(group_bytes.values()), None
+    short, host, one_pass = None, registry.primary(HOST), []  # (one_pass: a layout of one pass, activations on GPU)
+    keeps = keep_auto and hbm_state and w.kept_bytes and owners is None
+    candidates = _candidates(w, [fixed_passes] if fixed_passes else pass_counts(w.micro_batches),
+                             host_counts(w, activations, owners is None and hbm_state), one_pass,
+                             lambda: best[1] if best is not None and keeps else None, keep_counts)
     partials = _partials_bytes(group_bytes)
-    # the embedding's gradient summed in its home in HBM needs no tensor of its own: a layout is tried first
-    # with that much more HBM for state, and kept if it keeps the embedding's whole state in HBM (one process,
-    # embedded); then without
+    # the embedding's gradient summed in its home in HBM needs no tensor of its own: a layout is tried first with
+    # that much more HBM for state, kept if it keeps the embedding's whole state in HBM (one process); then without
     homes = (True, False) if w.embed_grad_bytes and owners is None and hbm_state and not w.tied else (False,)
-    for (p, k, more), home in ((c, h) for c in candidates() for h in homes):
-        act = w.activation_bytes(p, embed_home=home) + (partials if p > 1 else 0)
+    for (p, k, more, h), home in ((c, e) for c in candidates for e in homes):
+        act = w.hbm_activation_bytes(p, h, embed_home=home) + (partials if p > 1 else 0)
         per_kept = w.kept_bytes * -(-w.micro_batches // p)  # (a kept layer's graph: every micro-batch of a pass)
-        state_room = room - act - k * per_kept
-        if state_room < 0:
+        state_room, on_host = room - act - k * per_kept, host_budgets(budgets, host, host_activation_bytes(w, p, h))
+        if state_room < 0 or on_host is None:
             continue
         try:
-            first = _place(group_bytes, w, pins, state_room, budgets, cfg, fill=hbm_state, owners=owners, act=act)
+            first = _place(group_bytes, w, pins, state_room, on_host, cfg, fill=hbm_state, owners=owners, act=act)
         except BudgetError as e:
             if not k:  # (the last: the most passes, the most HBM left to state; none given to kept graphs)
                 short = e
@@ -153,7 +152,7 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
                 break
             if fill is not None:
                 try:
-                    where = _place(group_bytes, w, pins, where, budgets, cfg, fill, owners, act)
+                    where = _place(group_bytes, w, pins, where, on_host, cfg, fill, owners, act)
                 except BudgetError:
                     continue
             if home and not embed_resident(where, w):  # (the room counted on the embedding's home in HBM)
@@ -173,16 +172,19 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
                     continue
                 fits = True
                 kept = kept_layers(where, w.layers, k + ((free - need) // per_kept if more and per_kept else 0))
-                layout = Layout(where, gpu_updates, p, cfg.tiers.device_tier.slots, kept, **rank_of(owners, params))
+                layout = Layout(where, gpu_updates, p, cfg.tiers.device_tier.slots, kept, act_host=h,
+                                **rank_of(owners, params))
                 pred = predict(layout, w, m, group_bytes, params)
-                # (state moved off HBM for kept graphs must earn its keep)
-                moved = best is not None and kept and (_hbm_used(where, group_bytes, cfg)
-                                                         < _hbm_used(best[1].where, group_bytes, cfg))
+                # (state moved off HBM for kept graphs, and activations moved off it, must earn their keep)
+                moved = best is not None and ((kept and _hbm_used(where, group_bytes, cfg)
+                                               < _hbm_used(best[1].where, group_bytes, cfg)) or h > best[1].act_host)
                 tie = KEEP_TIE if moved else TIE
                 if best is None or pred.step < best[0] * (1 - tie):  # (the first of near-equal layouts: fewer
                     best = (pred.step, layout, pred, state_room, act, home)  # passes, more state in HBM)
+                one_pass += [True] if p == 1 and not h else []
     if best is None:
-        raise short or BudgetError(does_not_fit(need_total, room, w, budgets, partials))
+        raise not_on_nvme(short or BudgetError(does_not_fit(need_total, room, w, budgets, partials)),
+                          host_counts(w, activations, owners is None and hbm_state)[-1])
     _, layout, pred, state_room, act, home = best
     plan = _finish_plan(layout, group_bytes, cfg, {**budgets, device: state_room})
     plan.owners = owners
@@ -191,6 +193,7 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
     plan.keep = layout.keep
     plan.activation_budget = (act - partials - w.working_bytes + (w.embed_grad_bytes if home else 0)) \
         if layout.passes > 1 else None
+    set_host_activations(plan, w, layout)
     plan.machine, plan.workload, plan.params = m, w, params
     plan.hbm_room = room
     check_budgets(plan)
@@ -407,7 +410,8 @@ def predict_at(plan: Plan, ga: int, k: int) -> tuple[Prediction, float]:
     act_room = plan.hbm_room - plan.need()[registry.primary(DEVICE)]  # (state, slots; several ranks: the fullest's)
     p, partials = 1, _partials_bytes(plan.group_bytes)
     home = bool(w.embed_grad_bytes) and not w.tied and plan.owners is None and embed_resident(plan.where, w)
-    while wk.activation_bytes(p, embed_home=home) + (partials if p > 1 else 0) > act_room and p < mb:
+    while wk.hbm_activation_bytes(p, plan.act_host, embed_home=home) + (partials if p > 1 else 0) > act_room \
+            and p < mb:
         p += 1
     # (no kept graphs: a pass of more micro-batches keeps more of them)
     pr = predict(layout_of(plan, passes=p, keep=frozenset()), wk, plan.machine, plan.group_bytes, plan.params)
@@ -460,7 +464,8 @@ def layout_of(plan: Plan, **changes) -> Layout:
     """The cost model's ``Layout`` of ``plan`` (its placement, GPU updates, passes, slots and kept layers; several
     ranks: the rank it predicts), with ``changes`` (``Layout``'s fields)."""
     fields = dict(where=plan.where, gpu_updates=plan.gpu_updates or set(), passes=plan.passes,
-                  slots=plan.n_slots or SLOTS, keep=plan.keep, **rank_of(plan.owners, plan.params))
+                  slots=plan.n_slots or SLOTS, keep=plan.keep, act_host=plan.act_host,
+                  **rank_of(plan.owners, plan.params))
     return Layout(**{**fields, **changes})
 
 

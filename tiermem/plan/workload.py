@@ -11,6 +11,10 @@ from dataclasses import asdict, dataclass, field, replace
 
 from tiermem.specs import Group
 
+# boundary activations a pass holds on the GPU beyond those that live there, when some live in the host tier: the
+# one written out (its layer reads it while the copy runs) and the one read back ahead of its layer's backward
+HOST_WINDOW = 2
+
 
 @dataclass
 class Workload:
@@ -50,6 +54,19 @@ class Workload:
         per_pass = -(-self.micro_batches // passes) * (micro_tokens or self.tokens // max(self.micro_batches, 1))
         return per_pass * self.boundary_bytes_per_token + self.working_bytes \
             - (self.embed_grad_bytes if embed_home else 0)
+
+    def layer_boundary_bytes(self, passes: int, micro_tokens: int | None = None) -> int:
+        """One boundary activation (a layer's input) of a pass's micro-batches: the unit placed off the GPU."""
+        per_pass = -(-self.micro_batches // passes) * (micro_tokens or self.tokens // max(self.micro_batches, 1))
+        return per_pass * self.boundary_bytes_per_token // (len(self.layers) + 1)
+
+    def hbm_activation_bytes(self, passes: int, host: int, embed_home: bool = False) -> int:
+        """GPU memory for activations when the boundaries 0..``host``-1 (layer i's input) live in the host tier:
+        the others, ``HOST_WINDOW`` boundaries in flight (one going out, one coming back), and the working set."""
+        if not host:
+            return self.activation_bytes(passes, embed_home=embed_home)
+        one = self.layer_boundary_bytes(passes)
+        return self.activation_bytes(passes, embed_home=embed_home) - (host - HOST_WINDOW) * one
 
     def scaled(self, tokens: int, micro_batches: int) -> Workload:
         """The same model at another number of tokens a step (compute scales with tokens; a micro-batch's working

@@ -17,6 +17,8 @@ def snapshot(store) -> dict:
     for e in store.catalog.entries():
         by_kind[e.tier][e.spec.kind] += e.extent.nbytes
         valid[e.tier] += e.spec.nbytes if e.valid else 0
+    for tier, n in store.reserved().items():  # (a step's boundary activations there: tiermem.store.scratch)
+        by_kind[tier]["activations"] += n
     budgets = store.plan.budgets if store.plan is not None else {}
     # a trainer attached to a service maps the service's arena and NVMe file: its allocators only hold the
     # layout it attached with, so free space and fragmentation are the service's to say (tiermem stats)

@@ -33,6 +33,7 @@ from tiermem.sizes import align_up, format_size
 from tiermem.specs import Group, TensorSpec
 from tiermem.store.catalog import Catalog, Entry
 from tiermem.store.queries import StoreQueries
+from tiermem.store.scratch import Scratch
 from tiermem.store.tierset import Tiers, make_tiers
 from tiermem.store.views import GroupView, event_now, span_of, typed
 from tiermem.store.views import mark_valid as mark_entry_valid
@@ -42,7 +43,7 @@ from tiermem.tiers.extents import Extent, OutOfSpace
 from tiermem.transfer.mover import Location, Mover
 
 
-class Store(StoreQueries):
+class Store(StoreQueries, Scratch):
     def __init__(self, cfg: StoreConfig, capacity: dict[str, int], slot_bytes: int = 0, n_slots: int = 0,
                  pin: bool | None = None, plan: Plan | None = None, tiers: dict | None = None,
                  owner: dict | None = None):
@@ -67,6 +68,7 @@ class Store(StoreQueries):
         self.waits: dict[str, float] = defaultdict(float)
         self._offered: dict[tuple[Group, str], tuple[dict[str, torch.Tensor], object]] = {}
         self._closed = False
+        self._reserved, self._reserved_lock = {}, threading.Lock()  # (scratch room by tier: tiermem.store.scratch)
         self.keep_files = False  # close() leaves the arena and NVMe files in place (the service's state)
 
     def __getattr__(self, name: str):

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import torch
 
+from trainer.model import chunked
 from trainer.model.layers import decoder_layer
 
 _COMPILED: dict = {}
+_PARTS: dict = {}
 
 
 class CompileError(ValueError):
@@ -48,3 +50,15 @@ def layer_function(how: tuple[str, str | None] | None):
         backend, mode = how
         _COMPILED[how] = torch.compile(decoder_layer, backend=backend, mode=mode)
     return _COMPILED[how]
+
+
+def chunk_parts(how: tuple[str, str | None] | None) -> tuple:
+    """The (pre-attention, post-attention) functions of a layer run in sequence chunks
+    (``trainer.model.chunked``): themselves, or compiled as ``how`` says (each chunk the same shape)."""
+    if how is None:
+        return chunked.pre_attention, chunked.post_attention
+    if how not in _PARTS:
+        backend, mode = how
+        _PARTS[how] = tuple(torch.compile(f, backend=backend, mode=mode)
+                            for f in (chunked.pre_attention, chunked.post_attention))
+    return _PARTS[how]

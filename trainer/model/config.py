@@ -120,6 +120,8 @@ class ModelConfig:
     # how this run computes its decoder layers: (backend, mode) of torch.compile, or None for the eager layer
     # (torch_compile; trainer.model.compiled)
     compile: tuple | None = field(default=None, repr=False, compare=False)
+    # tokens a layer computes at once over a long row (tiermem_seq_chunk; trainer.model.chunked); None: auto
+    seq_chunk: int | None = field(default=None, repr=False, compare=False)
 
     @property
     def q_size(self) -> int:

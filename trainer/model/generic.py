@@ -474,6 +474,11 @@ class GenericStages:
                 h.remove()
         return out[0] if isinstance(out, tuple) else out
 
+    def chunk(self, x: torch.Tensor, ctx: Inputs) -> None:
+        """The generic path runs every row whole through the model's own layer (sequence chunks are the
+        template's: ``trainer.model.chunked``)."""
+        return None
+
     def layer(self, i: int, w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Inputs) -> torch.Tensor:
         return self._call_layer(i, w, x, ctx)
 

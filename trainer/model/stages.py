@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from trainer.model.compiled import layer_function
+from trainer.model import chunked
+from trainer.model.compiled import chunk_parts, layer_function
 from trainer.model.config import ModelConfig
 from trainer.model.layers import head_loss, head_loss_backward
 from trainer.model.moe import RouterStats
@@ -44,6 +45,7 @@ class TemplateStages:
         self.cfg, self.dtype, self.device = cfg, dtype, device
         self._rope = Rope(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, device, dtype)
         self._layer = layer_function(cfg.compile)  # (decoder_layer, or compiled: torch_compile)
+        self._parts = chunk_parts(cfg.compile)  # (a long row's layer in sequence chunks: trainer.model.chunked)
 
     @property
     def aux_loss_coef(self) -> float:
@@ -62,8 +64,19 @@ class TemplateStages:
     def embed(self, w: dict[str, torch.Tensor], ids: torch.Tensor, ctx: MicroBatch) -> torch.Tensor:
         return F.embedding(ids, w[EMBED])
 
+    def chunk(self, x: torch.Tensor, ctx: MicroBatch) -> int | None:
+        """The tokens of each row a layer over ``x`` computes at once (``trainer.model.chunked``), or None: the
+        row whole (a short row, or a layer whose router counts for the load-balancing loss: the config refuses
+        such rows where they would be cut)."""
+        if ctx.router is not None:
+            return None
+        return chunked.chunk_of(self.cfg.seq_chunk, x.shape[0], x.shape[1])
+
     def layer(self, i: int, w: dict[str, torch.Tensor], x: torch.Tensor, ctx: MicroBatch) -> torch.Tensor:
         """Decoder layer ``i`` over ``x`` with its weights ``w`` (no gradient)."""
+        c = self.chunk(x, ctx)
+        if c is not None:
+            return chunked.forward(w, x, ctx.rope, self.cfg, self.cfg.window(i), c, self._parts)
         return self._layer(w, x, ctx.rope, self.cfg, ctx.router, self.cfg.window(i))
 
     def forward_done(self, ctxs: list[MicroBatch]) -> torch.Tensor | None:
@@ -74,7 +87,11 @@ class TemplateStages:
 
     def layer_backward(self, i: int, w: dict[str, torch.Tensor], x: torch.Tensor, gy: torch.Tensor, ctx: MicroBatch):
         """Recompute the layer from its input ``x`` and backpropagate ``gy`` (plus the layer's share of the
-        load-balancing loss): (input gradient, the weights' gradients in ``w``'s order)."""
+        load-balancing loss): (input gradient, the weights' gradients in ``w``'s order). Over a row cut into chunks
+        the input gradient is written over ``gy`` (``trainer.model.chunked.backward``)."""
+        c = self.chunk(x, ctx)
+        if c is not None:
+            return chunked.backward(w, x, gy, ctx.rope, self.cfg, self.cfg.window(i), c, self._parts)
         x = x.detach().requires_grad_()
         leaves = {k: t.detach().requires_grad_() for k, t in w.items()}
         with torch.enable_grad():

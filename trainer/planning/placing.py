@@ -30,7 +30,7 @@ def check_placement(cfg, mcfg, dtype: torch.dtype, ranks=None) -> None:
     hbm_state, taken, owners = (True, 0, None) if ranks is None else ranks.sharing(group_order(mcfg), specs)
     if run_plan.make(mcfg, dtype, scfg, shape, machine, device, cfg.loss_chunk_tokens, time_it=False,
                      budgets=budgets, hbm_state=hbm_state, hbm_taken=taken, owners=owners,
-                     piece_rows=cfg.tiermem_physical_batch_size) is None:
+                     piece_rows=cfg.tiermem_physical_batch_size, activations=cfg.tiermem_activations) is None:
         make_plan(specs, scfg, streamed_kinds=("param",), owners=owners)  # every kind pinned
 
 
@@ -51,7 +51,8 @@ def plan_run(job, scfg, say, hbm_state: bool = True, hbm_taken: int = 0, owners:
     budgets = run_plan.local_budgets(scfg, job.mcfg, job.dtype, job.out, saves(job.cfg))
     plan = run_plan.make(job.mcfg, job.dtype, scfg, step_shape(job), machine, device, job.cfg.loss_chunk_tokens,
                          budgets=budgets, hbm_state=hbm_state, keep=job.cfg.tiermem_keep_activations,
-                         hbm_taken=hbm_taken, owners=owners, piece_rows=job.cfg.tiermem_physical_batch_size)
+                         hbm_taken=hbm_taken, owners=owners, piece_rows=job.cfg.tiermem_physical_batch_size,
+                         activations=job.cfg.tiermem_activations)
     if plan is not None:
         run_plan.keep_activations(plan, job.cfg.tiermem_keep_activations, job.mcfg)
         lines = run_plan.lines(plan)
@@ -98,3 +99,19 @@ def kept_layers(cfg, store_plan=None) -> int:
     if keep == "auto":
         return len(store_plan.keep or ()) if store_plan is not None else 0
     return keep
+
+
+def activations_home(cfg, store_plan=None) -> tuple:
+    """(host tier, n): the step's boundary activations 0..n-1 live in that tier (the plan's), the rest on the GPU;
+    (None, 0): all on the GPU. tiermem_activations: dram with no plan to size the arena for them (every kind
+    pinned) is refused in one line."""
+    from tiermem.errors import ConfigError
+    from tiermem.tiers import registry
+    from tiermem.tiers.base import HOST
+
+    if store_plan is not None and store_plan.act_host:
+        return registry.primary(HOST), store_plan.act_host
+    if cfg.tiermem_activations == "dram":
+        raise ConfigError("tiermem_activations: dram is not supported yet without the planner's placement (every kind "
+                          "pinned, or several ranks): leave a kind to the planner, or use auto")
+    return None, 0

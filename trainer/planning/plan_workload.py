@@ -16,6 +16,7 @@ import torch
 
 from tiermem.plan.machine import Machine
 from tiermem.plan.workload import Workload
+from trainer.model import chunked
 from trainer.model.select import model_stages
 from trainer.model.weights import all_weights, init_weight
 from trainer.run.executor import squared_norm
@@ -100,12 +101,12 @@ def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, mach
         rate = machine.gpu_tflops
         f = layer_flops(cfg, seq) * tokens / rate
         fwd_l, bwd_l, head = f, 3 * f, head_flops(cfg) * tokens / rate
-        # a layer's backward keeps about 14 hidden-sized and 4 intermediate-sized tensors per token
-        layer_work = rows * seq * (14 * cfg.hidden_size + 4 * _inter(cfg)) * itemsize
+        layer_work = layer_work_estimate(cfg, rows, seq, itemsize)
         head_work = 0  # (estimated as held beside the layer's, below: only the layer's part scales with rows)
         work = layer_work + rows * min(seq, loss_chunk) * cfg.vocab_size * 4 * 2 + 4 * head_p  # (+ the loss's fp32
         # gradient)
         kept = rows * seq * (10 * cfg.hidden_size + 4 * _inter(cfg)) * itemsize  # (a layer's saved activations)
+        kept = kept if seq_chunk(cfg, rows, seq) is None else 0  # (a long row's layer keeps no graph)
         how = (f"estimated from FLOPs at {rate / 1e12:.3g} TFLOP/s"
                + (" (an assumed figure)" if "gpu_tflops" in machine.assumed else " (the machine's figure)"))
     fwd = {i: fwd_l for i in range(cfg.num_layers)}
@@ -116,6 +117,24 @@ def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, mach
                     int(work + grads), 6.0 * cfg.num_params(active=True), cfg.tie_word_embeddings, how,
                     kept_bytes=int(kept), embed_grad_bytes=int(embed_grad), micro_rows=rows,
                     layer_work_bytes=int(layer_work), head_work_bytes=int(head_work))
+
+
+def seq_chunk(cfg, rows: int, seq: int) -> int | None:
+    """The tokens of each row a layer of this run computes at once (``trainer.model.chunked``), None: whole."""
+    return None if cfg.generic else chunked.chunk_of(cfg.seq_chunk, rows, seq)
+
+
+def layer_work_estimate(cfg, rows: int, seq: int, itemsize: int) -> int:
+    """GPU memory a layer's forward + backward of one micro-batch needs beyond its input, estimated: a whole
+    layer's backward keeps about 14 hidden-sized and 4 intermediate-sized tensors per token; a layer in sequence
+    chunks (a long row) about 9 hidden-sized per token of the row (q, k, v, the attention's output, their and the
+    output's gradients, the attention kernel's fp32 scratch) and the whole layer's of one chunk."""
+    per_token = (14 * cfg.hidden_size + 4 * _inter(cfg)) * itemsize
+    c = seq_chunk(cfg, rows, seq)
+    if c is None:
+        return rows * seq * per_token
+    return rows * seq * 9 * cfg.hidden_size * itemsize + rows * c * per_token + 4 * layer_params(cfg)  # (+ the
+    # chunks' fp32 sum of the weights' gradients)
 
 
 def _inter(cfg) -> int:
@@ -179,8 +198,9 @@ def _time(cfg, dtype: torch.dtype, rows: int, seq: int, device: torch.device, lo
         sync()
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    t_f = timed(fwd)
-    t_b = timed(bwd)
+    reps = 1 if rows * seq > chunked.AUTO_WHOLE else 3  # (a long row's layer runs for seconds: once after the first)
+    t_f = timed(fwd, reps)
+    t_b = timed(bwd, reps)
     t_g = timed(grad_step)
     layer_work = torch.cuda.max_memory_allocated(device) - base if cuda else 0
     gy = torch.randn(x.shape, device=device, dtype=dtype, generator=gen)
@@ -188,14 +208,15 @@ def _time(cfg, dtype: torch.dtype, rows: int, seq: int, device: torch.device, lo
     def embed_grad():
         sum(g.pow(2).sum() for g in stages.embed_grads(embed_w, [ids], [gy], [ctx], None).values())
 
-    t_e = timed(embed_grad, 2)
-    kept = _kept_bytes(stages, layer, w, x, ctx)
+    t_e = timed(embed_grad, min(reps, 2))
+    # (a long row's layer runs in chunks and keeps no graph: trainer.run.executor)
+    kept = _kept_bytes(stages, layer, w, x, ctx) if stages.chunk(x, ctx) is None else 0
     targets = torch.randint(0, cfg.vocab_size, (rows, seq), device=device, generator=gen)
     tied = embed_w if cfg.tie_word_embeddings else None
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    t_h = timed(lambda: stages.head_loss_backward(x, targets, head_w, tied, 1.0, loss_chunk), 2)
+    t_h = timed(lambda: stages.head_loss_backward(x, targets, head_w, tied, 1.0, loss_chunk), min(reps, 2))
     head_work = torch.cuda.max_memory_allocated(device) - base if cuda else 0
     return t_f, t_b, t_h, t_g, t_e, (layer_work, head_work), kept
 

@@ -41,7 +41,7 @@ class Shape:
 def make(mcfg, dtype: torch.dtype, scfg: StoreConfig, shape: Shape, machine: Machine, device: torch.device,
          loss_chunk: int, time_it: bool = True, budgets: dict | None = None, cuda: bool | None = None,
          keep=0, hbm_state: bool = True, hbm_taken: int = 0, workload: Workload | None = None,
-         owners: dict | None = None, piece_rows="auto") -> Plan | None:
+         owners: dict | None = None, piece_rows="auto", activations: str = "auto") -> Plan | None:
     """The planner's plan for this run, or None when the placement pins every kind (the fixed rule then
     places; nothing to decide). ``cuda``: plan for a CUDA GPU of ``machine``'s figures (default: whether
     ``device`` is one). ``keep``: tiermem_keep_activations (auto: the planner chooses the kept layers with
@@ -52,7 +52,8 @@ def make(mcfg, dtype: torch.dtype, scfg: StoreConfig, shape: Shape, machine: Mac
     ``workload``: the step as measured before (``tiermem plan --workload``), not timed here. ``piece_rows``
     (tiermem_physical_batch_size): the rows the GPU computes at once, a number, or auto: the planner's (the
     micro-batch's own, or halves of it while a smaller piece is predicted faster or the larger does not fit;
-    ``plan.piece_rows``)."""
+    ``plan.piece_rows``). ``activations`` (tiermem_activations): where the boundary activations may live (the
+    planner's ``plan_step``)."""
     specs = state_specs(mcfg, dtype)
     if all(s.kind in scfg.pins() for s in specs):
         return None
@@ -63,7 +64,7 @@ def make(mcfg, dtype: torch.dtype, scfg: StoreConfig, shape: Shape, machine: Mac
 
     def plan_for(w: Workload) -> Plan:
         return plan_step(specs, scfg, w, machine, budgets, cuda=device.type == "cuda" if cuda is None else cuda,
-                         hbm_state=hbm_state, hbm_taken=hbm_taken, owners=owners,
+                         hbm_state=hbm_state, hbm_taken=hbm_taken, owners=owners, activations=activations,
                          keep_auto=keep == "auto" and keeps_activations(mcfg) and mcfg.moe is None)
 
     if piece_rows != "auto" or not keeps_activations(mcfg):  # (a load-balancing loss is a micro-batch's)
@@ -211,7 +212,9 @@ def budget_lines(plan: Plan) -> list[str]:
     for t in ("dram", "nvme"):
         b = plan.budgets.get(t)
         if need[t] or b:
-            out.append(f"{t}: {format_size(need[t])} of {'no limit' if b is None else format_size(b)}")
+            acts = f" (boundary activations {format_size(plan.act_host_bytes)} of it)" \
+                if t == "dram" and plan.act_host_bytes else ""
+            out.append(f"{t}: {format_size(need[t])}{acts} of {'no limit' if b is None else format_size(b)}")
     return out
 
 
@@ -238,6 +241,8 @@ def lines(plan: Plan, ga: int | None = None) -> list[str]:
         n = pieces.count(plan.micro_rows, plan.piece_rows)
         passes += (f"; each micro-batch of {plan.micro_rows} rows runs as {n} pieces of {plan.piece_rows} "
                    f"row{'s' if plan.piece_rows > 1 else ''} (tiermem_physical_batch_size)")
+    if plan.act_host:
+        passes += f"; {activations_line(plan)}"
     out = [f"plan: {'; '.join(where_lines(plan))}", f"plan: {updates}; {passes}",
            f"plan: predicted step {p.step:.2f}s = {w.tokens / p.step:,.0f} tokens/s, {tflops(w, p.step):.0f} TFLOP/s; "
            f"bound: {describe_bound(p.bound)} ({split_line(plan)})"]
@@ -247,6 +252,15 @@ def lines(plan: Plan, ga: int | None = None) -> list[str]:
 def updates_split(gpu: int, groups: int) -> str:
     """How many groups each worker updates: ``GPU 1 group, CPU 5 groups``."""
     return ", ".join(f"{who} {n} group{'s' if n != 1 else ''}" for who, n in (("GPU", gpu), ("CPU", groups - gpu)))
+
+
+def activations_line(plan: Plan) -> str:
+    """Where the boundary activations of a plan that puts some in the host tier live."""
+    n = len(plan.workload.layers)
+    which = "every layer's input" if plan.act_host >= n else (
+        f"the inputs of layers 0-{plan.act_host - 1}" if plan.act_host > 1 else "layer 0's input")
+    return (f"boundary activations: {which} in dram ({format_size(plan.act_host_bytes)} a pass), "
+            "the rest on the GPU (tiermem_activations)")
 
 
 def report(plan: Plan, ga: int) -> dict:
@@ -264,6 +278,7 @@ def report(plan: Plan, ga: int) -> dict:
     advised = recommended_at(plan, ga, bound_at)
     out = {"state_bytes": by_kind, "tiers": tiers, "activation_bytes": plan.activation_bytes,
            "hbm_usable": plan.hbm_room, "passes": plan.passes, "piece_rows": plan.piece_rows or None,
+           "activations": {"host_boundaries": plan.act_host, "host_bytes": plan.act_host_bytes},
            "gpu_updates": None if plan.gpu_updates is None else [str(g) for g in w.groups if g in plan.gpu_updates],
            "prediction": {**p.to_json(), "tokens_per_s": w.tokens / p.step, "tflops": tflops(w, p.step)},
            "tokens_per_step": w.tokens, "compute": w.timed, "machine": m.to_json(), "workload": w.to_json(),

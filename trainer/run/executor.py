@@ -39,6 +39,7 @@ from trainer.model.select import model_stages
 from trainer.model.weights import all_weights
 from trainer.outputs.weights_io import NonFiniteWeights
 from trainer.run import pieces
+from trainer.run.offload import Stash
 
 
 class NonFiniteStep(UserError):
@@ -80,10 +81,11 @@ def squared_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
 class Executor:
     def __init__(self, store, cfg, dtype: torch.dtype, optimizer, max_grad_norm: float,
                  loss_chunk_tokens: int, activation_budget: int | None = None, keep_layers: int = 0, reducer=None,
-                 piece_rows: int | None = None):
+                 piece_rows: int | None = None, act_host: tuple = (None, 0)):
         """``reducer`` (``trainer.parallel.dp.GradReducer``, several ranks): each group's gradient is reduced to the
         rank that owns it, which alone hands it to the store; the loss, the token counts and the norm are the
-        world's."""
+        world's. ``act_host`` (tier, n): the boundary activations 0..n-1 (layer i's input) live in that host tier
+        (``trainer.run.offload``), the rest on the GPU."""
         self.store, self.cfg, self.dtype, self.optimizer = store, cfg, dtype, optimizer
         self.reducer = reducer
         if reducer is not None:
@@ -113,6 +115,8 @@ class Executor:
         # rows the GPU computes at once (tiermem_physical_batch_size: the planner's): a micro-batch of more rows
         # runs as pieces of this many (trainer.run.pieces); None: the micro-batches as they are
         self.piece_rows = piece_rows
+        self.act_host = act_host
+        self.stash = None  # the pass's boundary activations off the GPU (trainer.run.offload.Stash)
         # before_commit(step, result): the step's figures, before the optimizer takes the step (a committed
         # step's figures must outlive a trainer killed before it logs them)
         self.before_commit = None
@@ -322,8 +326,12 @@ class Executor:
         targets = [shift_labels(b[1]).to(dev, non_blocking=True) for b in batches]
         masks = [b[3].to(dev, non_blocking=True) if len(b) > 3 else None for b in batches]
         ctx = model.contexts(ids, masks, n_micro, True)
-        keep = self.kept() if all(c.router is None for c in ctx) else set()
+        whole = all(c.router is None for c in ctx) and not any(model.chunk(x, c) for x, c in zip(ids, ctx))
+        keep = self.kept() if whole else set()  # (a long row's graph is what its chunks avoid holding)
         self.last_kept = len(keep)
+        if self.stash is not None:
+            self.stash.clear()
+        self.stash = stash = Stash(self.store, *self.act_host, keep)
         acts, graphs, aux = self._forward(ids, ctx, keep, r_embed, r_fwd, step)
 
         # 2. loss + its backward, chunked over tokens
@@ -357,6 +365,9 @@ class Executor:
         embed_partials = self._partials("embed", first) if L == 0 and not embed_home and own_partials else None
         for n, i in enumerate(reversed(range(L))):
             self.layer = i
+            stash.prefetch(i)
+            if i:  # (the next layer's input on its way back while this one computes)
+                stash.prefetch(i - 1)
             at_home = self._sums_at_home(i)
             partials = None if at_home or not own_partials else self._partials(i, first)
             if i == 0 and not embed_home and own_partials:  # (the embedding's with layer 0's)
@@ -370,7 +381,9 @@ class Executor:
                     grads_y[mb], g_w = model.graph_backward(graphs[i][mb], grads_y[mb])
                     graphs[i][mb] = None
                 else:
-                    grads_y[mb], g_w = model.layer_backward(i, w, acts[i][mb], grads_y[mb], ctx[mb])
+                    x = stash.take(i, mb, acts[i][mb])
+                    grads_y[mb], g_w = model.layer_backward(i, w, x, grads_y[mb], ctx[mb])
+                    del x
                 acts[i][mb] = None
                 if acc is None and home is not None:  # (summed where the optimizer reads it: no copy home)
                     (torch._foreach_copy_ if first else torch._foreach_add_)(home, g_w)
@@ -406,6 +419,7 @@ class Executor:
             view = self._take(r_embed, "forward")
             acts = [[model.embed(view.tensors, x, c) for x, c in zip(ids, ctx)]]
             view.release()
+            self.stash.put(0, acts[0])
             for i in range(self.cfg.num_layers):
                 self.layer = i
                 view = self._take(r_fwd[i], "forward")
@@ -417,6 +431,8 @@ class Executor:
                     acts[i] = [None] * len(ids)  # (the graph holds the input)
                 else:
                     acts.append([model.layer(i, w, x, c) for x, c in zip(acts[i], ctx)])
+                    acts[i] = self.stash.drop(i, acts[i])  # (written out: the GPU's copy let go)
+                self.stash.put(i + 1, acts[i + 1])
                 view.release()
                 HOOKS.point("forward", step + 1)
             aux = model.forward_done(ctx)

@@ -17,6 +17,7 @@ from trainer.config import TrainConfig
 from trainer.data.batches import StepPlan
 from trainer.data.prepare import Rows, load_rows, split_eval
 from trainer.data.registry import resolve
+from trainer.model import chunked
 from trainer.model.config import ModelConfigError, load_balancing_coef
 from trainer.model.select import load_model
 from trainer.outputs.output_dir import check_free
@@ -122,7 +123,13 @@ def model_config(model_dir: Path, cfg: TrainConfig | None = None):
     if cfg is None:
         return mcfg
     mcfg.compile = compile_choice(cfg, mcfg)
-    return load_balancing_coef(mcfg, cfg.moe_aux_loss_coef)
+    mcfg = load_balancing_coef(mcfg, cfg.moe_aux_loss_coef)
+    if not mcfg.generic:
+        mcfg.seq_chunk = None if cfg.tiermem_seq_chunk == "auto" else cfg.tiermem_seq_chunk
+        cut = chunked.chunk_of(mcfg.seq_chunk, cfg.per_device_train_batch_size, cfg.cutoff_len)
+        if cut is not None and mcfg.moe is not None and mcfg.moe.aux_loss_coef:
+            raise ConfigError(chunked.router_refusal(cut))
+    return mcfg
 
 
 def compile_choice(cfg: TrainConfig, mcfg):

@@ -11,7 +11,7 @@ import torch
 from tiermem.errors import BudgetError
 from tiermem.sizes import format_size
 from trainer.data.batches import collate
-from trainer.planning.placing import activation_budget, kept_layers, piece_rows
+from trainer.planning.placing import activation_budget, activations_home, kept_layers, piece_rows
 from trainer.run import pieces
 from trainer.run.executor import Executor, NonFiniteStep, StepResult
 from trainer.run.preference import PreferenceHead, pair_pieces, pref_loss_of
@@ -26,7 +26,7 @@ def make_executor(job, session, ranks) -> Executor:
     rows = pair_pieces(piece_rows(cfg, plan)) if dpo else piece_rows(cfg, plan)  # (stage dpo: whole pairs)
     executor = Executor(store, job.mcfg, job.dtype, session.optimizer, cfg.max_grad_norm, cfg.loss_chunk_tokens,
                         activation_budget(cfg, store, plan), kept_layers(cfg, plan), reducer=ranks.reducer(),
-                        piece_rows=rows)
+                        piece_rows=rows, act_host=activations_home(cfg, plan))
     if dpo:
         executor.objective = PreferenceHead(pref_loss_of(cfg))
     return executor
