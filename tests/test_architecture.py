@@ -258,7 +258,7 @@ def test_the_api_rule_would_catch_a_break(tmp_path):
 # -- sizes: no file over 500 lines, no function over 100, a short top level of the trainer ----------------------
 MAX_FILE_LINES, MAX_FUNCTION_LINES, MAX_TRAINER_MODULES = 500, 100, 12
 # what is over the limit today, with its length: a file split in two is owed here (the list may only shrink)
-LONG_FILES = {"trainer/model/generic.py": 613}  # (its config and skeleton apart from its stages: still to do)
+LONG_FILES: dict[str, int] = {}
 
 
 def sources() -> list[Path]:
@@ -287,7 +287,8 @@ def test_the_trainer_has_at_most_12_top_level_modules():
 # -- the tier names: in the tiers' own modules, the config and the CLI's wording --------------------------------
 # where a built-in tier's name may be written: as a string, an attribute (``cfg.tiers.dram``) or a tier's module
 TIER_NAME_HOMES = ("tiermem/tiers/", "tiermem/config.py", "tiermem/service/config.py", "tiermem/cli/",
-                   "trainer/config.py", "trainer/config_keys.py", "trainer/cli.py", "trainer/plan_cli.py")
+                   "trainer/config.py", "trainer/config_fields.py", "trainer/config_keys.py", "trainer/cli.py",
+                   "trainer/plan_cli.py")
 # the places still to do, each with why it names a tier (the list may only shrink: a stale entry fails too)
 TIER_NAMES_OWED = {
     "tiermem/plan/costmodel.py": "its resource of GPU compute is called gpu (not the tier)",

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.tiny_models import hf_config
+from tiermem.tiers.base import DEVICE, HOST
 from trainer.model import chunked
 from trainer.model.config import model_config_from_dict
 from trainer.model.stages import TemplateStages
@@ -221,7 +222,7 @@ def test_the_planner_places_boundary_activations_in_dram_where_one_pass_does_not
     def plan(activations, wl=w):
         return plan_step(specs, store_cfg(), wl, m, budgets, cuda=True, activations=activations)
 
-    on_gpu, auto, dram = plan("gpu"), plan("auto"), plan("dram")
+    on_gpu, auto, dram = plan(DEVICE), plan("auto"), plan(HOST)
     assert on_gpu.passes > 1 and on_gpu.act_host == 0
     assert auto.act_host > 0 and auto.passes < on_gpu.passes and auto.prediction.step < on_gpu.prediction.step
     assert dram.act_host == layers
@@ -236,7 +237,7 @@ def test_the_planner_places_boundary_activations_in_dram_where_one_pass_does_not
     # one long row: its boundaries (72 GiB) never fit beside the state and working set on the GPU
     row = workload(layers, tokens=1 << 20, micro_batches=1, boundary=(layers + 1) * 4096 * 2, working=10 * GiB)
     with pytest.raises(Exception, match="do not fit|does not fit"):
-        plan("gpu", row)
+        plan(DEVICE, row)
     long = plan("auto", row)
     assert long.act_host >= 1 and long.passes == 1
     budgets["dram"] = 40 * GiB  # (DRAM short too: the refusal says the activations do not go to NVMe yet)

@@ -103,10 +103,10 @@ def test_pref_keys_with_another_stage_are_noted(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(json.dumps({"model_name_or_path": "m", "output_dir": str(tmp_path / "o"), "dataset": "d",
                                 "pref_beta": 0.2, "pref_loss": "ipo"}))
-    cfg = load_train_config(path)
+    cfg = load_train_config(path, here=False)  # (no model or data: the keys alone)
     assert "note: pref_beta, pref_loss have no effect here: used only by stage dpo" in cfg.notes
     assert cfg.micro_rows == cfg.per_device_train_batch_size
-    dpo = load_train_config(path, ["stage=dpo"])
+    dpo = load_train_config(path, ["stage=dpo"], here=False)
     assert not dpo.notes and dpo.micro_rows == 2 * dpo.per_device_train_batch_size
 
 

@@ -179,7 +179,7 @@ def test_a_model_larger_than_memory_is_described_without_its_weights():
     import importlib.util
     from pathlib import Path
 
-    from trainer.model.generic import generic_config
+    from trainer.model.generic_config import generic_config
 
     tool = Path(__file__).parent.parent / "tools" / "make_shape_run.py"
     spec = importlib.util.spec_from_file_location("shapes", tool)

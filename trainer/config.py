@@ -357,3 +357,11 @@ def resolved(c: TrainConfig, store, activation_budget: int | None = None) -> dic
     out["tiermem"] = store.config_as_run()
     out["tiermem_activation_budget"] = activation_budget
     return out
+
+
+def activations_role(cfg: TrainConfig) -> str:
+    """tiermem_activations as the planner takes it: the role of the tier the boundary activations must live in
+    (``tiermem.tiers.base``'s DEVICE or HOST), or auto (the planner's choice)."""
+    from tiermem.tiers.base import DEVICE, HOST
+
+    return {"gpu": DEVICE, "dram": HOST}.get(cfg.tiermem_activations, "auto")

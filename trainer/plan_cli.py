@@ -53,7 +53,7 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
     from tiermem.plan.machine import Machine
     from tiermem.plan.resolve import compute_device
     from tiermem.sizes import format_size
-    from trainer.config import load_train_config
+    from trainer.config import activations_role, load_train_config
     from trainer.planning import run_plan
     from trainer.run.job import model_config
     from trainer.run.when import saves
@@ -92,13 +92,13 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
                               f"machine's memory ({format_size(machine.ram)})")
         p = run_plan.make(mcfg, dtype, scfg, shape, machine, device, cfg.loss_chunk_tokens, time_it=False,
                           budgets=budgets, cuda=True, keep=cfg.tiermem_keep_activations, workload=measured,
-                          piece_rows=cfg.tiermem_physical_batch_size, activations=cfg.tiermem_activations)
+                          piece_rows=cfg.tiermem_physical_batch_size, activations=activations_role(cfg))
     else:
         store_config(cfg.tiermem)  # (the DRAM budget against this machine's memory)
         budgets = run_plan.local_budgets(scfg, mcfg, dtype, cfg.output_dir, saves(cfg))
         p = run_plan.make(mcfg, dtype, scfg, shape, machine, device, cfg.loss_chunk_tokens, budgets=budgets,
                           keep=cfg.tiermem_keep_activations, workload=measured,
-                          piece_rows=cfg.tiermem_physical_batch_size, activations=cfg.tiermem_activations)
+                          piece_rows=cfg.tiermem_physical_batch_size, activations=activations_role(cfg))
     if p is None:
         raise ConfigError("the placement pins every kind to a tier: nothing to plan (leave some kind to auto)")
     run_plan.keep_activations(p, cfg.tiermem_keep_activations, mcfg)

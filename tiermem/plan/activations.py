@@ -15,6 +15,7 @@ from tiermem.errors import BudgetError
 from tiermem.plan.costmodel import Layout
 from tiermem.plan.placement import Plan
 from tiermem.plan.workload import Workload
+from tiermem.tiers.base import DEVICE, HOST
 
 EXTENT_ALIGN = 4096  # (an extent of the host tier is a multiple of it: tiermem.tiers.extents)
 SLACK = 0.03
@@ -26,9 +27,9 @@ def host_counts(w: Workload, activations: str, possible: bool) -> list[int]:
     pass does not hold them on the GPU) a quarter, a half, three quarters and all of them. ``possible`` False
     (several ranks, a service's run): none."""
     n = len(w.layers)
-    if activations == "gpu" or not possible or not n:
+    if activations == DEVICE or not possible or not n:
         return [0]
-    if activations == "dram":
+    if activations == HOST:
         return [n]
     return [0, *sorted({max(1, n * q // 4) for q in (1, 2, 3)} - {n}), n]
 

@@ -29,7 +29,7 @@ def model_from_dict(raw: dict, where: str = "config.json", path: str = "auto"):
     arch = archs[0] if isinstance(archs, list) and archs else None
     if not isinstance(raw, dict) or path == "template":
         return model_config_from_dict(raw, where)
-    from trainer.model.generic import generic_config
+    from trainer.model.generic_config import generic_config
 
     if path == "auto" and arch in SUPPORTED:
         try:

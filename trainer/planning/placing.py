@@ -9,6 +9,7 @@ import torch
 from tiermem.plan.machine import Machine
 from tiermem.plan.placement import make_plan
 from tiermem.plan.resolve import compute_device
+from trainer.config import activations_role
 from trainer.model.weights import group_order
 from trainer.planning import run_plan
 from trainer.run.when import saves
@@ -30,7 +31,7 @@ def check_placement(cfg, mcfg, dtype: torch.dtype, ranks=None) -> None:
     hbm_state, taken, owners = (True, 0, None) if ranks is None else ranks.sharing(group_order(mcfg), specs)
     if run_plan.make(mcfg, dtype, scfg, shape, machine, device, cfg.loss_chunk_tokens, time_it=False,
                      budgets=budgets, hbm_state=hbm_state, hbm_taken=taken, owners=owners,
-                     piece_rows=cfg.tiermem_physical_batch_size, activations=cfg.tiermem_activations) is None:
+                     piece_rows=cfg.tiermem_physical_batch_size, activations=activations_role(cfg)) is None:
         make_plan(specs, scfg, streamed_kinds=("param",), owners=owners)  # every kind pinned
 
 
@@ -52,7 +53,7 @@ def plan_run(job, scfg, say, hbm_state: bool = True, hbm_taken: int = 0, owners:
     plan = run_plan.make(job.mcfg, job.dtype, scfg, step_shape(job), machine, device, job.cfg.loss_chunk_tokens,
                          budgets=budgets, hbm_state=hbm_state, keep=job.cfg.tiermem_keep_activations,
                          hbm_taken=hbm_taken, owners=owners, piece_rows=job.cfg.tiermem_physical_batch_size,
-                         activations=job.cfg.tiermem_activations)
+                         activations=activations_role(job.cfg))
     if plan is not None:
         run_plan.keep_activations(plan, job.cfg.tiermem_keep_activations, job.mcfg)
         lines = run_plan.lines(plan)
@@ -111,7 +112,7 @@ def activations_home(cfg, store_plan=None) -> tuple:
 
     if store_plan is not None and store_plan.act_host:
         return registry.primary(HOST), store_plan.act_host
-    if cfg.tiermem_activations == "dram":
+    if activations_role(cfg) == HOST:
         raise ConfigError("tiermem_activations: dram is not supported yet without the planner's placement (every kind "
                           "pinned, or several ranks): leave a kind to the planner, or use auto")
     return None, 0
