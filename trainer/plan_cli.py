@@ -107,7 +107,7 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
             f"{p.passes} pass{'es' if p.passes > 1 else ''} a step"
             + (f"; the activations of {run_plan.span(sorted(p.keep))} kept (no recompute)" if p.keep else ""),
             f"predicted step: {pred['step_seconds']:.2f} s = {pred['tokens_per_s']:,.0f} tokens/s, "
-            f"{pred['tflops']:.0f} TFLOP/s; bound: {_bound(p)}",
+            f"{run_plan.tflops_text(p.workload, pred['step_seconds'])}; bound: {_bound(p)}",
             f"  split: {run_plan.split_line(p)}"]
     cb = data["compute_bound"]
     if cb is None:

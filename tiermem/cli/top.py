@@ -229,7 +229,9 @@ def render(snap: dict, ceiling: dict[str, float] | None = None):
         lines = [
             f"loss {run.get('loss', float('nan')):.4f}   grad_norm {run.get('grad_norm', float('nan')):.3f}   "
             f"lr {run.get('lr', 0.0):.3e}" + (f"   eval_loss {run['eval_loss']:.4f}" if "eval_loss" in run else ""),
-            f"{run.get('tokens_per_s', 0.0):,.0f} tok/s   {run.get('tflops', 0.0):.3g} TFLOP/s   step {step_s:.3f} s"
+            f"{run.get('tokens_per_s', 0.0):,.0f} tok/s   {run.get('tflops', 0.0):.3g} TFLOP/s"
+            + (f" ({run['tflops_attention']:.3g} with attention)" if run.get("tflops_attention") else "")
+            + f"   step {step_s:.3f} s"
             f" = compute {split.get('compute', 0.0):.3f} + wait transfer {split.get('wait_transfer', 0.0):.3f}"
             f" + wait optimizer {split.get('wait_optimizer', 0.0):.3f}",
         ]

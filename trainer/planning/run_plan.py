@@ -236,9 +236,14 @@ def lines(plan: Plan, ga: int | None = None) -> list[str]:
         passes += (f"; each micro-batch of {plan.micro_rows} rows runs as {n} pieces of {plan.piece_rows} "
                    f"row{'s' if plan.piece_rows > 1 else ''} (tiermem_physical_batch_size)")
     out = [f"plan: {'; '.join(where_lines(plan))}", f"plan: {updates}; {passes}",
-           f"plan: predicted step {p.step:.2f}s = {w.tokens / p.step:,.0f} tokens/s, {tflops(w, p.step):.0f} TFLOP/s; "
+           f"plan: predicted step {p.step:.2f}s = {w.tokens / p.step:,.0f} tokens/s, {tflops_text(w, p.step)}; "
            f"bound: {describe_bound(p.bound)} ({split_line(plan)})"]
     return out
+
+
+def tflops_text(w: Workload, seconds: float) -> str:
+    """A step's TFLOP/s by 6·N and with attention counted (causal), e.g. "465 TFLOP/s (492 with attention)"."""
+    return f"{tflops(w, seconds):.0f} TFLOP/s ({tflops(w, seconds, attention=True):.0f} with attention)"
 
 
 def report(plan: Plan, ga: int) -> dict:
@@ -257,7 +262,8 @@ def report(plan: Plan, ga: int) -> dict:
     out = {"state_bytes": by_kind, "tiers": tiers, "activation_bytes": plan.activation_bytes,
            "hbm_usable": plan.hbm_room, "passes": plan.passes, "piece_rows": plan.piece_rows or None,
            "gpu_updates": None if plan.gpu_updates is None else [str(g) for g in w.groups if g in plan.gpu_updates],
-           "prediction": {**p.to_json(), "tokens_per_s": w.tokens / p.step, "tflops": tflops(w, p.step)},
+           "prediction": {**p.to_json(), "tokens_per_s": w.tokens / p.step, "tflops": tflops(w, p.step),
+                          "tflops_attention": tflops(w, p.step, attention=True)},
            "tokens_per_step": w.tokens, "compute": w.timed, "machine": m.to_json(), "workload": w.to_json(),
            "compute_bound": None, "recommended": None, "advice": advice(plan, ga, bound_at, advised)}
     for key, at in (("compute_bound", bound_at), ("recommended", advised)):
