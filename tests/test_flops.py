@@ -11,7 +11,7 @@ import pytest
 
 from tiermem.plan.flops import attended_keys, attention_flops_per_token
 from trainer.model.config import model_config_from_dict
-from trainer.model.flops import flops_per_token
+from trainer.planning.flops import flops_per_token
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "tools"))
 from make_shape_run import SHAPES  # noqa: E402

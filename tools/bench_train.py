@@ -258,11 +258,11 @@ def main() -> None:
     d = Path(tempfile.mkdtemp(prefix="tiermem-bench-"))
     (d / "config.json").write_text(json.dumps(raw))
     from trainer.model.config import model_config_from_dict
-    from trainer.model.flops import flops_per_token
+    from trainer.planning.flops import flops_per_token
 
     mcfg = model_config_from_dict(raw)
     n_params, n_active = mcfg.num_params(), mcfg.num_params(active=True)
-    attention = flops_per_token(mcfg, args.seq)[1]  # (causal, each layer's window: trainer.model.flops)
+    attention = flops_per_token(mcfg, args.seq)[1]  # (causal, each layer's window: trainer.planning.flops)
     tokens = args.batch * args.accum * args.seq
     res = {"tokens_per_step": tokens, "params": n_params, "active_params": n_active,
            "attention_flops_per_token": attention}

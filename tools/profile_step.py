@@ -153,7 +153,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from trainer.model.config import model_config_from_dict
-    from trainer.model.flops import flops_per_token
+    from trainer.planning.flops import flops_per_token
 
     mcfg = model_config_from_dict(raw)
     from trainer.model.compiled import choose  # (the ceiling times the layer the step runs)

@@ -29,7 +29,7 @@ class Reporter:
     def __init__(self, out_dir: Path, total_steps: int, n_params: int, print_fn, resume_step: int = 0,
                  sink=None, first_step: bool = False, attention_flops: float = 0.0):
         """``sink(record)`` also receives every trainer_log.jsonl record (TensorBoard); ``first_step``: log
-        step 1 too (logging_first_step); ``attention_flops``: attention's FLOPs a token (``trainer.model.flops``,
+        step 1 too (logging_first_step); ``attention_flops``: attention's FLOPs a token (``trainer.planning.flops``,
         at the run's cutoff_len), for TFLOP/s counted with attention beside 6·N."""
         self.out_dir, self.total, self.n_params, self.print = out_dir, total_steps, n_params, print_fn
         self.attention_flops = attention_flops

@@ -14,7 +14,6 @@ import yaml
 from tiermem.plan.planner import DISCARDED_AT_END
 from tiermem.store.stats import StatsFile
 from trainer.config import resolved
-from trainer.model.flops import flops_per_token
 from trainer.outputs import checkpoint as ckpt
 from trainer.outputs import hf_outputs as hf
 from trainer.outputs.output_dir import OutputLock
@@ -22,6 +21,7 @@ from trainer.outputs.report import Reporter, plot_loss, progress_bar
 from trainer.outputs.tensorboard import open_writer
 from trainer.outputs.weights_io import export_model
 from trainer.planning import run_plan
+from trainer.planning.flops import flops_per_token
 from trainer.planning.placing import activation_budget, kept_layers, piece_rows
 
 

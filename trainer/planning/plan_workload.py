@@ -17,9 +17,9 @@ import torch
 from tiermem.plan.flops import attention_flops_per_token
 from tiermem.plan.machine import Machine
 from tiermem.plan.workload import Workload
-from trainer.model.flops import attention_layers, flops_per_token
 from trainer.model.select import model_stages
 from trainer.model.weights import all_weights, init_weight
+from trainer.planning.flops import attention_layers, flops_per_token
 from trainer.run.executor import squared_norm
 
 # a step's compute runs this much longer than the sum of its layers timed alone (measured on the H200 machine:
@@ -54,7 +54,7 @@ def layer_params(cfg, active: bool = False) -> int:
 
 def layer_flops(cfg, seq: int, layer: int) -> float:
     """FLOPs of layer ``layer``'s forward per token at sequence length ``seq``: the heaviest layer's matmuls and
-    this layer's causal attention (a third of its training count, ``trainer.model.flops``: its own window)."""
+    this layer's causal attention (a third of its training count, ``trainer.planning.flops``: its own window)."""
     attention = attention_flops_per_token([attention_layers(cfg)[layer]], seq)
     return 2.0 * layer_params(cfg, active=True) + attention / 3
 
