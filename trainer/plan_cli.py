@@ -28,11 +28,17 @@ from tiermem.errors import ConfigError, UserError
 
 def _args(argv):
     p = argparse.ArgumentParser(prog="tiermem plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("config", help="training YAML (LLaMA-Factory keys), as tiermem-train takes it")
+    p.add_argument("config", nargs="?", help="training YAML (LLaMA-Factory keys), as tiermem-train takes it")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. gradient_accumulation_steps=64")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--probe", help="a `tiermem probe --save` file to plan with (default: the config's "
                                    "tiermem.probe, else a quick probe of this machine's GPU, else assumed figures)")
+    p.add_argument("--machine", help="a machine file (configs/machines/*.yaml, docs/machines.md; `tiermem probe "
+                                     "--save` writes one): plan for the machine it describes, its compute "
+                                     "estimated from its GPU's rate")
+    p.add_argument("--largest", metavar="CONFIG", help="with --machine: the largest depth (num_hidden_layers) of "
+                                                       "this training YAML's model that trains on that machine, "
+                                                       "and its predicted step")
     p.add_argument("--workload", help="a `tiermem plan --json` file, or a run's output_dir/tiermem_plan.json, of "
                                       "the same model and micro-batches: plan with the step measured there (its "
                                       "tokens, layer timings, kept graphs) and, unless --probe is given, the "
@@ -40,10 +46,26 @@ def _args(argv):
     return p.parse_intermixed_args(argv)
 
 
-def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
-    """(the plan as data, its text lines) for ``tiermem plan``'s arguments."""
+def check_args(args: argparse.Namespace) -> None:
+    """One line for arguments that do not go together."""
+    if args.largest is not None:
+        if args.machine is None:
+            raise ConfigError("--largest plans for a described machine: give --machine FILE too "
+                              "(configs/machines/, or `tiermem probe --save FILE` of this one)")
+        if args.config is not None or args.workload:
+            raise ConfigError("--largest CONFIG takes the training YAML itself: give no other config or --workload")
+    elif args.config is None:
+        raise ConfigError("give a training YAML: tiermem plan TRAIN.yaml [key=value ...], or --largest TRAIN.yaml")
+    if args.machine is not None and args.probe is not None:
+        raise ConfigError("--machine and --probe both name the machine's figures: give one")
+
+
+def plan(args: argparse.Namespace, depth: int | None = None) -> tuple[dict, list[str]]:
+    """(the plan as data, its text lines) for ``tiermem plan``'s arguments (``depth``: the model's
+    num_hidden_layers changed to that, for --largest)."""
     import torch
 
+    from tiermem.plan.machine_file import load_machine
     from tiermem.plan.resolve import compute_device
     from tiermem.sizes import format_size
     from trainer.config import load_train_config
@@ -53,22 +75,26 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
     from trainer.state import store_config, wants_cuda
 
     t0 = time.perf_counter()
-    cfg = load_train_config(args.config, args.overrides, here=False)
+    cfg = load_train_config(args.config or args.largest, args.overrides, here=False)
     if cfg.tiermem_server:
         raise ConfigError("tiermem plan plans a run's own store; a run attached to a service (tiermem_server) is "
                           "placed by the service")
     if args.probe and not Path(args.probe).is_file():
         raise ConfigError(f"probe file {args.probe} not found; make one with `tiermem probe --save {args.probe}`")
-    mcfg = model_config(Path(cfg.model_name_or_path), cfg)
+    mcfg = model_config(Path(cfg.model_name_or_path), cfg, depth)
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     scfg = store_config(cfg.tiermem, here=False)
     device = compute_device(scfg)
     shape = run_plan.Shape(cfg.per_device_train_batch_size, cfg.cutoff_len, cfg.gradient_accumulation_steps)
     measured, there = _workload(args.workload, mcfg, shape) if args.workload else (None, None)
     # (a run's plan replayed: the figures of the machine it ran on, unless a probe file is named)
-    machine = there if there is not None and not (args.probe or scfg.probe) else \
-        run_plan.machine_for(scfg, device, args.probe)
-    elsewhere = device.type != "cuda" and wants_cuda(cfg.tiermem)
+    if args.machine is not None:
+        machine = load_machine(args.machine)
+    else:
+        machine = there if there is not None and not (args.probe or scfg.probe) else \
+            run_plan.machine_for(scfg, device, args.probe)
+    # (a described machine is planned as elsewhere: its budgets, its GPU's rate, nothing timed here)
+    elsewhere = args.machine is not None or (device.type != "cuda" and wants_cuda(cfg.tiermem))
     if elsewhere:
         # no GPU here: plan for the GPU machine the figures describe (what the run would do there)
         budgets = run_plan.budgets_for(scfg, machine)
@@ -107,7 +133,9 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
             f"{p.passes} pass{'es' if p.passes > 1 else ''} a step"
             + (f"; the activations of {run_plan.span(sorted(p.keep))} kept (no recompute)" if p.keep else ""),
             f"predicted step: {pred['step_seconds']:.2f} s = {pred['tokens_per_s']:,.0f} tokens/s, "
-            f"{run_plan.tflops_text(p.workload, pred['step_seconds'])}; bound: {_bound(p)}",
+            f"{run_plan.tflops_text(p.workload, pred['step_seconds'])}; MFU {pred['mfu']:.0%} "
+            f"({pred['mfu_attention']:.0%} with attention) of {machine.gpu_peak / 1e12:.0f} TFLOP/s; "
+            f"bound: {_bound(p)}",
             f"  split: {run_plan.split_line(p)}"]
     cb = data["compute_bound"]
     if cb is None:
@@ -145,7 +173,7 @@ def _workload(path: str, mcfg, shape):
         return w, None  # (its tokens as measured: a run's packed rows may hold fewer than cutoff_len)
     names = {f.name for f in dataclasses.fields(Machine)}
     # (figures a plan of an earlier version did not carry: the H200's then)
-    later = {"duplex", "copy_drag", "cpu_copy", "cpu_in_run", "nvme_both"}
+    later = {"duplex", "copy_drag", "cpu_copy", "cpu_in_run", "nvme_both", "gpu_peak"}
     earlier = {"nvme_read_beside", "nvme_write_beside"}  # (figures a plan of an earlier version carried)
     rates = [k for k in (names | earlier) - {"disk_free", "source", "assumed"} if k in m]
     if not (names - later <= set(m) <= names | earlier) or not all(
@@ -165,7 +193,13 @@ def _bound(p) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
     try:
-        data, text = plan(args)
+        check_args(args)
+        if args.largest is not None:
+            from trainer.plan_largest import largest
+
+            data, text = largest(args, plan)
+        else:
+            data, text = plan(args)
     except UserError as e:
         print(f"tiermem plan: error: {e}", file=sys.stderr)
         return e.exit_code

@@ -76,9 +76,14 @@ def ceilings(probe_file: str | Path | None) -> dict[str, float]:
     """Link -> the raw GB/s a ``tiermem probe --save`` file measured (the best backend for NVMe)."""
     if not probe_file:
         return {}
-    try:
-        rows = json.loads(Path(probe_file).read_text())["rows"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+    from tiermem.errors import ConfigError
+    from tiermem.yamlfile import read_yaml
+
+    try:  # (a machine file with the probe's rows, YAML; or an earlier probe file, JSON: YAML too)
+        rows = read_yaml(probe_file, "--probe file")["rows"]
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise TypeError
+    except (ConfigError, KeyError, TypeError):
         raise UserError(f"--probe {probe_file}: not a file written by tiermem probe --save") from None
     out: dict[str, float] = {}
     for r in rows:

@@ -150,14 +150,15 @@ def local_budgets(scfg: StoreConfig, mcfg, dtype: torch.dtype, out_dir, saves: b
 
 def budgets_for(scfg: StoreConfig, machine: Machine) -> dict:
     """Tier budgets on the machine ``machine`` describes (not this one): the config's, else 90% of its RAM
-    for DRAM and, for NVMe, the disk's free space where the probe recorded it (else this disk's)."""
+    for DRAM and, for NVMe, its disks' room where the probe or the machine file gave it (else this disk's)."""
     from tiermem.plan.placement import default_budgets
 
     here = default_budgets(scfg)
     dram = scfg.tiers.dram.budget if scfg.tiers.dram.budget is not None else int(machine.ram * 0.9)
     nvme = None
     if scfg.tiers.nvme is not None:
-        nvme = scfg.tiers.nvme.budget if scfg.tiers.nvme.budget is not None else (machine.disk_free or here["nvme"])
+        nvme = scfg.tiers.nvme.budget if scfg.tiers.nvme.budget is not None else (
+            machine.disk_free if machine.disk_free is not None else here["nvme"])  # (0: a machine file's no disk)
     return {"gpu": scfg.tiers.gpu.budget, "dram": dram, "nvme": nvme}
 
 
@@ -263,7 +264,9 @@ def report(plan: Plan, ga: int) -> dict:
            "hbm_usable": plan.hbm_room, "passes": plan.passes, "piece_rows": plan.piece_rows or None,
            "gpu_updates": None if plan.gpu_updates is None else [str(g) for g in w.groups if g in plan.gpu_updates],
            "prediction": {**p.to_json(), "tokens_per_s": w.tokens / p.step, "tflops": tflops(w, p.step),
-                          "tflops_attention": tflops(w, p.step, attention=True)},
+                          "tflops_attention": tflops(w, p.step, attention=True),
+                          "mfu": tflops(w, p.step) * 1e12 / m.gpu_peak,
+                          "mfu_attention": tflops(w, p.step, attention=True) * 1e12 / m.gpu_peak},
            "tokens_per_step": w.tokens, "compute": w.timed, "machine": m.to_json(), "workload": w.to_json(),
            "compute_bound": None, "recommended": None, "advice": advice(plan, ga, bound_at, advised)}
     for key, at in (("compute_bound", bound_at), ("recommended", advised)):
