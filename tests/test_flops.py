@@ -54,16 +54,20 @@ def test_the_planner_workload_carries_attention_and_its_tflops(tmp_path):
     from trainer.planning.plan_workload import build
 
     cfg = model_config_from_dict(dict(SHAPES["8b"], num_hidden_layers=2))
-    w = build(cfg, torch.bfloat16, 1, 8192, 2, Machine.h200(), torch.device("cpu"), 4096, time_it=False)
+    m = Machine.h200()
+    m.gpu_attention_tflops = 400e12  # (attention's matmuls at their own rate)
+    w = build(cfg, torch.bfloat16, 1, 8192, 2, m, torch.device("cpu"), 4096, time_it=False)
     assert w.attention_flops_per_token == 2 * 12 * 4096 * 4096
     assert Workload.from_json(json.loads(json.dumps(w.to_json()))).attention_flops_per_token == \
         w.attention_flops_per_token
     assert tflops(w, 2.0, attention=True) == pytest.approx(
         (w.flops_per_token + w.attention_flops_per_token) * w.tokens / 2.0 / 1e12)
     assert tflops(w, 2.0) == pytest.approx(w.flops_per_token * w.tokens / 2.0 / 1e12)
-    # (the estimate's layer forward: its matmuls and a third of its attention's training count)
-    f = (2 * cfg.layer_params(0, active=True) + 12 * 4096 * 4096 / 3) * w.tokens / Machine.h200().gpu_tflops
-    assert w.fwd[0] == pytest.approx(f)
+    # (the estimate's layer forward: its matmuls at the GPU's rate and a third of its attention's training count
+    # at attention's)
+    f = (2 * cfg.layer_params(0, active=True) / m.gpu_tflops + 12 * 4096 * 4096 / 3 / 400e12) * w.tokens
+    assert w.fwd[0] == pytest.approx(f) and w.bwd[0] == pytest.approx(3 * f)
+    assert "attention's at 400" in w.timed
 
 
 def test_the_step_line_and_trainer_log_report_tflops_with_attention(tmp_path):

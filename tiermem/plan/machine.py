@@ -48,6 +48,9 @@ H200 = {
     "nvme_both": 0.94,
     "gpu_adamw": 1.0e11,  # params/s of torch's fused AdamW on the GPU (memory-bound: ~28 B a param at ~3 TB/s)
     "gpu_tflops": 520e12,  # FLOP/s of a streamed step counting its recompute (389 TFLOP/s by the 6·N count)
+    # FLOP/s of attention's two matmuls (flash/efficient SDPA, causal) in a streamed step counting its recompute,
+    # when it is not timed: as the layers' (a machine file may say otherwise: docs/machines.md)
+    "gpu_attention_tflops": 520e12,
     "gpu_peak": 989e12,  # the GPU's dense bf16 FLOP/s by its datasheet (H100/H200 SXM): what MFU divides by
     "gpu_memory": 143_771 << 20, "ram": 125 << 30,
     # the link both ways at once: each direction's share of its rate alone, and the compute's slowdown while
@@ -72,6 +75,7 @@ class Machine:
     nvme_both: float = H200["nvme_both"]  # the disk both ways at once, of one direction after the other
     duplex: float = H200["duplex"]  # each direction's rate while the other copies, of its rate alone
     gpu_peak: float = H200["gpu_peak"]  # the GPU's dense bf16 FLOP/s (datasheet), for MFU
+    gpu_attention_tflops: float = H200["gpu_attention_tflops"]  # attention's FLOP/s, when it is not timed
     copy_drag: float = H200["copy_drag"]  # the compute's slowdown while the link copies both ways
     disk_free: int | None = None  # bytes free on the NVMe tier's disk, where the probe saw it
     source: str = "assumed"

@@ -2,15 +2,16 @@
 whether it is this one or one we do not have. ``tiermem probe --save FILE`` writes the same format from what it
 measured (its rows beside, for ``tiermem top --probe``). docs/machines.md documents each field.
 
-    gpu:   {count: 1, name: NVIDIA H200, memory: 141GiB, bf16_tflops: 989}     # + step_tflops, adamw
+    gpu:   {count: 1, name: NVIDIA H200, memory: 141GiB, bf16_tflops: 989}     # + step/attention_tflops, adamw
     link:  {h2d: 55, d2h: 55}                                                 # GB/s each way, each GPU's; + duplex
     host:  {memory: 1.5TiB, cores: 96, adamw: 12}                             # G params/s; + copy, in_run
     nvme:  [{read: 14, write: 10, size: 7.68TB}, ...]                         # GB/s, each device; + both
 
 A figure the file leaves out is the H200 machine's (``tiermem.plan.machine.H200``), or estimated from the
-file's own (the CPU's AdamW rate from its cores, a streamed layer's rate from the GPU's peak), and named in the
-plan's ``assumed``. Several GPUs: the planner plans one GPU's share (the host's memory, cores and disks
-divided evenly among them) and says so. Every mistake is one line naming the field (exit 2).
+file's own (the CPU's AdamW rate from its cores, a streamed layer's matmuls' and attention's rates from the
+GPU's peak), and named in the plan's ``assumed`` or its source's "estimated". Several GPUs: the planner plans
+one GPU's share (the host's memory, cores and disks divided evenly among them) and says so. Every mistake is
+one line naming the field (exit 2).
 """
 
 from __future__ import annotations
@@ -24,14 +25,17 @@ from tiermem.sizes import parse_size
 from tiermem.yamlfile import read_yaml
 
 GB = 1e9
-# the H200 machine's measured shares, for a figure a file does not give: a streamed layer's FLOP/s (counting its
-# recompute) of the GPU's dense bf16 peak (520 of 989), and its CPU AdamW a thread (4.0 G params/s on 14 threads)
-STEP_OF_PEAK = H200["gpu_tflops"] / H200["gpu_peak"]
+# our H200 machine's shares, for a figure a file does not give: a streamed layer's matmuls and its attention
+# (FLOP/s counting the recompute) of the GPU's dense bf16 peak, as configs/machines/h200-pcie5-125g.yaml has them
+# (610 and 475 of 989: docs/machines.md), and its CPU AdamW a thread (4.0 G params/s on 14 threads)
+STEP_OF_PEAK = 610 / 989
+ATTENTION_OF_PEAK = 475 / 989
 ADAMW_A_THREAD = H200["cpu_adamw"] / 14
 
 FIELDS = {  # section -> {field: (kind, required)}; kinds: size, rate (> 0), share (0-2), count, text
     "gpu": {"count": ("count", False), "name": ("text", False), "memory": ("size", True),
-            "bf16_tflops": ("rate", True), "step_tflops": ("rate", False), "adamw": ("rate", False)},
+            "bf16_tflops": ("rate", True), "step_tflops": ("rate", False), "attention_tflops": ("rate", False),
+            "adamw": ("rate", False)},
     "link": {"h2d": ("rate", True), "d2h": ("rate", True), "duplex": ("share", False),
              "copy_drag": ("share", False), "name": ("text", False)},
     "host": {"memory": ("size", True), "cores": ("count", True), "adamw": ("rate", False), "copy": ("rate", False),
@@ -84,8 +88,10 @@ def from_description(data: dict, where: str) -> Machine:
            "gpu_tflops": gpu.get("step_tflops", gpu["bf16_tflops"] * STEP_OF_PEAK) * 1e12,
            "h2d": link["h2d"] * GB, "d2h": link["d2h"] * GB, "ram": host["memory"] // n,
            "cpu_adamw": host.get("adamw", ADAMW_A_THREAD / GB * _threads(host["cores"])) * GB / n}
+    got["gpu_attention_tflops"] = gpu.get("attention_tflops", gpu["bf16_tflops"] * ATTENTION_OF_PEAK) * 1e12
     given = {"gpu_memory", "gpu_peak", "h2d", "d2h", "ram"} | {k for k, f in (
-        ("gpu_tflops", "step_tflops"), ("cpu_adamw", "adamw")) if f in (gpu if k == "gpu_tflops" else host)}
+        ("gpu_tflops", "step_tflops"), ("gpu_attention_tflops", "attention_tflops"), ("cpu_adamw", "adamw"))
+        if f in (host if k == "cpu_adamw" else gpu)}
     for key, section, field_, scale in (("gpu_adamw", gpu, "adamw", GB), ("duplex", link, "duplex", 1),
                                         ("copy_drag", link, "copy_drag", 1), ("cpu_copy", host, "copy", GB / n),
                                         ("cpu_in_run", host, "in_run", 1)):
@@ -104,7 +110,7 @@ def from_description(data: dict, where: str) -> Machine:
     name = str(data.get("name") or Path(where).stem)
     share = (f"; one GPU's share of {n}: host memory, cores and disks divided evenly (several GPUs are not planned "
              f"together)") if n > 1 else ""
-    estimated = [k for k in ("gpu_tflops", "cpu_adamw") if k not in given]
+    estimated = [k for k in ("gpu_tflops", "gpu_attention_tflops", "cpu_adamw") if k not in given]
     how = f"; estimated: {', '.join(estimated)}" if estimated else ""
     return Machine(**{**H200, **got}, disk_free=free, source=f"machine file {where} ({name}{share}{how})",
                    assumed=sorted(k for k in H200 if k not in given and k not in estimated))
@@ -166,6 +172,7 @@ def describe(m: Machine, name: str, about: str, cores: int, rows: list | None = 
     assumed again), but for the GPU's peak, which a file must give."""
     gb = lambda x: round(x / GB, 3)
     figures = {("gpu", "step_tflops"): ("gpu_tflops", round(m.gpu_tflops / 1e12, 1)),
+               ("gpu", "attention_tflops"): ("gpu_attention_tflops", round(m.gpu_attention_tflops / 1e12, 1)),
                ("gpu", "adamw"): ("gpu_adamw", gb(m.gpu_adamw)), ("link", "duplex"): ("duplex", round(m.duplex, 3)),
                ("link", "copy_drag"): ("copy_drag", round(m.copy_drag, 3)),
                ("host", "adamw"): ("cpu_adamw", gb(m.cpu_adamw)), ("host", "copy"): ("cpu_copy", gb(m.cpu_copy)),

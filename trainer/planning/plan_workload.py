@@ -52,11 +52,12 @@ def layer_params(cfg, active: bool = False) -> int:
     return sum(_numel(w.shape) for w in all_weights(cfg) if w.group == i)
 
 
-def layer_flops(cfg, seq: int, layer: int) -> float:
-    """FLOPs of layer ``layer``'s forward per token at sequence length ``seq``: the heaviest layer's matmuls and
-    this layer's causal attention (a third of its training count, ``trainer.planning.flops``: its own window)."""
+def layer_seconds(cfg, seq: int, layer: int, machine: Machine) -> float:
+    """Seconds of layer ``layer``'s forward a token at sequence length ``seq``, estimated: the heaviest layer's
+    matmuls at the GPU's rate and this layer's causal attention (a third of its training count,
+    ``trainer.planning.flops``: its own window) at attention's."""
     attention = attention_flops_per_token([attention_layers(cfg)[layer]], seq)
-    return 2.0 * layer_params(cfg, active=True) + attention / 3
+    return 2.0 * layer_params(cfg, active=True) / machine.gpu_tflops + attention / 3 / machine.gpu_attention_tflops
 
 
 def head_flops(cfg) -> float:
@@ -102,7 +103,7 @@ def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, mach
                f"gradient at {rows}x{seq} tokens (x{IN_STEP} in a step)")
     else:
         rate = machine.gpu_tflops
-        fwd_l = {i: layer_flops(cfg, seq, i) * tokens / rate for i in range(cfg.num_layers)}
+        fwd_l = {i: layer_seconds(cfg, seq, i, machine) * tokens for i in range(cfg.num_layers)}
         bwd_l, head = {i: 3 * f for i, f in fwd_l.items()}, head_flops(cfg) * tokens / rate
         # a layer's backward keeps about 14 hidden-sized and 4 intermediate-sized tensors per token
         layer_work = rows * seq * (14 * cfg.hidden_size + 4 * _inter(cfg)) * itemsize
@@ -110,7 +111,9 @@ def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, mach
         work = layer_work + rows * min(seq, loss_chunk) * cfg.vocab_size * 4 * 2 + 4 * head_p  # (+ the loss's fp32
         # gradient)
         kept = rows * seq * (10 * cfg.hidden_size + 4 * _inter(cfg)) * itemsize  # (a layer's saved activations)
+        attention = machine.gpu_attention_tflops
         how = (f"estimated from FLOPs at {rate / 1e12:.0f} TFLOP/s"
+               + (f", attention's at {attention / 1e12:.0f}" if attention != rate else "")
                + (" (an assumed figure)" if "gpu_tflops" in machine.assumed else f" ({machine.source})"))
     fwd = fwd_l if isinstance(fwd_l, dict) else {i: fwd_l for i in range(cfg.num_layers)}
     bwd = bwd_l if isinstance(bwd_l, dict) else {i: bwd_l for i in range(cfg.num_layers)}
