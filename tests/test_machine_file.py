@@ -174,6 +174,13 @@ def test_plan_with_a_machine_file_uses_its_sizes_and_rates(tmp_path, capsys):
     assert rc == 0 and "machine: machine file" in out and "of 989 TFLOP/s" in out, err
 
 
+def test_a_config_without_an_nvme_tier_is_told_the_machines_disks_go_unused(tmp_path, capsys):
+    rc, out, err = cli(capsys, "plan", train_yaml(tmp_path, nvme=False), "--machine", write(tmp_path, SMALL))
+    assert rc == 0, err
+    assert out.splitlines()[-1] == ("note: the config names no NVMe tier, so the machine file's disks (3.6 TiB) are "
+                                    "not used: set tiermem.tiers.nvme.path to plan with them")
+
+
 def test_gpt_oss_120b_fits_the_15tb_machine_and_not_ours(tmp_path, capsys):
     """The seed's headline: gpt-oss-120B (1.9 TiB of state) is placed across HBM, 1.5 TiB of DRAM and the four
     disks of h200-1.5tb; on our H200 machine's file it is refused in one line."""

@@ -1,5 +1,5 @@
-"""``tiermem plan TRAIN.yaml [key=value ...] [--json] [--probe FILE]``: what a training run would do on this
-machine, before it runs. Nothing is trained and nothing is written to output_dir.
+"""``tiermem plan TRAIN.yaml [key=value ...] [--json] [--probe FILE | --machine FILE]``: what a training run
+would do on this machine (or a described one), before it runs. Nothing is trained and nothing is written to output_dir.
 
 It reads the same YAML and overrides as ``tiermem-train`` and prints the state by kind, where the planner
 puts it (per tier, by kind and layer range), each tier's need against its budget, the predicted step (time,
@@ -8,8 +8,10 @@ which the step is compute-bound with this placement, and one line of advice when
 more than 10% (on tokens: the fewest gradient_accumulation_steps within 10% of the compute-bound rate). A run
 that cannot fit in the three tiers gets one line saying how much more of what it needs (exit 2). Without a GPU
 it plans from ``--probe FILE`` (a ``tiermem probe --save`` file of the GPU machine), or from the H200 machine's
-figures and says so. Overrides make it a what-if tool:
-``tiermem plan my.yaml tiermem.tiers.dram.budget=64GiB``.
+figures and says so. ``--machine FILE`` plans for the machine a machine file describes (configs/machines/,
+docs/machines.md): its budgets and rates, the compute estimated from FLOPs, nothing timed here; with
+``--largest TRAIN.yaml`` it answers the deepest of the model's family that fits there (``trainer.plan_largest``).
+Overrides make it a what-if tool: ``tiermem plan my.yaml tiermem.tiers.dram.budget=64GiB``.
 
 Reached as ``tiermem plan`` (an entry point of the ``tiermem.commands`` group) or ``python -m trainer.plan_cli``.
 """
@@ -147,6 +149,9 @@ def plan(args: argparse.Namespace, depth: int | None = None) -> tuple[dict, list
                     f"step {cb['step_seconds']:.2f} s, {cb['tokens_per_s']:,.0f} tokens/s")
     if data["advice"]:
         text.append(f"advice: {data['advice']}")
+    if args.machine is not None and scfg.tiers.nvme is None and machine.disk_free:
+        text.append(f"note: the config names no NVMe tier, so the machine file's disks "
+                    f"({format_size(machine.disk_free)}) are not used: set tiermem.tiers.nvme.path to plan with them")
     return data, text
 
 
