@@ -192,6 +192,7 @@ def test_gpt_oss_120b_fits_the_15tb_machine_and_not_ours(tmp_path, capsys):
     assert 0 < data["prediction"]["mfu"] < 1
     rc, out, err = cli(capsys, "plan", cfg, "--machine", ROOT / "configs/machines/h200-pcie5-125g.yaml")
     assert rc == 2 and err.count("\n") == 1 and "does not fit" in err
+    assert "(the planned machine's disks have 58.0 GiB)" in err  # (that machine's disk, not this one's)
 
 
 @pytest.mark.parametrize("shape,rows,accum,seq,measured", [

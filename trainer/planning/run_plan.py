@@ -159,7 +159,10 @@ def budgets_for(scfg: StoreConfig, machine: Machine) -> dict:
     if scfg.tiers.nvme is not None:
         nvme = scfg.tiers.nvme.budget if scfg.tiers.nvme.budget is not None else (
             machine.disk_free if machine.disk_free is not None else here["nvme"])  # (0: a machine file's no disk)
-    return {"gpu": scfg.tiers.gpu.budget, "dram": dram, "nvme": nvme}
+    out = {"gpu": scfg.tiers.gpu.budget, "dram": dram, "nvme": nvme}
+    if nvme is not None and machine.disk_free is not None:  # (its refusals name that machine's disks, not this one's)
+        out["nvme_free"] = machine.disk_free
+    return out
 
 
 def span(groups: list) -> str:
