@@ -5,8 +5,8 @@
       dram: {budget: 96GiB}                       # arena file under /dev/shm unless path says otherwise
       nvme: {path: /mnt/nvme/tiermem, budget: 1TiB, backend: auto}
     placement: auto                               # or pin some kinds: {exp_avg_sq: nvme} (the rest planned)
-    probe: probe.json                             # a `tiermem probe --save` file the planner reads (default: a
-                                                  # quick probe at start)
+    probe: probe.json                             # a `tiermem probe --save` file (a machine file: docs/machines.md)
+                                                  # the planner reads (default: a quick probe at start)
 
 The same schema is read by ``tiermem serve --config`` and inline under a training YAML's ``tiermem:`` key.
 """
@@ -153,7 +153,7 @@ class StoreConfig:
     placement: str | dict[str, str] = field(default="auto", metadata={"convert": _placement})
     name: str | None = field(default=None, metadata={"convert": _name})  # names the arena and NVMe files;
     # default tiermem-<pid>
-    probe: str | None = None  # a `tiermem probe --save` file the planner reads (None: a quick probe at start)
+    probe: str | None = None  # a `tiermem probe --save` or machine file the planner reads (None: a quick probe at start)
 
     def pins(self) -> dict[str, str]:
         """The kinds the placement pins to a tier (``auto`` and kinds not named are the planner's)."""
