@@ -153,7 +153,7 @@ class StoreConfig:
     placement: str | dict[str, str] = field(default="auto", metadata={"convert": _placement})
     name: str | None = field(default=None, metadata={"convert": _name})  # names the arena and NVMe files;
     # default tiermem-<pid>
-    probe: str | None = None  # a `tiermem probe --save` or machine file the planner reads (None: a quick probe at start)
+    probe: str | None = None  # a machine file (`tiermem probe --save`) the planner reads (None: a quick probe at start)
 
     def pins(self) -> dict[str, str]:
         """The kinds the placement pins to a tier (``auto`` and kinds not named are the planner's)."""
