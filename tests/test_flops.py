@@ -81,3 +81,16 @@ def test_the_step_line_and_trainer_log_report_tflops_with_attention(tmp_path):
     assert "600 TFLOP/s (800 with attention)" in lines[-1]
     record = json.loads((tmp_path / "trainer_log.jsonl").read_text().splitlines()[-1])
     assert record["tflops"] == 600 and record["tflops_attention"] == 800
+
+
+def test_tiermem_top_shows_tflops_with_attention_beside():
+    """A run's snapshot with ``tflops_attention`` (the stats file's, checked by its shape) shows both figures."""
+    from test_top import SNAPSHOT, frame
+
+    from tiermem.store.stats import _RUN, _part
+
+    run = {**SNAPSHOT["run"], "tflops_attention": 231.25}
+    assert _part(run, "run", _RUN) is None
+    assert "tflops_attention" in _part({**run, "tflops_attention": "fast"}, "run", _RUN)  # (a figure it checks)
+    text = " ".join(frame({**SNAPSHOT, "run": run}).split())
+    assert "210 TFLOP/s (231 with attention)" in text
