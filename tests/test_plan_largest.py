@@ -42,6 +42,20 @@ def test_the_largest_depth_plans_and_one_more_does_not(tmp_path, capsys):
     assert "MFU" in first and out.splitlines()[1].startswith(f"  {n + 1} layers do not:")
 
 
+def test_largest_takes_overrides(tmp_path, capsys):
+    """key=value overrides apply to every depth planned: a smaller DRAM budget, fewer layers."""
+    cfg, machine = train_yaml(tmp_path, nvme=False), write(tmp_path, TIGHT)
+    depth = {}
+    for budget in ("32GiB", "8GiB"):
+        rc, out, err = cli(capsys, "plan", "--machine", machine, "--largest", cfg, "gradient_accumulation_steps=2",
+                           f"tiermem.tiers.dram.budget={budget}", "--json")
+        assert rc == 0, err
+        data = json.loads(out)
+        assert data["shape"]["micro_batches"] == 2 and data["tiers"]["dram"]["budget"] == int(budget[:-3]) << 30
+        depth[budget] = data["largest"]["layers"]
+    assert depth["8GiB"] < depth["32GiB"]
+
+
 def test_a_machine_that_holds_more_than_searched_says_at_least(tmp_path, capsys):
     """The 3B shape at 2 layers on h200-1.5tb: 16 layers (8x the config's) still fit: "at least"."""
     cfg = train_yaml(tmp_path, "3b", num_hidden_layers=2)

@@ -50,6 +50,9 @@ def _args(argv):
 
 def check_args(args: argparse.Namespace) -> None:
     """One line for arguments that do not go together."""
+    if args.largest is not None and args.config is not None and "=" in args.config:
+        args.overrides.insert(0, args.config)  # (with --largest the first key=value is taken for the config)
+        args.config = None
     if args.largest is not None:
         if args.machine is None:
             raise ConfigError("--largest plans for a described machine: give --machine FILE too "
