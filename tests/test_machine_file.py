@@ -170,8 +170,13 @@ def test_plan_with_a_machine_file_uses_its_sizes_and_rates(tmp_path, capsys):
     assert data["machine"]["gpu_tflops"] == pytest.approx(989e12 * STEP_OF_PEAK)
     pred = data["prediction"]
     assert pred["mfu"] == pytest.approx(pred["tflops"] / 989)
+    # (attention counted beside 6·N: the 8B's 32 layers of 4096-wide queries at 4096-token rows, causal)
+    attention = 32 * 12 * 4096 * 4096 / 2
+    assert pred["tflops_attention"] == pytest.approx(pred["tflops"] * (1 + attention / data["workload"][
+        "flops_per_token"]))
     rc, out, err = cli(capsys, "plan", train_yaml(tmp_path), "--machine", write(tmp_path, SMALL))
     assert rc == 0 and "machine: machine file" in out and "of 989 TFLOP/s" in out, err
+    assert f"{pred['tflops']:.0f} TFLOP/s ({pred['tflops_attention']:.0f} with attention)" in out
 
 
 def test_a_config_without_an_nvme_tier_is_told_the_machines_disks_go_unused(tmp_path, capsys):
