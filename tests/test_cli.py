@@ -21,7 +21,12 @@ def test_probe_json(tmp_path):
             "--nvme-path", str(disk))
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout)
-    assert json.loads((tmp_path / "p.json").read_text()) == result
+    saved = json.loads((tmp_path / "p.json").read_text())  # (a machine file, the probe's rows beside)
+    assert saved["rows"] == result["rows"] and saved["host"]["memory"] == result["machine"]["ram"]
+    from tiermem.plan.machine_file import load_machine
+
+    m = load_machine(tmp_path / "p.json")  # (what tiermem plan --machine reads: the disk and CPU as measured)
+    assert m.nvme_read == pytest.approx(saved["nvme"][0]["read"] * 1e9) and "cpu_adamw" not in m.assumed
     rows = {row["link"]: row for row in result["rows"]}
     assert rows["arena -> NVMe (posix)"]["tiermem"] > 0 and rows["arena -> NVMe (posix)"]["ratio"] > 0
     assert rows["NVMe -> arena (posix)"]["raw"] > 0

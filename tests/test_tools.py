@@ -24,6 +24,7 @@ def test_profile_step_splits_a_step_by_kind_and_sets_it_against_the_ceiling(tmp_
                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "matmul" in run.stdout and "standalone ceiling of the same schedule" in run.stdout
+    assert "TFLOP/s (6 N tokens; " in run.stdout and " with causal attention)" in run.stdout  # (issue 39 item 4)
     res = json.loads(out.read_text())
     assert res["kinds_ms"]["matmul"] > 0 and abs(sum(res["kinds_ms"].values()) - res["total_ms"]) < 1e-6
     assert res["compute_s"] > 0 and res["ceiling_s"] > 0

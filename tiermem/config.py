@@ -5,8 +5,8 @@
       dram: {budget: 96GiB}                       # arena file under /dev/shm unless path says otherwise
       nvme: {path: /mnt/nvme/tiermem, budget: 1TiB, backend: auto}
     placement: auto                               # or pin some kinds: {exp_avg_sq: nvme} (the rest planned)
-    probe: probe.json                             # a `tiermem probe --save` file the planner reads (default: a
-                                                  # quick probe at start)
+    probe: probe.json                             # a `tiermem probe --save` file (a machine file: docs/machines.md)
+                                                  # the planner reads (default: a quick probe at start)
 
 The same schema is read by ``tiermem serve --config`` and inline under a training YAML's ``tiermem:`` key.
 """
@@ -163,8 +163,9 @@ class StoreConfig:
         "names the arena and NVMe files (and a service's run record and lock) in the tiers' directories: one "
         "plain file name, no /, no control characters, not . or .., at most 200 bytes"))
     probe: str | None = setting(None, help=(
-        "a `tiermem probe --save` file the planner reads; null: a training run probes PCIe, the disk (each way "
-        "alone and both at once), CPU AdamW and its compute copy quickly at start (about 4 s)"))
+        "a machine file the planner reads (`tiermem probe --save` writes one; configs/machines/ has several); "
+        "null: a training run probes PCIe, the disk (each way alone and both at once), CPU AdamW and its compute "
+        "copy quickly at start (about 4 s)"))
 
     # (not a key) the dotted keys the config gives a value of its own, neither null nor auto (``tiers.dram.path``,
     # ``optimizer.gpu_share``): what it leaves to tiermem is not among them. Set by load_store_config; kept by a

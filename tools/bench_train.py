@@ -14,8 +14,8 @@ vocab 128256, untied: 3.6 B params; 8b: Llama-3.1-8B's) in bf16 on random tokens
   ``tiermem-train`` places it: its predicted step is printed beside the measured one), or with every kind
   in the DRAM arena (``--placement dram``); the same micro-batches a step.
 
-Prints step time, tokens/s, TFLOP/s (6 N tokens), peak HBM and tiermem's step split (compute / GPU
-waiting on transfers / GPU waiting on the optimizer), and the ratio tiermem / plain. The first
+Prints step time, tokens/s, TFLOP/s (6 N tokens, and with causal attention), peak HBM and tiermem's step
+split (compute / GPU waiting on transfers / GPU waiting on the optimizer), and the ratio tiermem / plain. The first
 ``--warmup`` steps of each are not timed.
 
 ``--path generic`` runs tiermem's generic model path (transformers' own modules over the streamed weights)
@@ -276,11 +276,14 @@ def main() -> None:
     d = Path(tempfile.mkdtemp(prefix="tiermem-bench-"))
     (d / "config.json").write_text(json.dumps(raw))
     from trainer.model.config import model_config_from_dict
+    from trainer.planning.flops import flops_per_token
 
     mcfg = model_config_from_dict(raw)
     n_params, n_active = mcfg.num_params(), mcfg.num_params(active=True)
+    attention = flops_per_token(mcfg, args.seq)[1]  # (causal, each layer's window: trainer.planning.flops)
     tokens = args.batch * args.accum * args.seq
-    res = {"tokens_per_step": tokens, "params": n_params, "active_params": n_active}
+    res = {"tokens_per_step": tokens, "params": n_params, "active_params": n_active,
+           "attention_flops_per_token": attention}
     runs = (["tiermem", "generic"] if args.path == "both" else
             [*(["plain"] if args.only != "tiermem" and not moe else []),
              *(["tiermem"] if args.only != "plain" else [])])
@@ -295,12 +298,13 @@ def main() -> None:
         r = res[k]
         r["tokens_per_s"] = tokens / r["step_s"]
         r["tflops"] = 6 * n_active * tokens / r["step_s"] / 1e12
+        r["tflops_attention"] = r["tflops"] + attention * tokens / r["step_s"] / 1e12
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1, default=str))
     name = "Qwen3-30B-A3B dims" if moe else f"Llama-{args.shape.upper()} shape"
     print(f"{name} ({n_params / 1e9:.2f} B params, {n_active / 1e9:.2f} B active, {raw['num_hidden_layers']} "
           f"layers), bf16, {args.accum}x{args.batch}x{args.seq} = {tokens} tokens/step; TFLOP/s = 6 x active params "
-          "x tokens")
+          "x tokens; +attn: with causal attention's FLOPs counted beside")
     if moe:
         from trainer.model.moe import grouped_available
 
@@ -308,7 +312,7 @@ def main() -> None:
         print("MoE experts: " + ("grouped matmuls (torch._grouped_mm)" if grouped_available(
             probe, raw["moe_intermediate_size"]) else "one matmul chain per expert") + " (TIERMEM_MOE_GROUPED=0: "
               "per expert)")
-    print(f"{'':10} {'s/step':>8} {'tok/s':>9} {'TFLOP/s':>8} {'peak HBM':>9}  split")
+    print(f"{'':10} {'s/step':>8} {'tok/s':>9} {'TFLOP/s':>8} {'+attn':>7} {'peak HBM':>9}  split")
     for k in runs:
         r = res[k]
         split = ""
@@ -317,7 +321,7 @@ def main() -> None:
                      f"{r['wait_optimizer_s']:.3f} (optimizer busy {r['optimizer_busy_s']:.3f} s: "
                      + ", ".join(f"{a} {b:.3f}" for a, b in r["optimizer_split"].items())
                      + f"; {r['optimizer_threads']} threads, gpu_share {r['gpu_share']})")
-        print(f"{k:10} {r['step_s']:8.3f} {r['tokens_per_s']:9.0f} {r['tflops']:8.1f} "
+        print(f"{k:10} {r['step_s']:8.3f} {r['tokens_per_s']:9.0f} {r['tflops']:8.1f} {r['tflops_attention']:7.1f} "
               f"{r['peak_hbm_gib']:8.1f}G  {split}")
     if args.path == "both":
         print(f"ratio generic/template step time: {res['generic']['step_s'] / res['tiermem']['step_s']:.3f} "

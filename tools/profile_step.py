@@ -153,6 +153,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from trainer.model.config import model_config_from_dict
+    from trainer.planning.flops import flops_per_token
 
     mcfg = model_config_from_dict(raw)
     from trainer.model.compiled import choose  # (the ceiling times the layer the step runs)
@@ -191,10 +192,11 @@ def main() -> None:
     ceil = ceiling(after, mcfg, args, res["kept_layers"])
     ceil_after0 = ceiling(after, mcfg, args, 0)
     tokens = args.batch * args.accum * args.seq
-    n_active = mcfg.num_params(active=True)
+    dense, attention = flops_per_token(mcfg, args.seq)
     print(f"{args.shape} shape ({mcfg.num_params() / 1e9:.2f} B params, {raw['num_hidden_layers']} layers), bf16, "
           f"{args.accum}x{args.batch}x{args.seq} = {tokens} tokens a step; step {res['times'][-1]:.3f} s = "
-          f"{6 * n_active * tokens / res['times'][-1] / 1e12:.0f} TFLOP/s (6 N tokens)")
+          f"{dense * tokens / res['times'][-1] / 1e12:.0f} TFLOP/s (6 N tokens; "
+          f"{(dense + attention) * tokens / res['times'][-1] / 1e12:.0f} with causal attention)")
     what = "kernel" if cuda else "CPU operator"
     print(f"\n{'the profiled step, ' + what + ' time by kind':44} {'ms':>10} {'share':>7}")
     for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1]):

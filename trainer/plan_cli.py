@@ -1,5 +1,5 @@
-"""``tiermem plan TRAIN.yaml [key=value ...] [--json] [--probe FILE]``: what a training run would do on this
-machine, before it runs. Nothing is trained and nothing is written to output_dir.
+"""``tiermem plan TRAIN.yaml [key=value ...] [--json] [--probe FILE | --machine FILE]``: what a training run
+would do on this machine (or a described one), before it runs. Nothing is trained and nothing is written to output_dir.
 
 It reads the same YAML and overrides as ``tiermem-train`` and prints the state by kind, where the planner
 puts it (per tier, by kind and layer range), each tier's need against its budget, the predicted step (time,
@@ -8,8 +8,10 @@ which the step is compute-bound with this placement, and one line of advice when
 more than 10% (on tokens: the fewest gradient_accumulation_steps within 10% of the compute-bound rate). A run
 that cannot fit in the three tiers gets one line saying how much more of what it needs (exit 2). Without a GPU
 it plans for the GPU machine ``--probe FILE`` describes (a ``tiermem probe --save`` file made there), else for this
-machine as a run here would go (the CPU stand-in, its figures measured now), and says which. Overrides make it a
-what-if tool:
+machine as a run here would go (the CPU stand-in, its figures measured now), and says which. ``--machine FILE``
+plans for the machine a machine file describes (configs/machines/, docs/machines.md): its budgets and rates, the
+compute estimated from FLOPs, nothing timed here; with ``--largest TRAIN.yaml`` it answers the deepest of the
+model's family that fits there (``trainer.plan_largest``). Overrides make it a what-if tool:
 ``tiermem plan my.yaml tiermem.tiers.dram.budget=64GiB``.
 
 Reached as ``tiermem plan`` (an entry point of the ``tiermem.commands`` group) or ``python -m trainer.plan_cli``.
@@ -31,13 +33,19 @@ H200_NAME = "h200"  # --probe h200: the H200 machine's figures, with no probe fi
 
 def _args(argv):
     p = argparse.ArgumentParser(prog="tiermem plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("config", help="training YAML (LLaMA-Factory keys), as tiermem-train takes it")
+    p.add_argument("config", nargs="?", help="training YAML (LLaMA-Factory keys), as tiermem-train takes it")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. gradient_accumulation_steps=64")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--probe", help="a `tiermem probe --save` file to plan with: the machine it describes (default: "
                                    "the config's tiermem.probe, else this machine: a quick probe of its GPU, or "
                                    "without one its CPU's figures); `h200`: the H200 machine's figures "
                                    "(docs/measurements.md)")
+    p.add_argument("--machine", help="a machine file (configs/machines/*.yaml, docs/machines.md; `tiermem probe "
+                                     "--save` writes one): plan for the machine it describes, its compute "
+                                     "estimated from its GPU's rate")
+    p.add_argument("--largest", metavar="CONFIG", help="with --machine: the largest depth (num_hidden_layers) of "
+                                                       "this training YAML's model that trains on that machine, "
+                                                       "and its predicted step")
     p.add_argument("--workload", help="a `tiermem plan --json` file, or a run's output_dir/tiermem_plan.json, of "
                                       "the same model and micro-batches: plan with the step measured there (its "
                                       "tokens, layer timings, kept graphs) and, unless --probe is given, the "
@@ -45,12 +53,31 @@ def _args(argv):
     return p.parse_intermixed_args(argv)
 
 
-def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
-    """(the plan as data, its text lines) for ``tiermem plan``'s arguments."""
+def check_args(args: argparse.Namespace) -> None:
+    """One line for arguments that do not go together."""
+    if args.largest is not None and args.config is not None and "=" in args.config:
+        args.overrides.insert(0, args.config)  # (with --largest the first key=value is taken for the config)
+        args.config = None
+    if args.largest is not None:
+        if args.machine is None:
+            raise ConfigError("--largest plans for a described machine: give --machine FILE too "
+                              "(configs/machines/, or `tiermem probe --save FILE` of this one)")
+        if args.config is not None or args.workload:
+            raise ConfigError("--largest CONFIG takes the training YAML itself: give no other config or --workload")
+    elif args.config is None:
+        raise ConfigError("give a training YAML: tiermem plan TRAIN.yaml [key=value ...], or --largest TRAIN.yaml")
+    if args.machine is not None and args.probe is not None:
+        raise ConfigError("--machine and --probe both name the machine's figures: give one")
+
+
+def plan(args: argparse.Namespace, depth: int | None = None) -> tuple[dict, list[str]]:
+    """(the plan as data, its text lines) for ``tiermem plan``'s arguments (``depth``: the model's
+    num_hidden_layers changed to that, for --largest)."""
     import torch
 
     from tiermem.plan.here import cpu_machine
     from tiermem.plan.machine import Machine
+    from tiermem.plan.machine_file import load_machine
     from tiermem.plan.resolve import compute_device
     from tiermem.sizes import format_size
     from trainer.config import activations_role, load_train_config
@@ -60,22 +87,24 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
     from trainer.state import store_config, wants_cuda
 
     t0 = time.perf_counter()
-    cfg = load_train_config(args.config, args.overrides, here=False)
+    cfg = load_train_config(args.config or args.largest, args.overrides, here=False)
     if cfg.tiermem_server:
         raise ConfigError("tiermem plan plans a run's own store; a run attached to a service (tiermem_server) is "
                           "placed by the service")
     if args.probe and args.probe != H200_NAME and not Path(args.probe).is_file():
         raise ConfigError(f"probe file {args.probe} not found; make one with `tiermem probe --save {args.probe}`")
-    mcfg = model_config(Path(cfg.model_name_or_path), cfg)
+    mcfg = model_config(Path(cfg.model_name_or_path), cfg, depth)
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     scfg = store_config(cfg.tiermem, here=False)
     device = compute_device(scfg)
     shape = run_plan.Shape(cfg.micro_rows, cfg.cutoff_len, cfg.gradient_accumulation_steps, cfg.pair_rows)
     measured, there = _workload(args.workload, mcfg, shape) if args.workload else (None, None)
     # (a run's plan replayed: the figures of the machine it ran on, unless a probe file is named; without a GPU and
-    # without either, this machine's own: the CPU stand-in's)
-    described = there is not None or bool(args.probe or scfg.probe)
-    if device.type != "cuda" and not described:
+    # without either, this machine's own: the CPU stand-in's; a machine file: the machine it describes)
+    described = there is not None or bool(args.probe or scfg.probe) or args.machine is not None
+    if args.machine is not None:
+        machine = load_machine(args.machine)
+    elif device.type != "cuda" and not described:
         machine = cpu_machine(_existing_disk(scfg), scfg.tiers.gpu.budget)
     elif args.probe == H200_NAME:
         machine = Machine.h200("the H200 machine's figures (docs/measurements.md), as --probe h200 asks")
@@ -83,7 +112,8 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
     else:
         machine = there if there is not None and not (args.probe or scfg.probe) else \
             run_plan.machine_for(scfg, device, args.probe)
-    elsewhere = device.type != "cuda" and wants_cuda(scfg) and described
+    # (a described machine is planned as elsewhere: its budgets, its GPU's rate, nothing timed here)
+    elsewhere = args.machine is not None or (device.type != "cuda" and wants_cuda(scfg) and described)
     if elsewhere:
         # no GPU here: plan for the GPU machine the figures describe (what the run would do there)
         budgets = run_plan.budgets_for(scfg, machine)
@@ -110,6 +140,9 @@ def plan(args: argparse.Namespace) -> tuple[dict, list[str]]:
         data["preference"] = {"pref_loss": cfg.pref_loss, "reference": None if cfg.pref_loss in ("orpo", "simpo")
                               else {"model": cfg.ref_model or "the starting model", "how": "computed once"}}
     text = _text(cfg, scfg, mcfg, shape, machine, p, data, budgets if elsewhere else None)
+    if args.machine is not None and scfg.tiers.nvme is None and machine.disk_free:
+        text.append(f"note: the config names no NVMe tier, so the machine file's disks "
+                    f"({format_size(machine.disk_free)}) are not used: set tiermem.tiers.nvme.path to plan with them")
     return data, text
 
 
@@ -142,7 +175,9 @@ def _text(cfg, scfg, mcfg, shape, machine, p, data: dict, elsewhere: dict | None
             + (f"; the activations of {run_plan.span(sorted(p.keep))} kept (no recompute)" if p.keep else "")
             + (f"; {run_plan.activations_line(p)}" if p.act_host else ""),
             f"predicted step: {pred['step_seconds']:.2f} s = {pred['tokens_per_s']:,.0f} tokens/s, "
-            f"{pred['tflops']:.3g} TFLOP/s; bound: {_bound(p)}",
+            f"{run_plan.tflops_text(p.workload, pred['step_seconds'])}; MFU {pred['mfu']:.0%} "
+            f"({pred['mfu_attention']:.0%} with attention) of {machine.gpu_peak / 1e12:.0f} TFLOP/s; "
+            f"bound: {_bound(p)}",
             f"  split: {run_plan.split_line(p)}"]
     cb = data["compute_bound"]
     if cb is None:
@@ -205,7 +240,8 @@ def _workload(path: str, mcfg, shape):
         return w, None  # (its tokens as measured: a run's packed rows may hold fewer than cutoff_len)
     names = {f.name for f in dataclasses.fields(Machine)}
     # (figures a plan of an earlier version did not carry: the H200's then)
-    later = {"duplex", "copy_drag", "cpu_copy", "cpu_in_run", "nvme_both"}
+    later = {"duplex", "copy_drag", "cpu_copy", "cpu_in_run", "nvme_both", "gpu_peak",
+             "gpu_attention_tflops"}
     earlier = {"nvme_read_beside", "nvme_write_beside"}  # (figures a plan of an earlier version carried)
     rates = [k for k in (names | earlier) - {"disk_free", "source", "assumed"} if k in m]
     if not (names - later <= set(m) <= names | earlier) or not all(
@@ -225,7 +261,13 @@ def _bound(p) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
     try:
-        data, text = plan(args)
+        check_args(args)
+        if args.largest is not None:
+            from trainer.plan_largest import largest
+
+            data, text = largest(args, plan)
+        else:
+            data, text = plan(args)
     except UserError as e:
         print(f"tiermem plan: error: {e}", file=sys.stderr)
         return e.exit_code

@@ -29,7 +29,9 @@ def _probe(args) -> int:
             check_directory(Path(d), 2 * size)
     result = run_probe(size, args.nvme_path, args.arena_dir, args.reps, arena_size)
     if args.save:
-        Path(args.save).write_text(json.dumps(result, indent=1))
+        from tiermem.cli.probe import save
+
+        save(result, args.save)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -205,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--arena-size", help="size of the arena whose setup time is measured (default --size)")
     pr.add_argument("--reps", type=int, default=3, help="repetitions per figure; the median is shown")
     pr.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    pr.add_argument("--save", help="also write the JSON to this file (the planner reads it)")
+    pr.add_argument("--save", help="also write a machine file (docs/machines.md; YAML, JSON if it ends in .json) "
+                                   "of what it measured: tiermem plan --machine FILE reads it")
     pr.set_defaults(fn=_probe)
     ar = _command(sub, "arenas", "list shared-memory arenas, and which were left behind")
     ar.add_argument("--dir", default="/dev/shm", help="the directory of the arenas (default /dev/shm)")
@@ -242,14 +245,19 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(fn=_stats)
     pl = sub.add_parser("plan", add_help=False,
                         help="what a training run would do on this machine: placement, predicted step, advice "
-                             "(tiermem plan TRAIN.yaml [key=value ...] [--json] [--probe FILE]; --help for more)")
+                             "(tiermem plan TRAIN.yaml [key=value ...] [--json] [--probe FILE | --machine FILE]; "
+                             "tiermem plan --machine FILE --largest TRAIN.yaml; --help for more)")
     pl.add_argument("rest", nargs=argparse.REMAINDER, help="TRAIN.yaml [key=value ...] [--json] [--probe FILE]")
     pl.set_defaults(fn=_plugin)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plan"]:  # (all the rest is the plugin's, options first too: argparse's REMAINDER takes
+        args = argparse.Namespace(command="plan", rest=argv[1:], fn=_plugin)  # none that starts with --)
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
     except UserError as e:

@@ -328,6 +328,28 @@ def _machine() -> dict:
     return info
 
 
+def save(result: dict, path: str) -> None:
+    """Write ``result`` as a machine file (``tiermem.plan.machine_file``: what ``tiermem plan --machine`` reads),
+    its rows kept beside (``tiermem top --probe``); JSON where ``path`` ends in .json, else YAML."""
+    import json
+
+    import yaml
+
+    from tiermem.plan.machine import Machine
+    from tiermem.plan.machine_file import describe
+
+    m = Machine.from_probe_data(result, f"probe {path}", path)
+    if m.disk_free is None:  # (the disk measured in a temporary directory here)
+        m.disk_free = shutil.disk_usage(".").free
+    info = result.get("machine", {})
+    about = (f"measured by tiermem probe: {info.get('gpu', 'no GPU')}, {info.get('cpus')} cores; "
+             f"gpu.bf16_tflops and a figure in `assumed` of a plan are the H200's: set them for another GPU")
+    data = describe(m, Path(path).stem, about, info.get("cpus") or os.cpu_count() or 1, result["rows"],
+                    result["size"])
+    text = json.dumps(data, indent=1) if str(path).endswith(".json") else yaml.safe_dump(data, sort_keys=False)
+    Path(path).write_text(text)
+
+
 def render(result: dict) -> None:
     from rich.console import Console
     from rich.markup import escape

@@ -77,9 +77,14 @@ def ceilings(probe_file: str | Path | None) -> dict[str, float]:
     """Link -> the raw GB/s a ``tiermem probe --save`` file measured (the best backend for NVMe)."""
     if not probe_file:
         return {}
-    try:
-        rows = json.loads(Path(probe_file).read_text())["rows"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+    from tiermem.errors import ConfigError
+    from tiermem.yamlfile import read_yaml
+
+    try:  # (a machine file with the probe's rows, YAML; or an earlier probe file, JSON: YAML too)
+        rows = read_yaml(probe_file, "--probe file")["rows"]
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise TypeError
+    except (ConfigError, KeyError, TypeError):
         raise UserError(f"--probe {probe_file}: not a file written by tiermem probe --save") from None
     out: dict[str, float] = {}
     for r in rows:
@@ -238,7 +243,9 @@ def render(snap: dict, ceiling: dict[str, float] | None = None):
         lines = [
             f"loss {run.get('loss', float('nan')):.4f}   grad_norm {run.get('grad_norm', float('nan')):.3f}   "
             f"lr {run.get('lr', 0.0):.3e}" + (f"   eval_loss {run['eval_loss']:.4f}" if "eval_loss" in run else ""),
-            f"{run.get('tokens_per_s', 0.0):,.0f} tok/s   {run.get('tflops', 0.0):.3g} TFLOP/s   step {step_s:.3f} s"
+            f"{run.get('tokens_per_s', 0.0):,.0f} tok/s   {run.get('tflops', 0.0):.3g} TFLOP/s"
+            + (f" ({run['tflops_attention']:.3g} with attention)" if run.get("tflops_attention") else "")
+            + f"   step {step_s:.3f} s"
             f" = compute {split.get('compute', 0.0):.3f} + wait transfer {split.get('wait_transfer', 0.0):.3f}"
             f" + wait optimizer {split.get('wait_optimizer', 0.0):.3f}",
         ]

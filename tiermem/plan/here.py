@@ -25,7 +25,8 @@ WORDS = {"h2d": "the link to the GPU", "d2h": "the link from the GPU", "nvme_rea
          "nvme_write": "the disk's writes", "nvme_both": "the disk both ways at once", "cpu_adamw": "CPU AdamW",
          "cpu_copy": "the CPU's fp32-to-bf16 copy", "cpu_in_run": "CPU AdamW beside the link's copies",
          "gpu_adamw": "GPU AdamW", "gpu_tflops": "GPU compute", "gpu_memory": "the GPU's memory", "ram": "RAM",
-         "duplex": "the link both ways at once", "copy_drag": "compute beside copies"}
+         "duplex": "the link both ways at once", "copy_drag": "compute beside copies",
+         "gpu_attention_tflops": "the GPU's attention compute", "gpu_peak": "the GPU's peak rate (MFU's divisor)"}
 
 
 def in_words(keys) -> str:
@@ -44,6 +45,7 @@ def cpu_machine(nvme_dir=None, gpu_budget: int | None = None) -> Machine:
     figures["cpu_copy"] = copy_rate(1 << 22, 3)
     figures["gpu_adamw"] = figures["cpu_adamw"]
     figures["gpu_memory"] = gpu_budget or psutil.virtual_memory().available // 4
+    figures["gpu_attention_tflops"] = figures["gpu_peak"] = figures["gpu_tflops"]  # (one rate: the CPU's matmuls)
     if nvme_dir:
         figures.update(disk_rates(nvme_dir, 64 << 20))
     return Machine(**{**H200, **figures}, source="this machine's own figures (no GPU here: the CPU stand-in computes; "

@@ -1,6 +1,7 @@
 """The machine's figures the planner works from: each link's rate, the CPU's AdamW rate, the memory sizes.
 
-    m = Machine.from_probe("probe.json")        # a `tiermem probe --save` file (its rows and machine)
+    m = Machine.from_probe("probe.json")        # an earlier `tiermem probe --save` JSON file (its rows)
+    m = load_machine("configs/machines/h200-1.5tb.yaml")   # a machine file (tiermem.plan.machine_file)
     m = Machine.measure(nvme_path)              # a quick probe of this machine (a few seconds)
     m = machine_for(store_cfg, device, probe)   # the run's: its probe file, else a quick probe on CUDA, else assumed
     m = Machine.h200()                          # the H200 machine's figures (docs/measurements.md), said so
@@ -47,6 +48,10 @@ H200 = {
     "nvme_both": 0.94,
     "gpu_adamw": 1.0e11,  # params/s of torch's fused AdamW on the GPU (memory-bound: ~28 B a param at ~3 TB/s)
     "gpu_tflops": 520e12,  # FLOP/s of a streamed step counting its recompute (389 TFLOP/s by the 6·N count)
+    # FLOP/s of attention's two matmuls (flash/efficient SDPA, causal) in a streamed step counting its recompute,
+    # when it is not timed: as the layers' (a machine file may say otherwise: docs/machines.md)
+    "gpu_attention_tflops": 520e12,
+    "gpu_peak": 989e12,  # the GPU's dense bf16 FLOP/s by its datasheet (H100/H200 SXM): what MFU divides by
     "gpu_memory": 143_771 << 20, "ram": 125 << 30,
     # the link both ways at once: each direction's share of its rate alone, and the compute's slowdown while
     # both copy (tools/probe_duplex.py, `tiermem probe`: 0.92, and matmuls at 0.94)
@@ -69,6 +74,8 @@ class Machine:
     cpu_in_run: float = H200["cpu_in_run"]  # its rates beside the link's copies, of its rates alone
     nvme_both: float = H200["nvme_both"]  # the disk both ways at once, of one direction after the other
     duplex: float = H200["duplex"]  # each direction's rate while the other copies, of its rate alone
+    gpu_peak: float = H200["gpu_peak"]  # the GPU's dense bf16 FLOP/s (datasheet), for MFU
+    gpu_attention_tflops: float = H200["gpu_attention_tflops"]  # attention's FLOP/s, when it is not timed
     copy_drag: float = H200["copy_drag"]  # the compute's slowdown while the link copies both ways
     disk_free: int | None = None  # bytes free on the NVMe tier's disk, where the probe saw it
     source: str = "assumed"
@@ -103,11 +110,20 @@ class Machine:
         """Figures from a ``tiermem probe --save`` file; refused in one line when it is not one."""
         try:
             data = json.loads(Path(path).read_text())
-            rows = {r["link"]: r for r in data["rows"]}
-            machine = dict(data.get("machine") or {})
         except FileNotFoundError:
             raise ConfigError(f"probe file {path} not found; make one with `tiermem probe --save {path}`") from None
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"probe file {path} is not a `tiermem probe --save` file ({type(e).__name__}); "
+                              f"make one with `tiermem probe --save {path}`") from None
+        return cls.from_probe_data(data, f"the one the probe file {path} describes", str(path))
+
+    @classmethod
+    def from_probe_data(cls, data, source: str, path: str = "FILE") -> Machine:
+        """Figures from what ``tiermem probe`` measured (its rows and machine sizes)."""
+        try:
+            rows = {r["link"]: r for r in data["rows"]}
+            machine = dict(data.get("machine") or {})
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ConfigError(f"probe file {path} is not a `tiermem probe --save` file ({type(e).__name__}); "
                               f"make one with `tiermem probe --save {path}`") from None
         got: dict[str, float] = {}
@@ -146,7 +162,7 @@ class Machine:
         figures = {**H200, **got}
         disk = machine.get("disk_free")
         return cls(**figures, disk_free=disk if isinstance(disk, int) and disk > 0 else None,
-                   source=f"the one the probe file {path} describes", assumed=sorted(k for k in H200 if k not in got))
+                   source=source, assumed=sorted(k for k in H200 if k not in got))
 
     @classmethod
     def measure(cls, nvme_dir: str | None = None, device: torch.device | None = None) -> Machine:
@@ -427,12 +443,14 @@ def cpu_share_beside_copies(device: torch.device, n: int = 1 << 26, reps: int = 
 
 
 def machine_for(scfg, device: torch.device, probe: str | None = None) -> Machine:
-    """The figures to plan with: ``probe`` (or the config's ``probe``) file; else a quick probe when this
-    machine computes on CUDA; else the H200 machine's, said to be assumed. (A training run's and a service's:
-    ``scfg`` is their tiermem StoreConfig.)"""
+    """The figures to plan with: the ``probe`` (or the config's ``probe``) file, a machine file or an earlier
+    probe file; else a quick probe when this machine computes on CUDA; else the H200 machine's, said to be
+    assumed. (A training run's and a service's: ``scfg`` is their tiermem StoreConfig.)"""
     path = probe or scfg.probe
     if path:
-        m = Machine.from_probe(path)
+        from tiermem.plan.machine_file import load_machine  # (it builds on this module)
+
+        m = load_machine(path)
         if device.type == "cuda":
             m.gpu_memory = torch.cuda.get_device_properties(device).total_memory
         return m

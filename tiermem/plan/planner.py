@@ -469,5 +469,7 @@ def layout_of(plan: Plan, **changes) -> Layout:
     return Layout(**{**fields, **changes})
 
 
-def tflops(w: Workload, seconds: float) -> float:
-    return w.flops_per_token * w.tokens / seconds / 1e12 if seconds > 0 and not math.isinf(seconds) else 0.0
+def tflops(w: Workload, seconds: float, attention: bool = False) -> float:
+    """TFLOP/s of a step of ``seconds``: by 6·N, or (``attention``) with attention's FLOPs counted beside."""
+    flops = w.flops_per_token + (w.attention_flops_per_token if attention else 0.0)
+    return flops * w.tokens / seconds / 1e12 if seconds > 0 and not math.isinf(seconds) else 0.0

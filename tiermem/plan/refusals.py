@@ -28,8 +28,9 @@ def short_line(group_bytes: dict, budgets: dict, state_room: int, why: str, shor
     """The refusal of a placement: what the tiers hold, how much more is needed (``short``: the shortfall the
     spill found, which counts DRAM's staging of storage-resident state; at least the state beyond the budgets),
     and every way to give it, each with its figure: a larger storage budget or another disk (``cfg``: the store's
-    config, for the disk's free space), a larger DRAM budget, fewer activations in HBM (``act``: what a pass holds
-    beside the state), a larger GPU budget where one is set. ``why``: ``host`` (DRAM is short and there is no
+    config, for the disk's free space; ``budgets["<tier>_free"]``: the planned machine's, when it is another), a
+    larger DRAM budget, fewer activations in HBM (``act``: what a pass holds beside the state), a larger GPU
+    budget where one is set. ``why``: ``host`` (DRAM is short and there is no
     storage tier), ``staging`` (DRAM is short of staging room), ``storage`` (the storage tier ``tier`` is over its
     budget) or ``export`` (its disk lacks the exported model's room)."""
     host, device, stores = registry.primary(HOST), registry.primary(DEVICE), registry.of_role(STORAGE)
@@ -55,8 +56,10 @@ def short_line(group_bytes: dict, budgets: dict, state_room: int, why: str, shor
         section = cfg.tiers.get(first) if cfg is not None else None
         where = getattr(section, "path", None)
         free = disk_free(where[0] if isinstance(where, list) else where) if where is not None else None
-        ways.append(f"a tiers.{first}.budget {m} larger" + (f" (its disk has {format_size(free)} free)"
-                                                            if free is not None else "")
+        has = f" (its disk has {format_size(free)} free)" if free is not None else ""
+        if budgets.get(f"{first}_free") is not None:  # (planned for another machine: its disks', not this one's)
+            has = f" (the planned machine's disks have {format_size(budgets[f'{first}_free'])})"
+        ways.append(f"a tiers.{first}.budget {m} larger{has}"
                     + f", or a tiers.{first}.path on a disk with {format_size((budgets.get(first) or 0) + more)} free")
     stages = f" (DRAM stages each group's {label(first)} state on its way)" if why == "staging" and first else ""
     ways.append(f"a tiers.{host}.budget {m} larger{stages}")

@@ -39,6 +39,8 @@ class Workload:
     micro_rows: int = 0
     layer_work_bytes: int = 0
     head_work_bytes: int = 0
+    # attention's FLOPs a token (causal, tiermem.plan.flops), for TFLOP/s counted with it beside 6·N. 0: not known
+    attention_flops_per_token: float = 0.0
 
     @property
     def groups(self) -> list[Group]:
@@ -138,4 +140,6 @@ class Workload:
                    timed[:200], [], number("kept_bytes", 0, 1 << 50) if "kept_bytes" in o else 0,
                    number("embed_grad_bytes", 0, o.get("working_bytes", 0)) if "embed_grad_bytes" in o else 0,
                    *(number(k, 0, 1 << 50) if k in o else 0
-                     for k in ("micro_rows", "layer_work_bytes", "head_work_bytes")))
+                     for k in ("micro_rows", "layer_work_bytes", "head_work_bytes")),
+                   float(number("attention_flops_per_token", 0, 1e18, False)) if "attention_flops_per_token" in o
+                   else 0.0)

@@ -102,8 +102,8 @@ class StatsFile:
 # The shape of a snapshot where its readers (tiermem top, stats --prometheus) take numbers: each part's keys that
 # hold a number (or null), and those that hold a mapping of names to numbers. A snapshot from a file or a trainer's
 # progress frame is checked against it before it is kept or shown.
-_RUN = ({"step", "total_steps", "epoch", "loss", "grad_norm", "lr", "eval_loss", "tokens_per_s", "tflops", "step_s",
-         "eta_s", "train_loss", "train_runtime", "disk_busy_s_per_step", "alloc_retries"},
+_RUN = ({"step", "total_steps", "epoch", "loss", "grad_norm", "lr", "eval_loss", "tokens_per_s", "tflops",
+         "tflops_attention", "step_s", "eta_s", "train_loss", "train_runtime", "disk_busy_s_per_step", "alloc_retries"},
         {"split", "link_bytes_per_step"})
 _OPTIMIZER = ({"last_update_s", "gpu_share", "committed", "updated", "lag_groups"}, {"split"})
 _PLAN = ({"predicted_step_s", "compute", "wait_optimizer", "wait_transfer"}, {"busy", "bytes"})

@@ -51,10 +51,14 @@ def model_from_dict(raw: dict, where: str = "config.json", path: str = "auto"):
         raise ModelConfigError(f"{e}; the template takes {', '.join(SUPPORTED)}") from None
 
 
-def load_model(model_dir: str | Path, path: str = "auto", rope_scaling: str | None = None, cutoff_len: int = 0):
+def load_model(model_dir: str | Path, path: str = "auto", rope_scaling: str | None = None, cutoff_len: int = 0,
+               depth: int | None = None):
     """The model of ``model_dir`` for ``path``; with LLaMA-Factory's ``rope_scaling`` for rows of ``cutoff_len``
-    tokens, its config.json scaled first (what changed in the config's notes)."""
+    tokens, its config.json scaled first (what changed in the config's notes); ``depth``: the same family at
+    that many decoder layers (``at_depth``: ``tiermem plan --largest``)."""
     raw, where = read_config(model_dir)
+    if depth is not None and isinstance(raw, dict):
+        raw, where = at_depth(raw, depth), f"{where} at num_hidden_layers {depth}"
     note = None
     if rope_scaling is not None and isinstance(raw, dict):
         raw, note = llamafactory_scaling(raw, rope_scaling, cutoff_len)
@@ -62,6 +66,17 @@ def load_model(model_dir: str | Path, path: str = "auto", rope_scaling: str | No
     if note:
         cfg.notes.insert(0, note)
     return cfg
+
+
+def at_depth(raw: dict, depth: int) -> dict:
+    """config.json of the same model with ``depth`` decoder layers: a per-layer list the length of the layers
+    (gpt-oss's and Qwen3-Next's ``layer_types``) cut to them, or its pattern repeated to them."""
+    out = dict(raw, num_hidden_layers=depth)
+    n = raw.get("num_hidden_layers")
+    for key, value in raw.items():
+        if isinstance(value, list) and value and len(value) == n and key != "architectures":
+            out[key] = [value[i % len(value)] for i in range(depth)]
+    return out
 
 
 def model_stages(cfg, dtype: torch.dtype, device: torch.device):

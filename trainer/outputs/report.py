@@ -27,10 +27,12 @@ class Reporter:
     logs those steps, and its lines equal an uninterrupted run's."""
 
     def __init__(self, out_dir: Path, total_steps: int, n_params: int, print_fn, resume_step: int = 0,
-                 sink=None, first_step: bool = False):
+                 sink=None, first_step: bool = False, attention_flops: float = 0.0):
         """``sink(record)`` also receives every trainer_log.jsonl record (TensorBoard); ``first_step``: log
-        step 1 too (logging_first_step)."""
+        step 1 too (logging_first_step); ``attention_flops``: attention's FLOPs a token (``trainer.planning.flops``,
+        at the run's cutoff_len), for TFLOP/s counted with attention beside 6·N."""
         self.out_dir, self.total, self.n_params, self.print = out_dir, total_steps, n_params, print_fn
+        self.attention_flops = attention_flops
         self.start, self.sink, self.first_step = resume_step, sink, first_step
         self.log_path = out_dir / "trainer_log.jsonl"
         self.pending_path = out_dir / PENDING
@@ -114,6 +116,7 @@ class Reporter:
         loss = sum(r.loss for r in w) / len(w)
         tps = toks / secs if secs else 0.0
         tflops = 6 * self.n_params * tps / 1e12
+        with_attention = tflops + self.attention_flops * tps / 1e12
         remaining = self.remaining(step, elapsed)
         compute, xfer, opt = (sum(getattr(r, k) for r in w) / len(w)
                               for k in ("compute", "wait_transfer", "wait_optimizer"))
@@ -121,14 +124,16 @@ class Reporter:
         predicted = f" (predicted {self.predicted:.3f})" if self.predicted is not None else ""
         figures = {k: sum(r.figures.get(k, 0.0) for r in w) / len(w) for k in w[-1].figures}  # (stage dpo's)
         self.print(f"step {step}/{self.total} | loss {loss:.4f} | grad_norm {w[-1].grad_norm:.3f} | lr {lr:.3e} | "
-                   f"{tps:,.0f} tok/s | {tflops:.3g} TFLOP/s | step {secs / len(w):.3f}s{predicted} = compute "
+                   f"{tps:,.0f} tok/s | {tflops:.3g} TFLOP/s ({with_attention:.3g} with attention) | "
+                   f"step {secs / len(w):.3f}s{predicted} = compute "
                    f"{compute:.3f} + wait transfer {xfer:.3f} + wait optimizer {opt:.3f} | ETA {_hms(remaining)}"
                    + figures_text(figures))
         record = {"current_steps": step, "total_steps": self.total, "loss": loss,
                   "grad_norm": round(w[-1].grad_norm, 6), "lr": lr, "epoch": round(epoch, 4),
                   "percentage": round(step / self.total * 100, 2), "elapsed_time": _hms(elapsed),
                   "remaining_time": _hms(remaining), "throughput": round(tps, 2), "total_tokens": self.total_tokens,
-                  "tflops": round(tflops, 3), "step_seconds": round(secs / len(w), 4),
+                  "tflops": round(tflops, 3), "tflops_attention": round(with_attention, 3),
+                  "step_seconds": round(secs / len(w), 4),
                   "compute_seconds": round(compute, 4), "wait_transfer_seconds": round(xfer, 4),
                   "wait_optimizer_seconds": round(opt, 4)}
         record.update(figures)

@@ -22,6 +22,7 @@ from trainer.outputs.report import Reporter, plot_loss, progress_bar
 from trainer.outputs.tensorboard import open_writer
 from trainer.outputs.weights_io import export_model
 from trainer.planning import run_plan
+from trainer.planning.flops import flops_per_token
 from trainer.planning.placing import activation_budget, kept_layers, piece_rows
 
 
@@ -63,8 +64,10 @@ class RunOutputs:
         """The step line and trainer_log.jsonl, from step ``start`` (``pauses``: the collector's, logged)."""
         cfg = self.job.cfg
         active = self.job.mcfg.num_params(active=True)  # what a token computes with (a sparse model's top-k experts)
+        attention = flops_per_token(self.job.mcfg, cfg.cutoff_len)[1]
         self.report = Reporter(self.out, self.job.total, active, self.say, resume_step=start,
-                               sink=self.tb.record if self.tb else None, first_step=cfg.logging_first_step)
+                               sink=self.tb.record if self.tb else None, first_step=cfg.logging_first_step,
+                               attention_flops=attention)
         self.report.pauses = pauses
         return self.report
 
@@ -79,9 +82,11 @@ class RunOutputs:
         active = self.job.mcfg.num_params(active=True)
         opt = {"last_update_s": optimizer.last_step_seconds, "split": optimizer.last_split,
                "gpu_share": optimizer.gpu_share, "cpu_groups": store.config.optimizer.cpu_groups}
-        tflops = 6 * active * report.live.get("tokens_per_s", 0.0) / 1e12
+        tps = report.live.get("tokens_per_s", 0.0)
+        tflops = 6 * active * tps / 1e12
         return dict(report.live, phase=self.executor.phase, layer=self.executor.layer, optimizer=opt,
-                    alloc_retries=_alloc_retries(store), tflops=tflops, plan=self.watcher.live())
+                    alloc_retries=_alloc_retries(store), tflops=tflops,
+                    tflops_attention=tflops + report.attention_flops * tps / 1e12, plan=self.watcher.live())
 
     def finish(self, console, runtime: float, start: int, rows_seen: int, final_eval: dict | None,
                saved: dict) -> dict:

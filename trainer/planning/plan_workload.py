@@ -14,11 +14,13 @@ import time
 
 import torch
 
+from tiermem.plan.flops import attention_flops_per_token
 from tiermem.plan.machine import Machine
 from tiermem.plan.workload import Workload
 from trainer.model import chunked
 from trainer.model.select import model_stages
 from trainer.model.weights import all_weights, init_weight
+from trainer.planning.flops import attention_layers, flops_per_token
 from trainer.run.executor import squared_norm
 
 # a step's compute runs this much longer than the sum of its layers timed alone (measured on the H200 machine:
@@ -51,9 +53,12 @@ def layer_params(cfg, active: bool = False) -> int:
     return sum(_numel(w.shape) for w in all_weights(cfg) if w.group == i)
 
 
-def layer_flops(cfg, seq: int) -> float:
-    """FLOPs of one layer's forward per token at sequence length ``seq`` (matmuls + causal attention)."""
-    return 2.0 * layer_params(cfg, active=True) + 2.0 * seq * (cfg.hidden_size if cfg.generic else cfg.q_size)
+def layer_seconds(cfg, seq: int, layer: int, machine: Machine) -> float:
+    """Seconds of layer ``layer``'s forward a token at sequence length ``seq``, estimated: the heaviest layer's
+    matmuls at the GPU's rate and this layer's causal attention (a third of its training count,
+    ``trainer.planning.flops``: its own window) at attention's."""
+    attention = attention_flops_per_token([attention_layers(cfg)[layer]], seq)
+    return 2.0 * layer_params(cfg, active=True) / machine.gpu_tflops + attention / 3 / machine.gpu_attention_tflops
 
 
 def head_flops(cfg) -> float:
@@ -99,24 +104,28 @@ def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, mach
                f"gradient at {rows}x{seq} tokens (x{IN_STEP} in a step)")
     else:
         rate = machine.gpu_tflops
-        f = layer_flops(cfg, seq) * tokens / rate
-        fwd_l, bwd_l, head = f, 3 * f, head_flops(cfg) * tokens / rate
+        fwd_l = {i: layer_seconds(cfg, seq, i, machine) * tokens for i in range(cfg.num_layers)}
+        bwd_l, head = {i: 3 * f for i, f in fwd_l.items()}, head_flops(cfg) * tokens / rate
         layer_work = layer_work_estimate(cfg, rows, seq, itemsize)
         head_work = 0  # (estimated as held beside the layer's, below: only the layer's part scales with rows)
         work = layer_work + rows * min(seq, loss_chunk) * cfg.vocab_size * 4 * 2 + 4 * head_p  # (+ the loss's fp32
         # gradient)
         kept = rows * seq * (10 * cfg.hidden_size + 4 * _inter(cfg)) * itemsize  # (a layer's saved activations)
         kept = kept if seq_chunk(cfg, rows, seq) is None else 0  # (a long row's layer keeps no graph)
-        how = (f"estimated from FLOPs at {rate / 1e12:.3g} TFLOP/s"
-               + (" (an assumed figure)" if "gpu_tflops" in machine.assumed else " (the machine's figure)"))
-    fwd = {i: fwd_l for i in range(cfg.num_layers)}
-    bwd = {i: bwd_l for i in range(cfg.num_layers)}
+        attention = machine.gpu_attention_tflops
+        how = (f"estimated from FLOPs at {rate / 1e12:.0f} TFLOP/s"
+               + (f", attention's at {attention / 1e12:.0f}" if attention != rate else "")
+               + (" (an assumed figure)" if "gpu_tflops" in machine.assumed else f" ({machine.source})"))
+    fwd = fwd_l if isinstance(fwd_l, dict) else {i: fwd_l for i in range(cfg.num_layers)}
+    bwd = bwd_l if isinstance(bwd_l, dict) else {i: bwd_l for i in range(cfg.num_layers)}
     fwd["head"], bwd["head"] = head / 3, 2 * head / 3
     fwd["embed"], bwd["embed"] = 0.0, embed_bwd
+    dense, attention = flops_per_token(cfg, seq)
     return Workload(list(range(cfg.num_layers)), "embed", "head", fwd, bwd, tokens, micro_batches, boundary,
-                    int(work + grads), 6.0 * cfg.num_params(active=True), cfg.tie_word_embeddings, how,
+                    int(work + grads), dense, cfg.tie_word_embeddings, how,
                     kept_bytes=int(kept), embed_grad_bytes=int(embed_grad), micro_rows=rows,
-                    layer_work_bytes=int(layer_work), head_work_bytes=int(head_work))
+                    layer_work_bytes=int(layer_work), head_work_bytes=int(head_work),
+                    attention_flops_per_token=attention)
 
 
 def seq_chunk(cfg, rows: int, seq: int) -> int | None:

@@ -155,15 +155,19 @@ def local_budgets(scfg: StoreConfig, mcfg, dtype: torch.dtype, out_dir, saves: b
 
 def budgets_for(scfg: StoreConfig, machine: Machine) -> dict:
     """Tier budgets on the machine ``machine`` describes (not this one): the config's, else 90% of its RAM
-    for DRAM and, for NVMe, the disk's free space where the probe recorded it (else this disk's)."""
+    for DRAM and, for NVMe, its disks' room where the probe or the machine file gave it (else this disk's)."""
     from tiermem.plan.placement import default_budgets
 
     here = default_budgets(scfg)
     dram = scfg.tiers.dram.budget if scfg.tiers.dram.budget is not None else int(machine.ram * 0.9)
     nvme = None
     if scfg.tiers.nvme is not None:
-        nvme = scfg.tiers.nvme.budget if scfg.tiers.nvme.budget is not None else (machine.disk_free or here["nvme"])
-    return {"gpu": scfg.tiers.gpu.budget, "dram": dram, "nvme": nvme}
+        nvme = scfg.tiers.nvme.budget if scfg.tiers.nvme.budget is not None else (
+            machine.disk_free if machine.disk_free is not None else here["nvme"])  # (0: a machine file's no disk)
+    out = {"gpu": scfg.tiers.gpu.budget, "dram": dram, "nvme": nvme}
+    if nvme is not None and machine.disk_free is not None:  # (its refusals name that machine's disks, not this one's)
+        out["nvme_free"] = machine.disk_free
+    return out
 
 
 def span(groups: list) -> str:
@@ -244,7 +248,7 @@ def lines(plan: Plan, ga: int | None = None) -> list[str]:
     if plan.act_host:
         passes += f"; {activations_line(plan)}"
     out = [f"plan: {'; '.join(where_lines(plan))}", f"plan: {updates}; {passes}",
-           f"plan: predicted step {p.step:.2f}s = {w.tokens / p.step:,.0f} tokens/s, {tflops(w, p.step):.0f} TFLOP/s; "
+           f"plan: predicted step {p.step:.2f}s = {w.tokens / p.step:,.0f} tokens/s, {tflops_text(w, p.step)}; "
            f"bound: {describe_bound(p.bound)} ({split_line(plan)})"]
     return out
 
@@ -261,6 +265,11 @@ def activations_line(plan: Plan) -> str:
         f"the inputs of layers 0-{plan.act_host - 1}" if plan.act_host > 1 else "layer 0's input")
     return (f"boundary activations: {which} in dram ({format_size(plan.act_host_bytes)} a pass), "
             "the rest on the GPU (tiermem_activations)")
+
+
+def tflops_text(w: Workload, seconds: float) -> str:
+    """A step's TFLOP/s by 6·N and with attention counted (causal), e.g. "465 TFLOP/s (492 with attention)"."""
+    return f"{tflops(w, seconds):.0f} TFLOP/s ({tflops(w, seconds, attention=True):.0f} with attention)"
 
 
 def report(plan: Plan, ga: int) -> dict:
@@ -280,7 +289,10 @@ def report(plan: Plan, ga: int) -> dict:
            "hbm_usable": plan.hbm_room, "passes": plan.passes, "piece_rows": plan.piece_rows or None,
            "activations": {"host_boundaries": plan.act_host, "host_bytes": plan.act_host_bytes},
            "gpu_updates": None if plan.gpu_updates is None else [str(g) for g in w.groups if g in plan.gpu_updates],
-           "prediction": {**p.to_json(), "tokens_per_s": w.tokens / p.step, "tflops": tflops(w, p.step)},
+           "prediction": {**p.to_json(), "tokens_per_s": w.tokens / p.step, "tflops": tflops(w, p.step),
+                          "tflops_attention": tflops(w, p.step, attention=True),
+                          "mfu": tflops(w, p.step) * 1e12 / m.gpu_peak,
+                          "mfu_attention": tflops(w, p.step, attention=True) * 1e12 / m.gpu_peak},
            "tokens_per_step": w.tokens, "compute": w.timed, "machine": m.to_json(), "workload": w.to_json(),
            "compute_bound": None, "recommended": None, "advice": advice(plan, ga, bound_at, advised)}
     for key, at in (("compute_bound", bound_at), ("recommended", advised)):

@@ -110,14 +110,15 @@ def prepare(cfg: TrainConfig, console: Console, say, ranks) -> Job:
     return job
 
 
-def model_config(model_dir: Path, cfg: TrainConfig | None = None):
+def model_config(model_dir: Path, cfg: TrainConfig | None = None, depth: int | None = None):
     """The model's config.json read (for the path that computes it: ``tiermem_model_path``; scaled by
     ``rope_scaling`` for cutoff_len as LLaMA-Factory scales it), with the run's
     load-balancing loss weight (``moe_aux_loss_coef``) and whether its layers are compiled (``torch_compile``);
-    its problems reported as the user's (one line, exit code 2)."""
+    its problems reported as the user's (one line, exit code 2). ``depth``: the same family at that many
+    decoder layers (``tiermem plan --largest``)."""
     try:
-        mcfg = (load_model(model_dir) if cfg is None else
-                load_model(model_dir, cfg.tiermem_model_path, cfg.rope_scaling, cfg.cutoff_len))
+        mcfg = (load_model(model_dir, depth=depth) if cfg is None else
+                load_model(model_dir, cfg.tiermem_model_path, cfg.rope_scaling, cfg.cutoff_len, depth))
     except ModelConfigError as e:
         raise ConfigError(str(e)) from None
     if cfg is None:
