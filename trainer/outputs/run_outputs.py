@@ -44,10 +44,11 @@ class RunOutputs:
         ckpt.remove_partial(out)
         self.budget = activation_budget(cfg, store, plan)
         self.tb = open_writer(cfg, out) if lead else None  # report_to: tensorboard (sets cfg.logging_dir)
+        rows = min(piece_rows(cfg, plan) or cfg.per_device_train_batch_size, cfg.per_device_train_batch_size)
         args = dict(self.config(), tiermem_model_path="generic" if job.mcfg.generic else "template",
                     torch_compile=job.mcfg.compile is not None, tiermem_keep_activations=kept_layers(cfg, plan),
-                    tiermem_physical_batch_size=min(piece_rows(cfg, plan) or cfg.per_device_train_batch_size,
-                                                    cfg.per_device_train_batch_size))
+                    tiermem_physical_batch_size=rows, tiermem_seq_chunk=decided_chunk(cfg, rows),
+                    tiermem_activations=decided_activations(cfg, plan, job.mcfg.num_layers))
         (out / "training_args.yaml").write_text(yaml.safe_dump(args, sort_keys=False))
         if plan is not None and plan.prediction is not None:  # (replayable: tiermem plan --workload FILE)
             told = run_plan.report(plan, cfg.gradient_accumulation_steps)
@@ -138,3 +139,23 @@ def _alloc_retries(store) -> int:
     """The CUDA caching allocator's retries so far (an allocation that freed the cache first), 0 on a CPU."""
     on_cuda = store.device.type == "cuda"
     return torch.cuda.memory_stats(store.device).get("num_alloc_retries", 0) if on_cuda else 0
+
+
+def decided_chunk(cfg, rows: int) -> int:
+    """tiermem_seq_chunk as the run takes it for a piece of ``rows`` full-length rows: the tokens a layer computes at
+    once (all of the piece's when its rows run whole)."""
+    from trainer.model.chunked import chunk_of
+
+    setting = None if cfg.tiermem_seq_chunk == "auto" else cfg.tiermem_seq_chunk
+    chunk = chunk_of(setting, rows, cfg.cutoff_len)
+    return rows * (cfg.cutoff_len if chunk is None else chunk)
+
+
+def decided_activations(cfg, plan, layers: int) -> str:
+    """tiermem_activations as the plan took it: gpu (none in DRAM), dram (every layer's input), or auto where the plan
+    put the first layers' inputs only in DRAM (no other value says so: tiermem_plan.json has which)."""
+    n = plan.act_host if plan is not None else 0
+    if cfg.tiermem_activations != "auto":
+        return cfg.tiermem_activations
+    return "gpu" if n == 0 else "dram" if n >= layers else "auto"
+

@@ -113,9 +113,9 @@ def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, mach
         kept = rows * seq * (10 * cfg.hidden_size + 4 * _inter(cfg)) * itemsize  # (a layer's saved activations)
         kept = kept if seq_chunk(cfg, rows, seq) is None else 0  # (a long row's layer keeps no graph)
         attention = machine.gpu_attention_tflops
-        how = (f"estimated from FLOPs at {rate / 1e12:.0f} TFLOP/s"
-               + (f", attention's at {attention / 1e12:.0f}" if attention != rate else "")
-               + (" (an assumed figure)" if "gpu_tflops" in machine.assumed else f" ({machine.source})"))
+        how = (f"estimated from FLOPs at {rate / 1e12:.3g} TFLOP/s"
+               + (f", attention's at {attention / 1e12:.3g}" if attention != rate else "")
+               + (" (an assumed figure)" if "gpu_tflops" in machine.assumed else " (the machine's figure)"))
     fwd = fwd_l if isinstance(fwd_l, dict) else {i: fwd_l for i in range(cfg.num_layers)}
     bwd = bwd_l if isinstance(bwd_l, dict) else {i: bwd_l for i in range(cfg.num_layers)}
     fwd["head"], bwd["head"] = head / 3, 2 * head / 3
