@@ -365,3 +365,13 @@ def activations_role(cfg: TrainConfig) -> str:
     from tiermem.tiers.base import DEVICE, HOST
 
     return {"gpu": DEVICE, "dram": HOST}.get(cfg.tiermem_activations, "auto")
+
+
+def decided_activations(cfg: TrainConfig, host_layers: int, layers: int) -> str:
+    """tiermem_activations as a plan took it (``host_layers``: the first layers whose inputs it put in DRAM, of
+    ``layers``): gpu (none), dram (every layer's input), or auto where only the first layers' inputs are in DRAM (no
+    other value says so: tiermem_plan.json has which)."""
+    if cfg.tiermem_activations != "auto":
+        return cfg.tiermem_activations
+    return "gpu" if host_layers == 0 else "dram" if host_layers >= layers else "auto"
+

@@ -14,7 +14,7 @@ import yaml
 
 from tiermem.plan.planner import DISCARDED_AT_END
 from tiermem.store.stats import StatsFile
-from trainer.config import resolved
+from trainer.config import decided_activations, resolved
 from trainer.outputs import checkpoint as ckpt
 from trainer.outputs import hf_outputs as hf
 from trainer.outputs.output_dir import OutputLock, set_aside
@@ -48,7 +48,8 @@ class RunOutputs:
         args = dict(self.config(), tiermem_model_path="generic" if job.mcfg.generic else "template",
                     torch_compile=job.mcfg.compile is not None, tiermem_keep_activations=kept_layers(cfg, plan),
                     tiermem_physical_batch_size=rows, tiermem_seq_chunk=decided_chunk(cfg, rows),
-                    tiermem_activations=decided_activations(cfg, plan, job.mcfg.num_layers))
+                    tiermem_activations=decided_activations(cfg, plan.act_host if plan is not None else 0,
+                                                             job.mcfg.num_layers))
         (out / "training_args.yaml").write_text(yaml.safe_dump(args, sort_keys=False))
         if plan is not None and plan.prediction is not None:  # (replayable: tiermem plan --workload FILE)
             told = run_plan.report(plan, cfg.gradient_accumulation_steps)
@@ -149,13 +150,3 @@ def decided_chunk(cfg, rows: int) -> int:
     setting = None if cfg.tiermem_seq_chunk == "auto" else cfg.tiermem_seq_chunk
     chunk = chunk_of(setting, rows, cfg.cutoff_len)
     return rows * (cfg.cutoff_len if chunk is None else chunk)
-
-
-def decided_activations(cfg, plan, layers: int) -> str:
-    """tiermem_activations as the plan took it: gpu (none in DRAM), dram (every layer's input), or auto where the plan
-    put the first layers' inputs only in DRAM (no other value says so: tiermem_plan.json has which)."""
-    n = plan.act_host if plan is not None else 0
-    if cfg.tiermem_activations != "auto":
-        return cfg.tiermem_activations
-    return "gpu" if n == 0 else "dram" if n >= layers else "auto"
-
