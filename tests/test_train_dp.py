@@ -151,10 +151,10 @@ def test_a_killed_rank_stops_the_run_and_the_rerun_resumes(tmp_path, tiny, capsy
     one_process(write_cfg(tmp_path, tiny, "one", 4, save_steps=3), capsys)
     dram = {"tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "64MiB"}},
             "placement": {"grad": "dram", "exp_avg": "dram", "exp_avg_sq": "dram"}}
-    path = write_cfg(tmp_path, tiny, "two", 2, save_steps=3, tiermem_dist_timeout=30, tiermem=dram)
+    path = write_cfg(tmp_path, tiny, "two", 2, save_steps=3, tiermem_dist_timeout=300, tiermem=dram)
     t0 = time.monotonic()
     r = ranks(path, 2, TIERMEM_TEST_KILL_AT="backward:5", TIERMEM_TEST_KILL_RANK="1")
-    assert r.returncode != 0 and time.monotonic() - t0 < 60
+    assert r.returncode != 0 and time.monotonic() - t0 < 290
     lines = [x for x in r.stderr.splitlines() if x.startswith("tiermem-train: error:")]
     assert len(lines) == 1 and "rank 1 (pid" in lines[0] and "rerun the same command" in lines[0], r.stderr[-3000:]
     assert (tmp_path / "two" / "checkpoint-3").is_dir() and not (tmp_path / "two" / "model.safetensors").exists()
@@ -373,7 +373,7 @@ def test_a_killed_first_rank_is_named_and_its_arena_removed(tmp_path, tiny):
     """Rank 0 (which made the host's arena) killed mid-step: rank 1 names it in one line and removes the arena
     and NVMe file it left."""
     before = arenas()
-    path = write_cfg(tmp_path, tiny, "two", 2, nvme=True, tiermem_dist_timeout=30)
+    path = write_cfg(tmp_path, tiny, "two", 2, nvme=True, tiermem_dist_timeout=300)
     r = ranks(path, 2, TIERMEM_TEST_KILL_AT="backward:3", TIERMEM_TEST_KILL_RANK="0")
     lines = [x for x in r.stderr.splitlines() if x.startswith("tiermem-train: error:")]
     assert r.returncode != 0 and len(lines) == 1 and "rank 0 (pid" in lines[0], r.stderr[-3000:]
@@ -438,10 +438,12 @@ def test_a_rank_killed_while_attached_to_a_service_detaches_the_run_and_the_reru
     sock = Path(tempfile.mkdtemp(prefix="tm-")) / "s.sock"
     svc = Service(service_config(tmp_path), sock)
     try:
-        cfg = write_cfg(tmp_path, tiny, "two", 2, tiermem_server=str(sock), tiermem=None, tiermem_dist_timeout=30)
+        # (a collective's timeout well beyond what a loaded machine's slow rank takes: the kill is seen at once, by
+        # the dead peer's closed connection, not by the timeout; the bound below only shows it was not the timeout)
+        cfg = write_cfg(tmp_path, tiny, "two", 2, tiermem_server=str(sock), tiermem=None, tiermem_dist_timeout=300)
         t0 = time.monotonic()
         r = ranks(cfg, 2, TIERMEM_TEST_KILL_AT="backward:5", TIERMEM_TEST_KILL_RANK="1")
-        assert r.returncode != 0 and time.monotonic() - t0 < 60
+        assert r.returncode != 0 and time.monotonic() - t0 < 290
         lines = [x for x in r.stderr.splitlines() if x.startswith("tiermem-train: error:")]
         assert len(lines) == 1 and "rank 1 (pid" in lines[0], r.stderr[-3000:]
         svc.wait_for("the run's other ranks with it")
