@@ -294,8 +294,6 @@ TIER_NAME_HOMES = ("tiermem/tiers/", "tiermem/config.py", "tiermem/service/confi
                    "trainer/plan_cli.py")
 # the places still to do, each with why it names a tier (the list may only shrink: a stale entry fails too)
 TIER_NAMES_OWED = {
-    "tiermem/plan/costmodel.py": "its resource of GPU compute is called gpu (not the tier)",
-    "tiermem/plan/planner.py": "the cost model's bound gpu (GPU compute, not the tier)",
     "tiermem/service/server.py": "the service's arena (tiers.dram.path) and NVMe file, shared with its trainers",
     "tiermem/service/client.py": "the NVMe file the service tells its trainer (protocol field nvme)",
     "trainer/state.py": "the training YAML's tiermem section: the arena's default path and budget check",
