@@ -298,7 +298,6 @@ TIER_NAMES_OWED = {
     "tiermem/service/client.py": "the NVMe file the service tells its trainer (protocol field nvme)",
     "trainer/state.py": "the training YAML's tiermem section: the arena's default path and budget check",
     "trainer/planning/run_plan.py": "the plan's budgets and its lines, written per built-in tier",
-    "trainer/parallel/dp_checks.py": "several ranks' limits on the arena and HBM, read from the raw config",
 }
 
 
