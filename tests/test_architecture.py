@@ -296,7 +296,6 @@ TIER_NAME_HOMES = ("tiermem/tiers/", "tiermem/config.py", "tiermem/service/confi
 TIER_NAMES_OWED = {
     "tiermem/service/server.py": "the service's arena (tiers.dram.path) and NVMe file, shared with its trainers",
     "tiermem/service/client.py": "the NVMe file the service tells its trainer (protocol field nvme)",
-    "trainer/state.py": "the training YAML's tiermem section: the arena's default path and budget check",
     "trainer/planning/run_plan.py": "the plan's budgets and its lines, written per built-in tier",
 }
 

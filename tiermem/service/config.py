@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import getpass
 
-from tiermem.config import StoreConfig, load_store_config
+from tiermem.config import StoreConfig, check_host_budget, load_store_config
 from tiermem.errors import ConfigError
 from tiermem.plan.resolve import compute_device, resolve_auto
 from tiermem.specs import MOMENTS
 from tiermem.tiers import registry
 from tiermem.tiers.base import DEVICE, HOST, STORAGE
-from tiermem.tiers.dram import check_budget
 
 MOVABLE = ("master", *MOMENTS)  # kinds only the service touches between steps (SIGHUP may re-place them)
 
@@ -42,7 +41,7 @@ def check_machine(cfg: StoreConfig, path: str) -> None:
     stand-in) and a DRAM budget larger than the arena's filesystem are refused in one line."""
     try:
         compute_device(cfg)
-        check_budget(cfg.tiers.host_tier.budget, cfg.tiers.host_tier.path)
+        check_host_budget(cfg)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
 
