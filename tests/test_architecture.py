@@ -294,8 +294,6 @@ TIER_NAME_HOMES = ("tiermem/tiers/", "tiermem/config.py", "tiermem/service/confi
                    "trainer/plan_cli.py")
 # the places still to do, each with why it names a tier (the list may only shrink: a stale entry fails too)
 TIER_NAMES_OWED = {
-    "tiermem/service/server.py": "the service's arena (tiers.dram.path) and NVMe file, shared with its trainers",
-    "tiermem/service/client.py": "the NVMe file the service tells its trainer (protocol field nvme)",
     "trainer/planning/run_plan.py": "the plan's budgets and its lines, written per built-in tier",
 }
 
