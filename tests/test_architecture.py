@@ -287,21 +287,13 @@ def test_the_trainer_has_at_most_12_top_level_modules():
 # -- the tier names: in the tiers' own modules, the config and the CLI's wording --------------------------------
 # where a built-in tier's name may be written: as a string, an attribute (``cfg.tiers.dram``) or a tier's module
 # (tiermem/plan/machine_file.py: a machine file's sections name hardware, the GPU and NVMe devices, in a config's
-# words)
+# words; its GPU is also the cost model's resource of the GPU's compute, a plan's JSON word)
 TIER_NAME_HOMES = ("tiermem/tiers/", "tiermem/config.py", "tiermem/service/config.py", "tiermem/cli/",
                    "tiermem/plan/machine_file.py",
                    "trainer/config.py", "trainer/config_fields.py", "trainer/config_keys.py", "trainer/cli.py",
                    "trainer/plan_cli.py")
-# the places still to do, each with why it names a tier (the list may only shrink: a stale entry fails too)
-TIER_NAMES_OWED = {
-    "tiermem/plan/costmodel.py": "its resource of GPU compute is called gpu (not the tier)",
-    "tiermem/plan/planner.py": "the cost model's bound gpu (GPU compute, not the tier)",
-    "tiermem/service/server.py": "the service's arena (tiers.dram.path) and NVMe file, shared with its trainers",
-    "tiermem/service/client.py": "the NVMe file the service tells its trainer (protocol field nvme)",
-    "trainer/state.py": "the training YAML's tiermem section: the arena's default path and budget check",
-    "trainer/planning/run_plan.py": "the plan's budgets and its lines, written per built-in tier",
-    "trainer/parallel/dp_checks.py": "several ranks' limits on the arena and HBM, read from the raw config",
-}
+# the places still to do, each with why it names a tier (none left: the list may only shrink, a stale entry fails)
+TIER_NAMES_OWED: dict[str, str] = {}
 
 
 def tier_names_in(path: Path, names: set[str]) -> list[str]:

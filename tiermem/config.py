@@ -223,3 +223,12 @@ def load_store_config(source: str | Path | dict[str, Any] | None, where: str = "
         expand = os.path.expanduser  # (~ as a shell expands it)
         setattr(holder, attr, [expand(v) for v in value] if many else expand(value))
     return cfg
+
+
+def check_host_budget(cfg: StoreConfig) -> None:
+    """Refuse (one line, a ConfigError) a budget of the store's host tier (the DRAM arena) that it can never have
+    on this machine: more than the memory or the filesystem its ``path`` names."""
+    from tiermem.tiers.dram import check_budget
+
+    host = cfg.tiers.host_tier
+    check_budget(host.budget, host.path)

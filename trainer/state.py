@@ -8,16 +8,18 @@ import copy
 
 import torch
 
-from tiermem.config import MOMENTS, StoreConfig, load_store_config
+from tiermem.config import MOMENTS, StoreConfig, check_host_budget, load_store_config
 from tiermem.errors import ConfigError
 from tiermem.plan.resolve import resolve_auto
 from tiermem.specs import TensorSpec, state_name
-from tiermem.tiers.dram import check_budget
+from tiermem.tiers import registry
+from tiermem.tiers.base import DEVICE, HOST
 from tiermem.yamlfile import read_yaml
 from trainer.model.weights import all_weights
 
-HOST_PATH = "tiers.dram.path"  # (the keys a run's checks ask about: the user's, or left to tiermem)
-DEVICE_KEY = "tiers.gpu.device"
+# the keys a run's checks ask about (the user's, or left to tiermem): the host tier's and the device tier's
+HOST_PATH = f"tiers.{registry.primary(HOST)}.path"
+DEVICE_KEY = f"tiers.{registry.primary(DEVICE)}.device"
 
 
 def store_settings(value) -> StoreConfig:
@@ -29,7 +31,7 @@ def store_settings(value) -> StoreConfig:
     if not isinstance(tiers, dict):
         raise ConfigError(f"tiers: expected a mapping of tiers (gpu, dram, nvme) to their settings, got {tiers!r}")
     data["tiers"] = tiers
-    for key in ("dram", "gpu"):
+    for key in (registry.primary(HOST), registry.primary(DEVICE)):
         if tiers.get(key) is None:
             tiers[key] = {}
         elif not isinstance(tiers[key], dict):
@@ -46,7 +48,7 @@ def store_config(value, here: bool = True) -> StoreConfig:
     DRAM budget (``tiermem plan`` for another machine checks against that one's)."""
     cfg = store_settings(value)
     if here:
-        check_budget(cfg.tiers.dram.budget, cfg.tiers.dram.path)
+        check_host_budget(cfg)
     return resolve_auto(cfg, "embedded")
 
 

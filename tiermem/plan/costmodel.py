@@ -36,6 +36,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from tiermem.plan.machine import Machine
+from tiermem.plan.machine_file import GPU  # (the resource of the GPU's compute, not the tier)
 from tiermem.plan.workload import Workload
 from tiermem.specs import Group
 from tiermem.tiers import registry
@@ -111,7 +112,7 @@ def resources() -> tuple[str, ...]:
     """The resources a step takes: the GPU's compute and its optimizer's stream, the PCIe link each way (every
     host tier's: the link is one), each storage tier's disk (its ``resource``), and the CPU's AdamW."""
     disks = dict.fromkeys(registry.tier_type(t).resource for t in registry.of_role(STORAGE))
-    return ("gpu", "gpu_adamw", "h2d", "d2h", *disks, "cpu")
+    return (GPU, "gpu_adamw", "h2d", "d2h", *disks, "cpu")
 
 
 class _Sim:
@@ -209,7 +210,7 @@ class _Step:
         self.roles = {t: cls.role for t, cls in self.kinds.items()}
         self.rates = {t: cls.rates(m) for t, cls in self.kinds.items() if cls.role == STORAGE}
         self.resources = resources()
-        disks = [r for r in self.resources if r not in ("gpu", "gpu_adamw", "h2d", "d2h", "cpu")]
+        disks = [r for r in self.resources if r not in (GPU, "gpu_adamw", "h2d", "d2h", "cpu")]
         self.sim = _Sim(self.resources)
         self.moved = {"h2d": 0.0, "d2h": 0.0, **{f"{r}_{d}": 0.0 for r in disks for d in ("read", "write")}}
         self.disk = {"read": 0.0, "write": 0.0}
@@ -360,8 +361,8 @@ class _Step:
                 seconds = (w.fwd.get(g, 0.0) if phase in ("fwd",) else max(bwd, 0.0)
                            if phase != "loss" else w.fwd.get(g, 0.0) + w.bwd.get(g, 0.0)) / p
                 # (a peer's partial sums are its own to add)
-                c = self.sim.op("gpu", seconds, [self.last_compute, upd, tied_upd, f, partial if own else None,
-                                                 back], f"{phase} {g}")
+                c = self.sim.op(GPU, seconds, [self.last_compute, upd, tied_upd, f, partial if own else None,
+                                               back], f"{phase} {g}")
                 made = 0 if g == w.first and phase == "fwd" else index[g] + 1 if phase == "fwd" else None
                 if made is not None and made < layout.act_host:  # (a boundary made: written out)
                     act_out[made] = d2h(one, [c], f"activation {made} out")
@@ -381,9 +382,9 @@ class _Step:
         """The schedule run: the step's time, each resource's busy time, the waits and the bound."""
         start, end, busy = self.sim.run()
         drag = self.m.copy_drag * min(busy["h2d"], busy["d2h"])  # (the compute beside copies both ways)
-        busy["gpu"] += drag
+        busy[GPU] += drag
         finish = max([end[self.last_compute] + drag, *(end[i] for i in self.last_grad)])
-        compute = busy["gpu"]
+        compute = busy[GPU]
         wait_opt = wait_xfer = 0.0
         prev_end = 0.0
         for c, _g, upd in self.compute_ops:
@@ -399,21 +400,21 @@ class _Step:
         # the GPU's two streams share it: the compute and the optimizer's kernels add up
         # (the peers' resources too: a peer busier than the step delays the next one as well)
         peer_busy = [totals.pop(r) for r in PEERS]
-        step = max(finish, *(totals[r] for r in self.resources if r not in ("gpu", "gpu_adamw")),
-                   totals["gpu"] + totals["gpu_adamw"], *peer_busy)
+        step = max(finish, *(totals[r] for r in self.resources if r not in (GPU, "gpu_adamw")),
+                   totals[GPU] + totals["gpu_adamw"], *peer_busy)
         bound = _bound(step, totals, wait_opt, wait_xfer)
         return Prediction(step, totals, self.moved, compute, wait_opt, wait_xfer, bound, self.disk["read"],
                           self.disk["write"], {"finish": finish})
 
 
-NAMES = {"gpu": "GPU compute", "gpu_adamw": "GPU AdamW", "h2d": "PCIe to the GPU", "d2h": "PCIe from the GPU",
+NAMES = {GPU: "GPU compute", "gpu_adamw": "GPU AdamW", "h2d": "PCIe to the GPU", "d2h": "PCIe from the GPU",
          "cpu": "CPU AdamW"}
 
 
 def _bound(step: float, busy: dict, wait_opt: float, wait_xfer: float) -> str:
     top = max(busy, key=lambda r: busy[r])
-    if busy["gpu"] + busy["gpu_adamw"] >= 0.9 * step:  # the GPU: its compute (and its share of the update)
-        return "gpu"
+    if busy[GPU] + busy["gpu_adamw"] >= 0.9 * step:  # the GPU: its compute (and its share of the update)
+        return GPU
     if busy[top] >= 0.9 * step:
         return top
     return "wait_optimizer" if wait_opt >= wait_xfer else "wait_transfer"

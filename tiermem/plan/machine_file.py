@@ -31,6 +31,10 @@ GB = 1e9
 STEP_OF_PEAK = 610 / 989
 ATTENTION_OF_PEAK = 475 / 989
 ADAMW_A_THREAD = H200["cpu_adamw"] / 14
+# the machine's GPU: its section here, and the cost model's resource of its compute (tiermem.plan.costmodel; not
+# the tier of that name: a plan's JSON names the resource so in ``busy_seconds`` and ``bound``, and this module,
+# which names the machine's hardware in a config's words, is where the word is written)
+GPU = "gpu"
 
 FIELDS = {  # section -> {field: (kind, required)}; kinds: size, rate (> 0), share (0-2), count, text
     "gpu": {"count": ("count", False), "name": ("text", False), "memory": ("size", True),

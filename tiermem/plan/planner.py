@@ -35,7 +35,7 @@ from tiermem.config import StoreConfig
 from tiermem.errors import BudgetError
 from tiermem.plan.activations import candidates as _candidates
 from tiermem.plan.activations import host_activation_bytes, host_budgets, host_counts, not_on_nvme, set_host_activations
-from tiermem.plan.costmodel import SLOTS, Layout, Prediction, predict, rank_of
+from tiermem.plan.costmodel import GPU, SLOTS, Layout, Prediction, predict, rank_of
 from tiermem.plan.machine import Machine
 from tiermem.plan.placement import ALIGN, Plan, check_budgets, default_budgets, staging_bytes
 from tiermem.plan.refusals import does_not_fit, short_line
@@ -423,11 +423,11 @@ def compute_bound_at(plan: Plan, ga: int, max_ga: int = 4096) -> tuple[int, Pred
     step with this placement is compute-bound, and its prediction; None if none up to ``max_ga``."""
     k = ga
     while k <= max_ga:
-        if predict_at(plan, ga, k)[0].bound == "gpu":
+        if predict_at(plan, ga, k)[0].bound == GPU:
             lo, hi = max(ga, k // 2), k  # the smallest in (k/2, k]
             while lo < hi:
                 mid = (lo + hi) // 2
-                if predict_at(plan, ga, mid)[0].bound == "gpu":
+                if predict_at(plan, ga, mid)[0].bound == GPU:
                     hi = mid
                 else:
                     lo = mid + 1

@@ -28,6 +28,7 @@ from tiermem.futures import done_future
 from tiermem.optim import Gate, OptimSettings
 from tiermem.plan.resolve import compute_device
 from tiermem.service import protocol
+from tiermem.service.config import DISK_FIELD
 from tiermem.specs import Group, TensorSpec
 from tiermem.store.layout import apply_layout, attach_store, spec_from_json, spec_to_json
 from tiermem.tiers.extents import Extent
@@ -338,7 +339,7 @@ def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: Optim
         if {s.name: s for s in theirs} != {s.name: s for s in specs}:
             raise UserError("the service's run holds other tensors than this model's; restart the service with "
                             "--fresh to discard its run")
-        store = attach_store(cfg, theirs, reply["layout"], reply["arena"], reply["nvme"], device,
+        store = attach_store(cfg, theirs, reply["layout"], reply["arena"], reply[DISK_FIELD], device,
                              cfg.tiers.device_tier.slots)
     except BaseException:
         client.close()

@@ -4,16 +4,25 @@ decided for a service by ``tiermem.plan.resolve``)."""
 from __future__ import annotations
 
 import getpass
+from pathlib import Path
 
-from tiermem.config import StoreConfig, load_store_config
+from tiermem.config import StoreConfig, check_host_budget, load_store_config
 from tiermem.errors import ConfigError
 from tiermem.plan.resolve import compute_device, resolve_auto
 from tiermem.specs import MOMENTS
-from tiermem.tiers import registry
+from tiermem.tiers import registry, stripes
 from tiermem.tiers.base import DEVICE, HOST, STORAGE
-from tiermem.tiers.dram import check_budget
+from tiermem.tiers.dram import on_disk
+from tiermem.tiers.nvme import check_directory, directories
 
 MOVABLE = ("master", *MOMENTS)  # kinds only the service touches between steps (SIGHUP may re-place them)
+# the protocol's field (attach's reply) describing the storage tier's files a service shares with its trainer
+DISK_FIELD = "nvme"
+
+
+def shared_disk() -> str:
+    """The storage tier a service shares with its trainers (its files): the first registered one."""
+    return registry.of_role(STORAGE)[0]
 
 
 def service_config(path: str) -> StoreConfig:
@@ -26,7 +35,7 @@ def service_config(path: str) -> StoreConfig:
     if isinstance(cfg.placement, dict) and device in cfg.placement.values():
         raise ConfigError(f"{path}: placement on {device} is not possible in service mode (the state must outlive "
                           f"the trainer's GPU memory); place every kind on {' or '.join([host, *disks])}")
-    shared = {device, host, *disks[:1]}
+    shared = {device, host, shared_disk()}
     other = [t for t in cfg.tiers.configured() if t not in shared]
     if other:
         raise ConfigError(f"{path}: a service shares its arena and one storage tier with its trainers: the tiers "
@@ -42,9 +51,30 @@ def check_machine(cfg: StoreConfig, path: str) -> None:
     stand-in) and a DRAM budget larger than the arena's filesystem are refused in one line."""
     try:
         compute_device(cfg)
-        check_budget(cfg.tiers.host_tier.budget, cfg.tiers.host_tier.path)
+        check_host_budget(cfg)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
+
+
+def check_arena_pinnable(cfg: StoreConfig, plan_cfg: StoreConfig, path: str) -> None:
+    """Refuse (one line) an arena the GPU is to pin (``plan_cfg``'s decision) in a directory on a disk
+    filesystem."""
+    host = cfg.tiers.host_tier
+    if plan_cfg.tiers.host_tier.pin == "true" and on_disk(Path(host.path)):
+        raise ConfigError(f"{path}: tiers.dram.path {host.path} is on a disk filesystem: "
+                          "the GPU cannot pin an arena there; set it to a tmpfs such as /dev/shm")
+
+
+def check_disk_room(cfg: StoreConfig) -> None:
+    """Refuse (one line) a shared storage tier's budget its directories have no room for: its files are sized
+    to the budget, so a service says so at start, not when a trainer attaches."""
+    nv = cfg.tiers[shared_disk()]
+    if nv is not None and nv.budget:
+        dirs = directories(nv)
+        for d in dirs:
+            file = Path(d) / f"{cfg.store_name()}.nvme"
+            share = stripes.file_bytes(nv.budget, len(dirs), nv.io_chunk)
+            check_directory(Path(d), share - (file.stat().st_size if file.is_file() else 0))
 
 
 def planning_config(cfg: StoreConfig) -> StoreConfig:

@@ -53,12 +53,20 @@ import traceback
 from pathlib import Path
 
 from tiermem.config import StoreConfig
-from tiermem.errors import ConfigError, UserError
+from tiermem.errors import UserError
 from tiermem.optim import OptimSettings
 from tiermem.plan.placement import default_budgets, make_plan
 from tiermem.schema import to_plain
 from tiermem.service import protocol
-from tiermem.service.config import gpu_share, planning_config, service_config
+from tiermem.service.config import (
+    DISK_FIELD,
+    check_arena_pinnable,
+    check_disk_room,
+    gpu_share,
+    planning_config,
+    service_config,
+    shared_disk,
+)
 from tiermem.service.discarding import Discarding
 from tiermem.service.journal import Journal, UndoGuard, make_private, state_dir, undo_bytes, write_atomic
 from tiermem.service.listening import Listening
@@ -72,10 +80,9 @@ from tiermem.service.updates import UpdateRequests
 from tiermem.specs import MOMENTS, TensorSpec
 from tiermem.store.layout import create_store, layout_of, reopen_store, shared_description, spec_from_json, spec_to_json
 from tiermem.store.stats import run_problem, store_problem
-from tiermem.tiers import stripes
-from tiermem.tiers.dram import on_disk
+from tiermem.tiers import registry
+from tiermem.tiers.base import DEVICE, HOST
 from tiermem.tiers.extents import Extent
-from tiermem.tiers.nvme import check_directory, directories
 
 log = logging.getLogger(__name__)
 
@@ -85,16 +92,8 @@ class Service(UpdateRequests, Replacement, Monitoring, Listening, Discarding):
         self.config_path, self.say = config_path, say
         self.cfg = service_config(config_path)
         self.plan_cfg = planning_config(self.cfg)
-        if self.plan_cfg.tiers.dram.pin == "true" and on_disk(Path(self.cfg.tiers.dram.path)):
-            raise ConfigError(f"{config_path}: tiers.dram.path {self.cfg.tiers.dram.path} is on a disk filesystem: "
-                              "the GPU cannot pin an arena there; set it to a tmpfs such as /dev/shm")
-        nv = self.cfg.tiers.nvme
-        if nv is not None and nv.budget:  # the NVMe files are sized to the budget: say so now, not at attach
-            dirs = directories(nv)
-            for d in dirs:
-                file = Path(d) / f"{self.cfg.store_name()}.nvme"
-                share = stripes.file_bytes(nv.budget, len(dirs), nv.io_chunk)
-                check_directory(Path(d), share - (file.stat().st_size if file.is_file() else 0))
+        check_arena_pinnable(self.cfg, self.plan_cfg, config_path)
+        check_disk_room(self.cfg)  # (the storage tier's files are sized to its budget: said now, not at attach)
         self.dir = state_dir(self.cfg)
         try:
             self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -102,7 +101,7 @@ class Service(UpdateRequests, Replacement, Monitoring, Listening, Discarding):
             raise UserError(f"cannot create the service's state directory {self.dir}: {os.strerror(e.errno)}") from None
         name = self.cfg.store_name()
         # the store's files are this service's before anything of them is read, written or deleted
-        self.owner = Ownership.take(name, (self.dir, self.cfg.tiers.dram.path),
+        self.owner = Ownership.take(name, (self.dir, self.cfg.tiers.host_tier.path),
                                     {"name": name, "config": str(Path(config_path).resolve()),
                                      "state_dir": str(self.dir.resolve())})
         self.record_path = self.dir / f"{name}.run.json"
@@ -147,10 +146,11 @@ class Service(UpdateRequests, Replacement, Monitoring, Listening, Discarding):
             return
         make_private(self.record_path)
         record = json.loads(self.record_path.read_text())
-        recorded = record.get("arena_dir", self.cfg.tiers.dram.path)
-        if Path(recorded).resolve() != Path(self.cfg.tiers.dram.path).resolve():
+        arena_dir = self.cfg.tiers.host_tier.path
+        recorded = record.get("arena_dir", arena_dir)
+        if Path(recorded).resolve() != Path(arena_dir).resolve():
             raise UserError(f"the run this service holds has its arena in {recorded}, but the config's "
-                            f"tiers.dram.path is {self.cfg.tiers.dram.path}; put the path back, or start with "
+                            f"tiers.dram.path is {arena_dir}; put the path back, or start with "
                             "--fresh to discard the run")
         arena = Path(recorded) / f"{self.cfg.store_name()}.arena"
         journal = Journal(self.journal_path)
@@ -173,7 +173,7 @@ class Service(UpdateRequests, Replacement, Monitoring, Listening, Discarding):
         run = self._make_run(record, specs, store, journal)
         st = run.state
         if record["undo"] is not None:
-            store.dram.allocator.reserve(Extent(*record["undo"]))
+            store.tiers.host.allocator.reserve(Extent(*record["undo"]))
         for g, v in st.versions.items():
             store.catalog.bump(g, to=v)
         if st.inflight is not None and st.inflight[1] > st.versions.get(st.inflight[0], 0):
@@ -222,22 +222,24 @@ class Service(UpdateRequests, Replacement, Monitoring, Listening, Discarding):
                      f"pass{'es' if plan.passes > 1 else ''} a step, the trainer's GPU worker updating {share:.0%} of "
                      "the groups")
         else:  # (no workload sent, or every kind pinned: the fixed rule)
-            plan, told = make_plan(specs, self.plan_cfg, ("param",), dict(default_budgets(self.cfg), gpu=0)), None
+            budgets = {**default_budgets(self.cfg), registry.primary(DEVICE): 0}
+            plan, told = make_plan(specs, self.plan_cfg, ("param",), budgets), None
             share = gpu_share(self.plan_cfg)
         undo = undo_bytes(specs, optim.has_master)  # any group may have to go in place (no room elsewhere)
         moved = ("master" if optim.has_master else "param", *MOMENTS)
         # both workers write out of place
-        spare = {t: room_for_new_state(specs, plan, moved, t) for t in ("dram", "nvme")}
+        host, disk = registry.primary(HOST), shared_disk()
+        spare = {t: room_for_new_state(specs, plan, moved, t) for t in (host, disk)}
         for p in (self.record_path, self.journal_path):
             p.unlink(missing_ok=True)
-        store = create_store(self.plan_cfg, specs, plan, undo + spare["dram"], spare["nvme"], self.arena_owner())
+        store = create_store(self.plan_cfg, specs, plan, undo + spare[host], spare[disk], self.arena_owner())
         try:
-            ext = store.dram.allocate(undo) if undo else None
+            ext = store.tiers.host.allocate(undo) if undo else None
             record = {"format": 1, "run": msg["run"], "label": dict(msg.get("label") or {}), "created": time.time(),
                       "specs": [spec_to_json(s) for s in specs], "layout": layout_of(store), "epoch": 0,
-                      "arena_dir": self.cfg.tiers.dram.path, "config": str(Path(self.config_path).resolve()),
+                      "arena_dir": self.cfg.tiers.host_tier.path, "config": str(Path(self.config_path).resolve()),
                       "undo": [ext.offset, ext.nbytes] if ext else None, "optim": optim.to_json(), "gpu_share": share,
-                      "nvme_capacity": store.nvme.capacity if store.nvme is not None else 0}
+                      "nvme_capacity": store.tiers[disk].capacity if disk in store.tiers else 0}
             if told is not None:
                 record["plan"] = told
             write_atomic(self.record_path, record)
@@ -343,13 +345,13 @@ class Service(UpdateRequests, Replacement, Monitoring, Listening, Discarding):
                     "ev": "version", "group": g, "version": v, "layout": layout_of(r.store, g)})
                 self.say(f"trainer pid {client.pid} attached to run {label_of(run)} at step {run.state.committed}"
                          + (f" (rank 0 of {world})" if world > 1 else ""))
-            st, cfg, nvme = run.state, self.cfg, run.store.nvme
+            st, cfg, disk = run.state, self.cfg, shared_disk()
             lost = self.lost if self.lost is not None and self.lost["run"] == run_id and not st.initialized else None
             return {"initialized": st.initialized, "resume": lost, "committed": st.committed, "updated": st.updated,
                     "versions": [[g, run.store.catalog.version(g)] for g in run.optimizer.groups],
                     "layout": layout_of(run.store), "specs": run.record["specs"],
-                    "arena": {"name": cfg.store_name(), "dir": cfg.tiers.dram.path},
-                    "nvme": shared_description(nvme, cfg.tiers.nvme),
+                    "arena": {"name": cfg.store_name(), "dir": cfg.tiers.host_tier.path},
+                    DISK_FIELD: shared_description(run.store.tiers.get(disk), cfg.tiers[disk]),
                     "config": to_plain(cfg), "gpu_share": run.record["gpu_share"], "plan": run.record.get("plan"),
                     "trainer_groups": [g for g in run.optimizer.groups if g in client.groups], "replaced": replaced}
 
@@ -412,7 +414,7 @@ class Service(UpdateRequests, Replacement, Monitoring, Listening, Discarding):
     def _progress(self, client: Client, msg: dict) -> dict:
         run = self._attached(client, msg)
         live = object_of(msg, "live", {"optimizer": {"split": {}}})
-        store = object_of(msg, "store", {"tiers": {"gpu": {}}, "links": {}, "waits_s": {}})
+        store = object_of(msg, "store", {"tiers": {registry.primary(DEVICE): {}}, "links": {}, "waits_s": {}})
         problem = run_problem(live, "live") or store_problem(store)  # (kept, they are shown by top and stats)
         if problem is not None:
             raise RequestError(f"bad progress: {problem}")

@@ -12,6 +12,8 @@ to its service: ``trainer.parallel.dp_service``.)
 from __future__ import annotations
 
 from tiermem.errors import ConfigError
+from tiermem.tiers import registry
+from tiermem.tiers.base import DEVICE
 from trainer.state import HOST_PATH, store_config, store_settings
 
 NOT_YET = "is not supported yet with several ranks"
@@ -30,7 +32,7 @@ def check_supported(cfg, world, mcfg=None) -> None:
                           f"{world.size // world.local_size} hosts): a service is one host's store; drop "
                           "tiermem_server (each host then has an embedded store) or run on one host")
     chosen = store_settings(cfg.tiermem)
-    on_gpu = sorted(k for k, t in chosen.pins().items() if t == "gpu")
+    on_gpu = sorted(k for k, t in chosen.pins().items() if t == registry.primary(DEVICE))
     if "param" in on_gpu:
         raise ConfigError(f"placement pins param to gpu: the compute copy in HBM {NOT_YET} ({n}: every rank "
                           "reads every group's from the host's arena); pin it to dram or nvme")

@@ -14,12 +14,14 @@ import torch
 
 from tiermem.config import KINDS, StoreConfig
 from tiermem.errors import BudgetError
-from tiermem.plan.costmodel import describe_bound
+from tiermem.plan.costmodel import GPU, describe_bound
 from tiermem.plan.machine import Machine, machine_for  # noqa: F401 - (machine_for: the callers' name)
 from tiermem.plan.placement import Plan
 from tiermem.plan.planner import ADVICE_GAIN, TIE, compute_bound_at, plan_step, recommended_at, tflops
 from tiermem.plan.workload import Workload
 from tiermem.sizes import format_size
+from tiermem.tiers import registry
+from tiermem.tiers.base import DEVICE, HOST, STORAGE
 from trainer.config import MAX_MICRO_BATCHES as MAX_PIECES
 from trainer.planning import plan_workload
 from trainer.run import pieces
@@ -130,26 +132,23 @@ def local_budgets(scfg: StoreConfig, mcfg, dtype: torch.dtype, out_dir, saves: b
     but the time of the run. Where the disk takes holes punched in a file, the exported model's room is only
     kept from the state that stays on NVMe to the end (``nvme_kept``): the gradients and moments there are
     discarded before the export."""
-    import os
-
     from tiermem.plan.placement import default_budgets
-    from tiermem.tiers.nvme import can_punch_holes, directories, existing_parent
+    from tiermem.tiers.drives import drive_of, gives_bytes_back
 
-    b = {**default_budgets(scfg), "gpu": scfg.tiers.gpu.budget}
-    nv = scfg.tiers.nvme
-    if nv is not None and nv.budget is None and b.get("nvme") is not None and out_dir is not None:
-        out_dev = os.stat(existing_parent(str(out_dir))).st_dev
-        same = [w for w in map(existing_parent, map(str, directories(nv))) if os.stat(w).st_dev == out_dev]
-        if same:  # (one of the tier's disks is output_dir's)
-            where = same[0]
+    device, _, disk = plan_tiers()
+    b = {**default_budgets(scfg), device: scfg.tiers.device_tier.budget}
+    nv = scfg.tiers[disk]
+    if nv is not None and nv.budget is None and b.get(disk) is not None and out_dir is not None:
+        where = drive_of(nv, out_dir)
+        if where is not None:  # (one of the tier's disks is output_dir's)
             n = mcfg.num_params()
             export = n * torch.empty((), dtype=dtype).element_size()
             ckpt = n * (2 + 12) if saves else 0
-            b["nvme"] = max(0, b["nvme"] - ckpt)
-            if can_punch_holes(where):  # (the state the export does not read is discarded before it)
-                b["nvme_kept"] = max(0, b["nvme"] - export)
+            b[disk] = max(0, b[disk] - ckpt)
+            if gives_bytes_back(where):  # (the state the export does not read is discarded before it)
+                b[f"{disk}_kept"] = max(0, b[disk] - export)
             else:
-                b["nvme"] = max(0, b["nvme"] - export)
+                b[disk] = max(0, b[disk] - export)
     return b
 
 
@@ -158,16 +157,28 @@ def budgets_for(scfg: StoreConfig, machine: Machine) -> dict:
     for DRAM and, for NVMe, its disks' room where the probe or the machine file gave it (else this disk's)."""
     from tiermem.plan.placement import default_budgets
 
+    device, host, disk = plan_tiers()
     here = default_budgets(scfg)
-    dram = scfg.tiers.dram.budget if scfg.tiers.dram.budget is not None else int(machine.ram * 0.9)
-    nvme = None
-    if scfg.tiers.nvme is not None:
-        nvme = scfg.tiers.nvme.budget if scfg.tiers.nvme.budget is not None else (
-            machine.disk_free if machine.disk_free is not None else here["nvme"])  # (0: a machine file's no disk)
-    out = {"gpu": scfg.tiers.gpu.budget, "dram": dram, "nvme": nvme}
-    if nvme is not None and machine.disk_free is not None:  # (its refusals name that machine's disks, not this one's)
-        out["nvme_free"] = machine.disk_free
+    arena = scfg.tiers.host_tier.budget if scfg.tiers.host_tier.budget is not None else int(machine.ram * 0.9)
+    on_disk, section = None, scfg.tiers[disk]
+    if section is not None:
+        on_disk = section.budget if section.budget is not None else (
+            machine.disk_free if machine.disk_free is not None else here[disk])  # (0: a machine file's no disk)
+    out = {device: scfg.tiers.device_tier.budget, host: arena, disk: on_disk}
+    if on_disk is not None and machine.disk_free is not None:  # (refusals name that machine's disks, not this one's)
+        out[f"{disk}_free"] = machine.disk_free
     return out
+
+
+def plan_tiers() -> tuple[str, str, str]:
+    """The tiers a plan's lines and its JSON tell, by their roles: the device tier, the store's host tier and the
+    first storage tier (the built-in ones: a tier added at run time is not among them)."""
+    return registry.primary(DEVICE), registry.primary(HOST), registry.of_role(STORAGE)[0]
+
+
+def disk_resource() -> str:
+    """The cost model's resource of that storage tier's disk (its reads and writes)."""
+    return registry.tier_type(plan_tiers()[2]).resource
 
 
 def span(groups: list) -> str:
@@ -188,7 +199,8 @@ def where_lines(plan: Plan) -> list[str]:
     """Per tier: the kinds it holds and of which groups."""
     out = []
     groups = plan.workload.groups
-    for tier in ("gpu", "dram", "nvme"):
+    device = registry.primary(DEVICE)
+    for tier in plan_tiers():
         by_kind = {}
         for k in KINDS:
             gs = [g for g in groups if plan.where.get((g, k)) == tier]
@@ -203,32 +215,33 @@ def where_lines(plan: Plan) -> list[str]:
             seen.setdefault(tuple(map(str, gs)), ([], gs))[0].append(k)
         parts = [f"{'+'.join(ks)} of {span(gs) if len(gs) < len(groups) else 'every group'}"
                  for ks, gs in seen.values()]
-        ranks = len(set(plan.owners.values())) if tier == "gpu" and plan.owners else 0
+        ranks = len(set(plan.owners.values())) if tier == device and plan.owners else 0
         where = f" over {ranks} ranks' GPUs (each group's in its owner's)" if ranks > 1 else ""
         out.append(f"{tier} {format_size(size)}{where}: " + "; ".join(parts))
     return out
 
 
 def budget_lines(plan: Plan) -> list[str]:
-    need = plan.need()
-    out = [f"gpu: state {format_size(need['gpu'])} + activations {format_size(plan.activation_bytes)} of "
+    need, (device, host, disk) = plan.need(), plan_tiers()
+    out = [f"{device}: state {format_size(need[device])} + activations {format_size(plan.activation_bytes)} of "
            f"{format_size(plan.hbm_room)} usable HBM"]
-    for t in ("dram", "nvme"):
+    for t in (host, disk):
         b = plan.budgets.get(t)
         if need[t] or b:
             acts = f" (boundary activations {format_size(plan.act_host_bytes)} of it)" \
-                if t == "dram" and plan.act_host_bytes else ""
+                if t == host and plan.act_host_bytes else ""
             out.append(f"{t}: {format_size(need[t])}{acts} of {'no limit' if b is None else format_size(b)}")
     return out
 
 
 def split_line(plan: Plan) -> str:
     p = plan.prediction
-    names = {"gpu": "GPU compute", "gpu_adamw": "GPU AdamW", "h2d": "PCIe in", "d2h": "PCIe out",
+    names = {GPU: "GPU compute", "gpu_adamw": "GPU AdamW", "h2d": "PCIe in", "d2h": "PCIe out",
              "cpu": "CPU AdamW"}
-    parts = [f"{names[r]} {p.busy[r]:.2f}s" for r in ("gpu", "gpu_adamw", "h2d", "d2h", "cpu") if p.busy[r] > 0]
-    if p.busy["nvme"] > 0:
-        parts.append(f"NVMe {p.busy['nvme']:.2f}s (read {p.nvme_read:.2f} + write {p.nvme_write:.2f})")
+    parts = [f"{names[r]} {p.busy[r]:.2f}s" for r in names if p.busy[r] > 0]
+    disk = disk_resource()
+    if p.busy[disk] > 0:
+        parts.append(f"NVMe {p.busy[disk]:.2f}s (read {p.nvme_read:.2f} + write {p.nvme_write:.2f})")
     return ", ".join(parts)
 
 
@@ -279,7 +292,7 @@ def report(plan: Plan, ga: int) -> dict:
     for (_g, k), b in plan.group_bytes.items():
         by_kind[k] = by_kind.get(k, 0) + b
     tiers = {}
-    for t in ("gpu", "dram", "nvme"):
+    for t in plan_tiers():
         tiers[t] = {"need": plan.need()[t], "budget": plan.budgets.get(t),
                     "kinds": {k: [str(g) for g in w.groups if plan.where.get((g, k)) == t] for k in KINDS
                               if any(plan.where.get((g, k)) == t for g in w.groups)}}
@@ -317,8 +330,9 @@ def advice(plan: Plan, ga: int, bound_at, advised=None) -> str | None:
                      f"within {ADVICE_GAIN:.0%} of the compute-bound rate ({top:,.0f} tokens/s from {k_cb})")
             best = (rate, f"raise gradient_accumulation_steps to {k}: {rate:,.0f} tokens/s (+{rate / now - 1:.0%}), "
                           f"{there}")
-    if p.bound == "nvme" or p.busy["nvme"] > 0.5 * p.step:
-        rate = now * min(2.0, p.step / max(p.busy["gpu"], 1e-9))
+    disk = disk_resource()
+    if p.bound == disk or p.busy[disk] > 0.5 * p.step:
+        rate = now * min(2.0, p.step / max(p.busy[GPU], 1e-9))
         if rate > (1 + ADVICE_GAIN) * now and (best is None or rate > best[0]):
             best = (rate, "the disk bounds the step: more DRAM (tiers.dram.budget) or a faster disk moves it "
                           f"toward {rate:,.0f} tokens/s")
