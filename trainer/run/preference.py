@@ -16,7 +16,8 @@ every pair through the same executor, with the weights of ``ref_model`` loaded i
 starting weights loaded back after), or, when ``ref_model`` is unset, with the starting weights themselves before
 the first update. The figures (one float a row) are saved in every checkpoint (``tiermem_reference.json``), with
 a digest of the rows they belong to, and a resume reads them back rather than recompute them from weights that
-have moved.
+have moved. A run attached to a service also keeps them in its output_dir (the same file) as soon as they are
+computed: a rerun that continues the service's run (not a checkpoint) after its trainer was killed reads them there.
 
 Several ranks: a step's pairs are split over the ranks (whole pairs each), and the head weights every rank's
 pairs by 1 / (the pairs of the whole step, summed over the ranks), as SFT's loss counts the whole step's tokens;
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,15 +168,18 @@ def check_ref_model(cfg, mcfg, model_config) -> None:
 
 
 def prepare_reference(job, session, executor, start: int, ranks, say, console=None) -> Reference | None:
-    """The reference's figures of the run (None: the loss needs none): read from the checkpoint resumed, or
-    computed now, before the first update, with ``ref_model``'s weights or the starting ones (a bar on
-    ``console``); ``ranks``: the run's (``trainer.parallel.ranks``)."""
+    """The reference's figures of the run (None: the loss needs none): read from the checkpoint resumed, or from
+    output_dir when the run continues a service's run, or computed now, before the first update, with
+    ``ref_model``'s weights or the starting ones (a bar on ``console``); ``ranks``: the run's
+    (``trainer.parallel.ranks``)."""
     cfg = job.cfg
     if cfg.stage != "dpo" or not pref_loss_of(cfg).uses_reference:
         return None
     digest = rows_digest(job.rows)
     if job.resume is not None:
         return _from_checkpoint(job.resume, digest)
+    if session.continues_at:  # (the service's run has moved from the starting weights: read when it attached)
+        return job.reference
     source = cfg.ref_model or "the starting model"
     # (a ref_model that is the model trained: its weights are the starting ones, already in the store)
     other = cfg.ref_model is not None and Path(cfg.ref_model).resolve() != Path(job.model_dir).resolve()
@@ -195,7 +200,10 @@ def prepare_reference(job, session, executor, start: int, ranks, say, console=No
     flops = 2 * job.n_params * tokens
     say(f"reference log-probabilities of {job.rows.examples} pairs ({source}): {tokens:,} tokens in {seconds:.2f}s, "
         f"{flops / max(seconds, 1e-9) / 1e12:.3g} TFLOP/s (forward: 2 x params x tokens)")
-    return Reference(sums, str(source), digest)
+    reference = Reference(sums, str(source), digest)
+    if not session.embedded and ranks.lead:  # (a rerun that continues the service's run reads them there)
+        _write(job.out / REFERENCE_FILE, reference.state())
+    return reference
 
 
 def _swap(job, session, ranks, model_dir: Path) -> None:
@@ -253,6 +261,20 @@ def _from_checkpoint(path: Path, digest: str) -> Reference:
     return _read(f, digest, "resume with the data it was trained on")
 
 
+def kept_reference(job, step: int) -> Reference | None:
+    """The figures an attached run kept in its output_dir, when a rerun continues the service's run at ``step`` > 0
+    (read as it attaches, before training begins: a run without them cannot continue); None: it needs none."""
+    cfg = job.cfg
+    if cfg.stage != "dpo" or not pref_loss_of(cfg).uses_reference or not step:
+        return None
+    out, digest = job.out, rows_digest(job.rows)
+    f = Path(out) / REFERENCE_FILE
+    if not f.is_file():
+        raise ConfigError(f"{out} holds no reference log-probabilities ({REFERENCE_FILE}), which the service's run "
+                          f"at step {step} was trained with; rerun with overwrite_output_dir: true to start afresh")
+    return _read(f, digest, "rerun with overwrite_output_dir: true to start afresh")
+
+
 def _read(f: Path, digest: str, fix: str) -> Reference:
     data = json.loads(f.read_text())
     if data.get("digest") != digest:
@@ -260,3 +282,9 @@ def _read(f: Path, digest: str, fix: str) -> Reference:
                           f"dataset, template or cutoff_len changed); {fix}")
     return Reference([float(x) for x in data["sums"]], str(data.get("source")), digest)
 
+
+def _write(f: Path, state: dict) -> None:
+    """``state`` as JSON at ``f``, whole or not at all (a trainer killed while writing it leaves the old file)."""
+    tmp = f.with_name(f.name + ".tmp")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, f)
