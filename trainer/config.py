@@ -298,8 +298,6 @@ def _check_preference(c: TrainConfig, bad) -> None:
     if c.eval_dataset is not None or c.val_size > 0 or c.do_eval:
         bad("stage dpo: evaluation is not supported yet (its rewards and accuracies); remove eval_dataset, val_size "
             "and eval_strategy")
-    if c.tiermem_server:
-        bad("stage dpo: a run attached to a service (tiermem_server) is not supported yet")
     rows = c.tiermem_physical_batch_size
     if isinstance(rows, int) and not isinstance(rows, bool) and rows % 2:
         bad(f"tiermem_physical_batch_size must be even in stage dpo (a piece holds whole pairs), got {rows}")

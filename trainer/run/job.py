@@ -60,8 +60,6 @@ def prepare(cfg: TrainConfig, console: Console, say, ranks) -> Job:
     model_dir = Path(cfg.model_name_or_path)
     mcfg = model_config(model_dir, cfg)
     ranks.check_model(cfg, mcfg)
-    if cfg.stage == "dpo" and ranks.size > 1:
-        raise ConfigError("stage dpo with several ranks is not supported yet: run it in one process")
     check_ref_model(cfg, mcfg, model_config)
     if mcfg.sliding_window is not None and cfg.cutoff_len > mcfg.sliding_window:
         raise ConfigError(f"cutoff_len {cfg.cutoff_len} exceeds the model's sliding_window {mcfg.sliding_window}; "

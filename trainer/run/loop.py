@@ -73,7 +73,7 @@ def train(job: Job, session: Session, start: int, ranks, console: Console, say,
     try:
         outputs.start(ranks.lead)  # output_dir's lock, training_args.yaml, the plan, TensorBoard
         executor = make_executor(job, session, ranks)
-        job.reference = prepare_reference(job, session, executor, start, say, console)  # (stage dpo: before any update)
+        job.reference = prepare_reference(job, session, executor, start, ranks, say, console)  # (dpo: before updates)
         report = outputs.log(start, pauses)
         watcher = PlanWatcher(job, session, ranks, out, start, report)
         outputs.follow(executor, watcher)  # the stats file

@@ -20,6 +20,7 @@ from trainer.outputs import checkpoint as ckpt
 from trainer.outputs.resume import checked_resume
 from trainer.planning import run_plan
 from trainer.planning.placing import step_shape
+from trainer.run.preference import kept_reference
 from trainer.state import state_specs
 
 
@@ -46,12 +47,14 @@ def open_training_session(job, ranks, say) -> Session:
                 "discarded; this run starts at step 0 (overwrite_output_dir: false continues a service's run)")
         if session.service_plan is not None:  # the service planned the run (as an embedded run plans)
             job.store_plan = run_plan.from_service(session.service_plan, specs, workload,
-                                                   cfg.per_device_train_batch_size)
+                                                   cfg.micro_rows)  # (stage dpo: two rows a pair)
             for line in run_plan.lines(job.store_plan):
                 say(line)
         if session.continues_at is None:  # a new run in the service (from the checkpoint it names, if it lost one)
             job.resume = checked_resume(cfg, job.out, mcfg, job.model_dir, session.named_checkpoint, say,
                                         loads=ranks.loads_checkpoint)
+        else:  # (stage dpo: the reference's figures the service's run was trained with)
+            job.reference = kept_reference(job, session.continues_at)
     except BaseException:
         session.close()
         raise

@@ -16,13 +16,22 @@ every pair through the same executor, with the weights of ``ref_model`` loaded i
 starting weights loaded back after), or, when ``ref_model`` is unset, with the starting weights themselves before
 the first update. The figures (one float a row) are saved in every checkpoint (``tiermem_reference.json``), with
 a digest of the rows they belong to, and a resume reads them back rather than recompute them from weights that
-have moved.
+have moved. A run attached to a service also keeps them in its output_dir (the same file) as soon as they are
+computed: a rerun that continues the service's run (not a checkpoint) after its trainer was killed reads them there.
+
+Several ranks: a step's pairs are split over the ranks (whole pairs each), and the head weights every rank's
+pairs by 1 / (the pairs of the whole step, summed over the ranks), as SFT's loss counts the whole step's tokens;
+the logged figures are sums over the ranks divided by that count. The reference's pass gives each rank every
+world-size-th micro-batch, and the figures are summed over the ranks (each row's is one rank's, the others add
+0), so every rank holds all of them, the lead to save them. With ``ref_model`` the host's first rank loads its
+weights into the shared store and the starting ones back, the ranks waiting for each other around the pass.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,20 +72,28 @@ def describe(cfg, n_pairs: int | None = None) -> str:
 class PreferenceHead:
     """The executor's head objective of stage dpo (see the module's docstring)."""
 
-    def __init__(self, loss: PrefLoss):
-        self.loss = loss
+    def __init__(self, loss: PrefLoss, world=None):
+        """``world`` (``trainer.parallel.dist.World``, several ranks): the step's pairs and figures are the
+        world's sums."""
+        self.loss, self.world = loss, world
         self._sums: dict[str, torch.Tensor] = {}
         self._pairs = 0
 
     def begin(self, batches: list) -> float:
-        """A step over ``batches`` begins: the scale of its pairs' summed losses (1 / its pairs)."""
-        self._pairs = sum(b[0].shape[0] for b in batches) // 2
+        """A step over ``batches`` (this rank's) begins: the scale of its pairs' summed losses (1 / the step's
+        pairs, every rank's)."""
+        pairs = sum(b[0].shape[0] for b in batches) // 2
+        self._pairs = pairs if self.world is None else int(self.world.sum([pairs])[0])
         self._sums = {}
         return 1.0 / max(self._pairs, 1)
 
     def figures(self) -> dict[str, float]:
-        """The step's figures, each a mean over its pairs."""
-        return {k: float(v) / max(self._pairs, 1) for k, v in self._sums.items()}
+        """The step's figures, each a mean over its pairs (every rank's)."""
+        if self.world is None:
+            return {k: float(v) / max(self._pairs, 1) for k, v in self._sums.items()}
+        keys = self.loss.logged()
+        got = self.world.sum([float(self._sums.get(k, 0.0)) for k in keys])
+        return {k: v / max(self._pairs, 1) for k, v in zip(keys, got)}
 
     def head_loss_backward(self, model, batch):
         """The head's loss and backward over the piece ``batch`` (its rows in pairs), with the stages' signature
@@ -150,69 +167,90 @@ def check_ref_model(cfg, mcfg, model_config) -> None:
     check_weight_files(ref, cfg.ref_model)
 
 
-def prepare_reference(job, session, executor, start: int, say, console=None) -> Reference | None:
-    """The reference's figures of the run (None: the loss needs none): read from the checkpoint resumed, or
-    computed now, before the first update, with ``ref_model``'s weights or the starting ones (a bar on
-    ``console``)."""
+def prepare_reference(job, session, executor, start: int, ranks, say, console=None) -> Reference | None:
+    """The reference's figures of the run (None: the loss needs none): read from the checkpoint resumed, or from
+    output_dir when the run continues a service's run, or computed now, before the first update, with
+    ``ref_model``'s weights or the starting ones (a bar on ``console``); ``ranks``: the run's
+    (``trainer.parallel.ranks``)."""
     cfg = job.cfg
     if cfg.stage != "dpo" or not pref_loss_of(cfg).uses_reference:
         return None
     digest = rows_digest(job.rows)
     if job.resume is not None:
         return _from_checkpoint(job.resume, digest)
+    if session.continues_at:  # (the service's run has moved from the starting weights: read when it attached)
+        return job.reference
     source = cfg.ref_model or "the starting model"
     # (a ref_model that is the model trained: its weights are the starting ones, already in the store)
     other = cfg.ref_model is not None and Path(cfg.ref_model).resolve() != Path(job.model_dir).resolve()
     if other:
-        _load_param(job, session, Path(cfg.ref_model))
+        _swap(job, session, ranks, Path(cfg.ref_model))
     t0 = time.perf_counter()
     if console is None:
-        sums, tokens = _forward(job, executor, start)
+        sums, tokens = _forward(job, executor, start, ranks)
     else:
         from trainer.outputs.report import progress_bar
 
         with progress_bar(console) as bar:
             task = bar.add_task("reference log-probabilities", total=job.rows.examples)
-            sums, tokens = _forward(job, executor, start, lambda n: bar.advance(task, n))
+            sums, tokens = _forward(job, executor, start, ranks, lambda n: bar.advance(task, n))
     seconds = time.perf_counter() - t0
     if other:
-        _load_param(job, session, job.model_dir)  # (the starting weights back)
+        _swap(job, session, ranks, job.model_dir)  # (the starting weights back)
     flops = 2 * job.n_params * tokens
     say(f"reference log-probabilities of {job.rows.examples} pairs ({source}): {tokens:,} tokens in {seconds:.2f}s, "
         f"{flops / max(seconds, 1e-9) / 1e12:.3g} TFLOP/s (forward: 2 x params x tokens)")
-    return Reference(sums, str(source), digest)
+    reference = Reference(sums, str(source), digest)
+    if not session.embedded and ranks.lead:  # (a rerun that continues the service's run reads them there)
+        _write(job.out / REFERENCE_FILE, reference.state())
+    return reference
 
 
-def _load_param(job, session, model_dir: Path) -> None:
+def _swap(job, session, ranks, model_dir: Path) -> None:
+    """The compute copy of ``model_dir``'s weights in the store: loaded by the process that fills it (several
+    ranks: the host's first), the ranks waiting for each other before (no rank still reads the weights before)
+    and after (every rank reads these)."""
+    ranks.world.barrier()
+    if ranks.fills_store:
+        _load_param(job, session, model_dir, ranks.held())
+    ranks.world.barrier()
+
+
+def _load_param(job, session, model_dir: Path, names: set | None) -> None:
     from trainer.outputs.weights_io import import_weights
 
-    import_weights(session.store, job.mcfg, model_dir, {"param": job.dtype})
+    import_weights(session.store, job.mcfg, model_dir, {"param": job.dtype}, names=names)
 
 
-def _forward(job, executor, version: int, progress=None) -> tuple[list[float], int]:
+def _forward(job, executor, version: int, ranks, progress=None) -> tuple[list[float], int]:
     """Every row's summed log-probability with the weights of ``version``, a step's micro-batches at a time (the
-    pieces the executor computes at once); (the figures by row, the non-padding tokens). ``progress(pairs)``."""
+    pieces the executor computes at once; several ranks: every world-size-th micro-batch each, the figures
+    summed over the ranks); (the figures by row, the non-padding tokens). ``progress(pairs)``: this rank's."""
     from trainer.run import pieces
     from trainer.run.stepping import pad_id
 
     cfg, rows = job.cfg, job.rows
     bs, group = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
     pairs = list(range(rows.examples))
-    mbs = [pairs[i: i + bs] for i in range(0, len(pairs), bs)]
-    sums: list[float] = []
+    mbs = ranks.shard([pairs[i: i + bs] for i in range(0, len(pairs), bs)])
+    sums = [0.0] * (2 * rows.examples)
     tokens = 0
     for g in range(0, len(mbs), group):
-        batches = []
+        batches, order = [], []
         for idx in mbs[g: g + group]:
             r = rows.rows_of(idx)
+            order += r
             batches.append(collate([rows.input_ids[i] for i in r], [rows.labels[i] for i in r], pad_id(job.mcfg)))
         cut = pieces.cut(batches, executor.piece_rows)
         tokens += sum(b[2] for b in cut)
-        for ce in executor.forward_losses(cut, version, per_row=True):
-            sums += [-float(x) for x in ce]
+        mine = [-float(x) for ce in executor.forward_losses(cut, version, per_row=True) for x in ce]
+        for r, v in zip(order, mine, strict=True):
+            sums[r] = v
         if progress is not None:
             progress(sum(len(idx) for idx in mbs[g: g + group]))
-    return sums, tokens
+    if ranks.size > 1:  # (each row's figure is one rank's: the others add 0.0, exactly)
+        *sums, tokens = ranks.sum([*sums, tokens])
+    return sums, int(tokens)
 
 
 def _from_checkpoint(path: Path, digest: str) -> Reference:
@@ -220,8 +258,33 @@ def _from_checkpoint(path: Path, digest: str) -> Reference:
     if not f.is_file():
         raise ConfigError(f"{path} holds no reference log-probabilities ({REFERENCE_FILE}): it is not a stage dpo "
                           "checkpoint; train from its model (model_name_or_path) instead of resuming")
+    return _read(f, digest, "resume with the data it was trained on")
+
+
+def kept_reference(job, step: int) -> Reference | None:
+    """The figures an attached run kept in its output_dir, when a rerun continues the service's run at ``step`` > 0
+    (read as it attaches, before training begins: a run without them cannot continue); None: it needs none."""
+    cfg = job.cfg
+    if cfg.stage != "dpo" or not pref_loss_of(cfg).uses_reference or not step:
+        return None
+    out, digest = job.out, rows_digest(job.rows)
+    f = Path(out) / REFERENCE_FILE
+    if not f.is_file():
+        raise ConfigError(f"{out} holds no reference log-probabilities ({REFERENCE_FILE}), which the service's run "
+                          f"at step {step} was trained with; rerun with overwrite_output_dir: true to start afresh")
+    return _read(f, digest, "rerun with overwrite_output_dir: true to start afresh")
+
+
+def _read(f: Path, digest: str, fix: str) -> Reference:
     data = json.loads(f.read_text())
     if data.get("digest") != digest:
-        raise ConfigError(f"{path}: its reference log-probabilities are of other rows than this run's (the dataset, "
-                          "template or cutoff_len changed); resume with the data it was trained on")
+        raise ConfigError(f"{f.parent}: its reference log-probabilities are of other rows than this run's (the "
+                          f"dataset, template or cutoff_len changed); {fix}")
     return Reference([float(x) for x in data["sums"]], str(data.get("source")), digest)
+
+
+def _write(f: Path, state: dict) -> None:
+    """``state`` as JSON at ``f``, whole or not at all (a trainer killed while writing it leaves the old file)."""
+    tmp = f.with_name(f.name + ".tmp")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, f)

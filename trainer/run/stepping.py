@@ -28,7 +28,8 @@ def make_executor(job, session, ranks) -> Executor:
                         activation_budget(cfg, store, plan), kept_layers(cfg, plan), reducer=ranks.reducer(),
                         piece_rows=rows, act_host=activations_home(cfg, plan))
     if dpo:
-        executor.objective = PreferenceHead(pref_loss_of(cfg))
+        # (several ranks: the step's pairs and figures are the world's)
+        executor.objective = PreferenceHead(pref_loss_of(cfg), ranks.world if ranks.size > 1 else None)
     return executor
 
 
