@@ -94,6 +94,6 @@ def test_the_dpo_shape_run_is_pairs_and_planned_as_two_rows_a_pair(tmp_path, cap
     assert run.returncode == 0, run.stderr
     pair = json.loads((tmp_path / "data" / "tokens.jsonl").read_text().splitlines()[0])
     assert pair["chosen_input_ids"][:4] == pair["rejected_input_ids"][:4] and pair["chosen_labels"][:4] == [-100] * 4
-    assert tiermem(["plan", str(tmp_path / "train.yaml"), "cutoff_len=2048"]) == 0
+    assert tiermem(["plan", str(tmp_path / "train.yaml"), "cutoff_len=2048", "--probe", "h200"]) == 0  # (the GPU's)
     out = capsys.readouterr().out
     assert "8 x 2 rows x 2048 tokens" in out and "stage dpo: DPO (sigmoid)" in out, out

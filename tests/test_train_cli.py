@@ -79,7 +79,7 @@ def test_console_script_reports_a_user_error_in_one_line(tmp_path):
     exe = shutil.which("tiermem-train", path=os.path.dirname(sys.executable)) or shutil.which("tiermem-train")
     cmd = [exe] if exe else [sys.executable, "-m", "trainer.cli"]
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("model_name_or_path: /nonexistent\ndataset: x\noutput_dir: " + str(tmp_path / "o") + "\n")
+    cfg.write_text("model_name_or_path: /nonexistent\ndataset: demo_alpaca\noutput_dir: " + str(tmp_path / "o") + "\n")
     r = subprocess.run(cmd + [str(cfg)], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("tiermem-train: error: ") and "Traceback" not in r.stderr
