@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from tests.procs import ROOT
+from tests.test_config_keys import _write  # (a config over a model and a dataset that are there)
 from tiermem.config import OptimizerConfig, StoreConfig
 from tiermem.tiers import registry
 from trainer.cli import main
@@ -70,21 +71,6 @@ def test_keys_prints_each_key_with_its_type_default_and_meaning(capsys):
     lines = out.splitlines()
     for f in dataclasses.fields(TrainConfig):
         assert sum(line.startswith(f"  {f.name}: ") for line in lines) == 1, f.name
-
-
-def _write(tmp_path, **keys):
-    """A config whose only problem is ``keys`` (the config's check reads the model's config.json and the dataset's
-    entry and file: they are there)."""
-    (tmp_path / "m").mkdir(exist_ok=True)
-    (tmp_path / "m" / "config.json").write_text("{}")
-    (tmp_path / "data").mkdir(exist_ok=True)
-    (tmp_path / "data" / "dataset_info.json").write_text('{"d": {"file_name": "d.json"}}')
-    (tmp_path / "data" / "d.json").write_text("[]")
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump({"model_name_or_path": str(tmp_path / "m"), "dataset": "d",
-                                    "dataset_dir": str(tmp_path / "data"), "output_dir": str(tmp_path / "out"),
-                                    **keys}))
-    return path
 
 
 @pytest.mark.parametrize("key,value,needle", [

@@ -12,13 +12,12 @@ for a plan of the CPU stand-in, whose first steps correct the prediction.
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import psutil
 import torch
 
-from tiermem.plan.machine import H200, Machine, adamw_rate, copy_rate, disk_rates, worker_threads
+from tiermem.plan.machine import H200, Machine, adamw_rate, copy_rate, disk_rates, median_seconds_on_workers
 
 # what each of the machine's figures is, for people (a plan's "assumed" list, its source line)
 WORDS = {"h2d": "the link to the GPU", "d2h": "the link from the GPU", "nvme_read": "the disk's reads",
@@ -68,16 +67,5 @@ def matmul_rate(n: int = 512, reps: int = 5) -> float:
 def memcpy_rates(size: int = 32 << 20, reps: int = 3) -> dict:
     """Bytes/s of a memory copy (the stand-in's link, each way) on the optimizer's threads."""
     src, dst = torch.empty(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)
-    keep = torch.get_num_threads()
-    torch.set_num_threads(worker_threads())
-    try:
-        dst.copy_(src)
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(keep)
-    rate = size / max(statistics.median(times), 1e-9)
+    rate = size / max(median_seconds_on_workers(lambda: dst.copy_(src), reps), 1e-9)
     return {"h2d": rate, "d2h": rate}

@@ -392,17 +392,22 @@ def _cpu_adamw(n: int):
 def copy_rate(n: int = 1 << 26, reps: int = 5) -> float:
     """Parameters a second the CPU worker's compute copy takes (an fp32 tensor into a bf16 one, as after each CPU
     update of a run with master weights), on the worker's threads: the median of ``reps`` copies of ``n``."""
-    threads, keep = worker_threads(), torch.get_num_threads()
     src, dst = torch.full((n,), 0.5), torch.empty(n, dtype=torch.bfloat16)
-    torch.set_num_threads(threads)
+    return n / median_seconds_on_workers(lambda: dst.copy_(src), reps)
+
+
+def median_seconds_on_workers(fn, reps: int) -> float:
+    """Seconds ``fn()`` takes on the CPU worker's threads: the median of ``reps`` calls after one to warm up."""
+    keep = torch.get_num_threads()
+    torch.set_num_threads(worker_threads())
     try:
-        dst.copy_(src)
+        fn()
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            dst.copy_(src)
+            fn()
             times.append(time.perf_counter() - t0)
-        return n / statistics.median(times)
+        return statistics.median(times)
     finally:
         torch.set_num_threads(keep)
 
