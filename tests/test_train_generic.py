@@ -6,6 +6,7 @@ family forced through the generic path ends where the template does."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -191,6 +192,9 @@ def test_a_model_larger_than_memory_is_described_without_its_weights():
     experts = 256 * 3 * 7168 * 2048
     assert cfg.num_params() - cfg.num_params(active=True) == experts - experts * 8 // 256
     assert cfg.layer_params(3) - cfg.layer_params(3, active=True) == experts - experts * 8 // 256  # (the planner's)
+    # where transformers records no router logits (DeepSeek-V3 in 5.17: no MoeSpec), config.json still counts them
+    unrecorded = dataclasses.replace(cfg, moe=None, routers=())
+    assert unrecorded.num_params(active=True) == cfg.num_params(active=True)
     bias = cfg.buffers()["model.layers.3.mlp.gate.e_score_correction_bias"]
     assert bias.device.type == "cpu" and torch.equal(bias, torch.zeros(256))
     assert all(p.device.type == "meta" for p in cfg.model.parameters())

@@ -48,6 +48,7 @@ class GenericConfig:
     sliding_window: int | None = None  # (the model's own masks apply its windows)
     moe: MoeSpec | None = None  # a mixture of experts: its routers (kind "generic"; "generic-no-aux": no loss)
     routers: tuple = ()  # (the module class transformers records router logits from, the output's index)
+    experts: tuple[int, int] | None = None  # (routed experts, top_k) as config.json says, for the active count
     notes: list = field(default_factory=list, repr=False)  # note: lines said at start (why auto came here)
     _weights: list[Weight] = field(default_factory=list, repr=False)
     layouts: dict = field(default_factory=dict, repr=False)  # model directory -> its DiskLayout (weights_io)
@@ -68,7 +69,8 @@ class GenericConfig:
 
     def num_params(self, active: bool = False) -> int:
         """Every parameter; ``active``: what a token computes with, a mixture of experts' routed experts (a
-        layer's ``experts`` tensors, stacked on their first dimension) counted at top_k of num_experts."""
+        layer's ``experts`` tensors, stacked on their first dimension) counted at top_k of num_experts (from
+        config.json, whether or not transformers records the routers' logits: DeepSeek-V3's it does not)."""
         return self._count(self._weights, active)
 
     def layer_params(self, i: int, active: bool = False) -> int:
@@ -81,8 +83,8 @@ class GenericConfig:
             k = 1
             for d in w.shape:
                 k *= d
-            if active and self.moe is not None and ".experts." in w.name and w.shape[:1] == (self.moe.num_experts,):
-                k = k * self.moe.top_k / self.moe.num_experts
+            if active and self.experts and ".experts." in w.name and w.shape[:1] == (self.experts[0],):
+                k = k * self.experts[1] / self.experts[0]
             n += k
         return int(n)
 
@@ -236,7 +238,17 @@ def generic_config(raw: dict, where: str = "config.json") -> GenericConfig:
                          num_layers=n_layers, hidden_size=int(config.hidden_size), vocab_size=int(config.vocab_size),
                          tie_word_embeddings=emb_out.weight is emb_in.weight, embed_name=embed_name,
                          head_weight=head_weight, pad_token_id=pad if isinstance(pad, int) else None, _weights=weights,
-                         moe=moe, routers=routers, notes=[kernels] if kernels else [])
+                         moe=moe, routers=routers, experts=routed_experts(config),
+                         notes=[kernels] if kernels else [])
+
+
+def routed_experts(config) -> tuple[int, int] | None:
+    """(routed experts, top_k) of a mixture of experts' config, or None for a dense model."""
+    experts = next((getattr(config, k) for k in ("num_experts", "n_routed_experts", "num_local_experts")
+                    if isinstance(getattr(config, k, None), int)), None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    ok = isinstance(experts, int) and isinstance(top_k, int) and 0 < top_k <= experts
+    return (experts, top_k) if ok else None
 
 
 def kernels_note(model: nn.Module, layers: nn.ModuleList) -> str | None:
@@ -290,11 +302,9 @@ def _routers(model: nn.Module, config, layers: nn.ModuleList, raw: dict, where: 
         return (), None
     target, index = getattr(spec, "target_class", spec), getattr(spec, "index", 0)
     sparse = tuple(i for i, layer in enumerate(layers) if any(isinstance(m, target) for m in layer.modules()))
-    experts = next((getattr(config, k) for k in ("num_experts", "n_routed_experts", "num_local_experts")
-                    if isinstance(getattr(config, k, None), int)), None)
-    top_k = getattr(config, "num_experts_per_tok", None)
-    if not sparse or not isinstance(experts, int) or not isinstance(top_k, int):
+    if not sparse or routed_experts(config) is None:
         return (), None
+    experts, top_k = routed_experts(config)
     has_loss = hasattr(model, "router_aux_loss_coef") and hasattr(sys.modules[type(model).__module__],
                                                                   "load_balancing_loss_func")
     coef = 0.0
