@@ -1,6 +1,6 @@
 """What must not lose a run's state, end to end on the CPU: a second `tiermem serve` on the same store,
 `tiermem arenas --clean` after a kill -9, a file where the socket goes, the state lost with the arena
-while the trainer would start over, the run record's mode, and malformed requests from a peer."""
+(tests/test_lost_run.py: the trainer's choice then), the run record's mode, and malformed requests from a peer."""
 
 from __future__ import annotations
 
@@ -124,31 +124,6 @@ def test_serve_never_removes_what_is_not_a_dead_socket(tmp_path, capsys):
         err = capsys.readouterr().err
         assert str(path) in err and what in err and len(err.strip().splitlines()) == 1, err
     assert file.read_text() == "keep me\n" and (directory / "inside").read_text() == "x"
-
-
-@pytest.mark.parametrize("explicit", [False, True])
-def test_the_checkpoint_the_service_names_is_resumed_even_when_overwriting(tmp_path, explicit):
-    """The service lost a run's state and named its newest checkpoint: the trainer resumes from it although
-    overwrite_output_dir is set; a resume_from_checkpoint given wins, and the trainer says so."""
-    from trainer.config import TrainConfig
-    from trainer.outputs.resume import find_resume
-
-    out = tmp_path / "out"
-    for step in (2, 4):
-        (out / f"checkpoint-{step}").mkdir(parents=True)
-        (out / f"checkpoint-{step}" / "checkpoint.json").write_text("{}")
-    said = []
-    cfg = TrainConfig(model_name_or_path="m", dataset="d", output_dir=str(out), overwrite_output_dir=True,
-                      resume_from_checkpoint=str(out / "checkpoint-2") if explicit else None)
-    assert find_resume(cfg, out) == (out / "checkpoint-2" if explicit else None)  # nothing named
-    named = {"checkpoint": str(out / "checkpoint-4"), "step": 5}
-    got = find_resume(cfg, out, named, said.append)
-    assert got == out / ("checkpoint-2" if explicit else "checkpoint-4")
-    assert len(said) == 1 and "checkpoint-4" in said[0] and ("resume_from_checkpoint" in said[0]) == explicit
-    said.clear()
-    gone = {"checkpoint": str(out / "checkpoint-6"), "step": 7}  # removed since: say so, then as without
-    assert find_resume(cfg, out, gone, said.append) == (out / "checkpoint-2" if explicit else None)
-    assert len(said) == 1 and "checkpoint-6" in said[0]
 
 
 def test_the_run_record_and_journal_are_private(tmp_path):

@@ -111,7 +111,8 @@ def newest_checkpoint(record: dict) -> tuple[Path | None, str]:
     found = complete_checkpoints(out)
     if not found:
         return None, f"It has no checkpoint in {out}: start it again."
-    return found[-1][1], f"Newest checkpoint: {found[-1][1]} (rerun the trainer: it resumes from there)."
+    return found[-1][1], (f"Newest checkpoint: {found[-1][1]} (the trainer's command resumes from there, "
+                          "overwrite_output_dir unset).")
 
 
 def kept_line(cfg, config_path: str) -> str:
