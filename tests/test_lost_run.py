@@ -1,7 +1,8 @@
 """A run attached to a service that no longer holds it (the service lost its arena, or was started ``--fresh``):
 ``overwrite_output_dir`` means what it means to Hugging Face, as in an embedded run. ``true`` starts over from
 step 0 with the embedded run's one note, although the service names a checkpoint to resume from; ``false``
-resumes from that checkpoint (or from output_dir's newest). In-process: the service's threads and the
+resumes from that checkpoint (or from output_dir's newest). The line a stopped attached run prints names a command
+that continues the service's run, overwrite_output_dir: true or not. In-process: the service's threads and the
 trainer in this interpreter."""
 
 from __future__ import annotations
@@ -52,6 +53,23 @@ def test_the_checkpoint_the_service_names_is_resumed_unless_overwriting(tmp_path
     gone = {"checkpoint": str(out / "checkpoint-6"), "step": 7}  # removed since: say so, then as without
     assert find_resume(cfg, out, gone, said.append) == own
     assert len(said) == (0 if overwrite and not explicit else 1) and all("checkpoint-6" in s for s in said)
+
+
+@pytest.mark.parametrize("overwrite", [True, False])
+def test_a_stopped_attached_runs_command_continues_the_services_run(tmp_path, overwrite):
+    """The same command with overwrite_output_dir: true would discard the service's run (the quickstart sets it):
+    the command the line names unsets it."""
+    from trainer.run.reached import Reached, stop_line
+
+    out = tmp_path / "out"
+    reached = Reached()
+    reached.began(out, 0, 6, None, service=True, lead=True)
+    reached.stepped(3)
+    cfg = _config(tmp_path, out, overwrite_output_dir=overwrite, tiermem_server="default")
+    typed = ["tiermem_server=default"] + (["overwrite_output_dir=true"] if overwrite else [])
+    line = stop_line("interrupted", reached, cfg, "my.yaml", typed)
+    assert line == ("interrupted at step 3 of 6; the service keeps the run's state: continue with: tiermem-train "
+                    "my.yaml tiermem_server=default" + (" overwrite_output_dir=false" if overwrite else "")), line
 
 
 @contextmanager
