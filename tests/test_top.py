@@ -129,6 +129,8 @@ def test_top_and_stats_follow_a_real_run(tmp_path, capsys):
     assert tiermem_main(["stats", "--run", str(tmp_path / "out"), "--json"]) == 0
     snap = json.loads(capsys.readouterr().out)
     assert snap["run"]["step"] == 3 and set(snap["store"]["tiers"]) >= {"gpu", "dram"}
+    # (each tier's role, which top names the tiers by without the tiers' registry: tests/test_fast_clients.py)
+    assert [snap["store"]["tiers"][t]["role"] for t in ("gpu", "dram")] == ["device", "host"]
     assert snap["run"]["finished"] is True and snap["run"]["eta_s"] == 0.0
 
 
