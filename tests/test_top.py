@@ -117,7 +117,9 @@ def test_top_and_stats_follow_a_real_run(tmp_path, capsys):
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     assert train_main([str(tmp_path / "c.yaml")]) == 0
     if not torch.cuda.is_available():  # (placed by the H200's figures, as a layout must not turn on a CPU's load)
-        assert "plan: the prediction is for the H200 machine's figures (no GPU here" in capsys.readouterr().out
+        said = capsys.readouterr().out
+        assert "plan: the prediction is for the H200 machine's figures (no GPU here" in said
+        assert "`tiermem plan` predicts with this machine's own figures\n" in said  # (a whole sentence)
     capsys.readouterr()
     assert tiermem_main(["top", "--run", str(tmp_path / "out"), "--once"]) == 0
     shown = capsys.readouterr().out

@@ -176,7 +176,7 @@ def _text(cfg, scfg, mcfg, shape, machine, p, data: dict, elsewhere: dict | None
             + (f"; {run_plan.activations_line(p)}" if p.act_host else ""),
             f"predicted step: {pred['step_seconds']:.2f} s = {pred['tokens_per_s']:,.0f} tokens/s, "
             f"{run_plan.tflops_text(p.workload, pred['step_seconds'])}; MFU {pred['mfu']:.0%} "
-            f"({pred['mfu_attention']:.0%} with attention) of {machine.gpu_peak / 1e12:.0f} TFLOP/s; "
+            f"({pred['mfu_attention']:.0%} with attention) of {run_plan.figure(machine.gpu_peak / 1e12)} TFLOP/s; "
             f"bound: {_bound(p)}",
             f"  split: {run_plan.split_line(p)}"]
     cb = data["compute_bound"]
