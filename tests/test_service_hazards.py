@@ -83,7 +83,7 @@ def test_arenas_clean_keeps_a_killed_services_arena_unless_forced(env):  # noqa:
     arena = next(shm.glob("*.arena"))
     orphan = _orphan_arena(shm, "orphan")
     config = (env.tmp / "serve.yaml").resolve()
-    recoverable = f"recoverable: start `tiermem serve --config {config}` to recover step 3"
+    recoverable = f"recoverable: start `tiermem serve --config {config} --socket {env.sock}` to recover step 3"
     listed = _tiermem("arenas", "--dir", str(shm))
     assert listed.returncode == 0, listed.stderr
     line = next(x for x in listed.stdout.splitlines() if x.startswith(str(arena)))
@@ -326,7 +326,8 @@ def test_arenas_clean_keeps_a_recoverable_arena_whose_lock_file_is_gone(tmp_path
     capsys.readouterr()
     assert tiermem(["arenas", "--dir", str(shm), "--clean"]) == 0
     said = capsys.readouterr().out
-    assert arena.is_file() and f"recoverable: start `tiermem serve --config {path.resolve()}`" in said, said
+    assert arena.is_file() and f"recoverable: start `tiermem serve --config {path.resolve()} --socket " \
+        f"{tmp_path / 's.sock'}`" in said, said  # (its socket: not the default)
     assert header["owner"]["state_dir"] == str((tmp_path / "nvme").resolve())
     again = Service(str(path), str(tmp_path / "s.sock"), say=lambda _: None)
     try:
@@ -392,7 +393,8 @@ def test_a_stopped_service_is_told_in_one_line_and_a_slow_one_is_waited_for(env)
 
 def test_a_stopped_service_says_what_it_keeps_and_how_to_free_it(tmp_path, capsys):
     """At stop with a run in progress the service names what it keeps (its arena in RAM, its NVMe file on disk, with
-    their sizes), how to continue the run and how to free them; the command it gives frees the arena."""
+    their sizes), how to continue the run (its socket too, not the default) and how to free them; the command it
+    gives frees its arena, and not another store's left beside it (another service's run, recoverable)."""
     import json
     import shlex
 
@@ -407,13 +409,18 @@ def test_a_stopped_service_says_what_it_keeps_and_how_to_free_it(tmp_path, capsy
     arena, nvme = tmp_path / "shm" / "hz.arena", tmp_path / "nvme" / "hz.nvme"
     assert line.startswith("stopped; run ") and "kept at step 0" in line, line
     assert f"its arena {arena} holds " in line and " of RAM" in line and f"{nvme} " in line and " of disk" in line
-    assert f"`tiermem serve --config {path.resolve()}` continues it" in line, line
+    assert f"`tiermem serve --config {path.resolve()} --socket {tmp_path / 's.sock'}` continues it" in line, line
     command = line.split("free them: `")[1].split("`")[0]
-    assert command == f"tiermem arenas --dir {tmp_path / 'shm'} --clean --force" and f"rm {nvme}" in line, line
-    with open(arena, "r+b") as f:  # its owner gone, as after the service's process ends
-        header = json.loads(f.read(HEADER)[len(MAGIC):].rstrip(b"\0"))
-        f.seek(0)
-        f.write((MAGIC + json.dumps(dict(header, pid=_dead_pid())).encode()).ljust(HEADER, b"\0"))
+    assert command == f"tiermem arenas --dir {tmp_path / 'shm'} --clean --force --name hz" and f"rm {nvme}" in line
+    other = tmp_path / "shm" / "another.arena"  # (another store's, left behind as this one is)
+    other.write_bytes(arena.read_bytes())
+    for path in (arena, other):
+        with open(path, "r+b") as f:  # its owner gone, as after the service's process ends
+            header = json.loads(f.read(HEADER)[len(MAGIC):].rstrip(b"\0"))
+            f.seek(0)
+            f.write((MAGIC + json.dumps(dict(header, pid=_dead_pid(), name=path.stem)).encode()).ljust(HEADER, b"\0"))
     capsys.readouterr()
     assert tiermem(shlex.split(command)[1:]) == 0
-    assert not arena.exists(), capsys.readouterr().out
+    assert not arena.exists() and other.exists(), capsys.readouterr().out
+    assert tiermem(["arenas", "--dir", str(tmp_path / "shm"), "--clean", "--force", "--name", "nothing"]) == 0
+    assert "no tiermem arena of store nothing in " in capsys.readouterr().out and other.exists()
