@@ -47,7 +47,7 @@ def test_help_version_and_arenas_answer_without_torch(tmp_path, module, args):
     assert r.returncode in (0, 2) and "Traceback" not in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("command", ["probe", "arenas", "serve", "top", "stats"])
+@pytest.mark.parametrize("command", ["probe", "arenas", "serve", "top", "stats", "plan"])
 def test_every_subcommands_help_says_what_it_does(capsys, command):
     with pytest.raises(SystemExit) as e:
         main([command, "--help"])
@@ -56,6 +56,7 @@ def test_every_subcommands_help_says_what_it_does(capsys, command):
     usage, description = out.split("\n\n")[:2]
     assert usage.startswith(f"usage: tiermem {command}") and not description.startswith("options:"), out
     assert len(description.split()) >= 10, description
+    assert "``" not in description, description  # (a docstring's markup is not for the terminal)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the probe of a machine without CUDA")

@@ -32,7 +32,7 @@ H200_NAME = "h200"  # --probe h200: the H200 machine's figures, with no probe fi
 
 
 def _args(argv):
-    p = argparse.ArgumentParser(prog="tiermem plan", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="tiermem plan", description=__doc__.split("\n\n")[0].replace("``", ""))
     p.add_argument("config", nargs="?", help="training YAML (LLaMA-Factory keys), as tiermem-train takes it")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. gradient_accumulation_steps=64")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
