@@ -92,7 +92,8 @@ def test_arenas_clean_keeps_a_killed_services_arena_unless_forced(env):  # noqa:
     cleaned = _tiermem("arenas", "--dir", str(shm), "--clean")
     assert cleaned.returncode == 0, cleaned.stderr
     assert arena.is_file() and not orphan.exists(), cleaned.stdout
-    assert f"removed {orphan}" in cleaned.stdout and "--force" in cleaned.stdout
+    assert f"removed {orphan}" in cleaned.stdout
+    assert f"`tiermem arenas --dir {shm} --clean --force --name {arena.stem}` removes it" in cleaned.stdout
     svc = env.service()  # what --clean kept is what the service recovers
     try:
         assert "recovered run" in svc.text and "step 3 committed" in svc.text, svc.text
