@@ -179,7 +179,12 @@ def plan_rows(snap: dict) -> list[tuple[str, str, str]]:
         return []
     busy, moved = plan.get("busy") or {}, plan.get("bytes") or {}
     measured_bytes = run.get("link_bytes_per_step") or {}
-    opt = (run.get("optimizer") or {}).get("split") or {}
+    split_of = (run.get("optimizer") or {}).get("split") or {}
+    # (a service's split names whose part each is: service_cpu_adamw, trainer_gpu_path; an embedded run's does not)
+    opt: dict[str, float] = {}
+    for k, v in split_of.items():
+        name = k.removeprefix("service_").removeprefix("trainer_")
+        opt[name] = opt.get(name, 0.0) + (v or 0.0)
     s = lambda v: f"{v:.3f} s"
     b = lambda v: format_size(int(v))
     host, dev, memory, disks = tier_roles(snap)
