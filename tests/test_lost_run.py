@@ -19,7 +19,7 @@ from trainer.cli import main
 from trainer.config import TrainConfig
 
 
-def _config(tmp_path: Path, out: Path, **over) -> TrainConfig:
+def _config(out: Path, **over) -> TrainConfig:
     return TrainConfig(model_name_or_path="m", dataset="d", output_dir=str(out), **over)
 
 
@@ -38,7 +38,7 @@ def test_the_checkpoint_the_service_names_is_resumed_unless_overwriting(tmp_path
 
     out = tmp_path / "out"
     _checkpoints(out, 2, 4)
-    cfg = _config(tmp_path, out, overwrite_output_dir=overwrite,
+    cfg = _config(out, overwrite_output_dir=overwrite,
                   resume_from_checkpoint=str(out / "checkpoint-2") if explicit else None)
     own = out / "checkpoint-2" if explicit else None if overwrite else out / "checkpoint-4"
     said = []
@@ -65,7 +65,7 @@ def test_a_stopped_attached_runs_command_continues_the_services_run(tmp_path, ov
     reached = Reached()
     reached.began(out, 0, 6, None, service=True, lead=True)
     reached.stepped(3)
-    cfg = _config(tmp_path, out, overwrite_output_dir=overwrite, tiermem_server="default")
+    cfg = _config(out, overwrite_output_dir=overwrite, tiermem_server="default")
     typed = ["tiermem_server=default"] + (["overwrite_output_dir=true"] if overwrite else [])
     line = stop_line("interrupted", reached, cfg, "my.yaml", typed)
     assert line == ("interrupted at step 3 of 6; the service keeps the run's state: continue with: tiermem-train "
