@@ -42,6 +42,8 @@ def test_without_a_gpu_or_a_probe_file_the_plan_is_for_this_machine_in_words(fix
     assert "machine: this machine's own figures (no GPU here: the CPU stand-in computes; measured now)" in text
     assert "compute: estimated from FLOPs at 0.05 TFLOP/s (the machine's figure)" in text, text
     assert "520 TFLOP/s" not in text and "131.0 GiB usable HBM" not in text  # (no H200 compute or HBM mixed in)
+    # (a CPU's rates in significant digits, not rounded to 0 TFLOP/s)
+    assert " 0 TFLOP/s" not in text and "(0 with" not in text and "of 0.05 TFLOP/s" in text, text
     assert "updates: GPU 6 groups, CPU 0 groups" in text
     for key in H200:  # every figure in words, none by its name in the code
         assert key == "ram" or key not in text, (key, text)

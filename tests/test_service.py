@@ -331,10 +331,8 @@ def test_sigterm_and_ctrl_c_stop_cleanly_and_training_continues(env, share):
 
 
 def test_state_lost_with_the_arena_names_the_newest_checkpoint(env):
-    """The service names the checkpoint to resume from, and the trainer resumes from it, even when it would
-    otherwise start over (overwrite_output_dir: true, as the quickstart; a plain resume from the newest
-    checkpoint is what every other resume test runs)."""
-    overwrite = True
+    """The service names the checkpoint to resume from, and the trainer resumes from it (overwrite_output_dir
+    unset; set, it starts over: tests/test_lost_run.py)."""
     ref = env.reference()
     svc = env.service(env={"TIERMEM_TEST_KILL_AT": "update:5:0"})
     # the service dies while the trainer still writes checkpoint-4 (read out of the store before
@@ -347,7 +345,7 @@ def test_state_lost_with_the_arena_names_the_newest_checkpoint(env):
     svc = env.service()
     try:
         assert "is gone" in svc.text and "checkpoint-4" in svc.text, svc.text
-        again = env.train("run", save_steps=2, overwrite_output_dir=overwrite)  # a new run, from checkpoint-4
+        again = env.train("run", save_steps=2)  # a new run, from checkpoint-4
         assert again.returncode == 0, again.stderr
         assert "resumed from" in again.stdout and "checkpoint-4 at step 4" in again.stdout, again.stdout
         assert same(env.weights("run"), ref)

@@ -1,6 +1,6 @@
 """What must not lose a run's state, end to end on the CPU: a second `tiermem serve` on the same store,
 `tiermem arenas --clean` after a kill -9, a file where the socket goes, the state lost with the arena
-while the trainer would start over, the run record's mode, and malformed requests from a peer."""
+(tests/test_lost_run.py: the trainer's choice then), the run record's mode, and malformed requests from a peer."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def test_arenas_clean_keeps_a_killed_services_arena_unless_forced(env):  # noqa:
     arena = next(shm.glob("*.arena"))
     orphan = _orphan_arena(shm, "orphan")
     config = (env.tmp / "serve.yaml").resolve()
-    recoverable = f"recoverable: start `tiermem serve --config {config}` to recover step 3"
+    recoverable = f"recoverable: start `tiermem serve --config {config} --socket {env.sock}` to recover step 3"
     listed = _tiermem("arenas", "--dir", str(shm))
     assert listed.returncode == 0, listed.stderr
     line = next(x for x in listed.stdout.splitlines() if x.startswith(str(arena)))
@@ -92,7 +92,8 @@ def test_arenas_clean_keeps_a_killed_services_arena_unless_forced(env):  # noqa:
     cleaned = _tiermem("arenas", "--dir", str(shm), "--clean")
     assert cleaned.returncode == 0, cleaned.stderr
     assert arena.is_file() and not orphan.exists(), cleaned.stdout
-    assert f"removed {orphan}" in cleaned.stdout and "--force" in cleaned.stdout
+    assert f"removed {orphan}" in cleaned.stdout
+    assert f"`tiermem arenas --dir {shm} --clean --force --name {arena.stem}` removes it" in cleaned.stdout
     svc = env.service()  # what --clean kept is what the service recovers
     try:
         assert "recovered run" in svc.text and "step 3 committed" in svc.text, svc.text
@@ -124,31 +125,6 @@ def test_serve_never_removes_what_is_not_a_dead_socket(tmp_path, capsys):
         err = capsys.readouterr().err
         assert str(path) in err and what in err and len(err.strip().splitlines()) == 1, err
     assert file.read_text() == "keep me\n" and (directory / "inside").read_text() == "x"
-
-
-@pytest.mark.parametrize("explicit", [False, True])
-def test_the_checkpoint_the_service_names_is_resumed_even_when_overwriting(tmp_path, explicit):
-    """The service lost a run's state and named its newest checkpoint: the trainer resumes from it although
-    overwrite_output_dir is set; a resume_from_checkpoint given wins, and the trainer says so."""
-    from trainer.config import TrainConfig
-    from trainer.outputs.resume import find_resume
-
-    out = tmp_path / "out"
-    for step in (2, 4):
-        (out / f"checkpoint-{step}").mkdir(parents=True)
-        (out / f"checkpoint-{step}" / "checkpoint.json").write_text("{}")
-    said = []
-    cfg = TrainConfig(model_name_or_path="m", dataset="d", output_dir=str(out), overwrite_output_dir=True,
-                      resume_from_checkpoint=str(out / "checkpoint-2") if explicit else None)
-    assert find_resume(cfg, out) == (out / "checkpoint-2" if explicit else None)  # nothing named
-    named = {"checkpoint": str(out / "checkpoint-4"), "step": 5}
-    got = find_resume(cfg, out, named, said.append)
-    assert got == out / ("checkpoint-2" if explicit else "checkpoint-4")
-    assert len(said) == 1 and "checkpoint-4" in said[0] and ("resume_from_checkpoint" in said[0]) == explicit
-    said.clear()
-    gone = {"checkpoint": str(out / "checkpoint-6"), "step": 7}  # removed since: say so, then as without
-    assert find_resume(cfg, out, gone, said.append) == (out / "checkpoint-2" if explicit else None)
-    assert len(said) == 1 and "checkpoint-6" in said[0]
 
 
 def test_the_run_record_and_journal_are_private(tmp_path):
@@ -351,7 +327,8 @@ def test_arenas_clean_keeps_a_recoverable_arena_whose_lock_file_is_gone(tmp_path
     capsys.readouterr()
     assert tiermem(["arenas", "--dir", str(shm), "--clean"]) == 0
     said = capsys.readouterr().out
-    assert arena.is_file() and f"recoverable: start `tiermem serve --config {path.resolve()}`" in said, said
+    assert arena.is_file() and f"recoverable: start `tiermem serve --config {path.resolve()} --socket " \
+        f"{tmp_path / 's.sock'}`" in said, said  # (its socket: not the default)
     assert header["owner"]["state_dir"] == str((tmp_path / "nvme").resolve())
     again = Service(str(path), str(tmp_path / "s.sock"), say=lambda _: None)
     try:
@@ -417,7 +394,8 @@ def test_a_stopped_service_is_told_in_one_line_and_a_slow_one_is_waited_for(env)
 
 def test_a_stopped_service_says_what_it_keeps_and_how_to_free_it(tmp_path, capsys):
     """At stop with a run in progress the service names what it keeps (its arena in RAM, its NVMe file on disk, with
-    their sizes), how to continue the run and how to free them; the command it gives frees the arena."""
+    their sizes), how to continue the run (its socket too, not the default) and how to free them; the command it
+    gives frees its arena, and not another store's left beside it (another service's run, recoverable)."""
     import json
     import shlex
 
@@ -432,13 +410,18 @@ def test_a_stopped_service_says_what_it_keeps_and_how_to_free_it(tmp_path, capsy
     arena, nvme = tmp_path / "shm" / "hz.arena", tmp_path / "nvme" / "hz.nvme"
     assert line.startswith("stopped; run ") and "kept at step 0" in line, line
     assert f"its arena {arena} holds " in line and " of RAM" in line and f"{nvme} " in line and " of disk" in line
-    assert f"`tiermem serve --config {path.resolve()}` continues it" in line, line
+    assert f"`tiermem serve --config {path.resolve()} --socket {tmp_path / 's.sock'}` continues it" in line, line
     command = line.split("free them: `")[1].split("`")[0]
-    assert command == f"tiermem arenas --dir {tmp_path / 'shm'} --clean --force" and f"rm {nvme}" in line, line
-    with open(arena, "r+b") as f:  # its owner gone, as after the service's process ends
-        header = json.loads(f.read(HEADER)[len(MAGIC):].rstrip(b"\0"))
-        f.seek(0)
-        f.write((MAGIC + json.dumps(dict(header, pid=_dead_pid())).encode()).ljust(HEADER, b"\0"))
+    assert command == f"tiermem arenas --dir {tmp_path / 'shm'} --clean --force --name hz" and f"rm {nvme}" in line
+    other = tmp_path / "shm" / "another.arena"  # (another store's, left behind as this one is)
+    other.write_bytes(arena.read_bytes())
+    for path in (arena, other):
+        with open(path, "r+b") as f:  # its owner gone, as after the service's process ends
+            header = json.loads(f.read(HEADER)[len(MAGIC):].rstrip(b"\0"))
+            f.seek(0)
+            f.write((MAGIC + json.dumps(dict(header, pid=_dead_pid(), name=path.stem)).encode()).ljust(HEADER, b"\0"))
     capsys.readouterr()
     assert tiermem(shlex.split(command)[1:]) == 0
-    assert not arena.exists(), capsys.readouterr().out
+    assert not arena.exists() and other.exists(), capsys.readouterr().out
+    assert tiermem(["arenas", "--dir", str(tmp_path / "shm"), "--clean", "--force", "--name", "nothing"]) == 0
+    assert "no tiermem arena of store nothing in " in capsys.readouterr().out and other.exists()

@@ -117,7 +117,9 @@ def test_top_and_stats_follow_a_real_run(tmp_path, capsys):
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     assert train_main([str(tmp_path / "c.yaml")]) == 0
     if not torch.cuda.is_available():  # (placed by the H200's figures, as a layout must not turn on a CPU's load)
-        assert "plan: the prediction is for the H200 machine's figures (no GPU here" in capsys.readouterr().out
+        said = capsys.readouterr().out
+        assert "plan: the prediction is for the H200 machine's figures (no GPU here" in said
+        assert "`tiermem plan` predicts with this machine's own figures\n" in said  # (a whole sentence)
     capsys.readouterr()
     assert tiermem_main(["top", "--run", str(tmp_path / "out"), "--once"]) == 0
     shown = capsys.readouterr().out
@@ -129,6 +131,8 @@ def test_top_and_stats_follow_a_real_run(tmp_path, capsys):
     assert tiermem_main(["stats", "--run", str(tmp_path / "out"), "--json"]) == 0
     snap = json.loads(capsys.readouterr().out)
     assert snap["run"]["step"] == 3 and set(snap["store"]["tiers"]) >= {"gpu", "dram"}
+    # (each tier's role, which top names the tiers by without the tiers' registry: tests/test_fast_clients.py)
+    assert [snap["store"]["tiers"][t]["role"] for t in ("gpu", "dram")] == ["device", "host"]
     assert snap["run"]["finished"] is True and snap["run"]["eta_s"] == 0.0
 
 
@@ -176,3 +180,17 @@ def test_a_services_frame_shows_its_committed_step_one_prediction_and_no_eta_wit
     assert "ETA 0:01:35" in frame(snap).splitlines()[0]
     del snap["run"]["plan"]  # a run the planner did not place (every kind pinned): the full-overlap bound instead
     assert "at full overlap" in frame(snap) and "plan against" not in frame(snap)
+
+
+def test_a_services_plan_is_shown_against_the_updates_of_both_its_workers():
+    """Over a service the update's split is the service's part and the trainer's GPU worker's, each named so
+    (``tiermem.service.monitor``): the plan's CPU AdamW and GPU AdamW rows measure them (they read 0 s)."""
+    plan = {"predicted_step_s": 0.2, "busy": {"gpu": 0.15, "cpu": 0.2, "gpu_adamw": 0.05}, "bound": "cpu",
+            "compute": 0.15, "wait_optimizer": 0.05, "wait_transfer": 0.0, "bytes": {"h2d": MiB, "d2h": MiB}}
+    snap = json.loads(json.dumps(SNAPSHOT))
+    split = {"service_cpu_adamw": 0.5, "service_cpu_compute_copy": 0.1, "service_cpu_staging": 0.3,
+             "trainer_gpu_path": 0.2, "trainer_gpu_in_place": 0.05}
+    snap["run"].update(plan=plan, optimizer=dict(snap["run"]["optimizer"], split=split))
+    snap["service"] = {"socket": "/tmp/s.sock", "run": "r", "label": {"output_dir": "out"}, "trainer_pid": 4242}
+    rows = {r[0]: r[1:] for r in plan_rows(snap)}
+    assert rows["CPU AdamW"] == ("0.200 s", "0.600 s") and rows["GPU AdamW"] == ("0.050 s", "0.250 s"), rows

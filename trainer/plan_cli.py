@@ -32,7 +32,7 @@ H200_NAME = "h200"  # --probe h200: the H200 machine's figures, with no probe fi
 
 
 def _args(argv):
-    p = argparse.ArgumentParser(prog="tiermem plan", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="tiermem plan", description=__doc__.split("\n\n")[0].replace("``", ""))
     p.add_argument("config", nargs="?", help="training YAML (LLaMA-Factory keys), as tiermem-train takes it")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. gradient_accumulation_steps=64")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -176,7 +176,7 @@ def _text(cfg, scfg, mcfg, shape, machine, p, data: dict, elsewhere: dict | None
             + (f"; {run_plan.activations_line(p)}" if p.act_host else ""),
             f"predicted step: {pred['step_seconds']:.2f} s = {pred['tokens_per_s']:,.0f} tokens/s, "
             f"{run_plan.tflops_text(p.workload, pred['step_seconds'])}; MFU {pred['mfu']:.0%} "
-            f"({pred['mfu_attention']:.0%} with attention) of {machine.gpu_peak / 1e12:.0f} TFLOP/s; "
+            f"({pred['mfu_attention']:.0%} with attention) of {run_plan.figure(machine.gpu_peak / 1e12)} TFLOP/s; "
             f"bound: {_bound(p)}",
             f"  split: {run_plan.split_line(p)}"]
     cb = data["compute_bound"]

@@ -44,13 +44,16 @@ def _recoverable(arena) -> str:
     recorded comes from the arena's own header (its owner's state directory), else from the lock file beside it."""
     from tiermem.service.journal import default_state_dir, recoverable_run
     from tiermem.service.owner import lock_path, read_note
+    from tiermem.service.protocol import default_socket
 
     note = read_note(lock_path(arena.path.parent, arena.name))
     for directory in (arena.owner.get("state_dir"), note.get("state_dir"), default_state_dir()):
         run = recoverable_run(Path(str(directory)), arena.name, arena.path.parent) if directory else None
         if run is not None:
             config = run["config"] or arena.owner.get("config") or note.get("config")
-            start = (f"`tiermem serve --config {config}`" if config
+            socket = arena.owner.get("socket")  # (the service's, said where it was not the default)
+            socket = f" --socket {socket}" if socket and Path(str(socket)) != default_socket() else ""
+            start = (f"`tiermem serve --config {config}{socket}`" if config
                      else f"`tiermem serve` with store {arena.name}'s config")
             return f"recoverable: start {start} to recover " + (f"step {run['step']}" if run["step"] is not None
                                                                   else "its run")
@@ -85,7 +88,11 @@ def _arenas(args) -> int:
     skipped = [p for p in sorted(Path(args.dir).glob(f"*{SUFFIX}")) if p not in listed]
     for p in skipped:  # (one malformed file must not hide the others)
         print(f"note: skipped {p}: {header_problem(p) or 'it changed while it was read'}")
-    if not arenas:
+    if args.name is not None:  # (one store's: what a stopped service says to free, leaving the others' alone)
+        arenas = [a for a in arenas if a.name == args.name]
+        if not arenas:
+            print(f"no tiermem arena of store {args.name} in {args.dir}")
+    elif not arenas:
         print(f"no tiermem arenas in {args.dir}")
     for a in arenas:
         recoverable = "" if a.alive else _recoverable(a)
@@ -93,8 +100,9 @@ def _arenas(args) -> int:
         print(f"{a.path}  {format_size(a.size)}  pid {a.pid} ({state})")
         if args.clean and not a.alive:
             if recoverable and not args.force:
-                print("  kept: it holds a run's state; `tiermem arenas --clean --force` removes it (the run then "
-                      "resumes from its newest checkpoint)")
+                where = "" if Path(args.dir).resolve() == Path("/dev/shm") else f" --dir {args.dir}"
+                print(f"  kept: it holds a run's state; `tiermem arenas{where} --clean --force --name {a.name}` "
+                      "removes it (the run then resumes from its newest checkpoint)")
                 continue
             _remove(a)
     return 0
@@ -217,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--force", action="store_true",
                     help="with --clean, remove recoverable arenas too (their runs' state is lost: they resume from "
                          "their newest checkpoints)")
+    ar.add_argument("--name", help="only the arena of the store NAME (its config's name: NAME.arena)")
     ar.set_defaults(fn=_arenas)
     sv = _command(sub, "serve", "run the store as a service that trainers attach to (tiermem_server=PATH)")
     sv.add_argument("--config", required=True, help="the tiermem config (tiers, placement, name)")

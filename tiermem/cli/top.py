@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from rich.console import Group
 from rich.table import Table
@@ -32,15 +33,40 @@ KIND_MARK = {"param": ("P", "cyan"), "grad": ("G", "magenta"), "master": ("M", "
 BAR = 24
 
 
-def probe_links() -> dict[str, str]:
-    """``tiermem probe``'s rows (by the start of their label) -> the links of the store they measured: the arena
-    is the host tier, the GPU the device tier, NVMe the first storage tier."""
-    from tiermem.tiers import registry
-    from tiermem.tiers.base import DEVICE, HOST, STORAGE
+class Roles(NamedTuple):
+    """A store's tiers by role: the host tier and the device tier (the store's own), the tiers with a memory view
+    (host and device), the storage tiers as (name, label, resource)."""
 
-    host, dev = registry.primary(HOST), registry.primary(DEVICE)
+    host: str
+    device: str
+    memory: list[str]
+    storage: list[tuple[str, str, str]]
+
+
+def tier_roles(snap: dict | None) -> Roles:
+    """The store's tiers by role as the snapshot says them (each tier's ``role``: no torch imported). A snapshot
+    that does not say them (none, or one written before the roles were recorded) is read with this process's tiers'
+    registry."""
+    from tiermem.tiers.base import DEVICE, HOST, MEMORY, STORAGE
+
+    tiers = ((snap or {}).get("store") or {}).get("tiers") or {}
+    said = {n: t for n, t in tiers.items() if isinstance(t, dict) and isinstance(t.get("role"), str)}
+    of = lambda role: [n for n, t in said.items() if t["role"] == role]  # noqa: E731
+    if of(HOST) and of(DEVICE):
+        return Roles(of(HOST)[0], of(DEVICE)[0], [n for n, t in said.items() if t["role"] in MEMORY],
+                     [(n, str(said[n].get("label", n)), str(said[n].get("resource", n))) for n in of(STORAGE)])
+    from tiermem.tiers import registry
+
+    return Roles(registry.primary(HOST), registry.primary(DEVICE), [*registry.of_role(HOST), *registry.of_role(DEVICE)],
+                 [(n, registry.tier_type(n).label, registry.tier_type(n).resource) for n in registry.of_role(STORAGE)])
+
+
+def probe_links(snap: dict | None = None) -> dict[str, str]:
+    """``tiermem probe``'s rows (by the start of their label) -> the links of the store they measured: the arena
+    is the host tier, the GPU the device tier, NVMe the first storage tier (``tier_roles``)."""
+    host, dev, _, disks = tier_roles(snap)
     out = {"arena -> GPU": f"{host}->{dev}", "GPU -> arena": f"{dev}->{host}"}
-    for disk in registry.of_role(STORAGE)[:1]:
+    for disk, _, _ in disks[:1]:
         out.update({"arena -> NVMe": f"{host}->{disk}", "NVMe -> arena": f"{disk}->{host}",
                     "NVMe -> GPU": f"{disk}->{dev}"})
     return out
@@ -73,8 +99,9 @@ def read_snapshot(run_dir: str | Path) -> dict:
     return snap
 
 
-def ceilings(probe_file: str | Path | None) -> dict[str, float]:
-    """Link -> the raw GB/s a ``tiermem probe --save`` file measured (the best backend for NVMe)."""
+def ceilings(probe_file: str | Path | None, snap: dict | None = None) -> dict[str, float]:
+    """Link -> the raw GB/s a ``tiermem probe --save`` file measured (the best backend for NVMe), the links named
+    as ``snap``'s store names them (``probe_links``)."""
     if not probe_file:
         return {}
     from tiermem.errors import ConfigError
@@ -88,7 +115,7 @@ def ceilings(probe_file: str | Path | None) -> dict[str, float]:
         raise UserError(f"--probe {probe_file}: not a file written by tiermem probe --save") from None
     out: dict[str, float] = {}
     for r in rows:
-        for prefix, link in probe_links().items():
+        for prefix, link in probe_links(snap).items():
             if r.get("link", "").startswith(prefix) and r.get("raw"):
                 out[link] = max(out.get(link, 0.0), float(r["raw"]))
     return out
@@ -152,13 +179,15 @@ def plan_rows(snap: dict) -> list[tuple[str, str, str]]:
         return []
     busy, moved = plan.get("busy") or {}, plan.get("bytes") or {}
     measured_bytes = run.get("link_bytes_per_step") or {}
-    opt = (run.get("optimizer") or {}).get("split") or {}
+    split_of = (run.get("optimizer") or {}).get("split") or {}
+    # (a service's split names whose part each is: service_cpu_adamw, trainer_gpu_path; an embedded run's does not)
+    opt: dict[str, float] = {}
+    for k, v in split_of.items():
+        name = k.removeprefix("service_").removeprefix("trainer_")
+        opt[name] = opt.get(name, 0.0) + (v or 0.0)
     s = lambda v: f"{v:.3f} s"
     b = lambda v: format_size(int(v))
-    from tiermem.tiers import registry
-    from tiermem.tiers.base import DEVICE, HOST, STORAGE
-
-    host, dev = registry.primary(HOST), registry.primary(DEVICE)
+    host, dev, memory, disks = tier_roles(snap)
     measured = lambda links: sum(measured_bytes.get(k, 0) for k in links)  # noqa: E731
     rows = [("step", s(plan["predicted_step_s"]), s(run.get("step_s") or 0.0)),
             ("GPU compute", s(plan["compute"]), s(split["compute"])),
@@ -166,11 +195,11 @@ def plan_rows(snap: dict) -> list[tuple[str, str, str]]:
             ("waiting for transfers", s(plan["wait_transfer"]), s(split.get("wait_transfer", 0.0))),
             ("PCIe to the GPU", b(moved.get("h2d", 0)), b(measured_bytes.get(f"{host}->{dev}", 0))),
             ("PCIe from the GPU", b(moved.get("d2h", 0)), b(measured_bytes.get(f"{dev}->{host}", 0)))]
-    for disk in registry.of_role(STORAGE):  # (each storage tier: its disk's reads, writes and busy time)
-        kind, (reads, writes) = registry.tier_type(disk), registry.storage_links(disk)
-        rows += [(f"{kind.label} read", b(moved.get(f"{kind.resource}_read", 0)), b(measured(reads))),
-                 (f"{kind.label} write", b(moved.get(f"{kind.resource}_write", 0)), b(measured(writes))),
-                 (f"{kind.label} busy (either way)", s(busy.get(kind.resource, 0.0)),
+    for disk, label, resource in disks:  # (each storage tier: its disk's reads, writes and busy time)
+        reads, writes = [f"{disk}->{m}" for m in memory], [f"{m}->{disk}" for m in memory]
+        rows += [(f"{label} read", b(moved.get(f"{resource}_read", 0)), b(measured(reads))),
+                 (f"{label} write", b(moved.get(f"{resource}_write", 0)), b(measured(writes))),
+                 (f"{label} busy (either way)", s(busy.get(resource, 0.0)),
                   s(run.get("disk_busy_s_per_step") or 0.0))]
     rows += [("CPU AdamW", s(busy.get("cpu", 0.0)), s(opt.get("cpu_adamw", 0.0) + opt.get("cpu_compute_copy", 0.0))),
              ("GPU AdamW", s(busy.get("gpu_adamw", 0.0)), s(opt.get("gpu_in_place", 0.0) + opt.get("gpu_path", 0.0)))]
@@ -292,12 +321,13 @@ def top(read, once: bool, probe: str | None, interval: float = 0.5) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    ceiling = ceilings(probe)
+    snap = read()
+    ceiling = ceilings(probe, snap)  # (the probe's links named as the store names its tiers)
     console = Console()
     if once:
-        console.print(render(read(), ceiling))
+        console.print(render(snap, ceiling))
         return 0
-    with Live(render(read(), ceiling), console=console, refresh_per_second=2) as live:
+    with Live(render(snap, ceiling), console=console, refresh_per_second=2) as live:
         while True:
             time.sleep(interval)
             live.update(render(read(), ceiling))

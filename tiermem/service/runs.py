@@ -111,12 +111,15 @@ def newest_checkpoint(record: dict) -> tuple[Path | None, str]:
     found = complete_checkpoints(out)
     if not found:
         return None, f"It has no checkpoint in {out}: start it again."
-    return found[-1][1], f"Newest checkpoint: {found[-1][1]} (rerun the trainer: it resumes from there)."
+    return found[-1][1], (f"Newest checkpoint: {found[-1][1]} (the trainer's command resumes from there, "
+                          "overwrite_output_dir unset).")
 
 
-def kept_line(cfg, config_path: str) -> str:
+def kept_line(cfg, config_path: str, socket_path: Path | None = None) -> str:
     """What a stopped service leaves of its run (its arena in RAM, its NVMe files on disk), how to continue the
-    run and how to free them instead (``cfg``: the service's StoreConfig)."""
+    run (``socket_path``: the service's, named where it is not the default) and how to free them instead, its own
+    arena only (``cfg``: the service's StoreConfig)."""
+    from tiermem.service.protocol import default_socket
     from tiermem.sizes import format_size
     from tiermem.tiers.kept import arena_dir, arena_file, disk_files
 
@@ -125,8 +128,9 @@ def kept_line(cfg, config_path: str) -> str:
     size = lambda p: format_size(p.stat().st_size) if p.is_file() else "0 B"  # noqa: E731
     held = f"its arena {arena} holds {size(arena)} of RAM" + "".join(f", {p} {size(p)} of disk" for p in disk)
     where = "" if arena_dir(cfg).resolve() == Path("/dev/shm") else f" --dir {arena_dir(cfg)}"
-    return (f"{held}; `tiermem serve --config {Path(config_path).resolve()}` continues it (then the trainer's "
+    socket = f" --socket {socket_path}" if socket_path is not None and socket_path != default_socket() else ""
+    return (f"{held}; `tiermem serve --config {Path(config_path).resolve()}{socket}` continues it (then the trainer's "
             f"command, overwrite_output_dir unset), or free {'them' if disk else 'it'}: "
-            f"`tiermem arenas{where} --clean --force`"
+            f"`tiermem arenas{where} --clean --force --name {cfg.store_name()}`"
             + (f" and rm {' '.join(map(str, disk))}" if disk else "")
             + " (the run then starts from its newest checkpoint)")

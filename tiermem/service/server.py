@@ -465,7 +465,7 @@ class Service(UpdateRequests, Replacement, Monitoring, Listening, Discarding):
                     self._detach(run)  # what it still owed of the update in flight is the service's to finish
                 self._close_run(keep=True)
                 self.say(f"stopped; run {label_of(run)} kept at step {run.state.committed}: "
-                         + kept_line(self.cfg, self.config_path))
+                         + kept_line(self.cfg, self.config_path, self.socket_path))
 
 
 def serve(config_path: str, socket_path: str | None, fresh: bool) -> int:

@@ -9,7 +9,7 @@ from collections import defaultdict
 
 
 def snapshot(store) -> dict:
-    from tiermem.tiers.base import DEVICE
+    from tiermem.tiers.base import DEVICE, STORAGE
 
     tiers_of = store.tiers
     by_kind: dict[str, dict[str, int]] = {t: defaultdict(int) for t in tiers_of}
@@ -28,6 +28,8 @@ def snapshot(store) -> dict:
     for name, tier in tiers_of.items():
         alloc = tier.allocator
         info = {
+            "role": tier.role,  # (what `tiermem top` names the tier by, without this process's tiers' registry)
+            **({"label": type(tier).label, "resource": type(tier).resource} if tier.role == STORAGE else {}),
             "capacity": alloc.capacity,
             "used": alloc.used_bytes(),
             "free": alloc.free_bytes(),

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from tiermem.tiers.extents import Extent, ExtentAllocator
+
+if TYPE_CHECKING:  # (the roles are read without torch: `tiermem top` names a snapshot's tiers by them)
+    import torch
 
 DEVICE = "device"
 HOST = "host"
@@ -40,6 +41,8 @@ MEMORY = (DEVICE, HOST)  # roles whose bytes have a memory view (``view``)
 def host_sync(stream) -> None:
     """Wait for ``stream``'s work with the calling thread asleep, not spinning on a core (which the CPU
     optimizer's threads need)."""
+    import torch
+
     ev = torch.cuda.Event(blocking=True)
     ev.record(stream)
     ev.synchronize()

@@ -32,11 +32,11 @@ def checked_resume(cfg, out: Path, mcfg, model_dir: Path, named: dict | None = N
 
 
 def find_resume(cfg, out: Path, named: dict | None = None, say=None) -> Path | None:
-    """The checkpoint to resume from: ``resume_from_checkpoint``, else the one the service ``named`` (it lost
-    the run's state, which lives on there: even with overwrite_output_dir), else (as LLaMA-Factory) the newest
-    complete checkpoint in output_dir unless overwrite_output_dir is set. Refuses a non-empty output_dir
-    that holds no checkpoint unless overwrite_output_dir is set. Says in one line why it does not take
-    the named one."""
+    """The checkpoint to resume from: ``resume_from_checkpoint``, else (as LLaMA-Factory) none when
+    overwrite_output_dir is set (Hugging Face's meaning, attached or not: the run starts over, even when the
+    service lost the run's state and ``named`` a checkpoint), else the one the service ``named``, else the newest
+    complete checkpoint in output_dir. Refuses a non-empty output_dir that holds no checkpoint unless
+    overwrite_output_dir is set. Says in one line why it does not take the named one for another."""
     if out.is_file():
         raise ConfigError(f"output_dir {out} is a file")
     above = out
@@ -46,8 +46,8 @@ def find_resume(cfg, out: Path, named: dict | None = None, say=None) -> Path | N
         raise ConfigError(f"output_dir {out} cannot be made: {above} is a file")
     if not os.access(above, os.W_OK | os.X_OK):
         raise ConfigError(f"output_dir {out} cannot be written: {above} is not writable by this user")
-    if named is None:
-        return _own_choice(cfg, out, say)
+    if named is None or (cfg.overwrite_output_dir and not cfg.resume_from_checkpoint):
+        return _own_choice(cfg, out, say)  # (overwrite_output_dir: a fresh start, as an embedded run's, says so)
     say = say or print
     path = Path(str(named.get("checkpoint")))
     lost = f"the service lost this run's state (step {named.get('step')}) and named {path} to resume from"
@@ -55,8 +55,7 @@ def find_resume(cfg, out: Path, named: dict | None = None, say=None) -> Path | N
         say(f"{lost}; resuming from {cfg.resume_from_checkpoint} instead, as resume_from_checkpoint says")
         return Path(cfg.resume_from_checkpoint)
     if (path / "checkpoint.json").is_file():
-        say(f"{lost}: resuming from it" + (" (overwrite_output_dir is set, but the run's state is there)"
-                                           if cfg.overwrite_output_dir else ""))
+        say(f"{lost}: resuming from it")
         return path
     fallback = _own_choice(cfg, out, say)
     say(f"{lost}, but it is no longer there; " + (f"resuming from {fallback}" if fallback else "starting from step 0"))

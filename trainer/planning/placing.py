@@ -64,7 +64,7 @@ def plan_run(job, scfg, say, hbm_state: bool = True, hbm_taken: int = 0, owners:
         if device.type != "cuda" and not scfg.probe:
             lines.append("plan: the prediction is for the H200 machine's figures (no GPU here and no probe file): the "
                          "CPU stand-in's steps take far longer, and its first steps correct it; `tiermem plan` "
-                         "predicts with this machine's")
+                         "predicts with this machine's own figures")
         for line in lines:
             say(line)
     return plan

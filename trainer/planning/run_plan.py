@@ -282,7 +282,12 @@ def activations_line(plan: Plan) -> str:
 
 def tflops_text(w: Workload, seconds: float) -> str:
     """A step's TFLOP/s by 6·N and with attention counted (causal), e.g. "465 TFLOP/s (492 with attention)"."""
-    return f"{tflops(w, seconds):.0f} TFLOP/s ({tflops(w, seconds, attention=True):.0f} with attention)"
+    return f"{figure(tflops(w, seconds))} TFLOP/s ({figure(tflops(w, seconds, attention=True))} with attention)"
+
+
+def figure(value: float) -> str:
+    """A rate as a person reads it: whole from 10 up (465), three significant digits below (a CPU's 0.00614)."""
+    return f"{value:.0f}" if value >= 10 or value == 0 else f"{value:.3g}"
 
 
 def report(plan: Plan, ga: int) -> dict:

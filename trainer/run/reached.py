@@ -5,7 +5,8 @@ command that continues from there.
 The loop fills a ``Reached`` as it goes (``began``, ``stepped``, ``settled``); the command line prints
 ``stop_line`` when the run stops. The command it names is the one typed, with ``resume_from_checkpoint=`` the
 newest checkpoint added where the same command would not resume from it (``overwrite_output_dir: true`` starts
-over; a ``resume_from_checkpoint`` of the config names an older one).
+over; a ``resume_from_checkpoint`` of the config names an older one); for a run attached to a service, which keeps
+its state, ``overwrite_output_dir=false`` added where the config sets it (true would discard the service's run).
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ def stop_line(how: str, reached: Reached, cfg, config: str, overrides: list[str]
     if reached.step is None:
         return f"{how} before training began; start again with: {command(config, overrides)}"
     where = f"{how} at step {reached.step} of {reached.total}"
-    if reached.service:
-        return f"{where}; the service keeps the run's state: continue with: {command(config, overrides)}"
+    if reached.service:  # (overwrite_output_dir: true would discard the service's run: unset in the command)
+        unset = "overwrite_output_dir=false" if cfg.overwrite_output_dir else None
+        return f"{where}; the service keeps the run's state: continue with: {command(config, overrides, unset)}"
     if reached.checkpoint is None:
         return f"{where}; {why_none(cfg, reached)}; start again from step 0 with: {command(config, overrides)}"
     same = resumes_from(cfg, reached.out) == Path(reached.checkpoint).resolve()
@@ -96,8 +98,9 @@ def resumes_from(cfg, out: Path | None) -> Path | None:
     return found[-1][1].resolve() if found else None
 
 
-def command(config: str, overrides: list[str], resume: str | None = None) -> str:
-    """``tiermem-train config overrides`` as a shell takes it; ``resume`` replaces any resume_from_checkpoint
-    override."""
-    keep = [o for o in overrides if resume is None or o.split("=", 1)[0].strip() != "resume_from_checkpoint"]
-    return shlex.join(["tiermem-train", config, *keep, *([resume] if resume else [])])
+def command(config: str, overrides: list[str], extra: str | None = None) -> str:
+    """``tiermem-train config overrides`` as a shell takes it; ``extra`` (``key=value``) replaces any override of
+    its key."""
+    key = extra.split("=", 1)[0] if extra else None
+    keep = [o for o in overrides if o.split("=", 1)[0].strip() != key]
+    return shlex.join(["tiermem-train", config, *keep, *([extra] if extra else [])])
