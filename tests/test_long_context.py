@@ -294,3 +294,44 @@ def test_the_planner_counts_a_long_rows_layer_in_chunks():
     cfg.seq_chunk = None
     short = build(4096)
     assert short.layer_work_bytes == 4096 * (14 * 4096 + 4 * 14336) * 2 and short.kept_bytes > 0
+
+
+@pytest.mark.parametrize("weight_fp32", [False, True])
+def test_the_final_norm_runs_in_the_loss_chunks_and_is_the_whole_rows(monkeypatch, weight_fp32):
+    """The loss's final norm (fp32 inside) sees one loss chunk of tokens at a time, in the training step's loss and
+    in the evaluation's: no fp32 copy of the whole row. The loss, the hidden state's gradient and the norm's and
+    head's gradients are the whole row's norm's, fp32 (gpt-oss's norm weight multiplying in fp32 too)."""
+    from trainer.model import layers
+
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 37, 16, generator=gen)
+    targets = torch.randint(0, 50, (2, 37), generator=gen)
+    targets[0, :5] = -100
+    norm_w = 1 + 0.1 * torch.randn(16, generator=gen)
+    head_w = torch.randn(50, 16, generator=gen)
+    eps, scale = 1e-5, 0.01
+
+    def whole():  # (the whole row's norm, then the head and cross-entropy)
+        x, nw, hw = h.clone().requires_grad_(), norm_w.clone().requires_grad_(), head_w.clone().requires_grad_()
+        logits = torch.nn.functional.linear(layers.rms_norm(x, nw, eps, weight_fp32), hw).float()
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, 50), targets.view(-1), ignore_index=-100,
+                                                 reduction="sum")
+        return (loss.detach(), *torch.autograd.grad(loss * scale, [x, nw, hw]))
+
+    ref = whole()
+    seen = []
+    real = layers.rms_norm
+
+    def norm(x, *a, **k):
+        seen.append(x.numel() // x.shape[-1])
+        return real(x, *a, **k)
+
+    monkeypatch.setattr(layers, "rms_norm", norm)
+    got = layers.head_loss_backward(h, targets, norm_w, head_w, eps, scale, 10, None, weight_fp32)
+    assert seen and max(seen) <= 10 and sum(seen) == 74
+    seen.clear()
+    evaluated = layers.head_loss(h, targets, norm_w, head_w, eps, 10, weight_fp32)
+    assert seen and max(seen) <= 10 and sum(seen) == 74
+    assert torch.allclose(evaluated, ref[0], rtol=1e-6)
+    for a, b in zip(got, ref):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
