@@ -166,6 +166,46 @@ def _attention_calls(mcfg, shape, dtype, device):
     return forward, lambda: torch.autograd.grad(a, [q, k, v], ga, retain_graph=True)
 
 
+def time_backends(shape, dtype: torch.dtype, device: torch.device) -> dict:
+    """On CUDA, the attention at ``shape`` through each fused SDPA kernel alone (flash, cuDNN, memory-efficient):
+    {kernel: {"forward": s, "backward": s, "expanded": whether k and v had to be expanded to q's heads}}, or
+    {kernel: {"error": why}} where it does not run; {} on a CPU. What the step would gain from another kernel."""
+    if device.type != "cuda":
+        return {}
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rows, t, heads, kv, d = shape
+    out: dict = {}
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        for expanded in (False, True):
+            try:
+                with sdpa_kernel([backend]):
+                    q = torch.randn(rows, heads, t, d, dtype=dtype, device=device, requires_grad=True)
+                    k, v = (torch.randn(rows, heads if expanded else kv, t, d, dtype=dtype, device=device,
+                                        requires_grad=True) for _ in range(2))
+                    gqa = k.shape[1] != heads
+
+                    def run():
+                        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+
+                    with torch.enable_grad():
+                        a = run()
+                    ga = torch.randn_like(a)
+                    with torch.no_grad():
+                        fwd = timed(run, device)
+                    bwd = timed(lambda: torch.autograd.grad(a, [q, k, v], ga, retain_graph=True), device)
+                out[name] = {"forward": fwd, "backward": bwd, "expanded": expanded}
+                break
+            except RuntimeError as e:
+                out[name] = {"error": str(e).splitlines()[0][:200]}
+            finally:
+                q = k = v = a = ga = None
+                torch.cuda.empty_cache()
+    return out
+
+
 def time_kernels(kernels: list[Kernel], mcfg, dtype: torch.dtype, device: torch.device) -> None:
     """Each kernel's ``seconds``: one call timed alone on ``device`` (inputs of random values, made once a
     shape)."""
@@ -228,7 +268,32 @@ def _groups(kernels: list[Kernel]) -> dict:
     return out
 
 
-def report(args, mcfg, res: dict, kernels: list[Kernel], parts: dict, device: torch.device) -> dict:
+def backends_apart(shape) -> dict:
+    """``time_backends`` in a child process on the same GPU (a kernel that faults there cannot take this run's
+    figures with it): its answer, or {"child": {"error": why}}."""
+    import subprocess
+
+    try:
+        run = subprocess.run([sys.executable, __file__, "--attention-shape", ",".join(map(str, shape))],
+                             capture_output=True, text=True, timeout=600)
+        if run.returncode == 0:
+            return json.loads(run.stdout.strip().splitlines()[-1])
+        why = (run.stderr.strip().splitlines() or [f"exit code {run.returncode}"])[-1]
+    except (subprocess.TimeoutExpired, ValueError, IndexError) as e:
+        why = str(e)
+    return {"child": {"error": why[:200]}}
+
+
+def by_backend(kernels: list[Kernel], backends: dict) -> dict:
+    """The ceiling were the step's attention run by each fused kernel that runs (``time_backends``), in seconds."""
+    fwd = sum(k.calls for k in kernels if k.name == "attention forward")
+    bwd = sum(k.calls for k in kernels if k.name == "attention backward")
+    rest = sum(k.seconds * k.calls for k in kernels if not k.name.startswith("attention"))
+    return {name: rest + fwd * b["forward"] + bwd * b["backward"] for name, b in backends.items() if "error" not in b}
+
+
+def report(args, mcfg, res: dict, kernels: list[Kernel], parts: dict, backends: dict,
+           device: torch.device) -> dict:
     """The figures, and the table printed (last)."""
     from trainer.model import chunked
     from trainer.planning.flops import flops_per_token
@@ -246,13 +311,19 @@ def report(args, mcfg, res: dict, kernels: list[Kernel], parts: dict, device: to
            "ceiling_tflops": dense * tokens / ceiling / 1e12,
            "ceiling_tflops_attention": (dense + attn) * tokens / ceiling / 1e12,
            "gap_s": step - ceiling, "gap_split_s": gap, "parts_alone_s": parts, "groups": _groups(kernels),
-           "kernels": [asdict(k) for k in kernels], "run": res}
+           "kernels": [asdict(k) for k in kernels], "attention_by_kernel": backends,
+           "ceiling_by_attention_kernel_s": by_backend(kernels, backends), "run": res}
     print(f"\n{args.shape} shape ({mcfg.num_params() / 1e9:.2f} B params, {mcfg.num_layers} layers), bf16 on "
           f"{device.type}: one row of {args.seq:,} tokens a step; layers in chunks of "
           f"{chunk or args.seq:,} tokens, the loss in chunks of {args.loss_chunk:,}")
     print(f"{'kernels alone, a step':34} {'calls':>7} {'s':>9} {'TFLOP/s':>8}")
     for name, g in out["groups"].items():
         print(f"{name:34} {g['calls']:7d} {g['seconds']:9.3f} {g['flops'] / max(g['seconds'], 1e-12) / 1e12:8.1f}")
+    if backends:
+        print("the attention alone by fused kernel (forward | backward, s a call; the ceiling with it): " + "; ".join(
+            f"{n} {b['forward']:.3f} | {b['backward']:.3f}{' (k, v expanded)' if b['expanded'] else ''} "
+            f"({out['ceiling_by_attention_kernel_s'][n]:.2f} s)" if "error" not in b else f"{n}: does not run"
+            for n, b in backends.items()))
     print(f"\n{'measured steady step':52} {step:9.3f} s  (steps {' '.join(f'{t:.2f}' for t in res['times'])})")
     print(f"{'ceiling (the kernels alone, summed)':52} {ceiling:9.3f} s")
     print(f"{'step / ceiling':52} {step / ceiling:9.3f}")
@@ -278,7 +349,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--loss-chunk", type=int, default=4096, help="loss_chunk_tokens")
     ap.add_argument("--probe", help="a `tiermem probe --save` file for the planner (default: a quick probe)")
     ap.add_argument("--nvme", help="a directory for the NVMe tier's file")
+    ap.add_argument("--attention-shape", help=argparse.SUPPRESS)  # (the child of backends_apart)
     args = ap.parse_args(argv)
+    if args.attention_shape:
+        got = time_backends(tuple(int(x) for x in args.attention_shape.split(",")), torch.bfloat16,
+                            torch.device("cuda"))
+        print(json.dumps(got))
+        return got
     cuda = torch.cuda.is_available()
     if not cuda and args.shape != "tiny":
         raise SystemExit("bench_long needs a CUDA GPU for a real shape (--shape tiny runs on the CPU)")
@@ -308,7 +385,9 @@ def main(argv: list[str] | None = None) -> dict:
     if cuda:
         torch.cuda.empty_cache()
     parts = time_parts(mcfg, argparse.Namespace(batch=1, seq=args.seq, loss_chunk=args.loss_chunk), device)
-    out = report(args, mcfg, res, kernels, parts, device)
+    attn = next(k.shape for k in kernels if k.name == "attention forward")
+    backends = backends_apart(attn) if cuda else {}
+    out = report(args, mcfg, res, kernels, parts, backends, device)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "bench_long.json").write_text(json.dumps(out, indent=1, default=str))
     return out
