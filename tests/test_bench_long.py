@@ -33,11 +33,12 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("seq_chunk", [16, None])
-def test_the_schedule_counts_what_a_layers_forward_and_backward_run(seq_chunk):
+@pytest.mark.parametrize("seq_chunk,kept", [(16, False), (16, True), (None, False), (None, True)])
+def test_the_schedule_counts_what_a_layers_forward_and_backward_run(seq_chunk, kept):
     """One layer's forward and its backward with recompute, counted at the dispatcher: the attention's forward
     twice and its backward once; the projections' matmuls as layer_schedule says (q/k/v three times forward in a
-    row cut into chunks: 31 matmuls a chunk; a whole row's 28)."""
+    row cut into chunks: 31 matmuls a chunk; a whole row's 28). A kept layer (tiermem_keep_activations) runs the
+    attention's forward once, q/k/v twice over chunks (28 a chunk), and recomputes nothing of a whole row (21)."""
     from trainer.model.config import model_config_from_dict
     from trainer.model.select import model_stages
     from trainer.model.weights import layer_weights
@@ -50,16 +51,26 @@ def test_the_schedule_counts_what_a_layers_forward_and_backward_run(seq_chunk):
     ctx = stages.contexts([ids], [None], 1, True)[0]
     x = torch.randn(1, 64, cfg.hidden_size)
     with _Count() as count:
-        with torch.no_grad():
-            stages.layer(0, w, x, ctx)
-        stages.layer_backward(0, w, x, torch.randn_like(x), ctx)
-    planned = bench_long.layer_schedule(cfg, 1, 64)
+        if kept:
+            with torch.no_grad():
+                _, graph = stages.layer_graph(0, w, x, ctx)
+            stages.graph_backward(graph, torch.randn_like(x))
+        else:
+            with torch.no_grad():
+                stages.layer(0, w, x, ctx)
+            stages.layer_backward(0, w, x, torch.randn_like(x), ctx)
+    planned = bench_long.layer_schedule(cfg, 1, 64, kept)
     said: Counter = Counter()
     for (name, _), calls in planned.items():
         said[name if name.startswith("attention") else "matmul"] += calls
     assert said == count.seen
-    assert said["attention forward"] == 2 and said["attention backward"] == 1
-    assert said["matmul"] == (31 * 4 if seq_chunk else 28)
+    assert said["attention forward"] == (1 if kept else 2) and said["attention backward"] == 1
+    assert said["matmul"] == {(16, False): 31 * 4, (16, True): 28 * 4, (None, False): 28, (None, True): 21}[
+        seq_chunk, kept]
+    steps = Counter()
+    for k in bench_long.schedule(cfg, 1, 64, 4096, kept=1):  # (a step of 2 layers, one kept)
+        steps[k.name] += k.calls
+    assert steps["attention forward"] == 3 and steps["attention backward"] == 2
 
 
 def test_bench_long_runs_on_the_cpu_stand_in_and_its_table_adds_up(tmp_path, capsys):

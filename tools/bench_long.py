@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench_train import SHAPES, run_tiermem  # noqa: E402
+from bench_train import SHAPES, keep_arg, run_tiermem  # noqa: E402
 from profile_step import TINY, time_parts  # noqa: E402
 
 PROJECTIONS = [("q_proj", "self_attn.q_proj"), ("k_proj", "self_attn.k_proj"), ("v_proj", "self_attn.v_proj"),
@@ -67,9 +67,11 @@ class Kernel:
     seconds: float = 0.0  # one call's, timed alone
 
 
-def layer_schedule(mcfg, rows: int, seq: int) -> dict:
-    """How often one layer's backward and forward run each kernel over ``rows`` x ``seq`` tokens, by (name,
-    shape); the matmuls at each chunk's tokens (trainer.model.chunked; a short row whole, as decoder_layer)."""
+def layer_schedule(mcfg, rows: int, seq: int, kept: bool = False) -> dict:
+    """How often one layer's forward and backward run each kernel over ``rows`` x ``seq`` tokens, by (name,
+    shape); the matmuls at each chunk's tokens (trainer.model.chunked; a short row whole, as decoder_layer).
+    ``kept`` (tiermem_keep_activations): the layer's backward recomputes nothing of a whole row, and over a row cut
+    into chunks neither the attention's forward nor q/k/v without graph."""
     from trainer.model import chunked
 
     chunk = chunked.chunk_of(mcfg.seq_chunk, rows, seq)
@@ -77,13 +79,14 @@ def layer_schedule(mcfg, rows: int, seq: int) -> dict:
     shapes = {p: (w.shape[1], w.shape[0]) for p, w in _projection_weights(mcfg).items()}  # (in, out)
     out: Counter = Counter()
     attn = (rows, seq, mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim)
-    out["attention forward", attn] += 2  # (the forward; the backward's recompute)
+    out["attention forward", attn] += 1 if kept else 2  # (the forward; the backward's recompute)
     out["attention backward", attn] += 1
     for n, m in lengths.items():
         for p, (i, o) in shapes.items():
             shape = (rows * n, i, o)
-            # q/k/v: the forward, the recompute, and (cut into chunks) each chunk's again with its graph
-            out[f"{p} forward", shape] += m * (3 if p in QKV and chunk is not None else 2)
+            # the forward, the recompute, and (q/k/v of a row cut into chunks) each chunk's again with its graph
+            runs = 1 if kept and chunk is None else 2 if kept or p not in QKV or chunk is None else 3
+            out[f"{p} forward", shape] += m * runs
             out[f"{p} input grad", shape] += m
             out[f"{p} weight grad", shape] += m
     return dict(out)
@@ -96,20 +99,25 @@ def _projection_weights(mcfg):
     return {p: ws[f"{full}.weight"] for p, full in PROJECTIONS}
 
 
-def schedule(mcfg, rows: int, seq: int, loss_chunk: int) -> list[Kernel]:
-    """The kernels a step of one micro-batch of ``rows`` x ``seq`` tokens runs (every layer's, the loss's chunks:
-    each chunk's logits, their input's and the head weight's gradients), with their FLOPs."""
+def schedule(mcfg, rows: int, seq: int, loss_chunk: int, kept: int = 0) -> list[Kernel]:
+    """The kernels a step of one micro-batch of ``rows`` x ``seq`` tokens runs (every layer's, ``kept`` of them
+    kept; the loss's chunks: each chunk's logits, their input's and the head weight's gradients), with their
+    FLOPs."""
     from tiermem.plan.flops import attended_keys
 
+    calls: Counter = Counter()
+    for n, keep in ((mcfg.num_layers - kept, False), (kept, True)):
+        for key, c in layer_schedule(mcfg, rows, seq, keep).items():
+            calls[key] += c * n
     out = []
-    for (name, shape), calls in layer_schedule(mcfg, rows, seq).items():
+    for (name, shape), c in calls.items():
         if name.startswith("attention"):
             r, t, heads, _, d = shape
             fwd = 4.0 * r * t * attended_keys(t) * heads * d
             flops = fwd if name.endswith("forward") else 2 * fwd
         else:
             flops = 2.0 * shape[0] * shape[1] * shape[2]
-        out.append(Kernel(name, "layer", shape, calls * mcfg.num_layers, flops))
+        out.append(Kernel(name, "layer", shape, c, flops))
     tokens = rows * seq
     lengths = Counter(min(loss_chunk, tokens - s) for s in range(0, tokens, loss_chunk))
     for n, m in lengths.items():
@@ -227,17 +235,30 @@ def time_kernels(kernels: list[Kernel], mcfg, dtype: torch.dtype, device: torch.
         k.seconds = timed(fn, device)
 
 
-def gap_split(res: dict, parts: dict, kernels: list[Kernel], layers: int) -> dict:
+def skipped_by_keep(mcfg, rows: int, seq: int, kernels: list[Kernel], forward: float) -> float:
+    """Seconds of one layer's recompute that keeping it skips: its forward over a whole row (``forward``: timed
+    alone), over a row cut into chunks the kernels it does not run again (timed alone: ``kernels``)."""
+    from trainer.model import chunked
+
+    if chunked.chunk_of(mcfg.seq_chunk, rows, seq) is None:
+        return forward
+    each = {(k.name, k.shape): k.seconds for k in kernels}
+    kept = layer_schedule(mcfg, rows, seq, True)
+    return sum(each[key] * (c - kept.get(key, 0)) for key, c in layer_schedule(mcfg, rows, seq).items())
+
+
+def gap_split(res: dict, parts: dict, kernels: list[Kernel], layers: int, skipped: float) -> dict:
     """The measured step less the ceiling, in seconds, split by what the step runs besides the kernels alone
-    (each part's time alone, ``parts``, less its kernels; the executor's measured compute less the parts alone; the
-    waits; what lies between its steps). The items add up to step - ceiling; any may be negative (noise)."""
+    (each part's time alone, ``parts``, less its kernels, a kept layer's less what it ``skipped``; the executor's
+    measured compute less the parts alone; the waits; what lies between its steps). The items add up to
+    step - ceiling; any may be negative (noise)."""
     layer_k = sum(k.seconds * k.calls for k in kernels if k.part == "layer")
     loss_k = sum(k.seconds * k.calls for k in kernels if k.part == "loss")
-    alone = layers * (parts["forward"] + parts["backward"]) + parts["loss"] + layers * parts["grad"] + parts["embed"]
+    layers_alone = layers * (parts["forward"] + parts["backward"]) - res["kept_layers"] * skipped
+    alone = layers_alone + parts["loss"] + layers * parts["grad"] + parts["embed"]
     waits = res["wait_transfer_s"] + res["wait_optimizer_s"]
     return {
-        "layers besides these kernels (norms, RoPE, SwiGLU, residuals, fp32 sums, copies)":
-            layers * (parts["forward"] + parts["backward"]) - layer_k,
+        "layers besides these kernels (norms, RoPE, SwiGLU, residuals, fp32 sums, copies)": layers_alone - layer_k,
         "loss besides its matmuls (final norm in fp32, cross-entropy, copies)": parts["loss"] - loss_k,
         "gradients' norms and copies home, the embedding's gradient": layers * parts["grad"] + parts["embed"],
         "the executor around the parts (activations' stash, allocator)": res["compute_s"] - alone,
@@ -302,9 +323,11 @@ def report(args, mcfg, res: dict, kernels: list[Kernel], parts: dict, backends: 
     dense, attn = flops_per_token(mcfg, args.seq)
     step = res["step_s"]
     ceiling = sum(k.seconds * k.calls for k in kernels)
-    gap = gap_split(res, parts, kernels, mcfg.num_layers)
+    skipped = skipped_by_keep(mcfg, 1, args.seq, kernels, parts["forward"])
+    gap = gap_split(res, parts, kernels, mcfg.num_layers, skipped)
     chunk = chunked.chunk_of(mcfg.seq_chunk, 1, args.seq)
-    out = {"shape": args.shape, "seq": args.seq, "layers": mcfg.num_layers, "device": str(device),
+    out = {"shape": args.shape, "seq": args.seq, "layers": mcfg.num_layers, "kept_layers": res["kept_layers"],
+           "device": str(device),
            "chunk": chunk, "loss_chunk": args.loss_chunk, "step_s": step, "times": res["times"],
            "ceiling_s": ceiling, "step_over_ceiling": step / ceiling,
            "tflops": dense * tokens / step / 1e12, "tflops_attention": (dense + attn) * tokens / step / 1e12,
@@ -315,7 +338,8 @@ def report(args, mcfg, res: dict, kernels: list[Kernel], parts: dict, backends: 
            "ceiling_by_attention_kernel_s": by_backend(kernels, backends), "run": res}
     print(f"\n{args.shape} shape ({mcfg.num_params() / 1e9:.2f} B params, {mcfg.num_layers} layers), bf16 on "
           f"{device.type}: one row of {args.seq:,} tokens a step; layers in chunks of "
-          f"{chunk or args.seq:,} tokens, the loss in chunks of {args.loss_chunk:,}")
+          f"{chunk or args.seq:,} tokens ({res['kept_layers']} kept: no recompute of their attention), the loss in "
+          f"chunks of {args.loss_chunk:,}")
     print(f"{'kernels alone, a step':34} {'calls':>7} {'s':>9} {'TFLOP/s':>8}")
     for name, g in out["groups"].items():
         print(f"{name:34} {g['calls']:7d} {g['seconds']:9.3f} {g['flops'] / max(g['seconds'], 1e-12) / 1e12:8.1f}")
@@ -347,6 +371,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seq-chunk", default="auto", help="tiermem_seq_chunk (auto: rows over 16384 tokens in chunks "
                     "of at most 8192)")
     ap.add_argument("--loss-chunk", type=int, default=4096, help="loss_chunk_tokens")
+    ap.add_argument("--keep", type=keep_arg, default="auto", help="tiermem_keep_activations (auto: the plan's, as "
+                    "tiermem-train; kept layers skip the attention's recompute)")
     ap.add_argument("--probe", help="a `tiermem probe --save` file for the planner (default: a quick probe)")
     ap.add_argument("--nvme", help="a directory for the NVMe tier's file")
     ap.add_argument("--attention-shape", help=argparse.SUPPRESS)  # (the child of backends_apart)
@@ -373,14 +399,14 @@ def main(argv: list[str] | None = None) -> dict:
     mcfg.seq_chunk = None if args.seq_chunk == "auto" else int(args.seq_chunk)
     bench = argparse.Namespace(batch=1, accum=1, seq=args.seq, steps=args.steps, warmup=args.warmup,
                                placement="auto", probe=args.probe, nvme=args.nvme, slots=3, loss_chunk=args.loss_chunk,
-                               gpu_share="auto", passes=0, keep=0, compile="auto", seq_chunk=args.seq_chunk,
+                               gpu_share="auto", passes=0, keep=args.keep, compile="auto", seq_chunk=args.seq_chunk,
                                activations="auto")
     res = run_tiermem(bench, raw, d)
     gc.collect()
     device = torch.device("cuda" if cuda else "cpu")
     if cuda:
         torch.cuda.empty_cache()
-    kernels = schedule(mcfg, 1, args.seq, args.loss_chunk)
+    kernels = schedule(mcfg, 1, args.seq, args.loss_chunk, res["kept_layers"])
     time_kernels(kernels, mcfg, torch.bfloat16, device)
     if cuda:
         torch.cuda.empty_cache()
