@@ -73,7 +73,7 @@ def test_a_layer_in_chunks_is_the_whole_layer(family, layer):
         assert err <= 1e-5, f"{name}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("family,layer", [("llama", 0), ("qwen3", 0), ("gpt_oss", 0), ("gpt_oss", 1)])
+@pytest.mark.parametrize("family,layer", [("llama", 0), ("gpt_oss", 0)])  # (gpt-oss's 0: sinks, a window)
 def test_a_kept_layer_in_chunks_backpropagates_as_the_recompute_bit_for_bit(family, layer):
     """A kept layer over a row cut into chunks keeps its attention's graph from the forward (q, k, v, the output,
     gpt-oss's sinks): its backward runs neither the q/k/v nor the attention's forward again, and gives the
