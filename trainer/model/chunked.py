@@ -128,8 +128,8 @@ def _attend(q, k, v, sinks, window, cfg):
 def forward(w: dict[str, torch.Tensor], x: torch.Tensor, rope, cfg, window: int | None, chunk: int,
             parts=(pre_attention, post_attention), keep: bool = False):
     """The decoder layer over ``x`` [B, T, H] in chunks of ``chunk`` tokens (no gradient). ``parts``: the
-    (pre, post) functions to run (compiled or these). ``keep``: (output, the attention's graph) instead, for a
-    ``backward`` that runs neither the q/k/v nor the attention's forward again (``Kept``)."""
+    (pre, post) functions to run (compiled or these). ``keep``: (output, the attention's graph) instead: the
+    ``kept`` of a ``backward`` that runs neither the q/k/v nor the attention's forward again."""
     pre, post = parts
     t = x.shape[1]
     with torch.no_grad():
