@@ -1,11 +1,13 @@
 """Benchmark: a long row's training step against its ceiling measured in the same process (issue 39).
 
     python tools/bench_long.py [--shape 8b|3b|tiny] [--seq 131072] [--steps 2] [--warmup 1] [--out DIR]
-                               [--seq-chunk auto|N] [--loss-chunk 4096] [--layers N] [--probe FILE] [--nvme DIR]
+                               [--seq-chunk auto|N] [--loss-chunk 4096] [--keep auto|N] [--layers N]
+                               [--probe FILE] [--nvme DIR]
 
 1. Trains the shape (random weights, random tokens) one row of ``--seq`` tokens a step through the trainer's
    code (tools/bench_train.py's tiermem run: the planner's placement and boundary activations, auto, the store,
-   the executor and the optimizer, as tiermem-train runs them): ``--warmup`` steps untimed, then ``--steps``.
+   the executor and the optimizer, as tiermem-train runs them; ``--keep``: tiermem_keep_activations, auto as there:
+   a kept layer skips the attention's recompute): ``--warmup`` steps untimed, then ``--steps``.
 2. In the same process, on the same device, times alone and synchronised each kernel the step's schedule runs
    (trainer.model.chunked, trainer.run.executor) at that row: the attention's forward and backward (SDPA, causal,
    the shape's heads and KV heads; on CUDA through the fused kernels only, as chunked.py restricts them), each
