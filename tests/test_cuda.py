@@ -369,6 +369,44 @@ def test_a_long_row_in_chunks_on_cuda_matches_the_whole_layer_in_less_memory(dty
         assert peak < 0.6 * peak0, (peak, peak0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_kept_long_rows_layer_on_cuda_backpropagates_as_the_recompute(dtype):
+    """One Llama-3.1-8B layer over a row of 32,768 tokens (bf16; fp32 8,192) in chunks, kept: its attention's
+    graph from the forward (the fused SDPA kernels) backpropagates as the recompute does (the fused backward
+    accumulates in an order of its own: to rounding), and holds about 2.5 hidden-wide tensors a token (4.5 where
+    the kernel takes k and v expanded to q's heads), not the whole layer's graph (over 20)."""
+    from tests.test_planner import SHAPE_8B
+    from trainer.model.config import model_config_from_dict
+    from trainer.model.stages import TemplateStages
+    from trainer.model.weights import all_weights, init_weight
+
+    dev = torch.device("cuda")
+    cfg = model_config_from_dict(dict(SHAPE_8B, num_hidden_layers=1))
+    t = 32768 if dtype == torch.bfloat16 else 8192
+    cfg.seq_chunk = t // 8
+    stages = TemplateStages(cfg, dtype, dev)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    w = {lw.local: init_weight(lw, cfg, gen, dev).to(dtype) for lw in all_weights(cfg) if lw.group == 0}
+    x = torch.randn(1, t, cfg.hidden_size, device=dev, dtype=dtype, generator=gen)
+    gy = torch.randn(x.shape, device=dev, dtype=dtype, generator=gen) * 1e-3
+    ctx = stages.contexts([torch.zeros(1, t, dtype=torch.long, device=dev)], [None], 1, False)[0]
+    y0 = stages.layer(0, w, x, ctx)
+    gx0, gws0 = stages.layer_backward(0, w, x, gy.clone(), ctx)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    with torch.no_grad():
+        y, graph = stages.layer_graph(0, w, x, ctx)
+    held = torch.cuda.memory_allocated() - base - y.numel() * y.element_size()
+    gx, gws = stages.graph_backward(graph, gy.clone())
+    assert torch.equal(y, y0)  # (the same forward kernels)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    for name, a, b in [("gx", gx, gx0), *zip(w, gws, gws0)]:
+        err = float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+        assert err <= tol, f"{name}: relative error {err:.2e}"
+    hidden = t * cfg.hidden_size * x.element_size()
+    assert 2 * hidden <= held <= 5 * hidden, (held, hidden)  # (q, k, v, the output, the log-sum-exp)
+
+
 @pytest.mark.parametrize("where", ["gpu", "dram"])
 def test_activations_in_dram_on_cuda_train_as_plain_pytorch(tmp_path, where):
     """fp32 training on CUDA with every layer's input in the pinned arena between the forward and the backward (or

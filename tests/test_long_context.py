@@ -73,6 +73,38 @@ def test_a_layer_in_chunks_is_the_whole_layer(family, layer):
         assert err <= 1e-5, f"{name}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("family,layer", [("llama", 0), ("gpt_oss", 0)])  # (gpt-oss's 0: sinks, a window)
+def test_a_kept_layer_in_chunks_backpropagates_as_the_recompute_bit_for_bit(family, layer):
+    """A kept layer over a row cut into chunks keeps its attention's graph from the forward (q, k, v, the output,
+    gpt-oss's sinks): its backward runs neither the q/k/v nor the attention's forward again, and gives the
+    recomputing backward's output, input gradient and weight gradients exactly (fp32)."""
+    cfg = tiny(family)
+    cfg.seq_chunk = 26
+    stages = TemplateStages(cfg, torch.float32, torch.device("cpu"))
+    w = layer_weights(cfg, layer)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 50, cfg.hidden_size, generator=gen)
+    gy = torch.randn(x.shape, generator=gen)
+    ctx = stages.contexts([torch.zeros(2, 50, dtype=torch.long)], [None], 1, False)[0]
+    y0 = stages.layer(layer, w, x, ctx)
+    gx0, gw0 = stages.layer_backward(layer, w, x, gy.clone(), ctx)
+    with torch.no_grad():
+        y, graph = stages.layer_graph(layer, w, x, ctx)
+    seen = []
+    real = chunked.pre_attention
+
+    def pre(*a):
+        seen.append(torch.is_grad_enabled())
+        return real(*a)
+
+    stages._parts = (pre, stages._parts[1])
+    gx, gw = stages.graph_backward(graph, gy.clone())
+    assert seen == [True] * 4  # (each of the 4 chunks's q/k/v once, with its graph for its backward: none without)
+    assert torch.equal(y, y0) and torch.equal(gx, gx0)
+    for name, a, b in zip(w, gw, gw0):
+        assert torch.equal(a, b), name
+
+
 def test_the_mlp_is_never_whole(monkeypatch):
     """The feed-forward of a chunked layer sees one chunk at a time, in the forward and the backward's recompute."""
     cfg = tiny("llama")
@@ -126,6 +158,42 @@ def test_rows_cut_into_chunks_train_plain_pytorchs_weights(tmp_path, monkeypatch
     log = [json.loads(line) for line in (tmp_path / "out" / "trainer_log.jsonl").read_text().splitlines()]
     assert [r["grad_norm"] for r in log] == pytest.approx(norms, rel=1e-5)
     assert [r["loss"] for r in log] == pytest.approx(losses, rel=1e-5)
+
+
+@pytest.mark.slow  # (two parity runs and plain PyTorch: seconds)
+def test_kept_layers_over_rows_cut_into_chunks_train_the_recomputes_weights(tmp_path, capsys, monkeypatch):
+    """tiermem_keep_activations over rows cut into chunks (tiermem_seq_chunk 8): auto, with room in HBM, keeps every
+    layer's attention graph (the plan counts it); the run ends with the recomputing run's weights bit for bit, and
+    plain PyTorch's to rounding."""
+    from safetensors.torch import load_file
+
+    from tests.test_train_parity import assert_same_weights, reference_training, run_cli
+    from tests.tiny_models import save_tiny_model, write_tokenized_dataset
+
+    model_dir = save_tiny_model("llama", tmp_path / "model")
+    data_dir = tmp_path / "data"
+    name = write_tokenized_dataset(data_dir)
+    ref = reference_training(model_dir, data_dir, name, [])
+    roomy = {"tiers": {"gpu": {"device": "cpu", "budget": "64MiB"}, "dram": {"budget": "64MiB"}}}
+    kept = []
+    real = chunked.forward
+
+    def forward(*a, keep=False, **k):
+        kept.append(keep)
+        return real(*a, keep=keep, **k)
+
+    monkeypatch.setattr(chunked, "forward", forward)
+    runs = {}
+    for keep in (0, "auto"):
+        out = tmp_path / f"k{keep}"
+        assert run_cli(tmp_path, model_dir, data_dir, name, roomy, output_dir=str(out), tiermem_seq_chunk=8,
+                       tiermem_keep_activations=keep) == 0
+        said = capsys.readouterr().out
+        runs[keep] = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+        assert_same_weights(out, ref, tied=False)
+    assert "the activations of layers 0-2 kept (no recompute)" in said, said
+    assert True in kept and False in kept  # (the rows were cut into chunks, kept in the second run)
+    assert all(torch.equal(runs["auto"][n], runs[0][n]) for n in runs[0])
 
 
 def test_a_bad_seq_chunk_and_a_load_balancing_loss_over_chunks_are_refused(tmp_path, capsys):
@@ -276,7 +344,9 @@ def test_the_store_reserves_room_for_activations_and_counts_it():
 def test_the_planner_counts_a_long_rows_layer_in_chunks():
     """The working set planned for one row of 524,288 tokens of the Llama-3.1-8B shape is the chunked layer's (its
     hidden-wide tensors and one chunk's feed-forward: under 45 GiB), not the whole layer's (its 14336-wide
-    activations for every token: over 100 GiB); a short row's is as before, and a long row keeps no graph."""
+    activations for every token: over 100 GiB); a short row's is as before. A long row's kept layer holds its
+    attention's graph alone (q, k, v, the output in bf16, the log-sum-exp in fp32: 10.1 GiB at 524,288 tokens) and
+    skips the q/k/v and attention's share of its forward (most of it at that length); a short row's the whole."""
     from tests.test_planner import SHAPE_8B, GiB
     from tiermem.plan.machine import Machine
     from trainer.planning import plan_workload
@@ -288,9 +358,52 @@ def test_the_planner_counts_a_long_rows_layer_in_chunks():
         return plan_workload.build(cfg, torch.bfloat16, 1, seq, 1, m, torch.device("cpu"), 4096, time_it=False)
 
     long = build(524288)
-    assert long.layer_work_bytes < 45 * GiB and long.kept_bytes == 0
+    assert long.layer_work_bytes < 45 * GiB and long.kept_bytes == 524288 * ((2 * 4096 + 2 * 1024) * 2 + 4 * 32)
+    assert 0.8 < long.kept_saves < 1
     cfg.seq_chunk = 1 << 20  # (no chunks: the whole layer)
     assert build(524288).layer_work_bytes > 100 * GiB
     cfg.seq_chunk = None
     short = build(4096)
     assert short.layer_work_bytes == 4096 * (14 * 4096 + 4 * 14336) * 2 and short.kept_bytes > 0
+    assert short.kept_saves == 1
+
+
+@pytest.mark.parametrize("weight_fp32", [False, True])
+def test_the_final_norm_runs_in_the_loss_chunks_and_is_the_whole_rows(monkeypatch, weight_fp32):
+    """The loss's final norm (fp32 inside) sees one loss chunk of tokens at a time, in the training step's loss and
+    in the evaluation's: no fp32 copy of the whole row. The loss, the hidden state's gradient and the norm's and
+    head's gradients are the whole row's norm's, fp32 (gpt-oss's norm weight multiplying in fp32 too)."""
+    from trainer.model import layers
+
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 37, 16, generator=gen)
+    targets = torch.randint(0, 50, (2, 37), generator=gen)
+    targets[0, :5] = -100
+    norm_w = 1 + 0.1 * torch.randn(16, generator=gen)
+    head_w = torch.randn(50, 16, generator=gen)
+    eps, scale = 1e-5, 0.01
+
+    def whole():  # (the whole row's norm, then the head and cross-entropy)
+        x, nw, hw = h.clone().requires_grad_(), norm_w.clone().requires_grad_(), head_w.clone().requires_grad_()
+        logits = torch.nn.functional.linear(layers.rms_norm(x, nw, eps, weight_fp32), hw).float()
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, 50), targets.view(-1), ignore_index=-100,
+                                                 reduction="sum")
+        return (loss.detach(), *torch.autograd.grad(loss * scale, [x, nw, hw]))
+
+    ref = whole()
+    seen = []
+    real = layers.rms_norm
+
+    def norm(x, *a, **k):
+        seen.append(x.numel() // x.shape[-1])
+        return real(x, *a, **k)
+
+    monkeypatch.setattr(layers, "rms_norm", norm)
+    got = layers.head_loss_backward(h, targets, norm_w, head_w, eps, scale, 10, None, weight_fp32)
+    assert seen and max(seen) <= 10 and sum(seen) == 74
+    seen.clear()
+    evaluated = layers.head_loss(h, targets, norm_w, head_w, eps, 10, weight_fp32)
+    assert seen and max(seen) <= 10 and sum(seen) == 74
+    assert torch.allclose(evaluated, ref[0], rtol=1e-6)
+    for a, b in zip(got, ref):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -259,6 +259,11 @@ def test_kept_layers_skip_their_recompute_in_the_prediction():
     base = predict(Layout(where, set(w.groups), 1), w, machine(), gb, params)
     kept = predict(Layout(where, set(w.groups), 1, keep=frozenset({0, 1})), w, machine(), gb, params)
     assert base.compute - kept.compute == pytest.approx(2 * 0.1)
+    # over rows cut into chunks a kept layer skips only the q/k/v and attention's share of its forward
+    w = dataclasses.replace(w, kept_saves=0.75)
+    kept = predict(Layout(where, set(w.groups), 1, keep=frozenset({0, 1})), w, machine(), gb, params)
+    assert base.compute - kept.compute == pytest.approx(2 * 0.1 * 0.75)
+    assert Workload.from_json(w.to_json()).kept_saves == 0.75
 
 
 def test_keep_auto_keeps_the_resident_layers_the_hbm_left_holds():

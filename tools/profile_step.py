@@ -99,7 +99,7 @@ def time_parts(mcfg, args, device: torch.device) -> dict:
     from trainer.planning.plan_workload import _time
 
     before = _device_allocs(device)
-    t_f, t_b, t_h, t_g, t_e, _, _ = _time(mcfg, torch.bfloat16, args.batch, args.seq, device, args.loss_chunk)
+    t_f, t_b, t_h, t_g, t_e, *_ = _time(mcfg, torch.bfloat16, args.batch, args.seq, device, args.loss_chunk)
     return dict(forward=t_f, backward=t_b, loss=t_h, grad=t_g, embed=t_e, device_allocs=_device_allocs(device) - before)
 
 

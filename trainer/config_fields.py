@@ -219,8 +219,9 @@ class TrainConfig:
         "weights are gone before its backward), none while a load-balancing loss is on. auto: the planner's "
         "choice, made with the placement (HBM given to a layer's kept graph is HBM taken from state, so it keeps "
         "layers only where the step is predicted faster; none for a mixture of experts); a number: the first N "
-        "of those; 0: none. The plan line says which layers are kept; kept or recomputed, the weights are the "
-        "same bit for bit"))
+        "of those; 0: none. Over rows cut into sequence chunks (tiermem_seq_chunk) a kept layer keeps its "
+        "attention's graph alone, and its backward skips q/k/v and the attention's forward. The plan line says "
+        "which layers are kept; kept or recomputed, the weights are the same bit for bit"))
     tiermem_physical_batch_size: int | Literal["auto"] = own("auto", convert=_whole_or_auto(1, "rows"), help=(
         "rows the GPU computes at once: a micro-batch runs as pieces of at most this many rows, each trimmed to "
         "its longest row (the same step: the loss is the mean over all of its tokens, its gradient their sum; "

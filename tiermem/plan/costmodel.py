@@ -357,7 +357,8 @@ class _Step:
                 own = g in self.mine  # (several ranks: a layer's gradient goes to its owner, which keeps the sums)
                 if not first and phase in ("bwd", "loss", "embed_bwd") and role(g, "grad") != DEVICE:
                     partial = h2d(nbytes(g, "grad"), [partial_home.get(g)], f"partial {g}", peer=not own)
-                bwd = w.bwd.get(g, 0.0) - (w.fwd.get(g, 0.0) if g in layout.keep else 0.0)  # (the recompute)
+                bwd = w.bwd.get(g, 0.0) - (w.fwd.get(g, 0.0) * w.kept_saves if g in layout.keep else 0.0)  # (the
+                # recompute a kept layer skips)
                 seconds = (w.fwd.get(g, 0.0) if phase in ("fwd",) else max(bwd, 0.0)
                            if phase != "loss" else w.fwd.get(g, 0.0) + w.bwd.get(g, 0.0)) / p
                 # (a peer's partial sums are its own to add)

@@ -41,6 +41,9 @@ class Workload:
     head_work_bytes: int = 0
     # attention's FLOPs a token (causal, tiermem.plan.flops), for TFLOP/s counted with it beside 6·N. 0: not known
     attention_flops_per_token: float = 0.0
+    # the share of a layer's forward that a kept layer's backward does not run again: 1, the whole recompute; a row
+    # cut into chunks keeps its attention's graph alone, and skips only q/k/v and the attention's forward
+    kept_saves: float = 1.0
 
     @property
     def groups(self) -> list[Group]:
@@ -142,4 +145,4 @@ class Workload:
                    *(number(k, 0, 1 << 50) if k in o else 0
                      for k in ("micro_rows", "layer_work_bytes", "head_work_bytes")),
                    float(number("attention_flops_per_token", 0, 1e18, False)) if "attention_flops_per_token" in o
-                   else 0.0)
+                   else 0.0, float(number("kept_saves", 0, 1, False)) if "kept_saves" in o else 1.0)

@@ -15,8 +15,14 @@ the input's gradients, and the weights'), the attention's backward, and each chu
 with its backward. The weights' gradients are added chunk by chunk in fp32. The same function as
 ``trainer.model.layers.decoder_layer``, to rounding (the weights' gradients are sums over chunks).
 
+A kept layer (``tiermem_keep_activations``) keeps the attention's graph from its forward (q, k, v, the output and
+what the kernel saves: about 2.5 hidden-wide tensors a token on Llama's shapes, no wider one): its backward then
+runs neither the q/k/v nor the attention's forward again, the costliest recompute of a long row (the attention
+grows with the row's square).
+
     y = forward(w, x, rope, cfg, window, chunk, parts)
-    gx, gws = backward(w, x, gy, rope, cfg, window, chunk, parts)     # gws in w's order, fp32
+    y, kept = forward(w, x, rope, cfg, window, chunk, parts, keep=True)
+    gx, gws = backward(w, x, gy, rope, cfg, window, chunk, parts[, kept])     # gws in w's order, fp32
 """
 
 from __future__ import annotations
@@ -120,19 +126,39 @@ def _attend(q, k, v, sinks, window, cfg):
 
 
 def forward(w: dict[str, torch.Tensor], x: torch.Tensor, rope, cfg, window: int | None, chunk: int,
-            parts=(pre_attention, post_attention)) -> torch.Tensor:
+            parts=(pre_attention, post_attention), keep: bool = False):
     """The decoder layer over ``x`` [B, T, H] in chunks of ``chunk`` tokens (no gradient). ``parts``: the
-    (pre, post) functions to run (compiled or these)."""
+    (pre, post) functions to run (compiled or these). ``keep``: (output, the attention's graph) instead: the
+    ``kept`` of a ``backward`` that runs neither the q/k/v nor the attention's forward again."""
     pre, post = parts
     t = x.shape[1]
     with torch.no_grad():
         q, k, v = _qkv(w, x, rope, cfg, chunk, pre)
-        a = _attend(q, k, v, w.get("self_attn.sinks"), window, cfg)
-        del q, k, v
+    if keep:  # (sinks: a leaf of the graph, for their gradient)
+        sinks = w["self_attn.sinks"].detach().requires_grad_() if "self_attn.sinks" in w else None
+        q, k, v = q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+        with torch.enable_grad():
+            a = _attend(q, k, v, sinks, window, cfg)
+        kept = (q, k, v, a, sinks)
+        a = a.detach()
+    else:
+        with torch.no_grad():
+            a = _attend(q, k, v, w.get("self_attn.sinks"), window, cfg)
+    del q, k, v
+    with torch.no_grad():
         y = torch.empty_like(x)
         for s, e in spans(t, chunk):
             y[:, s:e] = post(w, x[:, s:e], a[:, s:e], cfg)
-    return y
+    return (y, kept) if keep else y
+
+
+def kept_skips(w: dict[str, torch.Tensor], x: torch.Tensor, rope, cfg, window: int | None, chunk: int,
+               pre=pre_attention) -> None:
+    """What a kept layer's backward does not run again (no gradient): q, k, v of the whole row and the
+    attention's forward (the planner times it: the recompute a kept layer over a row cut into chunks saves)."""
+    with torch.no_grad():
+        q, k, v = _qkv(w, x, rope, cfg, chunk, pre)
+        _attend(q, k, v, w.get("self_attn.sinks"), window, cfg)
 
 
 def _add(acc: dict, names: list[str], grads) -> None:
@@ -146,20 +172,25 @@ def _add(acc: dict, names: list[str], grads) -> None:
 
 
 def backward(w: dict[str, torch.Tensor], x: torch.Tensor, gy: torch.Tensor, rope, cfg, window: int | None,
-             chunk: int, parts=(pre_attention, post_attention)):
+             chunk: int, parts=(pre_attention, post_attention), kept: tuple | None = None):
     """Recompute the layer over ``x`` in chunks and backpropagate ``gy``: (input gradient, the weights'
     gradients in fp32 in ``w``'s order). The input gradient is written over ``gy`` chunk by chunk, once each chunk
-    of it has been used (a row-long tensor fewer at the attention's backward): ``gy`` is the caller's no more."""
+    of it has been used (a row-long tensor fewer at the attention's backward): ``gy`` is the caller's no more.
+    ``kept``: the attention's graph of ``forward(keep=True)`` (q, k, v, its output, the sinks' leaf), taken instead
+    of computing them again (the same values: the same gradients, bit for bit)."""
     pre, post = parts
     t = x.shape[1]
     names = list(w)
     leaves = {n: p.detach().requires_grad_() for n, p in w.items()}
     acc: dict = {}
-    q, k, v = _qkv(w, x, rope, cfg, chunk, pre)
     sinks = leaves.get("self_attn.sinks")
-    q, k, v = q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
-    with torch.enable_grad():
-        a = _attend(q, k, v, sinks, window, cfg)
+    if kept is not None:
+        q, k, v, a, sinks = kept
+    else:
+        q, k, v = _qkv(w, x, rope, cfg, chunk, pre)
+        q, k, v = q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+        with torch.enable_grad():
+            a = _attend(q, k, v, sinks, window, cfg)
     a_in = a.detach()
     ga = torch.empty_like(a_in)
     gx = gy  # (each chunk's input gradient over its own output gradient, once that is used)

@@ -74,44 +74,43 @@ def head_loss_backward(h: torch.Tensor, targets: torch.Tensor, norm_w: torch.Ten
                        eps: float, scale: float, chunk_tokens: int, acc_hw: torch.Tensor | None = None,
                        weight_fp32: bool = False):
     """Final norm + LM head + summed cross-entropy over ``targets`` (-100 ignored), and its backward for
-    a loss of ``sum * scale``, chunked over tokens so no [tokens, vocab] logits tensor exists.
+    a loss of ``sum * scale``, chunked over tokens so no [tokens, vocab] logits tensor exists, nor the norm's fp32
+    copies of the whole row (the norm is token-wise: each chunk's is the whole row's).
 
     Returns (loss_sum, grad_h, grad_norm_w fp32, grad_head_w fp32). ``acc_hw``: an fp32 tensor the head weight's
     gradient is added into, chunk by chunk (a step's sum over micro-batches: no vocab x hidden tensor of this
     micro-batch's alone); it is returned as the head weight's gradient.
     """
     hidden = h.shape[-1]
-    x = h.detach().requires_grad_()
+    flat = h.detach().reshape(-1, hidden)
     nw = norm_w.detach().requires_grad_()
     hw = head_w.detach().requires_grad_()
-    with torch.enable_grad():
-        normed = rms_norm(x, nw, eps, weight_fp32)
-    flat = normed.detach().reshape(-1, hidden)
     tgt = targets.reshape(-1)
     grad_flat = torch.empty_like(flat)
     grad_hw = acc_hw if acc_hw is not None else torch.zeros(head_w.shape, dtype=torch.float32, device=head_w.device)
+    grad_nw = torch.zeros(norm_w.shape, dtype=torch.float32, device=norm_w.device)
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
     for s in range(0, flat.shape[0], chunk_tokens):
         xc = flat[s: s + chunk_tokens].requires_grad_()
         with torch.enable_grad():
-            logits = F.linear(xc, hw).float()
+            logits = F.linear(rms_norm(xc, nw, eps, weight_fp32), hw).float()
             part = F.cross_entropy(logits, tgt[s: s + chunk_tokens], ignore_index=-100, reduction="sum")
-            gx, gw = torch.autograd.grad(part * scale, [xc, hw])
+            gx, gnw, gw = torch.autograd.grad(part * scale, [xc, nw, hw])
         grad_flat[s: s + chunk_tokens] = gx
+        grad_nw += gnw
         grad_hw += gw
         loss += part.detach()
-    with torch.enable_grad():
-        gh, gnw = torch.autograd.grad(normed, [x, nw], grad_flat.view_as(normed))
-    return loss, gh, gnw.float(), grad_hw
+    return loss, grad_flat.view_as(h), grad_nw, grad_hw
 
 
 def head_loss(h: torch.Tensor, targets: torch.Tensor, norm_w: torch.Tensor, head_w: torch.Tensor, eps: float,
               chunk_tokens: int, weight_fp32: bool = False) -> torch.Tensor:
-    """Summed cross-entropy of the final norm + LM head over ``targets`` (-100 ignored), chunked, no grad."""
-    flat = rms_norm(h, norm_w, eps, weight_fp32).reshape(-1, h.shape[-1])
+    """Summed cross-entropy of the final norm + LM head over ``targets`` (-100 ignored), chunked (the norm too), no
+    grad."""
+    flat = h.reshape(-1, h.shape[-1])
     tgt = targets.reshape(-1)
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
     for s in range(0, flat.shape[0], chunk_tokens):
-        logits = F.linear(flat[s: s + chunk_tokens], head_w).float()
+        logits = F.linear(rms_norm(flat[s: s + chunk_tokens], norm_w, eps, weight_fp32), head_w).float()
         loss += F.cross_entropy(logits, tgt[s: s + chunk_tokens], ignore_index=-100, reduction="sum")
     return loss

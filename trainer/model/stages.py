@@ -48,6 +48,11 @@ class TemplateStages:
         self._parts = chunk_parts(cfg.compile)  # (a long row's layer in sequence chunks: trainer.model.chunked)
 
     @property
+    def parts(self) -> tuple:
+        """The (pre-attention, post-attention) functions of a layer over a row cut into chunks (compiled or not)."""
+        return self._parts
+
+    @property
     def aux_loss_coef(self) -> float:
         return self.cfg.moe.aux_loss_coef if self.cfg.moe is not None else 0.0
 
@@ -106,11 +111,20 @@ class TemplateStages:
 
     def layer_graph(self, i: int, w: dict[str, torch.Tensor], x: torch.Tensor, ctx: MicroBatch):
         """Decoder layer ``i``'s forward keeping its autograd graph (its activations), for a backward without
-        the recompute: (output, graph). Not for a layer whose router feeds the load-balancing loss."""
+        the recompute: (output, graph). Over a row cut into chunks, the attention's graph alone (its backward
+        recomputes the token-wise chunks, not q/k/v nor the attention: ``trainer.model.chunked``). Not for a layer
+        whose router feeds the load-balancing loss."""
         window = self.cfg.window(i)
+        c = self.chunk(x, ctx)
+        if c is not None:
+            y, kept = chunked.forward(w, x, ctx.rope, self.cfg, window, c, self._parts, keep=True)
+            return y, ChunkedGraph(w, x, ctx.rope, window, c, kept)
         return keep_graph(lambda leaves, x_: self._layer(leaves, x_, ctx.rope, self.cfg, ctx.router, window), w, x)
 
     def graph_backward(self, graph, gy: torch.Tensor):
+        if isinstance(graph, ChunkedGraph):
+            g = graph
+            return chunked.backward(g.w, g.x, gy, g.rope, self.cfg, g.window, g.chunk, self._parts, g.kept)
         return backward_of(graph, gy)
 
     def head_loss_backward(self, h: torch.Tensor, targets: torch.Tensor, w: dict[str, torch.Tensor],
@@ -158,6 +172,19 @@ class TemplateStages:
         if pad is not None:
             g[pad] = pad_row
         return {EMBED: g}
+
+
+@dataclass
+class ChunkedGraph:
+    """What a kept layer over a row cut into chunks holds until its backward: its weights (a group that lives in
+    HBM), its input, the micro-batch's RoPE tables, its window and chunk, and the attention's graph."""
+
+    w: dict
+    x: torch.Tensor
+    rope: tuple
+    window: int | None
+    chunk: int
+    kept: tuple
 
 
 def keep_graph(fn, w: dict[str, torch.Tensor], x: torch.Tensor):

@@ -94,10 +94,10 @@ def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, mach
     embed_bwd = 0.0
     if timed is not None:
         f_mb, b_mb, h_mb, g_step, e_step = (x * IN_STEP for x in timed[:5])
-        (layer_work, head_work), kept = timed[5], timed[6]
+        (layer_work, head_work), kept, saves = timed[5], timed[6], timed[7]
         work = max(layer_work, head_work)
         if kept is None:  # (measuring the kept graph ran out of memory: estimated as without timing)
-            kept = rows * seq * (10 * cfg.hidden_size + 4 * _inter(cfg)) * itemsize
+            kept = kept_estimate(cfg, rows, seq, itemsize)
         fwd_l, bwd_l, head = f_mb * micro_batches, b_mb * micro_batches + g_step, h_mb * micro_batches
         embed_bwd = e_step
         how = (f"timed on {device.type}: one layer, its gradient's handling, the loss and the embedding's "
@@ -110,8 +110,7 @@ def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, mach
         head_work = 0  # (estimated as held beside the layer's, below: only the layer's part scales with rows)
         work = layer_work + rows * min(seq, loss_chunk) * cfg.vocab_size * 4 * 2 + 4 * head_p  # (+ the loss's fp32
         # gradient)
-        kept = rows * seq * (10 * cfg.hidden_size + 4 * _inter(cfg)) * itemsize  # (a layer's saved activations)
-        kept = kept if seq_chunk(cfg, rows, seq) is None else 0  # (a long row's layer keeps no graph)
+        kept, saves = kept_estimate(cfg, rows, seq, itemsize), kept_saves_estimate(cfg, rows, seq, machine)
         attention = machine.gpu_attention_tflops
         how = (f"estimated from FLOPs at {rate / 1e12:.3g} TFLOP/s"
                + (f", attention's at {attention / 1e12:.3g}" if attention != rate else "")
@@ -125,7 +124,26 @@ def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, mach
                     int(work + grads), dense, cfg.tie_word_embeddings, how,
                     kept_bytes=int(kept), embed_grad_bytes=int(embed_grad), micro_rows=rows,
                     layer_work_bytes=int(layer_work), head_work_bytes=int(head_work),
-                    attention_flops_per_token=attention)
+                    attention_flops_per_token=attention, kept_saves=saves)
+
+
+def kept_estimate(cfg, rows: int, seq: int, itemsize: int) -> int:
+    """Bytes a kept layer's graph holds for a micro-batch of ``rows`` x ``seq`` tokens, estimated: the whole layer's
+    saved activations, or over rows cut into chunks the attention's (q, k, v, its output, its log-sum-exp)."""
+    if seq_chunk(cfg, rows, seq) is None:
+        return rows * seq * (10 * cfg.hidden_size + 4 * _inter(cfg)) * itemsize
+    return rows * seq * ((2 * cfg.q_size + 2 * cfg.kv_size) * itemsize + 4 * cfg.num_heads)
+
+
+def kept_saves_estimate(cfg, rows: int, seq: int, machine: Machine) -> float:
+    """The share of a layer's forward that a kept layer's backward skips, estimated from FLOPs: all of it, or over
+    rows cut into chunks q/k/v and the attention's forward."""
+    if seq_chunk(cfg, rows, seq) is None:
+        return 1.0
+    i = heaviest_layer(cfg)
+    qkv = 2.0 * cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) / machine.gpu_tflops
+    attention = attention_flops_per_token([attention_layers(cfg)[i]], seq) / 3 / machine.gpu_attention_tflops
+    return min(1.0, (qkv + attention) / layer_seconds(cfg, seq, i, machine))
 
 
 def seq_chunk(cfg, rows: int, seq: int) -> int | None:
@@ -218,8 +236,10 @@ def _time(cfg, dtype: torch.dtype, rows: int, seq: int, device: torch.device, lo
         sum(g.pow(2).sum() for g in stages.embed_grads(embed_w, [ids], [gy], [ctx], None).values())
 
     t_e = timed(embed_grad, min(reps, 2))
-    # (a long row's layer runs in chunks and keeps no graph: trainer.run.executor)
-    kept = _kept_bytes(stages, layer, w, x, ctx) if stages.chunk(x, ctx) is None else 0
+    kept = _kept_bytes(stages, layer, w, x, ctx)  # (a row cut into chunks: its attention's graph alone)
+    c = stages.chunk(x, ctx)
+    saves = 1.0 if c is None else min(1.0, timed(lambda: chunked.kept_skips(
+        w, x, ctx.rope, cfg, cfg.window(layer), c, stages.parts[0]), reps) / max(t_f, 1e-9))
     targets = torch.randint(0, cfg.vocab_size, (rows, seq), device=device, generator=gen)
     tied = embed_w if cfg.tie_word_embeddings else None
     if cuda:
@@ -227,7 +247,7 @@ def _time(cfg, dtype: torch.dtype, rows: int, seq: int, device: torch.device, lo
         base = torch.cuda.memory_allocated(device)
     t_h = timed(lambda: stages.head_loss_backward(x, targets, head_w, tied, 1.0, loss_chunk), min(reps, 2))
     head_work = torch.cuda.max_memory_allocated(device) - base if cuda else 0
-    return t_f, t_b, t_h, t_g, t_e, (layer_work, head_work), kept
+    return t_f, t_b, t_h, t_g, t_e, (layer_work, head_work), kept, saves
 
 
 def _kept_bytes(stages, layer, w: dict, x: torch.Tensor, ctx) -> int:

@@ -326,8 +326,8 @@ class Executor:
         targets = [shift_labels(b[1]).to(dev, non_blocking=True) for b in batches]
         masks = [b[3].to(dev, non_blocking=True) if len(b) > 3 else None for b in batches]
         ctx = model.contexts(ids, masks, n_micro, True)
-        whole = all(c.router is None for c in ctx) and not any(model.chunk(x, c) for x, c in zip(ids, ctx))
-        keep = self.kept() if whole else set()  # (a long row's graph is what its chunks avoid holding)
+        # (a row cut into chunks keeps its attention's graph alone: trainer.model.chunked)
+        keep = self.kept() if all(c.router is None for c in ctx) else set()
         self.last_kept = len(keep)
         if self.stash is not None:
             self.stash.clear()
