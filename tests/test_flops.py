@@ -66,7 +66,9 @@ def test_the_planner_workload_carries_attention_and_its_tflops(tmp_path):
     # (the estimate's layer forward: its matmuls at the GPU's rate and a third of its attention's training count
     # at attention's)
     f = (2 * cfg.layer_params(0, active=True) / m.gpu_tflops + 12 * 4096 * 4096 / 3 / 400e12) * w.tokens
-    assert w.fwd[0] == pytest.approx(f) and w.bwd[0] == pytest.approx(3 * f)
+    # (and its backward three times that, with the layer's cost a piece for each of the 2 micro-batches)
+    assert w.piece_seconds == pytest.approx(cfg.layer_params(0) / m.gpu_piece_rate)
+    assert w.fwd[0] == pytest.approx(f) and w.bwd[0] == pytest.approx(3 * f + 2 * w.piece_seconds)
     assert "attention's at 400" in w.timed
 
 

@@ -51,6 +51,7 @@ def workload(layers: int, fwd: float = 0.1, tokens: int = 65536, micro_batches: 
 def machine(**kw) -> Machine:
     m = Machine.h200("synthetic")
     kw.setdefault("cpu_in_run", 1.0)  # (the CPU worker at its probed rates unless a test says otherwise)
+    kw.setdefault("pass_cost", 0.0)  # (a later pass costs its copies only, unless a test says otherwise)
     return dataclasses.replace(m, **kw)
 
 
@@ -784,6 +785,53 @@ def test_a_step_of_many_passes_extends_the_last_simulated_pass(passes):
     assert ext.wait_optimizer == pytest.approx(whole.wait_optimizer, rel=1e-6, abs=1e-9)
     assert all(ext.busy[r] == pytest.approx(whole.busy[r], rel=1e-6, abs=1e-9) for r in whole.busy)
     assert all(ext.bytes[k] == pytest.approx(whole.bytes[k], rel=1e-6, abs=1e-9) for k in whole.bytes)
+
+
+@pytest.mark.parametrize("passes", [4, 20])
+def test_each_pass_beyond_the_first_costs_the_gpu_for_every_group_summed_outside_hbm(passes):
+    """Machine.pass_cost (13 ms on the H200: the 14B runs, tools/profile_step.py --passes): each pass after the first
+    adds it to the GPU's compute for every group whose gradient lives outside HBM (its partial sums go home and come
+    back); a group whose gradient lives in HBM sums it there and costs nothing more. Beyond SIM_PASSES as well."""
+    p = plan(layers=6, gpu=8 * GiB, w=workload(6, fwd=0.05), nvme=200 * GiB, dram=4 * GiB)
+    w = p.workload
+    wk = w.scaled(w.tokens * passes * 2 // w.micro_batches, passes * 2)
+    layout = Layout(p.where, p.gpu_updates, passes)
+    free = predict(layout, wk, dataclasses.replace(p.machine, pass_cost=0.0), p.group_bytes, p.params)
+    paid = predict(layout, wk, dataclasses.replace(p.machine, pass_cost=0.01), p.group_bytes, p.params)
+    outside = [g for g in w.groups if p.where[(g, "grad")] != "gpu"]
+    assert 0 < len(outside) < len(w.groups)
+    assert paid.compute - free.compute == pytest.approx(0.01 * (passes - 1) * len(outside))
+    one = Layout(p.where, p.gpu_updates, 1)
+    assert predict(one, w, dataclasses.replace(p.machine, pass_cost=0.01), p.group_bytes, p.params).compute == \
+        pytest.approx(predict(one, w, dataclasses.replace(p.machine, pass_cost=0.0), p.group_bytes, p.params).compute)
+
+
+def test_a_micro_batch_in_pieces_pays_each_layers_cost_a_piece():
+    """Workload.piece_seconds (a layer's cost each piece whatever its tokens: Machine.gpu_piece_rate): cutting each
+    of 8 micro-batches of 4 rows into pieces adds it to every layer's backward for each further piece; the loss's and
+    the FLOPs' seconds stay; a workload's JSON carries it."""
+    w = dataclasses.replace(workload(4, micro_batches=8), micro_rows=4, piece_seconds=0.002)
+    half, one = w.in_pieces(2), w.in_pieces(1)
+    assert (half.micro_batches, one.micro_batches) == (16, 32)
+    assert all(half.bwd[i] == pytest.approx(w.bwd[i] + 8 * 0.002) for i in w.layers)
+    assert all(one.bwd[i] == pytest.approx(w.bwd[i] + 3 * 8 * 0.002) for i in w.layers)
+    assert half.bwd["head"] == w.bwd["head"] and half.fwd == w.fwd
+    assert Workload.from_json(json.loads(json.dumps(w.to_json()))).piece_seconds == 0.002
+
+
+def test_the_estimated_loss_holds_one_chunk_of_a_pieces_tokens_whatever_its_rows():
+    """The loss runs over a piece's tokens in chunks of loss_chunk_tokens, whatever its rows
+    (trainer.model.layers.head_loss_backward): estimated at 2 rows of 4096 tokens it holds one 4096-token chunk's
+    fp32 logits and their gradient, as at 1 row; only the layer's working set doubles (it once counted a chunk a
+    row: 5 GB too many for the 14B's 2 x 4096, which pushed its state to NVMe)."""
+    from trainer.model.config import model_config_from_dict
+    from trainer.planning import plan_workload
+
+    cfg = model_config_from_dict(SHAPE_8B)
+    one, two = (plan_workload.build(cfg, torch.bfloat16, rows, 4096, 4, Machine.h200("t"), torch.device("cpu"), 4096,
+                                    time_it=False) for rows in (1, 2))
+    assert two.layer_work_bytes == 2 * one.layer_work_bytes
+    assert two.working_bytes - one.working_bytes == two.layer_work_bytes - one.layer_work_bytes
 
 
 def test_steps_that_grow_are_reported_once():

@@ -19,6 +19,8 @@ host tier's crosses the link, a storage tier's its disk first. A resource serves
 ready first (a list schedule). The link's copies run at the machine's ``duplex`` share of its rate alone (both
 directions copy through most of a step), and the compute is stretched by ``copy_drag`` of the time both directions
 are busy (on the H200 machine: 0.92, and matmuls at 0.94 beside copies both ways; one direction costs them nothing).
+Each pass after the first costs the GPU ``pass_cost`` more for every group whose gradient is summed outside HBM
+(its partial sums go home and come back): the runs measured that beyond the link's time for those bytes.
 
 Several ranks of a host (``Layout.mine``, ``ranks``): the rank updates the groups it owns, on its GPU and its
 share of the host's cores; the peers (their GPUs, links and cores as one of their summed rates) update the rest,
@@ -361,6 +363,8 @@ class _Step:
                 # recompute a kept layer skips)
                 seconds = (w.fwd.get(g, 0.0) if phase in ("fwd",) else max(bwd, 0.0)
                            if phase != "loss" else w.fwd.get(g, 0.0) + w.bwd.get(g, 0.0)) / p
+                if partial is not None and own:  # (a later pass of a group summed outside HBM: its cost beyond the
+                    seconds += self.m.pass_cost  # link's time, measured as the GPU's: Machine.pass_cost)
                 # (a peer's partial sums are its own to add)
                 c = self.sim.op(GPU, seconds, [self.last_compute, upd, tied_upd, f, partial if own else None,
                                                back], f"{phase} {g}")

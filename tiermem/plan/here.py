@@ -25,7 +25,8 @@ WORDS = {"h2d": "the link to the GPU", "d2h": "the link from the GPU", "nvme_rea
          "cpu_copy": "the CPU's fp32-to-bf16 copy", "cpu_in_run": "CPU AdamW beside the link's copies",
          "gpu_adamw": "GPU AdamW", "gpu_tflops": "GPU compute", "gpu_memory": "the GPU's memory", "ram": "RAM",
          "duplex": "the link both ways at once", "copy_drag": "compute beside copies",
-         "gpu_attention_tflops": "the GPU's attention compute", "gpu_peak": "the GPU's peak rate (MFU's divisor)"}
+         "gpu_attention_tflops": "the GPU's attention compute", "gpu_peak": "the GPU's peak rate (MFU's divisor)",
+         "pass_cost": "a pass's cost beyond the first", "gpu_piece_rate": "a layer's cost a piece"}
 
 
 def in_words(keys) -> str:
@@ -37,14 +38,17 @@ def cpu_machine(nvme_dir=None, gpu_budget: int | None = None) -> Machine:
     """This machine's figures for a run on the CPU stand-in: the CPU's matmul rate as its compute, memory copies as
     its link both ways, CPU AdamW (also the stand-in's GPU worker) and the compute copy on the optimizer's threads,
     the disk under ``nvme_dir`` (when given), RAM, and the stand-in's HBM (``gpu_budget``, else its default: a
-    quarter of the available memory). The link's and the disk's shares both ways at once and the compute beside
-    copies are not measured (the H200's, said to be assumed)."""
+    quarter of the available memory), a layer's cost a piece from the copy rate, no cost a pass. The link's and the
+    disk's shares both ways at once and the compute beside copies are not measured (the H200's, said to be assumed)."""
     figures: dict = {"ram": psutil.virtual_memory().total, "gpu_tflops": matmul_rate(), **memcpy_rates()}
     figures["cpu_adamw"] = adamw_rate(1 << 22, 3)[0]
     figures["cpu_copy"] = copy_rate(1 << 22, 3)
     figures["gpu_adamw"] = figures["cpu_adamw"]
     figures["gpu_memory"] = gpu_budget or psutil.virtual_memory().available // 4
     figures["gpu_attention_tflops"] = figures["gpu_peak"] = figures["gpu_tflops"]  # (one rate: the CPU's matmuls)
+    # (a layer's cost a piece: its gradient added into the fp32 sum, ~10 bytes a parameter at the memory's copy rate;
+    # no pass costs more than its work here: the stand-in's thread computes what it waits for)
+    figures["gpu_piece_rate"], figures["pass_cost"] = figures["h2d"] / 10, 0.0
     if nvme_dir:
         figures.update(disk_rates(nvme_dir, 64 << 20))
     return Machine(**{**H200, **figures}, source="this machine's own figures (no GPU here: the CPU stand-in computes; "

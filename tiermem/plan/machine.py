@@ -56,6 +56,15 @@ H200 = {
     # the link both ways at once: each direction's share of its rate alone, and the compute's slowdown while
     # both copy (tools/probe_duplex.py, `tiermem probe`: 0.92, and matmuls at 0.94)
     "duplex": 0.92, "copy_drag": 0.06,
+    # the GPU's time each pass of a step beyond the first costs, for each group whose gradient is summed outside HBM
+    # (its partial sums go home and come back), beyond the link's time for those bytes: the 14B runs' compute at 32
+    # and 54 passes (28 layers and the head streamed) and tools/profile_step.py --passes (8 of its layers, every kind
+    # in DRAM): 12.6-13.3 ms a group and pass (docs/measurements.md, "After the pass cost")
+    "pass_cost": 0.013,
+    # parameters a second of a decoder layer's cost each piece (micro-batch) beyond its FLOPs: its bf16 weight
+    # gradient added into the fp32 sum, and whatever else does not shrink with a piece's tokens. Fitted to the 14B
+    # runs at 2048- and 8192-token pieces and the 8B's at 4096 (2.0 ms a piece of the 14B's 275 M-parameter layer)
+    "gpu_piece_rate": 140e9,
 }
 
 
@@ -77,6 +86,8 @@ class Machine:
     gpu_peak: float = H200["gpu_peak"]  # the GPU's dense bf16 FLOP/s (datasheet), for MFU
     gpu_attention_tflops: float = H200["gpu_attention_tflops"]  # attention's FLOP/s, when it is not timed
     copy_drag: float = H200["copy_drag"]  # the compute's slowdown while the link copies both ways
+    pass_cost: float = H200["pass_cost"]  # seconds a group summed outside HBM costs each pass beyond the first
+    gpu_piece_rate: float = H200["gpu_piece_rate"]  # params/s of a layer's fixed cost each piece (not timed)
     disk_free: int | None = None  # bytes free on the NVMe tier's disk, where the probe saw it
     source: str = "assumed"
     assumed: list[str] = field(default_factory=list)

@@ -2,7 +2,8 @@
 whether it is this one or one we do not have. ``tiermem probe --save FILE`` writes the same format from what it
 measured (its rows beside, for ``tiermem top --probe``). docs/machines.md documents each field.
 
-    gpu:   {count: 1, name: NVIDIA H200, memory: 141GiB, bf16_tflops: 989}     # + step/attention_tflops, adamw
+    gpu:   {count: 1, name: NVIDIA H200, memory: 141GiB, bf16_tflops: 989}     # + step/attention_tflops, adamw,
+                                                                              #   piece_rate, pass_ms
     link:  {h2d: 55, d2h: 55}                                                 # GB/s each way, each GPU's; + duplex
     host:  {memory: 1.5TiB, cores: 96, adamw: 12}                             # G params/s; + copy, in_run
     nvme:  [{read: 14, write: 10, size: 7.68TB}, ...]                         # GB/s, each device; + both
@@ -27,19 +28,19 @@ from tiermem.yamlfile import read_yaml
 GB = 1e9
 # our H200 machine's shares, for a figure a file does not give: a streamed layer's matmuls and its attention
 # (FLOP/s counting the recompute) of the GPU's dense bf16 peak, as configs/machines/h200-pcie5-125g.yaml has them
-# (610 and 475 of 989: docs/machines.md), and its CPU AdamW a thread (4.0 G params/s on 14 threads)
-STEP_OF_PEAK = 610 / 989
-ATTENTION_OF_PEAK = 475 / 989
+# (623 and 480 of 989: docs/machines.md), and its CPU AdamW a thread (4.0 G params/s on 14 threads)
+STEP_OF_PEAK = 623 / 989
+ATTENTION_OF_PEAK = 480 / 989
 ADAMW_A_THREAD = H200["cpu_adamw"] / 14
 # the machine's GPU: its section here, and the cost model's resource of its compute (tiermem.plan.costmodel; not
 # the tier of that name: a plan's JSON names the resource so in ``busy_seconds`` and ``bound``, and this module,
 # which names the machine's hardware in a config's words, is where the word is written)
 GPU = "gpu"
 
-FIELDS = {  # section -> {field: (kind, required)}; kinds: size, rate (> 0), share (0-2), count, text
+FIELDS = {  # section -> {field: (kind, required)}; kinds: size, rate (> 0), share (0-2), count, text, ms (>= 0)
     "gpu": {"count": ("count", False), "name": ("text", False), "memory": ("size", True),
             "bf16_tflops": ("rate", True), "step_tflops": ("rate", False), "attention_tflops": ("rate", False),
-            "adamw": ("rate", False)},
+            "adamw": ("rate", False), "piece_rate": ("rate", False), "pass_ms": ("ms", False)},
     "link": {"h2d": ("rate", True), "d2h": ("rate", True), "duplex": ("share", False),
              "copy_drag": ("share", False), "name": ("text", False)},
     "host": {"memory": ("size", True), "cores": ("count", True), "adamw": ("rate", False), "copy": ("rate", False),
@@ -96,7 +97,8 @@ def from_description(data: dict, where: str) -> Machine:
     given = {"gpu_memory", "gpu_peak", "h2d", "d2h", "ram"} | {k for k, f in (
         ("gpu_tflops", "step_tflops"), ("gpu_attention_tflops", "attention_tflops"), ("cpu_adamw", "adamw"))
         if f in (host if k == "cpu_adamw" else gpu)}
-    for key, section, field_, scale in (("gpu_adamw", gpu, "adamw", GB), ("duplex", link, "duplex", 1),
+    for key, section, field_, scale in (("gpu_adamw", gpu, "adamw", GB), ("gpu_piece_rate", gpu, "piece_rate", GB),
+                                        ("pass_cost", gpu, "pass_ms", 1e-3), ("duplex", link, "duplex", 1),
                                         ("copy_drag", link, "copy_drag", 1), ("cpu_copy", host, "copy", GB / n),
                                         ("cpu_in_run", host, "in_run", 1)):
         if field_ in section:
@@ -160,6 +162,10 @@ def _value(v, kind: str, field_: str):
         if v != int(v) or not 1 <= v <= 100_000:
             raise ConfigError(f"{field_}: expected a whole number from 1, got {v}")
         return int(v)
+    if kind == "ms":
+        if not 0 <= v < 1e6:
+            raise ConfigError(f"{field_}: expected milliseconds from 0, got {v}")
+        return float(v)
     if kind == "share":
         if not 0 <= v <= 2:
             raise ConfigError(f"{field_}: expected a ratio from 0 to 2, got {v}")
@@ -178,6 +184,8 @@ def describe(m: Machine, name: str, about: str, cores: int, rows: list | None = 
     figures = {("gpu", "step_tflops"): ("gpu_tflops", round(m.gpu_tflops / 1e12, 1)),
                ("gpu", "attention_tflops"): ("gpu_attention_tflops", round(m.gpu_attention_tflops / 1e12, 1)),
                ("gpu", "adamw"): ("gpu_adamw", gb(m.gpu_adamw)), ("link", "duplex"): ("duplex", round(m.duplex, 3)),
+               ("gpu", "piece_rate"): ("gpu_piece_rate", gb(m.gpu_piece_rate)),
+               ("gpu", "pass_ms"): ("pass_cost", round(m.pass_cost * 1e3, 3)),
                ("link", "copy_drag"): ("copy_drag", round(m.copy_drag, 3)),
                ("host", "adamw"): ("cpu_adamw", gb(m.cpu_adamw)), ("host", "copy"): ("cpu_copy", gb(m.cpu_copy)),
                ("host", "in_run"): ("cpu_in_run", round(m.cpu_in_run, 3))}

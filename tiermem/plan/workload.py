@@ -44,6 +44,10 @@ class Workload:
     # the share of a layer's forward that a kept layer's backward does not run again: 1, the whole recompute; a row
     # cut into chunks keeps its attention's graph alone, and skips only q/k/v and the attention's forward
     kept_saves: float = 1.0
+    # seconds a decoder layer's backward costs each piece (micro-batch) it computes, whatever the piece's tokens (its
+    # gradient added into the fp32 sum: ``Machine.gpu_piece_rate``): in ``bwd`` already, and what ``in_pieces`` adds
+    # for each further piece. 0: not known
+    piece_seconds: float = 0.0
 
     @property
     def groups(self) -> list[Group]:
@@ -84,8 +88,9 @@ class Workload:
 
     def in_pieces(self, rows: int) -> Workload:
         """The same step with each micro-batch of ``micro_rows`` rows computed as pieces of at most ``rows`` rows
-        (``trainer.run.pieces``): more, smaller micro-batches, the same tokens and compute; a layer's working set
-        and a kept graph shrink with a piece's rows (the loss's does not: its logits are chunked anyway)."""
+        (``trainer.run.pieces``): more, smaller micro-batches, the same tokens and FLOPs, each layer's cost a piece
+        (``piece_seconds``) for each further piece; a layer's working set and a kept graph shrink with a piece's rows
+        (the loss's does not: its logits are chunked anyway)."""
         if not self.micro_rows or rows >= self.micro_rows:
             return self
         n = -(-self.micro_rows // rows)  # (pieces a micro-batch)
@@ -93,7 +98,9 @@ class Workload:
         layer = int(self.layer_work_bytes * f)
         working = self.working_bytes - max(self.layer_work_bytes, self.head_work_bytes) \
             + max(layer, self.head_work_bytes)
-        return replace(self, micro_batches=self.micro_batches * n, working_bytes=working,
+        more = (n - 1) * self.micro_batches * self.piece_seconds  # (each layer's cost of the further pieces)
+        bwd = {g: s + more if g in self.layers else s for g, s in self.bwd.items()}
+        return replace(self, micro_batches=self.micro_batches * n, working_bytes=working, bwd=bwd,
                        kept_bytes=int(self.kept_bytes * f), micro_rows=rows, layer_work_bytes=layer,
                        notes=list(self.notes))
 
@@ -145,4 +152,5 @@ class Workload:
                    *(number(k, 0, 1 << 50) if k in o else 0
                      for k in ("micro_rows", "layer_work_bytes", "head_work_bytes")),
                    float(number("attention_flops_per_token", 0, 1e18, False)) if "attention_flops_per_token" in o
-                   else 0.0, float(number("kept_saves", 0, 1, False)) if "kept_saves" in o else 1.0)
+                   else 0.0, float(number("kept_saves", 0, 1, False)) if "kept_saves" in o else 1.0,
+                   float(number("piece_seconds", 0, 1e6, False)) if "piece_seconds" in o else 0.0)

@@ -4,8 +4,9 @@ the activations a pass keeps, for this model at this batch shape.
 On a CUDA device one decoder layer and the loss are timed at the run's micro-batch shape (random weights,
 a few seconds; the working set measured beside) through the model's stages (the template or the generic
 path; a sparse model's heaviest layer); elsewhere the compute is estimated from the FLOPs of the parameters
-a token computes with (a sparse layer's top-k experts) and the machine's figure, and the memory from the
-shapes. The trainer corrects the compute from the first steps.
+a token computes with (a sparse layer's top-k experts) and the machine's figures, with each layer's cost a piece
+(its gradient summed: ``Machine.gpu_piece_rate``), and the memory from the shapes. The trainer corrects the
+compute from the first steps.
 """
 
 from __future__ import annotations
@@ -108,8 +109,9 @@ def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, mach
         bwd_l, head = {i: 3 * f for i, f in fwd_l.items()}, head_flops(cfg) * tokens / rate
         layer_work = layer_work_estimate(cfg, rows, seq, itemsize)
         head_work = 0  # (estimated as held beside the layer's, below: only the layer's part scales with rows)
-        work = layer_work + rows * min(seq, loss_chunk) * cfg.vocab_size * 4 * 2 + 4 * head_p  # (+ the loss's fp32
-        # gradient)
+        # (the loss's fp32 logits and their gradient, one chunk of the piece's tokens at a time, whatever its rows:
+        # trainer.model.layers.head_loss_backward; + the loss's fp32 gradient)
+        work = layer_work + min(rows * seq, loss_chunk) * cfg.vocab_size * 4 * 2 + 4 * head_p
         kept, saves = kept_estimate(cfg, rows, seq, itemsize), kept_saves_estimate(cfg, rows, seq, machine)
         attention = machine.gpu_attention_tflops
         how = (f"estimated from FLOPs at {rate / 1e12:.3g} TFLOP/s"
@@ -117,6 +119,10 @@ def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, mach
                + (" (an assumed figure)" if "gpu_tflops" in machine.assumed else " (the machine's figure)"))
     fwd = fwd_l if isinstance(fwd_l, dict) else {i: fwd_l for i in range(cfg.num_layers)}
     bwd = bwd_l if isinstance(bwd_l, dict) else {i: bwd_l for i in range(cfg.num_layers)}
+    piece = layer_params(cfg) / machine.gpu_piece_rate  # (a layer's cost a piece: in the timings, else added)
+    if timed is None:
+        c = seq_chunk(cfg, rows, seq)  # (a long row's layer sums each chunk's gradient)
+        bwd = {i: s + micro_batches * (1 if c is None else -(-seq // c)) * piece for i, s in bwd.items()}
     fwd["head"], bwd["head"] = head / 3, 2 * head / 3
     fwd["embed"], bwd["embed"] = 0.0, embed_bwd
     dense, attention = flops_per_token(cfg, seq)
@@ -124,7 +130,7 @@ def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, mach
                     int(work + grads), dense, cfg.tie_word_embeddings, how,
                     kept_bytes=int(kept), embed_grad_bytes=int(embed_grad), micro_rows=rows,
                     layer_work_bytes=int(layer_work), head_work_bytes=int(head_work),
-                    attention_flops_per_token=attention, kept_saves=saves)
+                    attention_flops_per_token=attention, kept_saves=saves, piece_seconds=piece)
 
 
 def kept_estimate(cfg, rows: int, seq: int, itemsize: int) -> int:
