@@ -55,6 +55,7 @@ class Making:
     slot_bytes: int = 0  # (the device tier) bytes of one streaming slot
     n_slots: int = 0  # (the device tier) streaming slots
     owner: dict | None = None  # (the host tier) who makes the store, recorded in its arena's header (a service)
+    share: bool = False  # (the device tier) its block is one another process maps (a service's HBM)
 
 
 @dataclass(frozen=True)
