@@ -293,6 +293,7 @@ TIER_NAMES_OWED = {
     "tiermem/plan/costmodel.py": "its resource of GPU compute is called gpu (not the tier)",
     "tiermem/plan/planner.py": "the cost model's bound gpu (GPU compute, not the tier)",
     "tiermem/service/server.py": "the service's arena (tiers.dram.path) and NVMe file, shared with its trainers",
+    "tiermem/service/recovery.py": "the arena (tiers.dram.path) and NVMe file a restarted service recovers",
     "tiermem/service/client.py": "the NVMe file the service tells its trainer (protocol field nvme)",
     "trainer/state.py": "the training YAML's tiermem section: the arena's default path and budget check",
     "trainer/planning/run_plan.py": "the plan's budgets and its lines, written per built-in tier",

@@ -73,10 +73,11 @@ def env(tmp_path):
     sock_dir = Path(tempfile.mkdtemp(prefix="tm-"))  # short: Unix socket paths are limited to 107 bytes
     (tmp_path / "shm").mkdir()
 
-    def service_config(placement=PLACEMENT, device="cpu", shm=None, share="auto", cpu_groups="spread") -> Path:
+    def service_config(placement=PLACEMENT, device="cpu", shm=None, share="auto", cpu_groups="spread",
+                       durability="checkpoint") -> Path:
         path = tmp_path / "serve.yaml"
         path.write_text(yaml.safe_dump({
-            "name": f"t{os.getpid()}", "placement": placement,
+            "name": f"t{os.getpid()}", "placement": placement, "durability": durability,
             "optimizer": {"gpu_share": share, "cpu_groups": cpu_groups},
             "tiers": {"gpu": {"device": device}, "dram": {"path": str(shm or tmp_path / "shm"), "budget": "64MiB"},
                       "nvme": {"path": str(tmp_path / "nvme"), "budget": "64MiB", "backend": "posix"}}}))
@@ -97,8 +98,8 @@ def env(tmp_path):
         tmp, sock = tmp_path, sock_dir / "s.sock"
 
         def service(self, placement=PLACEMENT, device="cpu", shm=None, share="auto", cpu_groups="spread",
-                    **kw) -> Service:
-            return Service(service_config(placement, device, shm, share, cpu_groups), self.sock, **kw)
+                    durability="checkpoint", **kw) -> Service:
+            return Service(service_config(placement, device, shm, share, cpu_groups, durability), self.sock, **kw)
 
         def reference(self, device="cpu", **over) -> dict:
             name = f"embedded-{device}" + "".join(f"-{k}" for k in over)
@@ -195,15 +196,15 @@ def test_with_cpu_groups_last_the_trainer_takes_the_first_groups_and_the_run_is_
 
 def test_the_service_plans_a_run_from_its_trainers_step(env):
     """placement auto in the service's config: the trainer sends its step's workload, the service plans the run
-    as an embedded run is planned (no state in HBM: it outlives the trainer) and both say the plan; the
-    weights are the embedded run's."""
+    as an embedded run is planned (HBM a tier: the tiny model's state all there, in the service's own block) and
+    both say the plan; the weights are the embedded run's."""
     ref = env.reference()
     svc = env.service(placement="auto")
     try:
         run = env.train("planned")
         assert run.returncode == 0, run.stderr
         assert "plan: dram " in run.stdout and "plan: predicted step" in run.stdout, run.stdout
-        assert "plan: gpu" not in run.stdout  # (the service's state never lives in the trainer's HBM)
+        assert "plan: gpu " in run.stdout and "store: gpu: " in run.stdout, run.stdout  # (the service's HBM)
         svc.wait_for("planned: predicted step")
         assert same(env.weights("planned"), ref)
     finally:

@@ -5,6 +5,7 @@
       dram: {budget: 96GiB}                       # arena file under /dev/shm unless path says otherwise
       nvme: {path: /mnt/nvme/tiermem, budget: 1TiB, backend: auto}
     placement: auto                               # or pin some kinds: {exp_avg_sq: nvme} (the rest planned)
+    durability: checkpoint                        # a service's: or step (HBM-resident state written through)
     probe: probe.json                             # a `tiermem probe --save` file the planner reads (default: a
                                                   # quick probe at start)
 
@@ -154,6 +155,11 @@ class StoreConfig:
     name: str | None = field(default=None, metadata={"convert": _name})  # names the arena and NVMe files;
     # default tiermem-<pid>
     probe: str | None = None  # a `tiermem probe --save` file the planner reads (None: a quick probe at start)
+    # what a service's crash may lose of the state it keeps in HBM (a trainer's crash loses nothing in any tier):
+    # "checkpoint" (its HBM-resident groups come back from the run's last checkpoint; nothing is copied during
+    # a step), or "step" (it writes them through to DRAM within each step: a crash loses no step, each step pays
+    # the copy). Only a service's; an embedded run's state is its own process's
+    durability: Literal["checkpoint", "step"] = "checkpoint"
 
     def pins(self) -> dict[str, str]:
         """The kinds the placement pins to a tier (``auto`` and kinds not named are the planner's)."""

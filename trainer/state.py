@@ -39,6 +39,9 @@ def store_config(value, here: bool = True) -> StoreConfig:
     cfg = load_store_config(data, str(value) if isinstance(value, str) else "tiermem")
     if here:
         check_budget(cfg.tiers.dram.budget, cfg.tiers.dram.path)
+    if cfg.durability != "checkpoint":
+        raise ConfigError("tiermem.durability: step is a service's setting (its config for `tiermem serve`): an "
+                          "embedded run's state lives and dies with its process; resume from a checkpoint")
     return resolve_auto(cfg, "embedded")
 
 

@@ -195,6 +195,7 @@ def render(snap: dict, ceiling: dict[str, float] | None = None):
             parts.append(Text(f"service on {svc.get('socket')}: run {svc.get('label', {}).get('output_dir', '?')}, "
                               f"{trainer}; committed step {opt.get('committed', '?')}, updated "
                               f"{opt.get('updated', '?')}, groups behind {opt.get('lag_groups', 0)}"
+                              + (f"; {svc['durability']}" if svc.get("durability") else "")
                               + (f"; ERROR {svc['error']}" if svc.get("error") else "")))
 
     parts.append(Text("tiers   (" + "  ".join(f"{m} {k}" for k, (m, _) in KIND_MARK.items()) + "  . free)",

@@ -67,6 +67,8 @@ class Layout:
     # the host's cores); the others' run on the peers' (None: every group, one process)
     mine: frozenset | None = None
     ranks: int = 1
+    # a service's durability: step: each update's new state of a group in HBM is copied to DRAM within the step
+    write_through: bool = False
 
 
 def rank_of(owners: dict | None, group_params: dict) -> dict:
@@ -292,6 +294,10 @@ class _Step:
                         storage(g, "param", True, [done[g]])
                 else:
                     done[g] = adam
+                if self.layout.write_through:  # (the copies to DRAM hold no forward: the link's time only)
+                    for k in {*state_kinds, "param"}:
+                        if role(g, k) == DEVICE:
+                            d2h(nbytes(g, k), [adam], f"write-through {g}", peer=peer)
                 gpu_prev[own] = [prev, adam]
             else:
                 stage_prev, prev = cpu_prev[own]

@@ -95,22 +95,21 @@ def pass_counts(micro_batches: int) -> list[int]:
     return out
 
 
-def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine,
-              budgets: dict | None = None, cuda: bool = True, fixed_passes: int | None = None,
-              hbm_state: bool = True, gpu_worker: bool = True, keep_auto: bool = False,
-              hbm_taken: int = 0, owners: dict | None = None) -> Plan:
+def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine, budgets: dict | None = None,
+              cuda: bool = True, fixed_passes: int | None = None, hbm_state: bool = True, gpu_worker: bool = True,
+              keep_auto: bool = False, hbm_taken: int = 0, owners: dict | None = None, sums_at_home: bool = True,
+              write_through: bool = False) -> Plan:
     """The fastest predicted placement of ``specs`` for steps of ``w`` on machine ``m`` (see the module).
-    ``hbm_state`` False: no state in HBM (a service's run: the state outlives the trainer's GPU); HBM holds
-    the activations, the slots and the GPU worker's copies. ``gpu_worker`` False: the CPU updates every
-    group that does not live in HBM (a service without CUDA). ``hbm_taken``: bytes of HBM the run takes for
-    something else the whole step (several ranks: the gradients in flight to their owners). ``keep_auto``
-    (tiermem_keep_activations: auto): the layers that keep their forward's activations, and skip the
-    recompute, are chosen with the placement: HBM given to a layer's kept graph is HBM taken from state, so
-    several numbers of kept layers are tried, each with the state placed in what they leave, and every
-    layout keeps as many more as its leftover HBM holds. Kept graphs are weighed at the number of passes
-    chosen without them: they never add passes (each pass moves the streamed groups' partial gradients both
-    ways, which the GPU runs have shown costs more than the cost model counts). ``owners`` (several ranks of a
-    host: group -> rank): each group's HBM-resident state lives in its owner's HBM (see the module)."""
+    ``hbm_state`` False: no state in HBM (several ranks of a service); HBM holds the activations, the slots and the
+    GPU worker's copies. ``gpu_worker`` False: the CPU updates every group that does not live in HBM (a service
+    without CUDA). ``hbm_taken``: HBM the run takes for something else the whole step (several ranks: the gradients
+    in flight to their owners; a service: room for new state). ``keep_auto`` (tiermem_keep_activations: auto): the
+    layers that keep their forward's activations (no recompute) are chosen with the placement: several numbers of
+    kept layers are tried, each with the state placed in the HBM they leave, every layout keeping as many more as its
+    leftover holds; weighed at the passes chosen without them (never more: each pass moves the streamed groups'
+    partial gradients both ways, which costs more than the cost model counts). ``owners`` (several ranks of a host:
+    group -> rank): each group's HBM-resident state lives in its owner's HBM. ``sums_at_home`` False: no gradient
+    summed in its HBM home (a service's trainer hands each over). ``write_through``: state in HBM copied to DRAM."""
     device = registry.primary(DEVICE)  # (its budget: the device tier's, or unset all of its HBM, activations too)
     budgets = dict(budgets) if budgets is not None else {**default_budgets(cfg), device: cfg.tiers.device_tier.budget}
     (group_bytes, params), pins = sizes(specs), cfg.pins()
@@ -126,10 +125,10 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
                 yield best[1].passes, k, True
 
     partials = _partials_bytes(group_bytes)
-    # the embedding's gradient summed in its home in HBM needs no tensor of its own: a layout is tried first
-    # with that much more HBM for state, and kept if it keeps the embedding's whole state in HBM (one process,
-    # embedded); then without
-    homes = (True, False) if w.embed_grad_bytes and owners is None and hbm_state and not w.tied else (False,)
+    # the embedding's gradient summed in its home in HBM needs no tensor of its own: a layout is tried first with that
+    # much more HBM for state, kept if it keeps the embedding's whole state in HBM (one process, embedded); then without
+    home_ok = w.embed_grad_bytes and owners is None and hbm_state and not w.tied and sums_at_home
+    homes = (True, False) if home_ok else (False,)
     for (p, k, more), home in ((c, h) for c in candidates() for h in homes):
         act = w.activation_bytes(p, embed_home=home) + (partials if p > 1 else 0)
         per_kept = w.kept_bytes * -(-w.micro_batches // p)  # (a kept layer's graph: every micro-batch of a pass)
@@ -173,7 +172,8 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
                     continue
                 fits = True
                 kept = kept_layers(where, w.layers, k + ((free - need) // per_kept if more and per_kept else 0))
-                layout = Layout(where, gpu_updates, p, cfg.tiers.device_tier.slots, kept, **rank_of(owners, params))
+                layout = Layout(where, gpu_updates, p, cfg.tiers.device_tier.slots, kept, **rank_of(owners, params),
+                                write_through=write_through)
                 pred = predict(layout, w, m, group_bytes, params)
                 # (state moved off HBM for kept graphs must earn its keep)
                 moved = best is not None and kept and (_hbm_used(where, group_bytes, cfg)

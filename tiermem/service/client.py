@@ -336,7 +336,7 @@ def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: Optim
             raise UserError("the service's run holds other tensors than this model's; restart the service with "
                             "--fresh to discard its run")
         store = attach_store(cfg, theirs, reply["layout"], reply["arena"], reply["nvme"], device,
-                             cfg.tiers.device_tier.slots)
+                             cfg.tiers.device_tier.slots, device_desc=reply.get("hbm"))
     except BaseException:
         client.close()
         raise

@@ -23,9 +23,9 @@ def service_config(path: str) -> StoreConfig:
     if cfg.tiers.host_tier.path == "anonymous":
         raise ConfigError(f"{path}: the service's arena must be a shared file: set tiers.{host}.path to a tmpfs "
                           "directory such as /dev/shm")
-    if isinstance(cfg.placement, dict) and device in cfg.placement.values():
-        raise ConfigError(f"{path}: placement on {device} is not possible in service mode (the state must outlive "
-                          f"the trainer's GPU memory); place every kind on {' or '.join([host, *disks])}")
+    if cfg.durability == "step" and isinstance(cfg.placement, dict) and cfg.placement.get("grad") == device:
+        raise ConfigError(f"{path}: durability: step keeps each step's gradients in the arena (the redo of an update a "
+                          f"crash cut short needs them): place grad on {host}")
     shared = {device, host, *disks[:1]}
     other = [t for t in cfg.tiers.configured() if t not in shared]
     if other:
