@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from tests.test_service import env, losses, same  # noqa: F401 - (env: the fixture)
+from tests.test_service import _wait_for_steps, env, losses, same  # noqa: F401 - (env: the fixture)
 from tiermem.cli.top import read_service
 
 pytestmark = pytest.mark.slow  # services in subprocesses
@@ -103,6 +103,29 @@ def test_service_killed_with_durability_checkpoint_resumes_from_a_checkpoint(env
         again = env.train("run", save_steps=2)
         assert again.returncode == 0, again.stderr
         assert "checkpoint-4 at step 4" in again.stdout, again.stdout
+        assert same(env.weights("run"), ref)
+    finally:
+        assert svc.stop() == 0
+
+
+def test_a_service_stopped_cleanly_keeps_the_state_in_hbm_for_its_next_start(env):  # noqa: F811 - fixture
+    """SIGTERM of the service (durability: checkpoint) while the trainer runs: the update in flight finishes, the
+    service writes its HBM block beside the arena and the next start reads it back: the run continues where it
+    stood, bit-identically, with no checkpoint."""
+    ref = env.reference()
+    svc = env.service(placement=HBM, env={"TIERMEM_TEST_SLOW_UPDATE": "0.1"})
+    trainer = env.start_train("run")
+    _wait_for_steps(trainer, env.tmp / "run" / "trainer_log.jsonl", 2)
+    assert svc.stop(signal.SIGTERM) == 0
+    assert "wrote the state kept in HBM to" in svc.text, svc.text
+    trainer.communicate(timeout=60)
+    svc = env.service(placement=HBM)
+    try:
+        assert "put back the state kept in HBM from" in svc.text and "recovered run" in svc.text, svc.text
+        assert not list((env.tmp / "shm").glob("*.hbm"))  # (read back, then removed)
+        again = env.train("run")
+        assert again.returncode == 0, again.stderr
+        assert "continuing the service's run at step" in again.stdout, again.stdout
         assert same(env.weights("run"), ref)
     finally:
         assert svc.stop() == 0

@@ -13,18 +13,28 @@ crash of the service takes the block with it; its config's ``durability`` says w
   restarted service makes a new block, puts each group's copy of its journaled version back and finishes the
   committed update, as it does for state in DRAM.
 
+A service stopped cleanly (SIGTERM, Ctrl-C) loses nothing under either setting: once the update in flight is whole
+it writes its whole block to a file beside the arena (``<name>.hbm``), which the next start reads back into its new
+block and removes.
+
     mirrors = Mirrors.allocate(store, specs)       # a new run with durability: step
     mirrors.write(group, version, new_places)      # before the group's update is journaled
     mirrors.restore(versions)                      # a restarted service, over its new block
+    save_block(store, path) / load_block(store, path)   # a clean stop, and the next start
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import torch
 
 from tiermem.sizes import align_up
 from tiermem.specs import Group, TensorSpec
 from tiermem.tiers.extents import Extent
+
+CHUNK = 256 << 20  # bytes of the block copied through host memory at a time (save_block, load_block)
 
 DURABILITY = {
     "checkpoint": "durability: checkpoint (a crash of the service loses the state it keeps in HBM: the run then "
@@ -120,3 +130,31 @@ def hbm_groups(store) -> set:
     CPU does not compute on HBM)."""
     return {e.spec.group for e in on_device(store) if e.spec.kind != "grad"}
 
+
+
+def _whole(store) -> torch.Tensor:
+    dev = store.tiers.device
+    return dev.view(Extent(0, dev.capacity))
+
+
+def save_block(store, path: Path) -> None:
+    """Write the store's whole HBM block to ``path`` (a clean stop), atomically: a new name, then renamed."""
+    block, tmp = _whole(store), path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        for at in range(0, block.numel(), CHUNK):
+            f.write(block[at: at + CHUNK].cpu().numpy().tobytes())
+    os.replace(tmp, path)
+
+
+def load_block(store, path: Path) -> None:
+    """Read ``path`` (``save_block``'s) into the store's new HBM block, then remove it."""
+    block = _whole(store)
+    if path.stat().st_size != block.numel():
+        raise ValueError(f"{path} holds {path.stat().st_size} bytes, the run's HBM block {block.numel()}")
+    with open(path, "rb") as f:
+        for at in range(0, block.numel(), CHUNK):
+            piece = f.read(min(CHUNK, block.numel() - at))
+            block[at: at + len(piece)].copy_(torch.frombuffer(bytearray(piece), dtype=torch.uint8))
+    if block.is_cuda:
+        torch.cuda.synchronize(block.device)
+    path.unlink()

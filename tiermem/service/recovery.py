@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from tiermem.errors import UserError
-from tiermem.service.hbm import Mirrors
+from tiermem.service.hbm import Mirrors, load_block, save_block
 from tiermem.service.journal import Journal, make_private
 from tiermem.service.runs import newest_checkpoint
 from tiermem.store.layout import reopen_store, spec_from_json
@@ -18,10 +18,20 @@ from tiermem.tiers.nvme import directories
 
 
 class Recovery:
+    def hbm_file(self) -> Path:
+        """Where a clean stop writes the run's HBM block (beside the arena: it lives as long)."""
+        return Path(self.cfg.tiers.host_tier.path) / f"{self.cfg.store_name()}.hbm"
+
+    def _save_hbm(self, run) -> None:
+        """A clean stop with the update whole: write the run's HBM block beside the arena for the next start."""
+        if run.record.get("hbm_capacity"):
+            save_block(run.store, self.hbm_file())
+            self.say(f"wrote the state kept in HBM to {self.hbm_file()} for the next start")
+
     def _discard_recorded(self) -> None:
         name, t = self.cfg.store_name(), self.cfg.tiers
         files = [Path(d) / f"{name}.nvme" for d in directories(t.nvme)] if t.nvme is not None else []
-        for p in (Path(t.dram.path) / f"{name}.arena", self.record_path, self.journal_path, *files):
+        for p in (Path(t.dram.path) / f"{name}.arena", self.hbm_file(), self.record_path, self.journal_path, *files):
             if p is not None and p.exists():
                 p.unlink()
                 self.say(f"discarded {p}")
@@ -57,8 +67,8 @@ class Recovery:
             journal.close()
             self._discard_recorded()
             return
-        hbm = record.get("hbm_capacity", 0)
-        if hbm and record.get("durability", "checkpoint") != "step":
+        hbm, saved = record.get("hbm_capacity", 0), self.hbm_file()
+        if hbm and not saved.is_file() and record.get("durability", "checkpoint") != "step":
             self._state_gone(record, journal, "the part of it kept in HBM died with the last service process "
                                               "(durability: checkpoint)")
             return
@@ -68,6 +78,10 @@ class Recovery:
         mirrors = Mirrors(store, record["mirrors"]) if record.get("mirrors") else None
         if mirrors is not None:
             mirrors.reserve()
+        if hbm and saved.is_file():
+            load_block(store, saved)
+            self.say(f"put back the state kept in HBM from {saved} (written by the last service's stop)")
+        elif mirrors is not None:
             mirrors.restore(state.versions)
             self.say(f"put back the state kept in HBM from its copies in DRAM ({len(mirrors.places)} tensors)")
         run = self._make_run(record, specs, store, journal, mirrors)

@@ -187,7 +187,7 @@ class Service(UpdateRequests, Replacement, Recovery, Monitoring, Listening):
         spare = {t: room_for_new_state(specs, plan, moved, t) for t in registry.names()}
         step = self.cfg.durability == "step"
         copies = mirror_bytes(specs, plan.where, registry.primary(DEVICE)) if step else 0
-        for p in (self.record_path, self.journal_path):
+        for p in (self.record_path, self.journal_path, self.hbm_file()):
             p.unlink(missing_ok=True)
         store = create_store(self.plan_cfg, specs, plan, undo + spare["dram"] + copies, spare["nvme"],
                              self.arena_owner(), spare[registry.primary(DEVICE)])
@@ -425,6 +425,8 @@ class Service(UpdateRequests, Replacement, Recovery, Monitoring, Listening):
                     self.say(f"trainer pid {run.trainer.pid} detached" + (f" (and its {len(run.peers)} other ranks)"
                                                                          if run.peers else ""))
                     self._detach(run)  # what it still owed of the update in flight is the service's to finish
+                run.wait()
+                self._save_hbm(run)
                 self._close_run(keep=True)
                 self.say(f"stopped; run {label_of(run)} kept at step {run.state.committed} for the next "
                          "`tiermem serve` with this config")
