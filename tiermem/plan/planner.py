@@ -13,7 +13,8 @@ from the last groups first while DRAM is short. The streamed groups' updates are
 fastest; a streamed group the GPU updates needs HBM of its own (its gradient waits there from the backward,
 three groups' state are in flight), so a split is taken only where that room is left, and a layout that
 leaves it is tried too. Kinds the placement pins (``{exp_avg_sq: nvme}``) stay where they are pinned. A
-service's run keeps no state in HBM (``hbm_state=False``).
+service's run of several ranks keeps no state in HBM (``hbm_state=False``); one of one rank keeps it in the
+service's own block (``sums_at_home`` False, and ``write_through`` with its durability: step).
 
 Several ranks of a host (``owners``: group -> owning rank) each have an HBM of the same size: a group's
 optimizer-side state (grad, master, exp_avg, exp_avg_sq) may live in its owner's, never its compute copy (every

@@ -199,8 +199,8 @@ class RemoteOptimizer:
 
     def set_part_gate(self, gate: Gate | None) -> None:
         """Not with a service: it keeps no state in a trainer's HBM, so no trainer writes a part of a checkpoint."""
-        raise UserError("a checkpoint written in parts by a service's ranks is not supported yet: a service's run "
-                        "keeps no state in HBM")
+        raise UserError("a checkpoint written in parts by a service's ranks is not supported yet: several ranks "
+                        "attached to one service keep no state in HBM")
 
     def expect_save(self, step: int) -> None:
         """Nothing to hold: the commit of update ``step + 1`` waits for this process's saver (``set_gate``)."""

@@ -30,6 +30,9 @@ from tiermem.tiers.base import DEVICE, HOST
 # the service's crash-safe CPU AdamW (out of place, or in place behind an undo copy) against plain fused
 # AdamW on the same cores: 0.26-0.38x measured on the H200 host (docs/measurements.md, tools/bench_optim.py)
 CRASH_SAFE_CPU = 0.37
+# HBM the service's own CUDA context and allocator take on the trainer's GPU beside its block (its trainer's room,
+# measured in the trainer's process, does not see them)
+SERVICE_CONTEXT = 1 << 30
 
 
 def service_machine(cfg: StoreConfig) -> Machine:
@@ -100,13 +103,15 @@ def plan_run(specs: list[TensorSpec], plan_cfg: StoreConfig, raw_cfg: StoreConfi
     if step and "grad" not in pins:  # (the redo of an update a crash cut short needs its gradient)
         cfg.placement = {**(cfg.placement if isinstance(cfg.placement, dict) else {}), "grad": registry.primary(HOST)}
     has_master = any(s.kind == "master" for s in specs)
+    taken = new_state_room(specs, has_master) + (SERVICE_CONTEXT if cuda else 0) if hbm else 0
     plan = plan_step(specs, cfg, w, m, budgets, cuda=False, hbm_state=hbm, gpu_worker=cuda, sums_at_home=False,
-                     hbm_taken=new_state_room(specs, has_master) if hbm else 0, write_through=step)
+                     hbm_taken=taken, write_through=step)
     explicit = raw_cfg.optimizer.gpu_share is not None
     # (the planner's split is a share of every group, those in HBM included: the GPU worker updates them)
     share = plan_cfg.optimizer.gpu_share if explicit or not cuda else len(plan.gpu_updates) / len(w.groups)
     told = {"where": [[g, k, t] for (g, k), t in plan.where.items()],
             "gpu_updates": None if explicit else sorted(plan.gpu_updates, key=str),
             "passes": plan.passes, "activation_budget": plan.activation_budget,
-            "activation_bytes": plan.activation_bytes, "hbm_room": plan.hbm_room, "machine": m.to_json()}
+            "activation_bytes": plan.activation_bytes, "hbm_room": plan.hbm_room, "machine": m.to_json(),
+            "write_through": step}
     return plan, share, told

@@ -75,7 +75,7 @@ class GpuTier:
 
     @classmethod
     def make(cls, section: GpuTierConfig, capacity: int, at: Making) -> GpuTier:
-        return cls(at.device, capacity, at.slot_bytes, at.n_slots, share=at.share)
+        return cls(at.device, capacity, at.slot_bytes, at.n_slots, share=at.share and capacity > 0)
 
     @classmethod
     def map_shared(cls, desc: dict, device: torch.device, slot_bytes: int, n_slots: int) -> GpuTier:
