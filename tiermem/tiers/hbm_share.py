@@ -19,6 +19,7 @@ crash loses what lives in HBM: ``tiermem.service`` recovers it from a checkpoint
 from __future__ import annotations
 
 import base64
+import contextlib
 import mmap
 import os
 
@@ -35,6 +36,23 @@ def _unb64(text: str | None) -> bytes | None:
     return None if text is None else base64.b64decode(text)
 
 
+@contextlib.contextmanager
+def _plain_segments():
+    """Allocate with cudaMalloc'd segments, whose legacy IPC handle any process of the user opens, even where the
+    process runs with expandable segments (their IPC hands over file descriptors through pidfd_getfd, which a
+    restricted ptrace scope refuses between unrelated processes)."""
+    expandable = "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+    setting = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if not expandable or setting is None:
+        yield
+        return
+    setting("expandable_segments:False")
+    try:
+        yield
+    finally:
+        setting("expandable_segments:True")
+
+
 class OwnedBlock:
     """``nbytes`` of zeroed device memory this process owns and may export (``export``)."""
 
@@ -42,7 +60,8 @@ class OwnedBlock:
         self.nbytes, self.device = nbytes, device
         self._fd = self._mm = None
         if device.type == "cuda":
-            self.tensor = torch.zeros(max(nbytes, 1), dtype=torch.uint8, device=device)
+            with _plain_segments():
+                self.tensor = torch.zeros(max(nbytes, 1), dtype=torch.uint8, device=device)
         else:
             self._fd = os.memfd_create("tiermem-hbm", os.MFD_CLOEXEC)
             os.ftruncate(self._fd, max(nbytes, 1))
