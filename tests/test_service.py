@@ -203,7 +203,7 @@ def test_the_service_plans_a_run_from_its_trainers_step(env):
     try:
         run = env.train("planned")
         assert run.returncode == 0, run.stderr
-        assert "plan: dram " in run.stdout and "plan: predicted step" in run.stdout, run.stdout
+        assert "plan: predicted step" in run.stdout, run.stdout
         assert "plan: gpu " in run.stdout and "store: gpu: " in run.stdout, run.stdout  # (the service's HBM)
         svc.wait_for("planned: predicted step")
         assert same(env.weights("planned"), ref)
@@ -815,7 +815,8 @@ def test_serve_refuses_configs_a_service_cannot_use(tmp_path, capsys, monkeypatc
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine: the arena is pinned
     cases = {"anon": ({"tiers": {"dram": {"path": "anonymous"}}}, "must be a shared file"),
-             "gpu": ({"tiers": {"dram": {"path": str(tmp_path)}}, "placement": {"exp_avg": "gpu"}}, "outlive"),
+             "grad in hbm": ({"tiers": {"dram": {"path": str(tmp_path)}}, "placement": {"grad": "gpu"},
+                              "durability": "step"}, "place grad on dram"),
              "typo": ({"tiers": {"dram": {"pth": str(tmp_path)}}}, "did you mean 'path'"),
              "disk full": ({"tiers": {"gpu": {"device": "cpu"}, "dram": {"path": str(tmp_path)},
                                       "nvme": {"path": str(tmp_path / "nv"), "budget": "1000TiB"}}},
