@@ -67,12 +67,14 @@ def test_trainer_killed_with_state_in_hbm_continues_bit_identically(env, durabil
         assert svc.stop() == 0
 
 
-def test_service_killed_with_durability_step_comes_back_from_its_copies(env):  # noqa: F811 - the fixture
-    """durability: step: the service dies with group 1's update 3 written in HBM, not journaled (its copy in DRAM
-    not yet made: the flip is where it dies); the restarted service puts every group's state back from the copies
-    of its journaled version, redoes update 3 from the gradients in the arena, and the run ends bit-identically."""
+@pytest.mark.parametrize("point", ["update:3:1", "mirror:3:1"])
+def test_service_killed_with_durability_step_comes_back_from_its_copies(env, point):  # noqa: F811 - fixture
+    """durability: step: the service dies with group 1's update 3 written in HBM, not journaled: before its copy in
+    DRAM is made (the flip is where it dies), or with that copy half written; the restarted service puts every
+    group's state back from the copies of its journaled version (group 1's update 2: the other copy), redoes update
+    3 from the gradients in the arena, and the run ends bit-identically."""
     ref = env.reference()
-    svc = env.service(placement=HBM_GRAD_DRAM, durability="step", env={"TIERMEM_TEST_KILL_AT": "update:3:1"})
+    svc = env.service(placement=HBM_GRAD_DRAM, durability="step", env={"TIERMEM_TEST_KILL_AT": point})
     assert "durability: step" in svc.text
     lost = env.train("run")
     assert svc.proc.wait(timeout=60) == -signal.SIGKILL

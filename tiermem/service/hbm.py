@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from tiermem.faults import HOOKS
 from tiermem.sizes import align_up
 from tiermem.specs import Group, TensorSpec
 from tiermem.tiers.extents import Extent
@@ -105,7 +106,9 @@ class Mirrors:
         if not names:
             return
         host, cat, cuda = self.store.tiers.host, self.store.catalog, False
-        for name in names:
+        for n, name in enumerate(names):
+            if n == 1:
+                HOOKS.point("mirror", version, g)  # test hook: the copy half written
             e = cat[name]
             src = self.store.tiers.device.view(new.get(name, e.extent) if new else e.extent, e.spec.nbytes)
             host.view(self.places[name][version % 2], e.spec.nbytes).copy_(src, non_blocking=src.is_cuda)
