@@ -14,7 +14,7 @@ fastest; a streamed group the GPU updates needs HBM of its own (its gradient wai
 three groups' state are in flight), so a split is taken only where that room is left, and a layout that
 leaves it is tried too. Kinds the placement pins (``{exp_avg_sq: nvme}``) stay where they are pinned. A
 service's run of several ranks keeps no state in HBM (``hbm_state=False``); one of one rank keeps it in the
-service's own block (``sums_at_home`` False, and ``write_through`` with its durability: step).
+service's own block (``write_through`` with its durability: step).
 
 Several ranks of a host (``owners``: group -> owning rank) each have an HBM of the same size: a group's
 optimizer-side state (grad, master, exp_avg, exp_avg_sq) may live in its owner's, never its compute copy (every
@@ -98,7 +98,7 @@ def pass_counts(micro_batches: int) -> list[int]:
 
 def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine, budgets: dict | None = None,
               cuda: bool = True, fixed_passes: int | None = None, hbm_state: bool = True, gpu_worker: bool = True,
-              keep_auto: bool = False, hbm_taken: int = 0, owners: dict | None = None, sums_at_home: bool = True,
+              keep_auto: bool = False, hbm_taken: int = 0, owners: dict | None = None,
               write_through: bool = False) -> Plan:
     """The fastest predicted placement of ``specs`` for steps of ``w`` on machine ``m`` (see the module).
     ``hbm_state`` False: no state in HBM (several ranks of a service); HBM holds the activations, the slots and the
@@ -109,8 +109,8 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
     kept layers are tried, each with the state placed in the HBM they leave, every layout keeping as many more as its
     leftover holds; weighed at the passes chosen without them (never more: each pass moves the streamed groups'
     partial gradients both ways, which costs more than the cost model counts). ``owners`` (several ranks of a host:
-    group -> rank): each group's HBM-resident state lives in its owner's HBM. ``sums_at_home`` False: no gradient
-    summed in its HBM home (a service's trainer hands each over). ``write_through``: state in HBM copied to DRAM."""
+    group -> rank): each group's HBM-resident state lives in its owner's HBM. ``write_through`` (a service's
+    durability: step): each update's new state in HBM is copied to DRAM."""
     device = registry.primary(DEVICE)  # (its budget: the device tier's, or unset all of its HBM, activations too)
     budgets = dict(budgets) if budgets is not None else {**default_budgets(cfg), device: cfg.tiers.device_tier.budget}
     (group_bytes, params), pins = sizes(specs), cfg.pins()
@@ -128,8 +128,7 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
     partials = _partials_bytes(group_bytes)
     # the embedding's gradient summed in its home in HBM needs no tensor of its own: a layout is tried first with that
     # much more HBM for state, kept if it keeps the embedding's whole state in HBM (one process, embedded); then without
-    home_ok = w.embed_grad_bytes and owners is None and hbm_state and not w.tied and sums_at_home
-    homes = (True, False) if home_ok else (False,)
+    homes = (True, False) if w.embed_grad_bytes and owners is None and hbm_state and not w.tied else (False,)
     for (p, k, more), home in ((c, h) for c in candidates() for h in homes):
         act = w.activation_bytes(p, embed_home=home) + (partials if p > 1 else 0)
         per_kept = w.kept_bytes * -(-w.micro_batches // p)  # (a kept layer's graph: every micro-batch of a pass)

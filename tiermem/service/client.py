@@ -225,7 +225,9 @@ class RemoteOptimizer:
                 self.last_split = {f"trainer_{k}": v for k, v in self.local.last_split.items() if v}
 
     def grads_on_gpu(self, g: Group) -> bool:
-        return g in self.mine
+        """Offered on the GPU to this process's GPU worker, unless the gradient's home is in the service's HBM: the
+        step then sums it there (as an embedded run sums a group living in HBM) and the worker reads it from home."""
+        return g in self.mine and not self.store.in_device_memory(g, "grad")
 
     def grads_home(self, g: Group) -> bool:
         return True  # all of them: the service redoes a dead trainer's update from the gradients at home

@@ -3,9 +3,9 @@ GPU) and the HBM its step may use; the service plans with its own machine figure
 (the state placed there lives in the service's own block, which its trainer maps: ``tiermem.service.hbm``), and
 answers with the plan so the trainer runs and watches it (passes, activation budget, predicted step). HBM is
 counted for what a service's run needs there beside an embedded run's: room for two groups' new state (updates
-are out of place, as in DRAM); the trainer hands every gradient over (none is summed in its home); with
-``durability: step`` the gradients live in DRAM and each update's new state in HBM is copied there (the link's
-cost counted). Several ranks attached to one service keep no state in HBM yet.
+are out of place, as in DRAM) and the service's own CUDA context; with ``durability: step`` the gradients live in
+DRAM and each update's new state in HBM is copied there (the link's cost counted). Several ranks attached to one
+service keep no state in HBM yet.
 
     plan, share, told = plan_run(specs, plan_cfg, raw_cfg, msg["plan"], machine)   # or None: the fixed rule
 """
@@ -104,8 +104,8 @@ def plan_run(specs: list[TensorSpec], plan_cfg: StoreConfig, raw_cfg: StoreConfi
         cfg.placement = {**(cfg.placement if isinstance(cfg.placement, dict) else {}), "grad": registry.primary(HOST)}
     has_master = any(s.kind == "master" for s in specs)
     taken = new_state_room(specs, has_master) + (SERVICE_CONTEXT if cuda else 0) if hbm else 0
-    plan = plan_step(specs, cfg, w, m, budgets, cuda=False, hbm_state=hbm, gpu_worker=cuda, sums_at_home=False,
-                     hbm_taken=taken, write_through=step)
+    plan = plan_step(specs, cfg, w, m, budgets, cuda=False, hbm_state=hbm, gpu_worker=cuda, hbm_taken=taken,
+                     write_through=step)
     explicit = raw_cfg.optimizer.gpu_share is not None
     # (the planner's split is a share of every group, those in HBM included: the GPU worker updates them)
     share = plan_cfg.optimizer.gpu_share if explicit or not cuda else len(plan.gpu_updates) / len(w.groups)
