@@ -153,3 +153,16 @@ def test_the_plan_is_shown_against_the_measured_step():
     shown = frame(snap)
     assert "plan against the last step (bound: gpu)" in shown and "PCIe from the GPU" in shown
     assert plan_rows(SNAPSHOT) == [] and "plan against" not in frame(SNAPSHOT)
+
+
+def test_a_services_frame_says_what_its_crash_would_lose():
+    """The service's line names its run's durability (tiermem.service.hbm.durability_of)."""
+    from tiermem.service.hbm import durability_of
+
+    said = durability_of({"durability": "step"}, in_hbm=True)
+    snap = {**SNAPSHOT, "service": {"socket": "/s.sock", "run": "r", "label": {"output_dir": "/out"},
+                                    "trainer_pid": 7, "durability": said}}
+    text = " ".join(frame(snap).split())
+    assert "service on /s.sock: run /out, trainer pid 7" in text and "durability: step (HBM written through" in text
+    assert durability_of({}, in_hbm=True).startswith("durability: checkpoint (")
+    assert durability_of({"durability": "step"}, in_hbm=False).startswith("durability: no state in HBM")
