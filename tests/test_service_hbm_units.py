@@ -17,7 +17,7 @@ from tiermem.plan.resolve import resolve_auto
 from tiermem.service.planning import plan_run
 from tiermem.specs import TensorSpec
 from tiermem.tiers.extents import Extent
-from tiermem.tiers.hbm_share import MappedBlock
+from tiermem.tiers.hbm_share import MappedBlock, OwnedBlock
 
 HBM = {"param": "gpu", "grad": "gpu", "exp_avg": "gpu", "exp_avg_sq": "gpu"}
 
@@ -141,7 +141,8 @@ def test_a_mapped_block_is_below_the_trainers_own_slots(tmp_path):
     allocates in the service's block."""
     from tiermem.tiers.gpu import GpuTier
 
-    owner = GpuTier(torch.device("cpu"), 4096, 0, 0, share=True)
+    block = OwnedBlock(4096, torch.device("cpu"))
+    owner = GpuTier(torch.device("cpu"), 4096, 0, 0, block=block)
     owner.view(Extent(512, 512)).fill_(7)
     trainer = GpuTier.map_shared(owner.describe(None), torch.device("cpu"), 1024, 2)
     assert (trainer.view(Extent(512, 512)) == 7).all()
@@ -153,3 +154,19 @@ def test_a_mapped_block_is_below_the_trainers_own_slots(tmp_path):
         trainer.allocate(512)
     trainer.close()
     owner.close()
+    block.close()
+
+
+def test_the_services_block_is_kept_across_its_runs():
+    """One block for all of a service's runs (torch keeps a freed shared block a killed trainer had opened): handed
+    out again zeroed, made anew only when a run needs more."""
+    from tiermem.service.hbm import ServiceHbm
+
+    hbm = ServiceHbm(torch.device("cpu"))
+    first = hbm(10_000)
+    first.tensor.fill_(3)
+    assert hbm(8_000) is first and (first.tensor == 0).all()
+    bigger = hbm(100_000)
+    assert bigger is not first and bigger.nbytes >= 100_000
+    hbm.close()
+    assert hbm.block is None

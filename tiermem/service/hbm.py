@@ -13,6 +13,10 @@ crash of the service takes the block with it; its config's ``durability`` says w
   restarted service makes a new block, puts each group's copy of its journaled version back and finishes the
   committed update, as it does for state in DRAM.
 
+The block is the service's for its whole life, one for all its runs (``ServiceHbm``): torch counts the processes that
+opened a shared CUDA block and keeps a freed one allocated until they have all let go, which a killed trainer never
+does; a block per run would then stay allocated after each such run. A run that needs more replaces it.
+
 A service stopped cleanly (SIGTERM, Ctrl-C) loses nothing under either setting: once the update in flight is whole
 it writes its whole block to a file beside the arena (``<name>.hbm``), which the next start reads back into its new
 block and removes.
@@ -34,6 +38,7 @@ from tiermem.faults import HOOKS
 from tiermem.sizes import align_up
 from tiermem.specs import Group, TensorSpec
 from tiermem.tiers.extents import Extent
+from tiermem.tiers.hbm_share import OwnedBlock
 
 CHUNK = 256 << 20  # bytes of the block copied through host memory at a time (save_block, load_block)
 
@@ -43,6 +48,28 @@ DURABILITY = {
     "step": "durability: step (the state kept in HBM is written through to DRAM within each step: a crash of the "
             "service loses no step)",
 }
+
+
+class ServiceHbm:
+    """The service's HBM block, kept across its runs (see the module): ``hbm(nbytes)`` hands it out zeroed (a new
+    run's moments start at zero), made anew when a run needs more than it holds."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.block = device, None
+
+    def __call__(self, nbytes: int) -> OwnedBlock:
+        nbytes = align_up(nbytes, 4096)
+        if self.block is None or self.block.nbytes < nbytes:
+            self.close()
+            self.block = OwnedBlock(nbytes, self.device)
+        else:
+            self.block.tensor.zero_()
+        return self.block
+
+    def close(self) -> None:
+        if self.block is not None:
+            self.block.close()
+            self.block = None
 
 
 def durability_of(record: dict, in_hbm) -> str:

@@ -74,7 +74,7 @@ class Recovery:
             return
         specs = [spec_from_json(s) for s in record["specs"]]
         store = reopen_store(self.plan_cfg, specs, state.layout(record), record["nvme_capacity"], self.arena_owner(),
-                             device_capacity=hbm)
+                             device_capacity=hbm, hbm=self.hbm)
         mirrors = Mirrors(store, record["mirrors"]) if record.get("mirrors") else None
         if mirrors is not None:
             mirrors.reserve()

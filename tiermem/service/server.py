@@ -55,10 +55,11 @@ from tiermem.config import StoreConfig
 from tiermem.errors import ConfigError, UserError
 from tiermem.optim import OptimSettings
 from tiermem.plan.placement import make_plan
+from tiermem.plan.resolve import compute_device
 from tiermem.schema import to_plain
 from tiermem.service import protocol
 from tiermem.service.config import gpu_share, planning_config, service_config
-from tiermem.service.hbm import DURABILITY, Mirrors, hbm_groups, mirror_bytes, on_device
+from tiermem.service.hbm import DURABILITY, Mirrors, ServiceHbm, hbm_groups, mirror_bytes, on_device
 from tiermem.service.journal import Journal, UndoGuard, state_dir, undo_bytes, write_atomic
 from tiermem.service.listening import Listening
 from tiermem.service.monitor import Monitoring
@@ -113,6 +114,7 @@ class Service(UpdateRequests, Replacement, Recovery, Monitoring, Listening):
         self.lost: dict | None = None  # a run whose state is gone: {run, checkpoint, step} for its trainer
         self.pending_config: StoreConfig | None = None
         self.machine = None  # the planner's figures of this machine (service_machine), once a run is planned
+        self.hbm = ServiceHbm(compute_device(self.plan_cfg))  # the HBM block its runs keep state in
         self._listener: socket.socket | None = None
         self._stopping = False
         self._peers: dict[int, Client] = {}  # every open connection, by id (protocol.pulse)
@@ -133,8 +135,9 @@ class Service(UpdateRequests, Replacement, Recovery, Monitoring, Listening):
         return self.machine
 
     def release(self) -> None:
-        """Give up the store's files (the service is stopped, or never started)."""
+        """Give up the store's files and its HBM (the service is stopped, or never started)."""
         self.owner.release()
+        self.hbm.close()
 
     def arena_owner(self) -> dict:
         """What the header of this service's arena says of it: where its run is recorded (``tiermem arenas`` finds
@@ -190,7 +193,7 @@ class Service(UpdateRequests, Replacement, Recovery, Monitoring, Listening):
         for p in (self.record_path, self.journal_path, self.hbm_file()):
             p.unlink(missing_ok=True)
         store = create_store(self.plan_cfg, specs, plan, undo + spare["dram"] + copies, spare["nvme"],
-                             self.arena_owner(), spare[registry.primary(DEVICE)])
+                             self.arena_owner(), spare[registry.primary(DEVICE)], self.hbm)
         try:
             ext = store.dram.allocate(undo) if undo else None
             mirrors = Mirrors.allocate(store, specs) if step else None

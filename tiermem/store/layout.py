@@ -121,12 +121,12 @@ def device_bytes(specs: list[TensorSpec], where: dict) -> int:
 
 
 def create_store(cfg: StoreConfig, specs: list[TensorSpec], plan: Plan, extra_host: int, extra_disk: int = 0,
-                 owner: dict | None = None, extra_device: int = 0) -> Store:
+                 owner: dict | None = None, extra_device: int = 0, hbm=None) -> Store:
     """The service's store for a new run: the arena (the host tier) sized to ``plan`` (+ ``extra_host``), the NVMe
     file (the first storage tier's) to its budget when one is set (room to move optimizer state there later),
-    else to the plan (+ ``extra_disk``), and the HBM the plan gives to state (+ ``extra_device``), a block its
-    trainer maps (``tiermem.tiers.hbm_share``). The arena is pinned when the config's GPU device is CUDA; its
-    header records ``owner`` (the service)."""
+    else to the plan (+ ``extra_disk``), and the HBM the plan gives to state (+ ``extra_device``), laid on the block
+    ``hbm(nbytes)`` hands out (the service's, which its trainer maps: ``tiermem.tiers.hbm_share``). The arena is
+    pinned when the config's GPU device is CUDA; its header records ``owner`` (the service)."""
     host, disk = _shared_tiers()
     cap = plan.need()
     on_device = device_bytes(specs, plan.where)
@@ -135,7 +135,8 @@ def create_store(cfg: StoreConfig, specs: list[TensorSpec], plan: Plan, extra_ho
     cap[disk] = cap[disk] + extra_disk if cap[disk] else 0
     if cfg.tiers[disk] is not None and cfg.tiers[disk].budget is not None:
         cap[disk] = max(cap[disk], cfg.tiers[disk].budget)
-    store = Store(cfg, cap, plan=plan, owner=owner, share=True)
+    dev = registry.primary(DEVICE)
+    store = Store(cfg, cap, plan=plan, owner=owner, block=hbm(cap[dev]) if cap[dev] and hbm is not None else None)
     return store.create_all(specs, plan.where)
 
 
@@ -150,10 +151,10 @@ def _close_all(tiers: dict) -> None:
 
 
 def reopen_store(cfg: StoreConfig, specs: list[TensorSpec], layout: dict[str, list], disk_capacity: int,
-                 owner: dict | None = None, device_capacity: int = 0) -> Store:
+                 owner: dict | None = None, device_capacity: int = 0, hbm=None) -> Store:
     """The service's store over the arena and NVMe file a previous service process left behind (its arena's header
-    then names this process, and ``owner``), and a new HBM block of ``device_capacity`` (the old one died with
-    that process: the caller puts back what it held)."""
+    then names this process, and ``owner``), and HBM of ``device_capacity`` on the block ``hbm(nbytes)`` hands out
+    (the old one died with that process: the caller puts back what it held)."""
     name, t = cfg.store_name(), cfg.tiers
     device = torch.device(t.device_tier.device)
     (host, disk), dev = _shared_tiers(), registry.primary(DEVICE)
@@ -162,7 +163,8 @@ def reopen_store(cfg: StoreConfig, specs: list[TensorSpec], layout: dict[str, li
         tiers[host] = registry.tier_type(host).reopen_left(t[host], name, 0, device, owner=owner)
         if disk_capacity:
             tiers[disk] = registry.tier_type(disk).reopen_left(t[disk], name, disk_capacity, device)
-        tiers[dev] = registry.tier_type(dev).make(t[dev], device_capacity, Making(name, device, share=True))
+        block = hbm(device_capacity) if device_capacity and hbm is not None else None
+        tiers[dev] = registry.tier_type(dev).make(t[dev], device_capacity, Making(name, device, block=block))
     except BaseException:
         _close_all(tiers)
         raise

@@ -5,9 +5,9 @@ blocks until one is free; ``release_slot`` records an event on the caller's stre
 the slot waits for the last kernel that read it. Without CUDA (``device: cpu``) the same pool is backed
 by host memory, so the tests run the same code paths on the CPU.
 
-A service's store makes its tier ``share``d: the block is one another process may map (``tiermem.tiers.hbm_share``),
-and its trainer's tier maps it (``map_shared``) below streaming slots of its own: offsets below the mapped
-block's size are the service's block, the slots lie above it.
+A service's store lays its tier on a block of its own that another process may map (``Making.block``:
+``tiermem.tiers.hbm_share``), and its trainer's tier maps it (``map_shared``) below streaming slots of its own: offsets
+below the mapped block's size are the service's block, the slots lie above it.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class GpuTier:
 
     @classmethod
     def make(cls, section: GpuTierConfig, capacity: int, at: Making) -> GpuTier:
-        return cls(at.device, capacity, at.slot_bytes, at.n_slots, share=at.share and capacity > 0)
+        return cls(at.device, capacity, at.slot_bytes, at.n_slots, block=at.block if capacity > 0 else None)
 
     @classmethod
     def map_shared(cls, desc: dict, device: torch.device, slot_bytes: int, n_slots: int) -> GpuTier:
@@ -83,7 +83,7 @@ class GpuTier:
         return cls(device, 0, slot_bytes, n_slots, mapped=MappedBlock(desc, device))
 
     def describe(self, section: GpuTierConfig, chosen: bool = False) -> dict | None:
-        """What another process needs to map this tier's block (a ``share``d tier's; None otherwise)."""
+        """What another process needs to map this tier's block (one laid on a shared block; None otherwise)."""
         return self._block.export() if self._block is not None else None
 
     @classmethod
@@ -98,19 +98,21 @@ class GpuTier:
         pass
 
     def __init__(self, device: torch.device, resident_bytes: int, slot_bytes: int, n_slots: int,
-                 share: bool = False, mapped: MappedBlock | None = None):
-        """``share``: the block is one another process may map; ``mapped``: another process's block, mapped
-        below this tier's own slots (which alone this process allocates)."""
+                 block: OwnedBlock | None = None, mapped: MappedBlock | None = None):
+        """``block``: a block of this process's another process may map, to lay the tier on (its owner closes it);
+        ``mapped``: another process's block, mapped below this tier's own slots (which alone this process
+        allocates)."""
         self.device = device
         self.slot_bytes = align_up(slot_bytes, ALIGN) if n_slots else 0
-        self._mapped, self._block = mapped, None
+        self._mapped, self._block = mapped, block
         self._split = align_up(mapped.tensor.numel(), ALIGN) if mapped is not None else 0  # (the mapped block's)
         own = self.slot_bytes * n_slots + (0 if mapped is not None else align_up(resident_bytes, ALIGN))
         self.capacity = self._split + own
         try:
-            if share:
-                self._block = OwnedBlock(max(own, ALIGN), device)
-                self._buffer = self._block.tensor
+            if block is not None:
+                if block.nbytes < own:
+                    raise ValueError(f"a block of {block.nbytes} bytes cannot hold a GPU tier of {own}")
+                self._buffer = block.tensor
             else:
                 self._buffer = torch.empty(max(own, ALIGN), dtype=torch.uint8, device=device)
         except torch.OutOfMemoryError:
@@ -195,7 +197,6 @@ class GpuTier:
                 "slot_bytes": self.slot_bytes}
 
     def close(self, remove: bool = True) -> None:
-        self._buffer = None
-        for block in (self._block, self._mapped):
-            if block is not None:
-                block.close()
+        self._buffer = self._block = None  # (a block laid on is its owner's to close)
+        if self._mapped is not None:
+            self._mapped.close()
