@@ -73,10 +73,11 @@ def env(tmp_path):
     sock_dir = Path(tempfile.mkdtemp(prefix="tm-"))  # short: Unix socket paths are limited to 107 bytes
     (tmp_path / "shm").mkdir()
 
-    def service_config(placement=PLACEMENT, device="cpu", shm=None, share="auto", cpu_groups="spread") -> Path:
+    def service_config(placement=PLACEMENT, device="cpu", shm=None, share="auto", cpu_groups="spread",
+                       durability="checkpoint") -> Path:
         path = tmp_path / "serve.yaml"
         path.write_text(yaml.safe_dump({
-            "name": f"t{os.getpid()}", "placement": placement,
+            "name": f"t{os.getpid()}", "placement": placement, "durability": durability,
             "optimizer": {"gpu_share": share, "cpu_groups": cpu_groups},
             "tiers": {"gpu": {"device": device}, "dram": {"path": str(shm or tmp_path / "shm"), "budget": "64MiB"},
                       "nvme": {"path": str(tmp_path / "nvme"), "budget": "64MiB", "backend": "posix"}}}))
@@ -97,8 +98,8 @@ def env(tmp_path):
         tmp, sock = tmp_path, sock_dir / "s.sock"
 
         def service(self, placement=PLACEMENT, device="cpu", shm=None, share="auto", cpu_groups="spread",
-                    **kw) -> Service:
-            return Service(service_config(placement, device, shm, share, cpu_groups), self.sock, **kw)
+                    durability="checkpoint", **kw) -> Service:
+            return Service(service_config(placement, device, shm, share, cpu_groups, durability), self.sock, **kw)
 
         def reference(self, device="cpu", **over) -> dict:
             name = f"embedded-{device}" + "".join(f"-{k}" for k in over)
@@ -201,15 +202,15 @@ def test_with_cpu_groups_last_the_trainer_takes_the_first_groups_and_the_run_is_
 
 def test_the_service_plans_a_run_from_its_trainers_step(env):
     """placement auto in the service's config: the trainer sends its step's workload, the service plans the run
-    as an embedded run is planned (no state in HBM: it outlives the trainer) and both say the plan; the
-    weights are the embedded run's."""
+    as an embedded run is planned (HBM a tier: the tiny model's state all there, in the service's own block) and
+    both say the plan; the weights are the embedded run's."""
     ref = env.reference()
     svc = env.service(placement="auto")
     try:
         run = env.train("planned")
         assert run.returncode == 0, run.stderr
-        assert "plan: dram " in run.stdout and "plan: predicted step" in run.stdout, run.stdout
-        assert "plan: gpu" not in run.stdout  # (the service's state never lives in the trainer's HBM)
+        assert "plan: predicted step" in run.stdout, run.stdout
+        assert "plan: gpu " in run.stdout and "store: gpu: " in run.stdout, run.stdout  # (the service's HBM)
         svc.wait_for("planned for ")  # (the figures it planned for named: on a CPU, the H200's, said so)
         assert " pass a step" in svc.text and "pass(es)" not in svc.text, svc.text
         assert ("planned for the H200 machine's figures (no GPU here" in svc.text) == (not torch_cuda()), svc.text
@@ -650,6 +651,7 @@ def test_the_trainers_share_of_an_update_is_checked_and_taken_over_when_it_leave
     theirs.close()
 
 
+
 def test_the_ranks_of_a_run_of_several_each_take_the_groups_they_own(tmp_path):
     """In-process, a run of two ranks (the trainers' share: every group; group 0 owned by rank 0): rank 1 joins
     only after rank 0, gets no group of the update (places for group 0 are refused to it), may not commit, and
@@ -831,7 +833,8 @@ def test_serve_refuses_configs_a_service_cannot_use(tmp_path, capsys, monkeypatc
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine: the arena is pinned
     cases = {"anon": ({"tiers": {"dram": {"path": "anonymous"}}}, "must be a shared file"),
-             "gpu": ({"tiers": {"dram": {"path": str(tmp_path)}}, "placement": {"exp_avg": "gpu"}}, "outlive"),
+             "grad in hbm": ({"tiers": {"dram": {"path": str(tmp_path)}}, "placement": {"grad": "gpu"},
+                              "durability": "step"}, "place grad on dram"),
              "typo": ({"tiers": {"dram": {"pth": str(tmp_path)}}}, "did you mean 'path'"),
              "disk full": ({"tiers": {"gpu": {"device": "cpu"}, "dram": {"path": str(tmp_path)},
                                       "nvme": {"path": str(tmp_path / "nv"), "budget": "1000TiB"}}},

@@ -176,3 +176,16 @@ def test_a_services_frame_shows_its_committed_step_one_prediction_and_no_eta_wit
     assert "ETA 0:01:35" in frame(snap).splitlines()[0]
     del snap["run"]["plan"]  # a run the planner did not place (every kind pinned): the full-overlap bound instead
     assert "at full overlap" in frame(snap) and "plan against" not in frame(snap)
+
+
+def test_a_services_frame_says_what_its_crash_would_lose():
+    """The service's line names its run's durability (tiermem.service.hbm.durability_of)."""
+    from tiermem.service.hbm import durability_of
+
+    said = durability_of({"durability": "step"}, in_hbm=True)
+    snap = {**SNAPSHOT, "service": {"socket": "/s.sock", "run": "r", "label": {"output_dir": "/out"},
+                                    "trainer_pid": 7, "durability": said}}
+    text = " ".join(frame(snap).split())
+    assert "service on /s.sock: run /out, trainer pid 7" in text and "durability: step (HBM written through" in text
+    assert durability_of({}, in_hbm=True).startswith("durability: checkpoint (")
+    assert durability_of({"durability": "step"}, in_hbm=False).startswith("durability: no state in HBM")
