@@ -652,6 +652,57 @@ def test_the_trainers_share_of_an_update_is_checked_and_taken_over_when_it_leave
 
 
 
+def test_a_trainer_attaching_after_the_services_redo_failed_is_told_so_in_one_line(tmp_path):
+    """In-process: the trainer leaves owing update 1 and the service's redo of it fails (its weights not finite:
+    a learning rate of 1e38). The next trainer's hello is refused with that error in one line, every time, instead
+    of attaching to a run whose update never comes (the hello used to clear the error: the rerun then waited for
+    group 0's version 1 for good); one that starts afresh (overwrite_output_dir) is let in."""
+    import torch
+
+    svc, client, other, theirs, hello, err = _unit_service(tmp_path, 1)
+    ok(svc.dispatch(client, hello))
+    ok(svc.dispatch(client, {"op": "init", "id": 2, "run": "r1", "step": 0}))
+    svc.run.store.write("grad/w", torch.ones(4, 4)).result()
+    ok(svc.dispatch(client, {"op": "commit", "id": 3, "run": "r1", "step": 1, "lr": 1e38}))
+    with svc.lock:
+        svc.run.trainer = None
+        svc._trainer_left(svc.run)
+    svc.run.wait()
+    assert "inf or NaN" in str(svc.run.error), svc.run.error
+    for n in (4, 5):  # (a second try is refused the same)
+        said = err(other, dict(hello, id=n))
+        assert said.startswith("update 1 of run ") and "failed in the service: " in said and "\n" not in said, said
+        assert "inf or NaN" in said and said.endswith("restart the service: it recovers the last committed step")
+        assert svc.run.trainer is None and svc.run.error
+    reply = ok(svc.dispatch(other, dict(hello, id=6, fresh=True)))  # (overwrite_output_dir: the run starts afresh)
+    assert reply["replaced"] == 1 and not reply["initialized"] and svc.run.error is None
+    svc._close_run(keep=False)
+    theirs.close()
+
+
+def test_a_rerun_after_the_services_redo_failed_stops_in_one_line_and_does_not_hang(env):
+    """End to end: the trainer is killed with its GPU worker's update 1 of group 0 written, not journaled; the
+    service's redo finds the new weights not finite (a learning rate of 1e38). The same command again stops with
+    one line and exit code 2 (it used to wait for group 0's update 1 for good)."""
+    svc = env.service(share=0.5)
+    try:
+        over = {"learning_rate": 1e38, "lr_scheduler_type": "constant", "warmup_steps": 0, "max_steps": 2}
+        killed = env.train("failed", kill_at="update:1:0", **over)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr
+        svc.wait_for("update 1 failed")
+        proc = subprocess.Popen([sys.executable, "-m", "trainer.cli", str(env.tmp / "failed.yaml")], cwd=ROOT,
+                                env=child_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            out, err = proc.communicate(timeout=120)  # (a safety net: it hung for good before)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail("the rerun after a failed redo hangs:\n" + "".join(proc.communicate()))
+        assert proc.returncode == 2, (out, err)
+        assert err.startswith("tiermem-train: error: the tiermem service refused hello: update 1 of run "), err
+        assert "inf or NaN" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in out + err, err
+    finally:
+        assert svc.stop() == 0
+
 def test_the_ranks_of_a_run_of_several_each_take_the_groups_they_own(tmp_path):
     """In-process, a run of two ranks (the trainers' share: every group; group 0 owned by rank 0): rank 1 joins
     only after rank 0, gets no group of the update (places for group 0 are refused to it), may not commit, and

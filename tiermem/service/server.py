@@ -300,12 +300,16 @@ class Service(UpdateRequests, Replacement, Recovery, Monitoring, Listening, Disc
                 if run is not None and run.trainer is not None:
                     raise RequestError(f"run {label_of(run)} already has a trainer attached (pid {run.trainer.pid});"
                                        " one trainer per run")
+                if run is not None and run.error:  # (its update never comes: a trainer would wait for it for good)
+                    raise RequestError(f"update {run.state.committed} of run {label_of(run)} failed in the service: "
+                                       f"{run.error}; fix the cause and restart the service: it recovers the last "
+                                       "committed step")
                 if run is None:
                     run = self.run = self._new_run(msg)
                     self.say(f"new run {label_of(run)}: {len(run.specs)} tensors")
                     on_gpu = [g for g in run.optimizer.groups if g in run.optimizer.on_gpu]
                 client.groups = frozenset(g for g in on_gpu if world == 1 or g in owns)
-                run.trainer, run.peers, run.world, run.error = client, {}, world, None
+                run.trainer, run.peers, run.world = client, {}, world
                 run.store.catalog.on_bump = lambda g, v, r=run: self._tell_all(r, {
                     "ev": "version", "group": g, "version": v, "layout": layout_of(r.store, g)})
                 self.say(f"trainer pid {client.pid} attached to run {label_of(run)} at step {run.state.committed}"
