@@ -112,14 +112,16 @@ def test_service_killed_with_durability_checkpoint_resumes_from_a_checkpoint(env
 
 def test_a_service_stopped_cleanly_keeps_the_state_in_hbm_for_its_next_start(env):  # noqa: F811 - fixture
     """SIGTERM of the service (durability: checkpoint) while the trainer runs: the update in flight finishes, the
-    service writes its HBM block beside the arena and the next start reads it back: the run continues where it
-    stood, bit-identically, with no checkpoint."""
+    service writes its HBM block beside the arena (its stop line names the file, and how to free it) and the next
+    start reads it back: the run continues where it stood, bit-identically, with no checkpoint."""
     ref = env.reference()
     svc = env.service(placement=HBM, env={"TIERMEM_TEST_SLOW_UPDATE": "0.1"})
     trainer = env.start_train("run")
     _wait_for_steps(trainer, env.tmp / "run" / "trainer_log.jsonl", 2)
     assert svc.stop(signal.SIGTERM) == 0
     assert "wrote the state kept in HBM to" in svc.text, svc.text
+    stopped, hbm = [ln for ln in svc.text.splitlines() if "stopped; run " in ln][-1], next(env.tmp.glob("shm/*.hbm"))
+    assert f", {hbm} " in stopped and f" and rm {hbm}" in stopped, stopped  # (what it keeps, how to free it)
     trainer.communicate(timeout=60)
     svc = env.service(placement=HBM)
     try:

@@ -114,19 +114,23 @@ def newest_checkpoint(record: dict) -> tuple[Path | None, str]:
     return found[-1][1], f"Newest checkpoint: {found[-1][1]} (rerun the trainer: it resumes from there)."
 
 
-def kept_line(cfg, config_path: str) -> str:
-    """What a stopped service leaves of its run (its arena in RAM, its NVMe files on disk), how to continue the
-    run and how to free them instead (``cfg``: the service's StoreConfig)."""
+def kept_line(cfg, config_path: str, hbm: Path | None = None) -> str:
+    """What a stopped service leaves of its run (its arena in RAM, ``hbm``: the file of its state kept in HBM beside
+    it, its NVMe files on disk), how to continue the run and how to free them instead (``cfg``: the service's
+    StoreConfig)."""
     from tiermem.sizes import format_size
     from tiermem.tiers.kept import arena_dir, arena_file, disk_files
 
     arena = arena_file(cfg)
     disk = [p for p in disk_files(cfg) if p.is_file()]
+    in_ram = [hbm] if hbm is not None and hbm.is_file() else []
+    rm = in_ram + disk  # (what `tiermem arenas --clean` does not remove)
     size = lambda p: format_size(p.stat().st_size) if p.is_file() else "0 B"  # noqa: E731
-    held = f"its arena {arena} holds {size(arena)} of RAM" + "".join(f", {p} {size(p)} of disk" for p in disk)
+    held = (f"its arena {arena} holds {size(arena)} of RAM" + "".join(f", {p} {size(p)} of RAM" for p in in_ram)
+            + "".join(f", {p} {size(p)} of disk" for p in disk))
     where = "" if arena_dir(cfg).resolve() == Path("/dev/shm") else f" --dir {arena_dir(cfg)}"
     return (f"{held}; `tiermem serve --config {Path(config_path).resolve()}` continues it (then the trainer's "
-            f"command, overwrite_output_dir unset), or free {'them' if disk else 'it'}: "
+            f"command, overwrite_output_dir unset), or free {'them' if rm else 'it'}: "
             f"`tiermem arenas{where} --clean --force`"
-            + (f" and rm {' '.join(map(str, disk))}" if disk else "")
+            + (f" and rm {' '.join(map(str, rm))}" if rm else "")
             + " (the run then starts from its newest checkpoint)")

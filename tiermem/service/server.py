@@ -440,7 +440,7 @@ class Service(UpdateRequests, Replacement, Recovery, Monitoring, Listening, Disc
                 self._save_hbm(run)
                 self._close_run(keep=True)
                 self.say(f"stopped; run {label_of(run)} kept at step {run.state.committed}: "
-                         + kept_line(self.cfg, self.config_path))
+                         + kept_line(self.cfg, self.config_path, self.hbm_file()))
 
 
 def serve(config_path: str, socket_path: str | None, fresh: bool) -> int:
