@@ -170,3 +170,18 @@ def test_the_services_block_is_kept_across_its_runs():
     assert bigger is not first and bigger.nbytes >= 100_000
     hbm.close()
     assert hbm.block is None
+
+
+def test_serve_fresh_discards_the_hbm_block_a_clean_stop_left(tmp_path):
+    """``tiermem serve --fresh`` removes, unread, the file a clean stop wrote of the state kept in HBM
+    (``<name>.hbm`` beside the arena) with the arena and the run record (tiermem.service.discarding)."""
+    from tiermem.service.server import Service
+
+    svc, *_ = _service(tmp_path, HBM)
+    svc.release()
+    left = tmp_path / "shm" / "unit.hbm"
+    left.write_bytes(b"\0" * 4096)
+    said = []
+    fresh = Service(str(tmp_path / "serve.yaml"), str(tmp_path / "s.sock"), fresh=True, say=said.append)
+    fresh.release()
+    assert not left.exists() and f"discarded {left}" in said, said
