@@ -131,6 +131,32 @@ def test_attached_training_on_the_gpu_matches_embedded(env, kill_at):  # noqa: F
         assert svc.stop() == 0
 
 
+@pytest.mark.parametrize("kill_at", ["backward:3", "update:3:0", "update:4:2"])
+def test_state_in_the_services_hbm_on_cuda_survives_the_trainers_kill(env, kill_at):  # noqa: F811 - the fixture
+    """Every kind in the service's HBM on CUDA (its own allocation, mapped by the trainer through CUDA IPC): the run
+    ends as the embedded CUDA run to the GPU kernels' rounding, and a trainer killed in the backward or mid-update
+    (group 0's or 2's new state written in HBM, not flipped to) leaves the block intact: the rerun maps it again
+    and ends bit-identical to the uninterrupted attached run."""
+    from tests.test_service import same
+    from tests.test_service_hbm import HBM
+
+    ref = env.reference(device="cuda")
+    svc = env.service(placement=HBM, device="cuda", shm="/dev/shm")
+    try:
+        straight = env.train("straight")
+        assert straight.returncode == 0, straight.stderr
+        assert "store: gpu: " in straight.stdout, straight.stdout
+        got = env.weights("straight")
+        assert all(torch.allclose(got[k], ref[k], rtol=1e-4, atol=1e-6) for k in ref)
+        killed = env.train("killed", kill_at=kill_at)
+        assert killed.returncode == -9, killed.stderr
+        again = env.train("killed")
+        assert again.returncode == 0, again.stderr
+        assert same(env.weights("killed"), got)
+    finally:
+        assert svc.stop() == 0
+
+
 # The Llama-3B shape cut to 8 layers (1.6 B params): the multi-pass fault showed at this size on CUDA and
 # not with the tiny models
 SHAPE_3B_8 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 3072,

@@ -239,7 +239,9 @@ def test_a_trainers_workload_goes_to_the_service_and_back_or_is_refused_in_one_l
     cfg = resolve_auto(raw, role="service")
     plan, share, told = plan_run(specs, cfg, raw, {"workload": w.to_json(), "hbm_room": 8 * GiB},
                                  lambda: machine())
-    assert share == 0 and {t for _, _, t in told["where"]} <= {"dram", "nvme"} and told["passes"] == plan.passes
+    assert share == 0 and "gpu" in {t for _, _, t in told["where"]} and told["passes"] == plan.passes  # (HBM a tier)
+    _, _, told = plan_run(specs, cfg, raw, {"workload": w.to_json(), "hbm_room": 8 * GiB}, machine, hbm=False)
+    assert {t for _, _, t in told["where"]} <= {"dram", "nvme"}  # (several ranks: no state in HBM yet)
     assert plan_run(specs, cfg, raw, None, machine) is None  # nothing sent: the fixed rule
     bad = [("a list", "must be an object"), ({"workload": {}, "hbm_room": 1}, "workload.layers"),
            ({"workload": dict(w.to_json(), tokens=-1), "hbm_room": 1}, "workload.tokens"),

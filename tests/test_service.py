@@ -73,10 +73,11 @@ def env(tmp_path):
     sock_dir = Path(tempfile.mkdtemp(prefix="tm-"))  # short: Unix socket paths are limited to 107 bytes
     (tmp_path / "shm").mkdir()
 
-    def service_config(placement=PLACEMENT, device="cpu", shm=None, share="auto", cpu_groups="spread") -> Path:
+    def service_config(placement=PLACEMENT, device="cpu", shm=None, share="auto", cpu_groups="spread",
+                       durability="checkpoint") -> Path:
         path = tmp_path / "serve.yaml"
         path.write_text(yaml.safe_dump({
-            "name": f"t{os.getpid()}", "placement": placement,
+            "name": f"t{os.getpid()}", "placement": placement, "durability": durability,
             "optimizer": {"gpu_share": share, "cpu_groups": cpu_groups},
             "tiers": {"gpu": {"device": device}, "dram": {"path": str(shm or tmp_path / "shm"), "budget": "64MiB"},
                       "nvme": {"path": str(tmp_path / "nvme"), "budget": "64MiB", "backend": "posix"}}}))
@@ -97,8 +98,8 @@ def env(tmp_path):
         tmp, sock = tmp_path, sock_dir / "s.sock"
 
         def service(self, placement=PLACEMENT, device="cpu", shm=None, share="auto", cpu_groups="spread",
-                    **kw) -> Service:
-            return Service(service_config(placement, device, shm, share, cpu_groups), self.sock, **kw)
+                    durability="checkpoint", **kw) -> Service:
+            return Service(service_config(placement, device, shm, share, cpu_groups, durability), self.sock, **kw)
 
         def reference(self, device="cpu", **over) -> dict:
             name = f"embedded-{device}" + "".join(f"-{k}" for k in over)
@@ -201,15 +202,15 @@ def test_with_cpu_groups_last_the_trainer_takes_the_first_groups_and_the_run_is_
 
 def test_the_service_plans_a_run_from_its_trainers_step(env):
     """placement auto in the service's config: the trainer sends its step's workload, the service plans the run
-    as an embedded run is planned (no state in HBM: it outlives the trainer) and both say the plan; the
-    weights are the embedded run's."""
+    as an embedded run is planned (HBM a tier: the tiny model's state all there, in the service's own block) and
+    both say the plan; the weights are the embedded run's."""
     ref = env.reference()
     svc = env.service(placement="auto")
     try:
         run = env.train("planned")
         assert run.returncode == 0, run.stderr
-        assert "plan: dram " in run.stdout and "plan: predicted step" in run.stdout, run.stdout
-        assert "plan: gpu" not in run.stdout  # (the service's state never lives in the trainer's HBM)
+        assert "plan: predicted step" in run.stdout, run.stdout
+        assert "plan: gpu " in run.stdout and "store: gpu: " in run.stdout, run.stdout  # (the service's HBM)
         svc.wait_for("planned for ")  # (the figures it planned for named: on a CPU, the H200's, said so)
         assert " pass a step" in svc.text and "pass(es)" not in svc.text, svc.text
         assert ("planned for the H200 machine's figures (no GPU here" in svc.text) == (not torch_cuda()), svc.text
@@ -648,6 +649,58 @@ def test_the_trainers_share_of_an_update_is_checked_and_taken_over_when_it_leave
     theirs.close()
 
 
+
+def test_a_trainer_attaching_after_the_services_redo_failed_is_told_so_in_one_line(tmp_path):
+    """In-process: the trainer leaves owing update 1 and the service's redo of it fails (its weights not finite:
+    a learning rate of 1e38). The next trainer's hello is refused with that error in one line, every time, instead
+    of attaching to a run whose update never comes (the hello used to clear the error: the rerun then waited for
+    group 0's version 1 for good); one that starts afresh (overwrite_output_dir) is let in."""
+    import torch
+
+    svc, client, other, theirs, hello, err = _unit_service(tmp_path, 1)
+    ok(svc.dispatch(client, hello))
+    ok(svc.dispatch(client, {"op": "init", "id": 2, "run": "r1", "step": 0}))
+    svc.run.store.write("grad/w", torch.ones(4, 4)).result()
+    ok(svc.dispatch(client, {"op": "commit", "id": 3, "run": "r1", "step": 1, "lr": 1e38}))
+    with svc.lock:
+        svc.run.trainer = None
+        svc._trainer_left(svc.run)
+    svc.run.wait()
+    assert "inf or NaN" in str(svc.run.error), svc.run.error
+    for n in (4, 5):  # (a second try is refused the same)
+        said = err(other, dict(hello, id=n))
+        assert said.startswith("update 1 of run ") and "failed in the service: " in said and "\n" not in said, said
+        assert "inf or NaN" in said and said.endswith("restart the service: it recovers the last committed step")
+        assert svc.run.trainer is None and svc.run.error
+    reply = ok(svc.dispatch(other, dict(hello, id=6, fresh=True)))  # (overwrite_output_dir: the run starts afresh)
+    assert reply["replaced"] == 1 and not reply["initialized"] and svc.run.error is None
+    svc._close_run(keep=False)
+    theirs.close()
+
+
+def test_a_rerun_after_the_services_redo_failed_stops_in_one_line_and_does_not_hang(env):
+    """End to end: the trainer is killed with its GPU worker's update 1 of group 0 written, not journaled; the
+    service's redo finds the new weights not finite (a learning rate of 1e38). The same command again stops with
+    one line and exit code 2 (it used to wait for group 0's update 1 for good)."""
+    svc = env.service(share=0.5)
+    try:
+        over = {"learning_rate": 1e38, "lr_scheduler_type": "constant", "warmup_steps": 0, "max_steps": 2}
+        killed = env.train("failed", kill_at="update:1:0", **over)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr
+        svc.wait_for("update 1 failed")
+        proc = subprocess.Popen([sys.executable, "-m", "trainer.cli", str(env.tmp / "failed.yaml")], cwd=ROOT,
+                                env=child_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            out, err = proc.communicate(timeout=120)  # (a safety net: it hung for good before)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail("the rerun after a failed redo hangs:\n" + "".join(proc.communicate()))
+        assert proc.returncode == 2, (out, err)
+        assert err.startswith("tiermem-train: error: the tiermem service refused hello: update 1 of run "), err
+        assert "inf or NaN" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in out + err, err
+    finally:
+        assert svc.stop() == 0
+
 def test_the_ranks_of_a_run_of_several_each_take_the_groups_they_own(tmp_path):
     """In-process, a run of two ranks (the trainers' share: every group; group 0 owned by rank 0): rank 1 joins
     only after rank 0, gets no group of the update (places for group 0 are refused to it), may not commit, and
@@ -829,7 +882,8 @@ def test_serve_refuses_configs_a_service_cannot_use(tmp_path, capsys, monkeypatc
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine: the arena is pinned
     cases = {"anon": ({"tiers": {"dram": {"path": "anonymous"}}}, "must be a shared file"),
-             "gpu": ({"tiers": {"dram": {"path": str(tmp_path)}}, "placement": {"exp_avg": "gpu"}}, "outlive"),
+             "grad in hbm": ({"tiers": {"dram": {"path": str(tmp_path)}}, "placement": {"grad": "gpu"},
+                              "durability": "step"}, "place grad on dram"),
              "typo": ({"tiers": {"dram": {"pth": str(tmp_path)}}}, "did you mean 'path'"),
              "disk full": ({"tiers": {"gpu": {"device": "cpu"}, "dram": {"path": str(tmp_path)},
                                       "nvme": {"path": str(tmp_path / "nv"), "budget": "1000TiB"}}},

@@ -194,3 +194,16 @@ def test_a_services_plan_is_shown_against_the_updates_of_both_its_workers():
     snap["service"] = {"socket": "/tmp/s.sock", "run": "r", "label": {"output_dir": "out"}, "trainer_pid": 4242}
     rows = {r[0]: r[1:] for r in plan_rows(snap)}
     assert rows["CPU AdamW"] == ("0.200 s", "0.600 s") and rows["GPU AdamW"] == ("0.050 s", "0.250 s"), rows
+
+
+def test_a_services_frame_says_what_its_crash_would_lose():
+    """The service's line names its run's durability (tiermem.service.hbm.durability_of)."""
+    from tiermem.service.hbm import durability_of
+
+    said = durability_of({"durability": "step"}, in_hbm=True)
+    snap = {**SNAPSHOT, "service": {"socket": "/s.sock", "run": "r", "label": {"output_dir": "/out"},
+                                    "trainer_pid": 7, "durability": said}}
+    text = " ".join(frame(snap).split())
+    assert "service on /s.sock: run /out, trainer pid 7" in text and "durability: step (HBM written through" in text
+    assert durability_of({}, in_hbm=True).startswith("durability: checkpoint (")
+    assert durability_of({"durability": "step"}, in_hbm=False).startswith("durability: no state in HBM")

@@ -5,6 +5,7 @@
       dram: {budget: 96GiB}                       # arena file under /dev/shm unless path says otherwise
       nvme: {path: /mnt/nvme/tiermem, budget: 1TiB, backend: auto}
     placement: auto                               # or pin some kinds: {exp_avg_sq: nvme} (the rest planned)
+    durability: checkpoint                        # a service's: or step (HBM-resident state written through)
     probe: probe.json                             # a `tiermem probe --save` file (a machine file: docs/machines.md)
                                                   # the planner reads (default: a quick probe at start)
 
@@ -166,6 +167,12 @@ class StoreConfig:
         "a machine file the planner reads (`tiermem probe --save` writes one; configs/machines/ has several); "
         "null: a training run probes PCIe, the disk (each way alone and both at once), CPU AdamW and its compute "
         "copy quickly at start (about 4 s)"))
+    durability: Literal["checkpoint", "step"] = setting("checkpoint", help=(
+        "a service's (`tiermem serve`): what a crash of the service may lose of the state it keeps in HBM (a "
+        "trainer's crash loses nothing in any tier). checkpoint: nothing is copied during a step; the run's "
+        "HBM-resident groups come back from its last checkpoint. step: they are written through to DRAM within "
+        "each step (the planner counts the copy; grad is kept in DRAM): a crash loses no step. An embedded run "
+        "refuses step (its state lives and dies with its process)"))
 
     # (not a key) the dotted keys the config gives a value of its own, neither null nor auto (``tiers.dram.path``,
     # ``optimizer.gpu_share``): what it leaves to tiermem is not among them. Set by load_store_config; kept by a

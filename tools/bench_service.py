@@ -1,9 +1,11 @@
 """Benchmark: a trainer attached to `tiermem serve` against the same run embedded, same command.
 
-    python3 tools/bench_service.py [--batch 4] [--accum 4] [--seq 4096] [--steps 6] [--layers 28] [--json FILE]
+    python3 tools/bench_service.py [--batch 4] [--accum 4] [--seq 4096] [--steps 6] [--layers N] [--json FILE]
                                    [--share S] [--attached-share S1,S2,...]  # one attached run per share
                                    [--attached-cpu-groups spread,last]  # ... per share and cpu_groups
                                    [--planned]  # both runs placed by the planner (the service plans the attached one)
+                                   [--shape 3b|8b] [--nvme DIR]  # the model; an NVMe tier (state > host RAM)
+                                   [--durability checkpoint|step]  # the service's, for its state in HBM
                                    [--small]   # a small model: a smoke test that runs on a CPU
 
 Both runs are `tiermem-train` on a random-init Llama-3B shape (bf16, tiermem_init: random) over random
@@ -16,9 +18,10 @@ out of place: CPU AdamW chunk by chunk, the trainer's GPU worker to places the s
 The embedded run keeps the store in the trainer's process; the attached one starts `tiermem serve` with
 that config and sets tiermem_server. Prints the median step time of the steps after the first two, the
 step split and the ratio attached / embedded. Layers are reduced when /dev/shm cannot hold the state.
---planned leaves placement and the optimizer's split to the planner in both runs (`placement: auto`): the
-embedded run may keep state in HBM, the service plans the attached run with none there; each row then also
-shows the plan's predicted step and measured / predicted.
+--planned leaves placement and the optimizer's split to the planner in both runs (`placement: auto`): both may
+keep state in HBM (the attached run in the service's own block, issue 43); each row then also shows the plan's
+predicted step and measured / predicted. --shape 8b with --nvme DIR: the 8B shape, whose state outgrows host
+RAM, with an NVMe tier in DIR (layers are then not cut to /dev/shm); --durability: the service's.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tools.bench_train import SHAPE  # noqa: E402
+from tools.bench_train import SHAPES  # noqa: E402
 
 
 def params(shape: dict) -> int:
@@ -99,7 +102,7 @@ def main() -> int:
     ap.add_argument("--accum", type=int, default=4)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--layers", type=int, help="decoder layers (default: the shape's, cut to fit /dev/shm)")
     ap.add_argument("--shm", default="/dev/shm")
     ap.add_argument("--json")
     ap.add_argument("--share", default="auto", help="optimizer.gpu_share of the embedded run (auto: 0.7)")
@@ -112,17 +115,22 @@ def main() -> int:
     ap.add_argument("--planned", action="store_true",
                     help="placement and the optimizer's split from the planner in both runs (the service plans one)")
     ap.add_argument("--small", action="store_true", help="a small model (hidden 256, vocab 1024): a smoke test")
+    ap.add_argument("--shape", choices=["3b", "8b"], default="3b")
+    ap.add_argument("--nvme", help="a directory for the NVMe tier's file (the planner may spill state there)")
+    ap.add_argument("--durability", choices=["checkpoint", "step"], default="checkpoint",
+                    help="the service's tiermem durability (what its crash may lose of the state in HBM)")
     args = ap.parse_args()
     if args.planned and (args.share != "auto" or args.attached_share or args.attached_cpu_groups):
         ap.error("--planned leaves the optimizer's split to the planner: no --share, --attached-share or "
                  "--attached-cpu-groups with it")
 
     work = Path(tempfile.mkdtemp(prefix="bench-service-"))
-    shape = dict(SHAPE)
+    shape = dict(SHAPES[args.shape])
     if args.small:
         shape.update(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                      vocab_size=1024)
-    shape["num_hidden_layers"] = fit_layers(shape, args.layers, Path(args.shm))
+    want = args.layers or shape["num_hidden_layers"]
+    shape["num_hidden_layers"] = want if args.nvme else fit_layers(shape, want, Path(args.shm))
     n = params(shape)
     model = work / "model"
     model.mkdir()
@@ -140,6 +148,8 @@ def main() -> int:
              "optimizer": {"gpu_share": args.share}}
     if args.planned:
         store = {"tiers": store["tiers"], "placement": "auto"}
+    if args.nvme:
+        store["tiers"]["nvme"] = {"path": args.nvme}
     train = {"model_name_or_path": str(model), "tiermem_init": "random", "dataset": "rows", "dataset_dir": str(data),
              "cutoff_len": args.seq, "per_device_train_batch_size": args.batch,
              "gradient_accumulation_steps": args.accum, "max_steps": args.steps, "learning_rate": 1e-5,
@@ -148,7 +158,7 @@ def main() -> int:
                PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
     results = {"params": n, "layers": shape["num_hidden_layers"],
                "tokens_per_step": args.batch * args.accum * args.seq}
-    print(f"model: Llama-3B shape with {shape['num_hidden_layers']} layers, {n / 1e9:.2f} B params; "
+    print(f"model: Llama-{args.shape.upper()} shape, {shape['num_hidden_layers']} layers, {n / 1e9:.2f} B params; "
           f"{args.batch}x{args.accum}x{args.seq} tokens a step; state in {args.shm}", flush=True)
 
     def trainer(name: str, extra: dict) -> dict:
@@ -175,7 +185,8 @@ def main() -> int:
     for share, how in [(s, h) for s in shares for h in hows]:
         name = "attached" + ("" if share == "auto" else f" {share}") + (f" {how}" if how else "")
         optimizer = {"gpu_share": share, **({"cpu_groups": how} if how else {})}
-        svc_store = dict(store, name="bench-service", **({} if args.planned else {"optimizer": optimizer}))
+        svc_store = dict(store, name="bench-service", durability=args.durability,
+                         **({} if args.planned else {"optimizer": optimizer}))
         results[name] = attach(work, svc_store, lambda: trainer("attached", {"tiermem_server": str(work / "s.sock")}),
                                env)
         print(f"{name}: {results[name]}", flush=True)
@@ -191,7 +202,7 @@ def main() -> int:
               f" {r.get('ratio_step_time', 1.0):10.3f}"
               + (f" {pred:9.3f} {r['step_s'] / pred:11.3f}" if pred else f" {'-':>9} {'-':>11}"))
     if args.planned:
-        print("placement auto in both runs (the service planned the attached run, with no state in HBM)")
+        print(f"placement auto in both runs (the service planned the attached run; durability {args.durability})")
     else:
         print(f"embedded gpu_share {args.share}; attached / embedded step time target 0.95-1.05")
     if args.json:

@@ -49,6 +49,9 @@ def store_config(value, here: bool = True) -> StoreConfig:
     cfg = store_settings(value)
     if here:
         check_host_budget(cfg)
+    if cfg.durability != "checkpoint":
+        raise ConfigError("tiermem.durability: step is a service's setting (its config for `tiermem serve`): an "
+                          "embedded run's state lives and dies with its process; resume from a checkpoint")
     return resolve_auto(cfg, "embedded")
 
 

@@ -206,6 +206,17 @@ def plan_rows(snap: dict) -> list[tuple[str, str, str]]:
     return rows
 
 
+def _service_line(svc: dict, opt: dict) -> str:
+    """The line of a frame over a service: its run, trainer, committed step, durability and error."""
+    if svc.get("run") is None:
+        return f"service on {svc.get('socket')}: idle, no run"
+    trainer = f"trainer pid {svc['trainer_pid']}" if svc.get("trainer_pid") else "no trainer attached"
+    return (f"service on {svc.get('socket')}: run {svc.get('label', {}).get('output_dir', '?')}, {trainer}; "
+            f"committed step {opt.get('committed', '?')}, updated {opt.get('updated', '?')}, groups behind "
+            f"{opt.get('lag_groups', 0)}" + (f"; {svc['durability']}" if svc.get("durability") else "")
+            + (f"; ERROR {svc['error']}" if svc.get("error") else ""))
+
+
 def render(snap: dict, ceiling: dict[str, float] | None = None):
     """One frame of ``tiermem top`` for a snapshot (a rich renderable)."""
     store, run = snap.get("store", {}), snap.get("run", {}) or {}
@@ -230,15 +241,7 @@ def render(snap: dict, ceiling: dict[str, float] | None = None):
             head.append(f"   stopped: pid {snap.get('pid')} is gone before the run finished", style="red")
     parts.append(head)
     if svc is not None:
-        opt = run.get("optimizer") or {}
-        if svc.get("run") is None:
-            parts.append(Text(f"service on {svc.get('socket')}: idle, no run"))
-        else:
-            trainer = f"trainer pid {svc['trainer_pid']}" if svc.get("trainer_pid") else "no trainer attached"
-            parts.append(Text(f"service on {svc.get('socket')}: run {svc.get('label', {}).get('output_dir', '?')}, "
-                              f"{trainer}; committed step {opt.get('committed', '?')}, updated "
-                              f"{opt.get('updated', '?')}, groups behind {opt.get('lag_groups', 0)}"
-                              + (f"; ERROR {svc['error']}" if svc.get("error") else "")))
+        parts.append(Text(_service_line(svc, run.get("optimizer") or {})))
 
     parts.append(Text("tiers   (" + "  ".join(f"{m} {k}" for k, (m, _) in KIND_MARK.items()) + "  . free)",
                       style="bold"))

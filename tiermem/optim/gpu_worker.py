@@ -24,15 +24,25 @@ class GpuWorker:
         """Three groups in flight: the next one's state arriving, this one updating, the last one's going home."""
         ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
         with ctx:
-            incoming = self._fetch_state(groups[0]) if groups and not self._in_place(groups[0]) else None
-            leaving, handed = done_future(), []
+            incoming = self._fetch_state(groups[0]) if groups and not self._in_hbm(groups[0]) else None
+            leaving, handed, flipping = done_future(), [], []
             for n, g in enumerate(groups):
                 t0 = time.perf_counter()
-                if self._in_place(g):
-                    if n + 1 < len(groups) and incoming is None and not self._in_place(groups[n + 1]):
+                if self._in_hbm(g):
+                    if n + 1 < len(groups) and incoming is None and not self._in_hbm(groups[n + 1]):
                         incoming = self._fetch_state(groups[n + 1])
                     self._wait_gate(g, step)
-                    self._update_resident(g, step, lr, grad_scale)
+                    if self._in_place(g):
+                        self._update_resident(g, step, lr, grad_scale)
+                    else:
+                        if len(flipping) == 2:  # (two groups' new places at most: the room the service keeps)
+                            flipping.pop(0).result()
+                        flip = self._update_hbm_elsewhere(g, step, lr, grad_scale)
+                        if flip is not None:
+                            leaving = flip
+                            flipping.append(flip)
+                        elif self.cpu_takes_over:  # (no room in HBM for the new state)
+                            handed.append(self.update_on_cpu([g], step, lr, grad_scale))
                     self._split["gpu_in_place"] = self._split.get("gpu_in_place", 0.0) + time.perf_counter() - t0
                     continue
                 if incoming is None:
@@ -40,7 +50,7 @@ class GpuWorker:
                 work, reads = incoming
                 self.store.wait(reads, "optimizer_fetch")
                 incoming = None
-                if n + 1 < len(groups) and not self._in_place(groups[n + 1]):
+                if n + 1 < len(groups) and not self._in_hbm(groups[n + 1]):
                     leaving.result()  # bounds the GPU memory in use to three groups
                     incoming = self._fetch_state(groups[n + 1])
                 self._wait_gate(g, step)
@@ -57,6 +67,81 @@ class GpuWorker:
 
     def _in_place(self, g: Group) -> bool:
         return g in self.resident and self.guard is None
+
+    def _in_hbm(self, g: Group) -> bool:
+        """The group is updated where its state lives in HBM: in place, or (with a guard) into new places there;
+        nothing is fetched for it."""
+        if self._in_place(g):
+            return True
+        if self.guard is None:
+            return False
+        entries = [e for k in (self.p_kind, *MOMENTS, "param") for e in self.store.catalog.group_entries(g, k)]
+        return bool(entries) and all(e.tier == self.hbm for e in entries)
+
+    def _update_hbm_elsewhere(self, g: Group, step: int, lr: float, grad_scale: float | None) -> cf.Future | None:
+        """AdamW of a group whose state lives in HBM, with a guard (a service's run): the weights and moments are
+        copied to new places in HBM the guard allocates and updated there (a crash before the flip leaves the old
+        ones whole), the compute copy is rewritten in place from the new master (a redo rewrites it); then the new
+        places are flipped to, as a streamed group's are. None when the guard found no room."""
+        store, cat, pk, dev = self.store, self.store.catalog, self.p_kind, self.store.device
+        places = self.guard.allocate(g, step, self.state_names(g))
+        if places is None:
+            return None
+        grads = self._grads_of(g)
+        new = {}
+        for k in (pk, *MOMENTS):
+            old = store.gpu_views(g, k)
+            for e in cat.group_entries(g, k):
+                new[e.spec.name] = t = store.view_at(e.spec.name, places[e.spec.name])
+                t.zero_() if k in MOMENTS and not e.valid else t.copy_(old[e.spec.name])
+        lists = {True: ([], [], [], []), False: ([], [], [], [])}
+        for e in cat.group_entries(g, pk):
+            base = self._base(e.spec.name)
+            row = [new[e.spec.name], grads[state_name(base, "grad")], *(new[state_name(base, k)] for k in MOMENTS)]
+            for lst, t in zip(lists[self.decay.get(base, True)], row):
+                lst.append(t)
+        self._adamw(lists, step, lr, grad_scale, dev)
+        if self.has_master:
+            params = store.gpu_views(g, "param")
+            torch._foreach_copy_([params[e.spec.name] for e in cat.group_entries(g, "param")],
+                                 [new[state_name(e.spec.name, "master")] for e in cat.group_entries(g, "param")])
+        check = self._check(params.values() if self.has_master else lists[True][0] + lists[False][0])
+        computed = None
+        if check is not None and check[0].is_cuda:
+            computed = torch.cuda.Event()
+            computed.record()
+        if self._stream is not None:  # (written before the flip says so: nothing is copied after it)
+            host_sync(self._stream)
+        if self.has_master:
+            store.mark_valid(g, "param")
+            cat.params_ready(g, step)
+
+        def flip():
+            self.guard.flip(g, step, places)
+            if computed is not None:
+                computed.synchronize()
+            if self._nonfinite(check):
+                raise NonFiniteUpdate(step, g)
+            cat.bump(g, to=step)
+
+        return self._flips.submit(flip)
+
+    def _grads_of(self, g: Group) -> dict:
+        """The group's gradient on the GPU to update from: the one offered there, else a copy of its home's (the
+        fused AdamW unscales it in place; the home stays for a redo)."""
+        store, dev = self.store, self.store.device
+        offered = store.take_offer(g, "grad")
+        if offered is not None:
+            grads, ready = offered
+            if ready is not None:
+                torch.cuda.current_stream(dev).wait_event(ready)
+            return dict(grads)
+        grads, reads = {}, []
+        for e in store.catalog.group_entries(g, "grad"):
+            grads[e.spec.name] = torch.empty(e.spec.shape, dtype=e.spec.dtype, device=dev)
+            reads.append(store.read(e.spec.name, out=grads[e.spec.name], bulk=True))
+        store.wait(all_of(reads), "optimizer_fetch")
+        return grads
 
     def _update_resident(self, g: Group, step: int, lr: float, grad_scale: float | None) -> None:
         """AdamW of a group whose whole state lives in HBM, in place on the optimizer's stream; its version

@@ -73,6 +73,8 @@ class Layout:
     # the boundary activations 0..act_host-1 (layer i's input) live in the host tier: written out over the link as
     # the forward makes them, read back one layer ahead of their layer's backward
     act_host: int = 0
+    # a service's durability: step: each update's new state of a group in HBM is copied to DRAM within the step
+    write_through: bool = False
 
 
 def rank_of(owners: dict | None, group_params: dict) -> dict:
@@ -298,6 +300,10 @@ class _Step:
                         storage(g, "param", True, [done[g]])
                 else:
                     done[g] = adam
+                if self.layout.write_through:  # (the copies to DRAM hold no forward: the link's time only)
+                    for k in {*state_kinds, "param"}:
+                        if role(g, k) == DEVICE:
+                            d2h(nbytes(g, k), [adam], f"write-through {g}", peer=peer)
                 gpu_prev[own] = [prev, adam]
             else:
                 stage_prev, prev = cpu_prev[own]

@@ -13,7 +13,8 @@ from the last groups first while DRAM is short. The streamed groups' updates are
 fastest; a streamed group the GPU updates needs HBM of its own (its gradient waits there from the backward,
 three groups' state are in flight), so a split is taken only where that room is left, and a layout that
 leaves it is tried too. Kinds the placement pins (``{exp_avg_sq: nvme}``) stay where they are pinned. A
-service's run keeps no state in HBM (``hbm_state=False``).
+service's run of several ranks keeps no state in HBM (``hbm_state=False``); one of one rank keeps it in the
+service's own block (``write_through`` with its durability: step).
 
 Several ranks of a host (``owners``: group -> owning rank) each have an HBM of the same size: a group's
 optimizer-side state (grad, master, exp_avg, exp_avg_sq) may live in its owner's, never its compute copy (every
@@ -98,23 +99,23 @@ def pass_counts(micro_batches: int) -> list[int]:
     return out
 
 
-def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine,
-              budgets: dict | None = None, cuda: bool = True, fixed_passes: int | None = None,
-              hbm_state: bool = True, gpu_worker: bool = True, keep_auto: bool = False,
-              hbm_taken: int = 0, owners: dict | None = None, activations: str = "auto") -> Plan:
+def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine, budgets: dict | None = None,
+              cuda: bool = True, fixed_passes: int | None = None, hbm_state: bool = True, gpu_worker: bool = True,
+              keep_auto: bool = False, hbm_taken: int = 0, owners: dict | None = None, activations: str = "auto",
+              write_through: bool = False) -> Plan:
     """The fastest predicted placement of ``specs`` for steps of ``w`` on machine ``m`` (see the module).
-    ``hbm_state`` False: no state in HBM (a service's run: the state outlives the trainer's GPU); HBM holds
-    the activations, the slots and the GPU worker's copies. ``gpu_worker`` False: the CPU updates every
-    group that does not live in HBM (a service without CUDA). ``hbm_taken``: bytes of HBM the run takes for
-    something else the whole step (several ranks: the gradients in flight to their owners). ``keep_auto``
-    (tiermem_keep_activations: auto): the layers that keep their forward's activations, and skip the
-    recompute, are chosen with the placement: HBM given to a layer's kept graph is HBM taken from state, so
-    several numbers of kept layers are tried, each with the state placed in what they leave, and every
-    layout keeps as many more as its leftover HBM holds. Kept graphs are weighed at the number of passes
-    chosen without them: they never add passes (each pass moves the streamed groups' partial gradients both
-    ways, which the GPU runs have shown costs more than the cost model counts). ``owners`` (several ranks of a
-    host: group -> rank): each group's HBM-resident state lives in its owner's HBM (see the module).
-    ``activations`` (tiermem_activations): where the boundary activations may live (``host_counts``)."""
+    ``hbm_state`` False: no state in HBM (several ranks of a service); HBM holds the activations, the slots and the
+    GPU worker's copies. ``gpu_worker`` False: the CPU updates every group that does not live in HBM (a service
+    without CUDA). ``hbm_taken``: bytes of HBM the run takes for something else the whole step (several ranks: the
+    gradients in flight to their owners; a service: room for new state, its CUDA context). ``keep_auto``
+    (tiermem_keep_activations: auto): the layers that keep their forward's activations, and skip the recompute, are
+    chosen with the placement: HBM given to a layer's kept graph is HBM taken from state, so several numbers of kept
+    layers are tried, each with the state placed in what they leave, and every layout keeps as many more as its
+    leftover HBM holds. Kept graphs are weighed at the number of passes chosen without them: they never add passes
+    (each pass moves the streamed groups' partial gradients both ways, which the GPU runs have shown costs more than
+    the cost model counts). ``owners`` (several ranks of a host: group -> rank): each group's HBM-resident state
+    lives in its owner's HBM (see the module). ``activations``: where the boundary activations may live
+    (``host_counts``). ``write_through`` (durability: step): each update's new state in HBM is copied to DRAM."""
     device = registry.primary(DEVICE)  # (its budget: the device tier's, or unset all of its HBM, activations too)
     budgets = dict(budgets) if budgets is not None else {**default_budgets(cfg), device: cfg.tiers.device_tier.budget}
     (group_bytes, params), pins = sizes(specs), cfg.pins()
@@ -173,7 +174,7 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
                 fits = True
                 kept = kept_layers(where, w.layers, k + ((free - need) // per_kept if more and per_kept else 0))
                 layout = Layout(where, gpu_updates, p, cfg.tiers.device_tier.slots, kept, act_host=h,
-                                **rank_of(owners, params))
+                                write_through=write_through, **rank_of(owners, params))
                 pred = predict(layout, w, m, group_bytes, params)
                 # (state moved off HBM for kept graphs, and activations moved off it, must earn their keep)
                 moved = best is not None and ((kept and _hbm_used(where, group_bytes, cfg)

@@ -200,8 +200,8 @@ class RemoteOptimizer:
 
     def set_part_gate(self, gate: Gate | None) -> None:
         """Not with a service: it keeps no state in a trainer's HBM, so no trainer writes a part of a checkpoint."""
-        raise UserError("a checkpoint written in parts by a service's ranks is not supported yet: a service's run "
-                        "keeps no state in HBM")
+        raise UserError("a checkpoint written in parts by a service's ranks is not supported yet: several ranks "
+                        "attached to one service keep no state in HBM")
 
     def expect_save(self, step: int) -> None:
         """Nothing to hold: the commit of update ``step + 1`` waits for this process's saver (``set_gate``)."""
@@ -226,7 +226,9 @@ class RemoteOptimizer:
                 self.last_split = {f"trainer_{k}": v for k, v in self.local.last_split.items() if v}
 
     def grads_on_gpu(self, g: Group) -> bool:
-        return g in self.mine
+        """Offered on the GPU to this process's GPU worker, unless the gradient's home is in the service's HBM: the
+        step then sums it there (as an embedded run sums a group living in HBM) and the worker reads it from home."""
+        return g in self.mine and not self.store.in_device_memory(g, "grad")
 
     def grads_home(self, g: Group) -> bool:
         return True  # all of them: the service redoes a dead trainer's update from the gradients at home
@@ -340,7 +342,7 @@ def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: Optim
             raise UserError("the service's run holds other tensors than this model's; restart the service with "
                             "--fresh to discard its run")
         store = attach_store(cfg, theirs, reply["layout"], reply["arena"], reply[DISK_FIELD], device,
-                             cfg.tiers.device_tier.slots)
+                             cfg.tiers.device_tier.slots, device_desc=reply.get("hbm"))
     except BaseException:
         client.close()
         raise

@@ -28,13 +28,13 @@ def shared_disk() -> str:
 def service_config(path: str) -> StoreConfig:
     """The service's tiermem config, checked for what a service needs."""
     cfg = load_store_config(path, path)
-    device, host, disks = registry.primary(DEVICE), registry.primary(HOST), registry.of_role(STORAGE)
+    device, host = registry.primary(DEVICE), registry.primary(HOST)
     if cfg.tiers.host_tier.path == "anonymous":
         raise ConfigError(f"{path}: the service's arena must be a shared file: set tiers.{host}.path to a tmpfs "
                           "directory such as /dev/shm")
-    if isinstance(cfg.placement, dict) and device in cfg.placement.values():
-        raise ConfigError(f"{path}: placement on {device} is not possible in service mode (the state must outlive "
-                          f"the trainer's GPU memory); place every kind on {' or '.join([host, *disks])}")
+    if cfg.durability == "step" and isinstance(cfg.placement, dict) and cfg.placement.get("grad") == device:
+        raise ConfigError(f"{path}: durability: step keeps each step's gradients in the arena (the redo of an update a "
+                          f"crash cut short needs them): place grad on {host}")
     shared = {device, host, shared_disk()}
     other = [t for t in cfg.tiers.configured() if t not in shared]
     if other:

@@ -10,8 +10,9 @@ from tiermem.tiers.kept import arena_file, disk_files
 
 class Discarding:
     def _discard_recorded(self) -> None:
-        """``--fresh``: the arena, NVMe files, run record and journal of the store's name are removed unread."""
-        for p in (arena_file(self.cfg), self.record_path, self.journal_path, *disk_files(self.cfg)):
+        """``--fresh``: the arena, NVMe files, HBM block file (a clean stop's: ``Recovery.hbm_file``), run record and
+        journal of the store's name are removed unread."""
+        for p in (arena_file(self.cfg), self.hbm_file(), self.record_path, self.journal_path, *disk_files(self.cfg)):
             if p is not None and p.exists():
                 p.unlink()
                 self.say(f"discarded {p}")

@@ -241,8 +241,12 @@ class UndoGuard:
     the CPU worker changes it in place; ``done`` (journal) once the group's new state is home; ``flip``
     (journal the new places, then switch to them) after the GPU worker wrote it out of place."""
 
-    def __init__(self, store, journal: Journal, extent: Extent | None, has_master: bool, epoch: int = 0):
+    def __init__(self, store, journal: Journal, extent: Extent | None, has_master: bool, epoch: int = 0,
+                 mirrors=None):
+        """``mirrors`` (``durability: step``, ``tiermem.service.hbm.Mirrors``): a group's new state in HBM is copied
+        to DRAM before its update is journaled."""
         self.store, self.journal, self.extent, self.epoch = store, journal, extent, epoch
+        self.mirrors = mirrors
         self.kinds = undo_kinds(has_master)
         self.slow = HOOKS.slow_update  # test hook: seconds per group
 
@@ -267,6 +271,8 @@ class UndoGuard:
 
     def done(self, g: Group, step: int) -> None:
         HOOKS.point("update", step, g)  # test hook: the update is home, not yet journaled
+        if self.mirrors is not None:
+            self.mirrors.write(g, step)
         self.journal.append("done", group=g, step=step)
 
     def allocate(self, g: Group, step: int, names: list[str]) -> dict | None:
@@ -280,6 +286,8 @@ class UndoGuard:
         if self.slow:
             time.sleep(self.slow)
         HOOKS.point("update", step, g)  # test hook: the new state is written, not yet journaled
+        if self.mirrors is not None:
+            self.mirrors.write(g, step, new)
         moves = {}
         for name, ext in new.items():
             moves[name] = [self.store.catalog[name].tier, ext.offset, ext.nbytes, self.epoch]

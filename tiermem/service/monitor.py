@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from tiermem.service.hbm import durability_of, on_device
 from tiermem.service.runs import Client
 from tiermem.store.stats import snapshot
 from tiermem.tiers import registry
@@ -48,4 +49,5 @@ class Monitoring:
                                  split=split)
         return {"pid": os.getpid(), "store": snap, "run": live,
                 "service": {"socket": str(self.socket_path), "run": run.record["run"], "label": run.record["label"],
-                            "trainer_pid": run.trainer.pid if run.trainer else None, "error": run.error}}
+                            "trainer_pid": run.trainer.pid if run.trainer else None, "error": run.error,
+                            "durability": durability_of(run.record, on_device(run.store))}}

@@ -1,7 +1,11 @@
 """A service's run planned as an embedded run is: the trainer sends its step's workload (its layer timed on its
-GPU) and the HBM its step may use; the service plans with its own machine figures and budgets, with no state in
-HBM (the state must outlive the trainer's GPU memory), and answers with the plan so the trainer runs and
-watches it (passes, activation budget, predicted step).
+GPU) and the HBM its step may use; the service plans with its own machine figures and budgets, with HBM as a tier
+(the state placed there lives in the service's own block, which its trainer maps: ``tiermem.service.hbm``), and
+answers with the plan so the trainer runs and watches it (passes, activation budget, predicted step). HBM is
+counted for what a service's run needs there beside an embedded run's: room for two groups' new state (updates
+are out of place, as in DRAM) and the service's own CUDA context; with ``durability: step`` the gradients live in
+DRAM and each update's new state in HBM is copied there (the link's cost counted). Several ranks attached to one
+service keep no state in HBM yet.
 
     plan, share, told = plan_run(specs, plan_cfg, raw_cfg, msg["plan"], machine)   # or None: the fixed rule
 """
@@ -18,13 +22,17 @@ from tiermem.plan.planner import plan_step
 from tiermem.plan.resolve import compute_device
 from tiermem.plan.workload import Workload
 from tiermem.service.requests import RequestError
-from tiermem.specs import TensorSpec
+from tiermem.sizes import align_up
+from tiermem.specs import MOMENTS, TensorSpec
 from tiermem.tiers import registry
-from tiermem.tiers.base import DEVICE
+from tiermem.tiers.base import DEVICE, HOST
 
 # the service's crash-safe CPU AdamW (out of place, or in place behind an undo copy) against plain fused
 # AdamW on the same cores: 0.26-0.38x measured on the H200 host (docs/measurements.md, tools/bench_optim.py)
 CRASH_SAFE_CPU = 0.37
+# HBM the service's own CUDA context and allocator take on the trainer's GPU beside its block (its trainer's room,
+# measured in the trainer's process, does not see them)
+SERVICE_CONTEXT = 1 << 30
 
 
 def service_machine(cfg: StoreConfig) -> Machine:
@@ -33,15 +41,44 @@ def service_machine(cfg: StoreConfig) -> Machine:
     return machine_for(cfg, compute_device(cfg))
 
 
+def hbm_budgets(cfg: StoreConfig, hbm: bool) -> dict:
+    """The fixed rule's budgets for a service's run: the config's (``hbm`` False: none in HBM, and a placement that
+    names HBM refused)."""
+    budgets = default_budgets(cfg)
+    if hbm:
+        return budgets
+    check_hbm_plan(cfg.pins(), hbm)
+    return dict(budgets, **{registry.primary(DEVICE): 0})
+
+
+def check_hbm_plan(where: dict, hbm: bool) -> None:
+    """Refuse, in one line, state in HBM (``where``'s values: tiers) for a run of several ranks (``hbm`` False)."""
+    if not hbm and registry.primary(DEVICE) in where.values():
+        raise RequestError(f"state in HBM ({registry.primary(DEVICE)}) for several ranks attached to one service is "
+                           "not supported yet: place every kind on the arena or NVMe in the service's config")
+
+
+def new_state_room(specs: list[TensorSpec], has_master: bool) -> int:
+    """HBM for two groups' new state beside the plan's (the trainer's and the service's GPU workers write a group's
+    update out of place): twice the largest group's weights and moments."""
+    kinds = ("master" if has_master else "param", *MOMENTS)
+    align, per = registry.tier_type(registry.primary(DEVICE)).alignment, {}
+    for s in specs:
+        if s.kind in kinds:
+            per[s.group] = per.get(s.group, 0) + align_up(s.nbytes, align)
+    return 2 * max(per.values(), default=0)
+
+
 def plan_run(specs: list[TensorSpec], plan_cfg: StoreConfig, raw_cfg: StoreConfig, asked,
-             machine) -> tuple[Plan, float, dict] | None:
+             machine, hbm: bool = True) -> tuple[Plan, float, dict] | None:
     """The planner's plan of a new run from the trainer's ``asked`` ({workload, hbm_room}); None where the
     service places by its fixed rule (no workload sent, or a placement that pins every kind). ``machine`` is
-    called for the figures (measured once, when first needed). Returns the plan, the share of groups the
-    trainer's GPU worker updates, and what the trainer is told."""
+    called for the figures (measured once, when first needed); ``hbm`` False: no state in HBM. Returns the plan,
+    the share of groups the trainer's GPU worker updates, and what the trainer is told."""
     if asked is None:
         return None
     pins = plan_cfg.pins()
+    check_hbm_plan(pins, hbm)
     if all(s.kind in pins for s in specs):
         return None
     if not isinstance(asked, dict):
@@ -62,12 +99,19 @@ def plan_run(specs: list[TensorSpec], plan_cfg: StoreConfig, raw_cfg: StoreConfi
     m = dataclasses.replace(base, assumed=list(base.assumed), cpu_adamw=base.cpu_adamw * CRASH_SAFE_CPU)
     cfg = copy.deepcopy(plan_cfg)  # (the service's own store has no slots; its trainer streams through these)
     cfg.tiers.device_tier.slots = raw_cfg.tiers.device_tier.slots
-    plan = plan_step(specs, cfg, w, m, budgets, cuda=False, hbm_state=False, gpu_worker=cuda)
+    step = hbm and raw_cfg.durability == "step"
+    if step and "grad" not in pins:  # (the redo of an update a crash cut short needs its gradient)
+        cfg.placement = {**(cfg.placement if isinstance(cfg.placement, dict) else {}), "grad": registry.primary(HOST)}
+    has_master = any(s.kind == "master" for s in specs)
+    taken = new_state_room(specs, has_master) + (SERVICE_CONTEXT if cuda else 0) if hbm else 0
+    plan = plan_step(specs, cfg, w, m, budgets, cuda=False, hbm_state=hbm, gpu_worker=cuda, hbm_taken=taken,
+                     write_through=step)
     explicit = raw_cfg.optimizer.gpu_share is not None
-    # (no state in HBM: every group streams, and the planner's split is a share of them all)
+    # (the planner's split is a share of every group, those in HBM included: the GPU worker updates them)
     share = plan_cfg.optimizer.gpu_share if explicit or not cuda else len(plan.gpu_updates) / len(w.groups)
     told = {"where": [[g, k, t] for (g, k), t in plan.where.items()],
             "gpu_updates": None if explicit else sorted(plan.gpu_updates, key=str),
             "passes": plan.passes, "activation_budget": plan.activation_budget,
-            "activation_bytes": plan.activation_bytes, "hbm_room": plan.hbm_room, "machine": m.to_json()}
+            "activation_bytes": plan.activation_bytes, "hbm_room": plan.hbm_room, "machine": m.to_json(),
+            "write_through": step}
     return plan, share, told

@@ -12,6 +12,7 @@ from pathlib import Path
 from tiermem.errors import UserError
 from tiermem.plan.placement import default_budgets, make_plan
 from tiermem.service.config import MOVABLE, planning_config, service_config
+from tiermem.service.hbm import on_device
 from tiermem.service.journal import write_atomic
 from tiermem.service.runs import Run
 from tiermem.store.layout import layout_of
@@ -63,6 +64,9 @@ class Replacement:
         update is whole, before the next starts); True when something moved."""
         cfg, self.pending_config = self.pending_config, None
         self.cfg, self.plan_cfg = cfg, planning_config(cfg)
+        if on_device(run.store):
+            self.say("re-placement skipped: the run keeps state in HBM, and moving it is not supported yet")
+            return False
         budgets = dict(default_budgets(cfg), gpu=0)
         try:
             plan = make_plan(run.specs, self.plan_cfg, ("param",), budgets)

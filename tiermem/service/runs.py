@@ -115,22 +115,25 @@ def newest_checkpoint(record: dict) -> tuple[Path | None, str]:
                           "overwrite_output_dir unset).")
 
 
-def kept_line(cfg, config_path: str, socket_path: Path | None = None) -> str:
-    """What a stopped service leaves of its run (its arena in RAM, its NVMe files on disk), how to continue the
-    run (``socket_path``: the service's, named where it is not the default) and how to free them instead, its own
-    arena only (``cfg``: the service's StoreConfig)."""
+def kept_line(cfg, config_path: str, socket_path: Path | None = None, hbm: Path | None = None) -> str:
+    """What a stopped service leaves of its run (its arena in RAM, ``hbm``: the file of its state kept in HBM beside
+    it, its NVMe files on disk), how to continue the run (``socket_path``: the service's, named where it is not the
+    default) and how to free them instead, its own arena only (``cfg``: the service's StoreConfig)."""
     from tiermem.service.protocol import default_socket
     from tiermem.sizes import format_size
     from tiermem.tiers.kept import arena_dir, arena_file, disk_files
 
     arena = arena_file(cfg)
     disk = [p for p in disk_files(cfg) if p.is_file()]
+    in_ram = [hbm] if hbm is not None and hbm.is_file() else []
+    rm = in_ram + disk  # (what `tiermem arenas --clean` does not remove)
     size = lambda p: format_size(p.stat().st_size) if p.is_file() else "0 B"  # noqa: E731
-    held = f"its arena {arena} holds {size(arena)} of RAM" + "".join(f", {p} {size(p)} of disk" for p in disk)
+    held = (f"its arena {arena} holds {size(arena)} of RAM" + "".join(f", {p} {size(p)} of RAM" for p in in_ram)
+            + "".join(f", {p} {size(p)} of disk" for p in disk))
     where = "" if arena_dir(cfg).resolve() == Path("/dev/shm") else f" --dir {arena_dir(cfg)}"
     socket = f" --socket {socket_path}" if socket_path is not None and socket_path != default_socket() else ""
     return (f"{held}; `tiermem serve --config {Path(config_path).resolve()}{socket}` continues it (then the trainer's "
-            f"command, overwrite_output_dir unset), or free {'them' if disk else 'it'}: "
+            f"command, overwrite_output_dir unset), or free {'them' if rm else 'it'}: "
             f"`tiermem arenas{where} --clean --force --name {cfg.store_name()}`"
-            + (f" and rm {' '.join(map(str, disk))}" if disk else "")
+            + (f" and rm {' '.join(map(str, rm))}" if rm else "")
             + " (the run then starts from its newest checkpoint)")

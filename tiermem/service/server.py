@@ -41,7 +41,6 @@ SIGINT stop cleanly (the in-flight update finishes; the run's state stays for th
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -55,7 +54,8 @@ from pathlib import Path
 from tiermem.config import StoreConfig
 from tiermem.errors import UserError
 from tiermem.optim import OptimSettings
-from tiermem.plan.placement import default_budgets, make_plan
+from tiermem.plan.placement import make_plan
+from tiermem.plan.resolve import compute_device
 from tiermem.schema import to_plain
 from tiermem.service import protocol
 from tiermem.service.config import (
@@ -68,17 +68,19 @@ from tiermem.service.config import (
     shared_disk,
 )
 from tiermem.service.discarding import Discarding
-from tiermem.service.journal import Journal, UndoGuard, make_private, state_dir, undo_bytes, write_atomic
+from tiermem.service.hbm import DURABILITY, Mirrors, ServiceHbm, hbm_groups, mirror_bytes, on_device
+from tiermem.service.journal import Journal, UndoGuard, state_dir, undo_bytes, write_atomic
 from tiermem.service.listening import Listening
 from tiermem.service.monitor import Monitoring
 from tiermem.service.owner import Ownership
-from tiermem.service.planning import plan_run, service_machine
+from tiermem.service.planning import check_hbm_plan, hbm_budgets, plan_run, service_machine
+from tiermem.service.recovery import Recovery
 from tiermem.service.replace import Replacement
 from tiermem.service.requests import RequestError, field_of, is_key, object_of
-from tiermem.service.runs import Client, Run, kept_line, label_of, newest_checkpoint, no_room_note, room_for_new_state
+from tiermem.service.runs import Client, Run, kept_line, label_of, no_room_note, room_for_new_state
 from tiermem.service.updates import UpdateRequests
 from tiermem.specs import MOMENTS, TensorSpec
-from tiermem.store.layout import create_store, layout_of, reopen_store, shared_description, spec_from_json, spec_to_json
+from tiermem.store.layout import create_store, layout_of, shared_description, spec_from_json, spec_to_json
 from tiermem.store.stats import run_problem, store_problem
 from tiermem.tiers import registry
 from tiermem.tiers.base import DEVICE, HOST
@@ -87,7 +89,7 @@ from tiermem.tiers.extents import Extent
 log = logging.getLogger(__name__)
 
 
-class Service(UpdateRequests, Replacement, Monitoring, Listening, Discarding):
+class Service(UpdateRequests, Replacement, Recovery, Monitoring, Listening, Discarding):
     def __init__(self, config_path: str, socket_path: str | None, fresh: bool = False, say=print):
         self.config_path, self.say = config_path, say
         self.cfg = service_config(config_path)
@@ -111,6 +113,7 @@ class Service(UpdateRequests, Replacement, Monitoring, Listening, Discarding):
         self.lost: dict | None = None  # a run whose state is gone: {run, checkpoint, step} for its trainer
         self.pending_config: StoreConfig | None = None
         self.machine = None  # the planner's figures of this machine (service_machine), once a run is planned
+        self.hbm = ServiceHbm(compute_device(self.plan_cfg))  # the HBM block its runs keep state in
         self._listener: socket.socket | None = None
         self._stopping = False
         self._peers: dict[int, Client] = {}  # every open connection, by id (protocol.pulse)
@@ -131,8 +134,9 @@ class Service(UpdateRequests, Replacement, Monitoring, Listening, Discarding):
         return self.machine
 
     def release(self) -> None:
-        """Give up the store's files (the service is stopped, or never started)."""
+        """Give up the store's files and its HBM (the service is stopped, or never started)."""
         self.owner.release()
+        self.hbm.close()
 
     def arena_owner(self) -> dict:
         """What the header of this service's arena says of it: where its run is recorded (``tiermem arenas`` finds
@@ -141,63 +145,17 @@ class Service(UpdateRequests, Replacement, Monitoring, Listening, Discarding):
                 "config": str(Path(self.config_path).resolve()), "socket": str(self.socket_path)}
 
     # -- runs ------------------------------------------------------------------------------------------
-    def _recover(self) -> None:
-        if not self.record_path.is_file():
-            return
-        make_private(self.record_path)
-        record = json.loads(self.record_path.read_text())
-        arena_dir = self.cfg.tiers.host_tier.path
-        recorded = record.get("arena_dir", arena_dir)
-        if Path(recorded).resolve() != Path(arena_dir).resolve():
-            raise UserError(f"the run this service holds has its arena in {recorded}, but the config's "
-                            f"tiers.dram.path is {arena_dir}; put the path back, or start with "
-                            "--fresh to discard the run")
-        arena = Path(recorded) / f"{self.cfg.store_name()}.arena"
-        journal = Journal(self.journal_path)
-        state = journal.state
-        if not arena.is_file():
-            found, says = newest_checkpoint(record)
-            self.say(f"the state of run {record['label'].get('output_dir', record['run'])} (step {state.committed}) is "
-                     f"gone: its arena {arena} no longer exists (the machine restarted?). {says}")
-            if found is not None:  # told to the run's trainer when it attaches
-                self.lost = {"run": record["run"], "checkpoint": str(found), "step": state.committed}
-            journal.close()
-            self._discard_recorded()
-            return
-        if state.finished or not state.initialized:  # nothing left worth keeping
-            journal.close()
-            self._discard_recorded()
-            return
-        specs = [spec_from_json(s) for s in record["specs"]]
-        store = reopen_store(self.plan_cfg, specs, state.layout(record), record["nvme_capacity"], self.arena_owner())
-        run = self._make_run(record, specs, store, journal)
-        st = run.state
-        if record["undo"] is not None:
-            store.tiers.host.allocator.reserve(Extent(*record["undo"]))
-        for g, v in st.versions.items():
-            store.catalog.bump(g, to=v)
-        if st.inflight is not None and st.inflight[1] > st.versions.get(st.inflight[0], 0):
-            run.guard.restore(st.inflight[0], st.undo_crc)
-            self.say(f"put back group {st.inflight[0]} as it was before update {st.inflight[1]} (cut short)")
-        if st.committed > st.updated:
-            todo = {g for g in run.optimizer.groups if st.versions.get(g, 0) < st.committed}
-            self.say(f"finishing update {st.committed} of {len(todo)} groups")
-            run.optimizer.step(st.committed, st.commit_args["lr"], st.commit_args["grad_scale"], only=todo).result()
-            run.journal.append("updated", step=st.committed)
-        store.keep_files = False
-        self.run = run
-        self.say(f"recovered run {record['label'].get('output_dir', record['run'])}: step {st.committed} committed "
-                 "and updated")
-
-    def _make_run(self, record: dict, specs: list[TensorSpec], store, journal: Journal | None = None) -> Run:
+    def _make_run(self, record: dict, specs: list[TensorSpec], store, journal: Journal | None = None,
+                  mirrors: Mirrors | None = None) -> Run:
         journal = journal or Journal(self.journal_path)
         settings = OptimSettings.from_json(record["optim"])
         undo = Extent(*record["undo"]) if record["undo"] is not None else None
-        guard = UndoGuard(store, journal, undo, settings.has_master, record.get("epoch", 0))
+        guard = UndoGuard(store, journal, undo, settings.has_master, record.get("epoch", 0), mirrors)
         # (offer_params False: the trainer is another process, nothing to hand over on the GPU)
         on_gpu = record.get("plan", {}).get("gpu_updates")  # (the planner's split, when it planned the run)
         optimizer = settings.optimizer(store, gpu_share=record["gpu_share"], guard=guard, offer_params=False,
                                        **({"on_gpu": on_gpu} if on_gpu is not None else {}))
+        optimizer.resplit(optimizer.on_gpu | hbm_groups(store))  # (a group with state in HBM is the GPU worker's)
         return Run(record, specs, store, journal, optimizer, guard)
 
     def _new_run(self, msg: dict) -> Run:
@@ -215,35 +173,42 @@ class Service(UpdateRequests, Replacement, Monitoring, Listening, Discarding):
         groups = {s.group for s in specs}
         if not all(is_key(g) for g in optim.groups) or set(optim.groups) != groups:
             raise RequestError("optim.groups must list every group of the specs once")
-        planned = plan_run(specs, self.plan_cfg, self.cfg, msg.get("plan"), self._machine)
+        one = msg.get("world", 1) == 1  # (several ranks: no state in HBM yet)
+        planned = plan_run(specs, self.plan_cfg, self.cfg, msg.get("plan"), self._machine, hbm=one)
         if planned is not None:  # the trainer sent its step: the planner's placement, split and passes
             plan, share, told = planned
             self.say(f"planned for {plan.machine.source}: predicted step {plan.prediction.step:.2f}s, {plan.passes} "
                      f"pass{'es' if plan.passes > 1 else ''} a step, the trainer's GPU worker updating {share:.0%} of "
                      "the groups")
         else:  # (no workload sent, or every kind pinned: the fixed rule)
-            budgets = {**default_budgets(self.cfg), registry.primary(DEVICE): 0}
-            plan, told = make_plan(specs, self.plan_cfg, ("param",), budgets), None
+            plan, told = make_plan(specs, self.plan_cfg, ("param",), hbm_budgets(self.cfg, one)), None
             share = gpu_share(self.plan_cfg)
+        check_hbm_plan(plan.where, one)
         undo = undo_bytes(specs, optim.has_master)  # any group may have to go in place (no room elsewhere)
         moved = ("master" if optim.has_master else "param", *MOMENTS)
         # both workers write out of place
-        host, disk = registry.primary(HOST), shared_disk()
-        spare = {t: room_for_new_state(specs, plan, moved, t) for t in (host, disk)}
-        for p in (self.record_path, self.journal_path):
+        host, disk, device = registry.primary(HOST), shared_disk(), registry.primary(DEVICE)
+        spare = {t: room_for_new_state(specs, plan, moved, t) for t in (host, disk, device)}
+        step = self.cfg.durability == "step"
+        copies = mirror_bytes(specs, plan.where, device) if step else 0
+        for p in (self.record_path, self.journal_path, self.hbm_file()):
             p.unlink(missing_ok=True)
-        store = create_store(self.plan_cfg, specs, plan, undo + spare[host], spare[disk], self.arena_owner())
+        store = create_store(self.plan_cfg, specs, plan, undo + spare[host] + copies, spare[disk],
+                             self.arena_owner(), spare[device], self.hbm)
         try:
             ext = store.tiers.host.allocate(undo) if undo else None
+            mirrors = Mirrors.allocate(store, specs) if step else None
             record = {"format": 1, "run": msg["run"], "label": dict(msg.get("label") or {}), "created": time.time(),
                       "specs": [spec_to_json(s) for s in specs], "layout": layout_of(store), "epoch": 0,
                       "arena_dir": self.cfg.tiers.host_tier.path, "config": str(Path(self.config_path).resolve()),
                       "undo": [ext.offset, ext.nbytes] if ext else None, "optim": optim.to_json(), "gpu_share": share,
-                      "nvme_capacity": store.tiers[disk].capacity if disk in store.tiers else 0}
+                      "nvme_capacity": store.tiers[disk].capacity if disk in store.tiers else 0,
+                      "hbm_capacity": store.tiers.device.capacity if on_device(store) else 0,
+                      "durability": self.cfg.durability, "mirrors": mirrors.to_json() if mirrors else None}
             if told is not None:
                 record["plan"] = told
             write_atomic(self.record_path, record)
-            return self._make_run(record, specs, store)
+            return self._make_run(record, specs, store, mirrors=mirrors)
         except BaseException:
             store.close()
             raise
@@ -335,12 +300,16 @@ class Service(UpdateRequests, Replacement, Monitoring, Listening, Discarding):
                 if run is not None and run.trainer is not None:
                     raise RequestError(f"run {label_of(run)} already has a trainer attached (pid {run.trainer.pid});"
                                        " one trainer per run")
+                if run is not None and run.error:  # (its update never comes: a trainer would wait for it for good)
+                    raise RequestError(f"update {run.state.committed} of run {label_of(run)} failed in the service: "
+                                       f"{run.error}; fix the cause and restart the service: it recovers the last "
+                                       "committed step")
                 if run is None:
                     run = self.run = self._new_run(msg)
                     self.say(f"new run {label_of(run)}: {len(run.specs)} tensors")
                     on_gpu = [g for g in run.optimizer.groups if g in run.optimizer.on_gpu]
                 client.groups = frozenset(g for g in on_gpu if world == 1 or g in owns)
-                run.trainer, run.peers, run.world, run.error = client, {}, world, None
+                run.trainer, run.peers, run.world = client, {}, world
                 run.store.catalog.on_bump = lambda g, v, r=run: self._tell_all(r, {
                     "ev": "version", "group": g, "version": v, "layout": layout_of(r.store, g)})
                 self.say(f"trainer pid {client.pid} attached to run {label_of(run)} at step {run.state.committed}"
@@ -352,6 +321,8 @@ class Service(UpdateRequests, Replacement, Monitoring, Listening, Discarding):
                     "layout": layout_of(run.store), "specs": run.record["specs"],
                     "arena": {"name": cfg.store_name(), "dir": cfg.tiers.host_tier.path},
                     DISK_FIELD: shared_description(run.store.tiers.get(disk), cfg.tiers[disk]),
+                    "hbm": shared_description(run.store.tiers.device, cfg.tiers.device_tier) if on_device(run.store)
+                    else None,
                     "config": to_plain(cfg), "gpu_share": run.record["gpu_share"], "plan": run.record.get("plan"),
                     "trainer_groups": [g for g in run.optimizer.groups if g in client.groups], "replaced": replaced}
 
@@ -385,6 +356,8 @@ class Service(UpdateRequests, Replacement, Monitoring, Listening, Discarding):
                 run.store.mark_valid(g, kind)
         for g in groups:
             run.store.catalog.bump(g, to=step)
+            if run.guard.mirrors is not None:  # (durability: step: the loaded state in HBM, copied to DRAM)
+                run.guard.mirrors.write(g, step)
         run.journal.append("init", sync=True, step=step, groups=groups)
         if self.lost is not None and self.lost["run"] == run.record["run"]:
             self.lost = None  # its trainer has loaded the checkpoint (or chose to start over)
@@ -463,9 +436,11 @@ class Service(UpdateRequests, Replacement, Monitoring, Listening, Discarding):
                     self.say(f"trainer pid {run.trainer.pid} detached" + (f" (and its {len(run.peers)} other ranks)"
                                                                          if run.peers else ""))
                     self._detach(run)  # what it still owed of the update in flight is the service's to finish
+                run.wait()
+                self._save_hbm(run)
                 self._close_run(keep=True)
                 self.say(f"stopped; run {label_of(run)} kept at step {run.state.committed}: "
-                         + kept_line(self.cfg, self.config_path, self.socket_path))
+                         + kept_line(self.cfg, self.config_path, self.socket_path, self.hbm_file()))
 
 
 def serve(config_path: str, socket_path: str | None, fresh: bool) -> int:
@@ -482,7 +457,7 @@ def serve(config_path: str, socket_path: str | None, fresh: bool) -> int:
             service.release()
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
         raise
-    say(f"listening on {service.socket_path}")
+    say(f"listening on {service.socket_path}; {DURABILITY[service.cfg.durability]}")
     while True:
         sig = signal.sigwait({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
         if sig == signal.SIGHUP:

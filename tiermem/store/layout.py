@@ -113,20 +113,30 @@ def _shared_tiers() -> tuple[str, str]:
     return registry.primary(HOST), registry.primary(STORAGE)
 
 
+def device_bytes(specs: list[TensorSpec], where: dict) -> int:
+    """Bytes the device tier needs for the specs ``where`` puts on it (each tensor's start aligned)."""
+    dev = registry.primary(DEVICE)
+    align = registry.tier_type(dev).alignment
+    return sum(align_up(s.nbytes, align) for s in specs if where[(s.group, s.kind)] == dev)
+
+
 def create_store(cfg: StoreConfig, specs: list[TensorSpec], plan: Plan, extra_host: int, extra_disk: int = 0,
-                 owner: dict | None = None) -> Store:
+                 owner: dict | None = None, extra_device: int = 0, hbm=None) -> Store:
     """The service's store for a new run: the arena (the host tier) sized to ``plan`` (+ ``extra_host``), the NVMe
     file (the first storage tier's) to its budget when one is set (room to move optimizer state there later),
-    else to the plan (+ ``extra_disk``). The arena is pinned when the config's GPU device is CUDA; its header
-    records ``owner`` (the service)."""
+    else to the plan (+ ``extra_disk``), and the HBM the plan gives to state (+ ``extra_device``), laid on the block
+    ``hbm(nbytes)`` hands out (the service's, which its trainer maps: ``tiermem.tiers.hbm_share``). The arena is
+    pinned when the config's GPU device is CUDA; its header records ``owner`` (the service)."""
     host, disk = _shared_tiers()
     cap = plan.need()
-    cap[registry.primary(DEVICE)] = 0
+    on_device = device_bytes(specs, plan.where)
+    cap[registry.primary(DEVICE)] = on_device + extra_device if on_device else 0
     cap[host] += extra_host
     cap[disk] = cap[disk] + extra_disk if cap[disk] else 0
     if cfg.tiers[disk] is not None and cfg.tiers[disk].budget is not None:
         cap[disk] = max(cap[disk], cfg.tiers[disk].budget)
-    store = Store(cfg, cap, plan=plan, owner=owner)
+    dev = registry.primary(DEVICE)
+    store = Store(cfg, cap, plan=plan, owner=owner, block=hbm(cap[dev]) if cap[dev] and hbm is not None else None)
     return store.create_all(specs, plan.where)
 
 
@@ -141,9 +151,10 @@ def _close_all(tiers: dict) -> None:
 
 
 def reopen_store(cfg: StoreConfig, specs: list[TensorSpec], layout: dict[str, list], disk_capacity: int,
-                 owner: dict | None = None) -> Store:
+                 owner: dict | None = None, device_capacity: int = 0, hbm=None) -> Store:
     """The service's store over the arena and NVMe file a previous service process left behind (its arena's header
-    then names this process, and ``owner``)."""
+    then names this process, and ``owner``), and HBM of ``device_capacity`` on the block ``hbm(nbytes)`` hands out
+    (the old one died with that process: the caller puts back what it held)."""
     name, t = cfg.store_name(), cfg.tiers
     device = torch.device(t.device_tier.device)
     (host, disk), dev = _shared_tiers(), registry.primary(DEVICE)
@@ -152,7 +163,8 @@ def reopen_store(cfg: StoreConfig, specs: list[TensorSpec], layout: dict[str, li
         tiers[host] = registry.tier_type(host).reopen_left(t[host], name, 0, device, owner=owner)
         if disk_capacity:
             tiers[disk] = registry.tier_type(disk).reopen_left(t[disk], name, disk_capacity, device)
-        tiers[dev] = registry.tier_type(dev).make(t[dev], 0, Making(name, device))
+        block = hbm(device_capacity) if device_capacity and hbm is not None else None
+        tiers[dev] = registry.tier_type(dev).make(t[dev], device_capacity, Making(name, device, block=block))
     except BaseException:
         _close_all(tiers)
         raise
@@ -161,10 +173,10 @@ def reopen_store(cfg: StoreConfig, specs: list[TensorSpec], layout: dict[str, li
 
 def attach_store(cfg: StoreConfig, specs: list[TensorSpec], layout: dict[str, list], host_desc: dict,
                  disk_desc: dict | None, device: torch.device, n_slots: int,
-                 resident: list[TensorSpec] = ()) -> Store:
+                 resident: list[TensorSpec] = (), device_desc: dict | None = None) -> Store:
     """A trainer's store: the service's arena and NVMe file mapped here (as ``shared_description`` told them),
-    GPU slots of its own, and (``resident``) tensors of its own in its HBM (a rank's share of the host's
-    HBM-resident state; invalid until written).
+    the service's HBM block (``device_desc``) mapped below GPU slots of its own, and (``resident``) tensors of its
+    own in its HBM (a rank's share of the host's HBM-resident state; invalid until written).
 
     Closing it unmaps and never removes anything: the state belongs to the service.
     """
@@ -181,8 +193,14 @@ def attach_store(cfg: StoreConfig, specs: list[TensorSpec], layout: dict[str, li
                 per_group[s.group] = per_group.get(s.group, 0) + align_up(s.nbytes, align)
         slot = max(per_group.values(), default=0)
         resident_bytes = sum(align_up(s.nbytes, align) for s in resident)
-        tiers[dev] = registry.tier_type(dev).make(cfg.tiers[dev], resident_bytes,
-                                                  Making(host_desc["name"], device, slot_bytes=slot, n_slots=n_slots))
+        if device_desc is not None:
+            if resident:
+                raise ValueError("a trainer maps the service's HBM or holds HBM-resident state of its own, not both")
+            tiers[dev] = registry.tier_type(dev).map_shared(device_desc, device, slot, n_slots)
+        else:
+            tiers[dev] = registry.tier_type(dev).make(cfg.tiers[dev], resident_bytes,
+                                                      Making(host_desc["name"], device, slot_bytes=slot,
+                                                             n_slots=n_slots))
     except BaseException:
         _close_all(tiers)
         raise

@@ -46,10 +46,11 @@ from tiermem.transfer.mover import Location, Mover
 class Store(StoreQueries, Scratch):
     def __init__(self, cfg: StoreConfig, capacity: dict[str, int], slot_bytes: int = 0, n_slots: int = 0,
                  pin: bool | None = None, plan: Plan | None = None, tiers: dict | None = None,
-                 owner: dict | None = None):
+                 owner: dict | None = None, block=None):
         """Make the tiers for ``capacity`` (tier name -> bytes), or take ready ones (``tiers``: name -> tier, as
         the service's and an attached trainer's stores do over an existing arena and files). ``owner``: who makes the
-        store, recorded in its arena's header (a service's state directory, config and socket)."""
+        store, recorded in its arena's header (a service's state directory, config and socket); ``block``: the block its
+        device tier is laid on, one another process maps (a service's HBM, ``tiermem.tiers.hbm_share``)."""
         self.cfg, self.plan = cfg, plan
         self.name = cfg.store_name()
         self.catalog = Catalog()
@@ -59,8 +60,7 @@ class Store(StoreQueries, Scratch):
         if tiers is not None:
             self.tiers = Tiers(tiers)
         else:
-            self.tiers = make_tiers(cfg, capacity, Making(self.name, device, pin, slot_bytes, n_slots,
-                                                                       owner))
+            self.tiers = make_tiers(cfg, capacity, Making(self.name, device, pin, slot_bytes, n_slots, owner, block))
         self.mover = Mover(self.tiers)
         self._tails: dict[tuple[Group, str], cf.Future] = {}
         self._views: dict[tuple[Group, str], tuple] = {}  # (group, kind) -> (offsets, views) of HBM tensors

@@ -58,6 +58,9 @@ class Making:
     slot_bytes: int = 0  # (the device tier) bytes of one streaming slot
     n_slots: int = 0  # (the device tier) streaming slots
     owner: dict | None = None  # (the host tier) who makes the store, recorded in its arena's header (a service)
+    # (the device tier) the block to lay it on, one another process maps: a service's HBM (an ``OwnedBlock`` of
+    # tiermem.tiers.hbm_share, which the service keeps across its runs)
+    block: Any = None
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,10 @@ A slot holds one group's tensors of one kind while the trainer computes with the
 blocks until one is free; ``release_slot`` records an event on the caller's stream so the next copy into
 the slot waits for the last kernel that read it. Without CUDA (``device: cpu``) the same pool is backed
 by host memory, so the tests run the same code paths on the CPU.
+
+A service's store lays its tier on a block of its own that another process may map (``Making.block``:
+``tiermem.tiers.hbm_share``), and its trainer's tier maps it (``map_shared``) below streaming slots of its own: offsets
+below the mapped block's size are the service's block, the slots lie above it.
 """
 
 from __future__ import annotations
@@ -21,8 +25,14 @@ from tiermem.schema import setting
 from tiermem.sizes import align_up, format_size, size_or_auto
 from tiermem.tiers.base import DEVICE, Making, host_sync
 from tiermem.tiers.extents import Extent, ExtentAllocator, OutOfSpace
+from tiermem.tiers.hbm_share import MappedBlock, OwnedBlock
 
 ALIGN = 512
+
+
+class GpuTierFull(BudgetError, OutOfSpace):
+    """No room left in the GPU tier: a user's budget error, and to the store (an out-of-place update's new places)
+    the allocator's ``OutOfSpace``."""
 
 
 def _device(value: Any, where: str) -> str:
@@ -66,12 +76,20 @@ class GpuTier:
     role = DEVICE
     optional = False
     Config = GpuTierConfig
-    owner = True
     alignment = ALIGN  # every extent's, a slot's tensors' too
 
     @classmethod
     def make(cls, section: GpuTierConfig, capacity: int, at: Making) -> GpuTier:
-        return cls(at.device, capacity, at.slot_bytes, at.n_slots)
+        return cls(at.device, capacity, at.slot_bytes, at.n_slots, block=at.block if capacity > 0 else None)
+
+    @classmethod
+    def map_shared(cls, desc: dict, device: torch.device, slot_bytes: int, n_slots: int) -> GpuTier:
+        """A trainer's tier: the service's block (``describe``) mapped here, its streaming slots above it."""
+        return cls(device, 0, slot_bytes, n_slots, mapped=MappedBlock(desc, device))
+
+    def describe(self, section: GpuTierConfig, chosen: bool = False) -> dict | None:
+        """What another process needs to map this tier's block (one laid on a shared block; None otherwise)."""
+        return self._block.export() if self._block is not None else None
 
     @classmethod
     def default_budget(cls, section: GpuTierConfig, device: torch.device, host_memory) -> int:
@@ -84,30 +102,55 @@ class GpuTier:
     def check_section(cls, section: GpuTierConfig, where: str) -> None:
         pass
 
-    def __init__(self, device: torch.device, resident_bytes: int, slot_bytes: int, n_slots: int):
+    def __init__(self, device: torch.device, resident_bytes: int, slot_bytes: int, n_slots: int,
+                 block: OwnedBlock | None = None, mapped: MappedBlock | None = None):
+        """``block``: a block of this process's another process may map, to lay the tier on (its owner closes it);
+        ``mapped``: another process's block, mapped below this tier's own slots (which alone this process
+        allocates)."""
         self.device = device
         self.slot_bytes = align_up(slot_bytes, ALIGN) if n_slots else 0
-        self.capacity = align_up(resident_bytes, ALIGN) + self.slot_bytes * n_slots
+        self._mapped, self._block = mapped, block
+        self._split = align_up(mapped.tensor.numel(), ALIGN) if mapped is not None else 0  # (the mapped block's)
+        own = self.slot_bytes * n_slots + (0 if mapped is not None else align_up(resident_bytes, ALIGN))
+        self.capacity = self._split + own
         try:
-            self._buffer = torch.empty(max(self.capacity, ALIGN), dtype=torch.uint8, device=device)
+            if block is not None:
+                if block.nbytes < own:
+                    raise ValueError(f"a block of {block.nbytes} bytes cannot hold a GPU tier of {own}")
+                self._buffer = block.tensor
+            else:
+                self._buffer = torch.empty(max(own, ALIGN), dtype=torch.uint8, device=device)
         except torch.OutOfMemoryError:
-            raise BudgetError(f"GPU tier: cannot allocate {format_size(self.capacity)} on {device}; "
+            raise BudgetError(f"GPU tier: cannot allocate {format_size(own)} on {device}; "
                               "lower tiers.gpu.budget or place fewer groups on the GPU") from None
         self.allocator = ExtentAllocator(max(self.capacity, ALIGN), ALIGN)
-        self._slots = [Slot(i, self.allocator.allocate(self.slot_bytes)) for i in range(n_slots)]
+        self._slots = [Slot(i, self._reserve_slot(self._split + i * self.slot_bytes)) for i in range(n_slots)]
         self._free = list(self._slots)
         self._cond = threading.Condition()
         self.slot_wait_seconds = 0.0
+
+    def _reserve_slot(self, offset: int) -> Extent:
+        ext = Extent(offset, self.slot_bytes)
+        if self.slot_bytes:
+            self.allocator.reserve(ext)
+        return ext
 
     @property
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
+    @property
+    def owner(self) -> bool:
+        """This process allocates the tier's resident places (False: a trainer over a service's block)."""
+        return self._mapped is None
+
     def allocate(self, nbytes: int) -> Extent:
+        if self._mapped is not None:
+            raise RuntimeError("this GPU tier maps the service's HBM, which the service alone allocates in")
         try:
             return self.allocator.allocate(nbytes)
         except OutOfSpace:
-            raise BudgetError(f"GPU tier is full: no room for {format_size(nbytes)} "
+            raise GpuTierFull(f"GPU tier is full: no room for {format_size(nbytes)} "
                               f"({format_size(self.allocator.free_bytes())} free); raise tiers.gpu.budget") from None
 
     def free(self, extent: Extent) -> None:
@@ -115,7 +158,10 @@ class GpuTier:
 
     def view(self, extent: Extent, nbytes: int | None = None) -> torch.Tensor:
         n = extent.nbytes if nbytes is None else nbytes
-        return self._buffer[extent.offset: extent.offset + n]
+        if extent.offset < self._split:
+            return self._mapped.tensor[extent.offset: extent.offset + n]
+        at = extent.offset - self._split
+        return self._buffer[at: at + n]
 
     def sync(self) -> None:
         """Wait, asleep, until the kernels the calling thread queued on this device have run (no-op on the
@@ -156,4 +202,6 @@ class GpuTier:
                 "slot_bytes": self.slot_bytes}
 
     def close(self, remove: bool = True) -> None:
-        self._buffer = None
+        self._buffer = self._block = None  # (a block laid on is its owner's to close)
+        if self._mapped is not None:
+            self._mapped.close()

@@ -381,7 +381,8 @@ def from_service(told: dict, specs, w, micro_rows: int = 0) -> Plan:
     plan.passes, plan.gpu_updates = int(told["passes"]), gpu_updates
     plan.activation_budget, plan.activation_bytes = told.get("activation_budget"), int(told["activation_bytes"])
     plan.hbm_room, plan.machine, plan.workload, plan.params = int(told["hbm_room"]), m, w, params
-    plan.prediction = predict(Layout(where, gpu_updates or set(), plan.passes), w, m, group_bytes, params)
+    layout = Layout(where, gpu_updates or set(), plan.passes, write_through=bool(told.get("write_through")))
+    plan.prediction = predict(layout, w, m, group_bytes, params)
     return _with_pieces(plan, micro_rows or w.micro_rows, w.micro_rows)
 
 

@@ -1,0 +1,187 @@
+"""A service's state in HBM, in process (issue 43): the block the service owns and its trainer maps, the out-of-place
+update's places there, the copies ``durability: step`` keeps and puts back, the planner's HBM for an attached run,
+and the settings refused in one line."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import yaml
+
+from tests.test_planner import GiB, machine, specs_for, workload
+from tiermem.config import load_store_config
+from tiermem.errors import ConfigError
+from tiermem.plan.resolve import resolve_auto
+from tiermem.service.planning import plan_run
+from tiermem.specs import TensorSpec
+from tiermem.tiers.extents import Extent
+from tiermem.tiers.hbm_share import MappedBlock, OwnedBlock
+
+HBM = {"param": "gpu", "grad": "gpu", "exp_avg": "gpu", "exp_avg_sq": "gpu"}
+
+
+def _service(tmp_path, placement, durability="checkpoint"):
+    """An in-process service over a one-tensor fp32 model, every update the trainer's, and a trainer connection."""
+    from tiermem.service.runs import Client
+    from tiermem.service.server import Service
+    from tiermem.store.layout import spec_to_json
+
+    (tmp_path / "shm").mkdir()
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(yaml.safe_dump({"name": "unit", "placement": placement, "durability": durability,
+                                   "optimizer": {"gpu_share": 1},
+                                   "tiers": {"gpu": {"device": "cpu", "budget": "1MiB"},
+                                             "dram": {"path": str(tmp_path / "shm"), "budget": "1MiB"}}}))
+    svc = Service(str(cfg), str(tmp_path / "s.sock"), say=lambda _: None)
+    specs = [TensorSpec(n, (4, 4), torch.float32, k, 0) for n, k in
+             (("w", "param"), ("grad/w", "grad"), ("exp_avg/w", "exp_avg"), ("exp_avg_sq/w", "exp_avg_sq"))]
+    optim = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "has_master": False, "decay": {"w": True},
+             "groups": [0]}
+    hello = {"op": "hello", "id": 1, "run": "r1", "specs": [spec_to_json(s) for s in specs], "optim": optim}
+    mine, theirs = socket.socketpair()
+    return svc, Client(mine), theirs, hello
+
+
+def _ok(reply: dict) -> dict:
+    assert reply["ok"], reply
+    return reply
+
+
+@pytest.mark.parametrize("durability", ["checkpoint", "step"])
+def test_the_services_hbm_is_mapped_by_its_trainer_and_updated_out_of_place(tmp_path, durability):
+    """The hello reply describes the service's block; what the trainer writes through its mapping is the service's
+    bytes; alloc hands out new places in HBM (the old state untouched), flip makes them the home; with durability:
+    step the flip first copies the group's new state to DRAM, which puts it back into a block that lost it."""
+    placement = HBM if durability == "checkpoint" else dict(HBM, grad="dram")
+    svc, client, theirs, hello = _service(tmp_path, placement, durability)
+    try:
+        reply = _ok(svc.dispatch(client, hello))
+        assert reply["hbm"]["kind"] == "memfd" and reply["layout"]["w"][0] == "gpu"
+        block = MappedBlock(reply["hbm"], torch.device("cpu"))
+
+        def write(place, value: float) -> None:  # what the trainer's GPU worker does through its mapping
+            block.tensor[place[0]: place[0] + 64].copy_(torch.full((16,), value).view(torch.uint8))
+
+        write(reply["layout"]["w"][1:], 1.0)
+        _ok(svc.dispatch(client, {"op": "init", "id": 2, "run": "r1", "step": 0}))
+        store = svc.run.store
+        assert (store.read("w").result() == 1.0).all()
+        _ok(svc.dispatch(client, {"op": "commit", "id": 3, "run": "r1", "step": 1, "lr": 0.1}))
+        places = _ok(svc.dispatch(client, {"op": "alloc", "id": 4, "run": "r1", "step": 1, "group": 0}))["places"]
+        assert all(places[n][0] != reply["layout"][n][1] for n in places)  # new places in HBM
+        for place in places.values():
+            write(place, 2.0)
+        assert (store.read("w").result() == 1.0).all()  # (the old state whole until the flip)
+        _ok(svc.dispatch(client, {"op": "flip", "id": 5, "run": "r1", "step": 1, "group": 0, "places": places}))
+        svc.run.wait()
+        assert svc.run.state.updated == 1 and store.catalog["w"].tier == "gpu"
+        assert (store.read("w").result() == 2.0).all()
+        mirrors = svc.run.guard.mirrors
+        assert (mirrors is not None) == (durability == "step")
+        if mirrors is not None:  # the block lost (a crash of the service), then put back from the copies
+            for name in places:
+                store.tiers.device.view(store.catalog[name].extent).zero_()
+            mirrors.restore(svc.run.state.versions)
+            assert all((store.read(n).result() == 2.0).all() for n in places)
+        block.close()
+        svc._close_run(keep=False)
+    finally:
+        theirs.close()
+        svc.release()
+
+
+def test_state_in_hbm_for_several_ranks_is_refused_in_one_line(tmp_path):
+    svc, client, theirs, hello = _service(tmp_path, HBM)
+    try:
+        reply = svc.dispatch(client, dict(hello, world=2, owns=[0]))
+        assert not reply["ok"] and "not supported yet" in reply["error"] and "\n" not in reply["error"], reply
+    finally:
+        theirs.close()
+        svc.release()
+
+
+def _plan(durability="checkpoint", hbm=True):
+    raw = load_store_config({"placement": "auto", "durability": durability,
+                             "tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "40GiB"},
+                                       "nvme": {"path": "/nonexistent/tiermem", "budget": "200GiB"}}})
+    asked = {"workload": workload(8).to_json(), "hbm_room": 40 * GiB}
+    specs = specs_for(8, 50_000_000, 100_000_000)
+    return plan_run(specs, resolve_auto(raw, "service"), raw, asked, machine, hbm=hbm)[0]
+
+
+def test_the_service_plans_an_attached_run_with_hbm_as_a_tier():
+    """One rank: state in HBM, as an embedded run; several ranks (hbm False): none. durability: step: every gradient
+    in the arena, and the write-through's bytes on the link from the GPU."""
+    plain, none, step = _plan(), _plan(hbm=False), _plan("step")
+    assert "gpu" in plain.where.values() and "gpu" not in none.where.values()
+    assert any(t == "gpu" for (g, k), t in step.where.items() if k != "grad")
+    assert all(t == "dram" for (g, k), t in step.where.items() if k == "grad")
+    in_hbm = sum(b for (g, k), b in step.group_bytes.items() if step.where[(g, k)] == "gpu")
+    assert step.prediction.bytes["d2h"] >= in_hbm  # (each step's copies of the state in HBM)
+
+
+def test_durability_step_is_a_services_and_keeps_the_gradients_in_dram(tmp_path):
+    from tiermem.service.config import service_config
+    from trainer.state import store_config
+
+    with pytest.raises(ConfigError, match="a service's setting") as e:
+        store_config({"durability": "step"})
+    assert "\n" not in str(e.value)
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(yaml.safe_dump({"durability": "step", "placement": HBM,
+                                   "tiers": {"gpu": {"device": "cpu"}, "dram": {"path": str(tmp_path)}}}))
+    with pytest.raises(ConfigError, match="place grad on dram"):
+        service_config(str(cfg))
+
+
+def test_a_mapped_block_is_below_the_trainers_own_slots(tmp_path):
+    """The trainer's device tier: the service's block at offsets below its size, its own slots above; it never
+    allocates in the service's block."""
+    from tiermem.tiers.gpu import GpuTier
+
+    block = OwnedBlock(4096, torch.device("cpu"))
+    owner = GpuTier(torch.device("cpu"), 4096, 0, 0, block=block)
+    owner.view(Extent(512, 512)).fill_(7)
+    trainer = GpuTier.map_shared(owner.describe(None), torch.device("cpu"), 1024, 2)
+    assert (trainer.view(Extent(512, 512)) == 7).all()
+    slot = trainer.acquire_slot()
+    assert slot.extent.offset >= 4096
+    trainer.view(slot.extent).fill_(1)
+    assert (owner.view(Extent(0, 4096)) != 1).all()
+    with pytest.raises(RuntimeError, match="the service alone allocates"):
+        trainer.allocate(512)
+    trainer.close()
+    owner.close()
+    block.close()
+
+
+def test_the_services_block_is_kept_across_its_runs():
+    """One block for all of a service's runs (torch keeps a freed shared block a killed trainer had opened): handed
+    out again zeroed, made anew only when a run needs more."""
+    from tiermem.service.hbm import ServiceHbm
+
+    hbm = ServiceHbm(torch.device("cpu"))
+    first = hbm(10_000)
+    first.tensor.fill_(3)
+    assert hbm(8_000) is first and (first.tensor == 0).all()
+    bigger = hbm(100_000)
+    assert bigger is not first and bigger.nbytes >= 100_000
+    hbm.close()
+    assert hbm.block is None
+
+
+def test_serve_fresh_discards_the_hbm_block_a_clean_stop_left(tmp_path):
+    """``tiermem serve --fresh`` removes, unread, the file a clean stop wrote of the state kept in HBM
+    (``<name>.hbm`` beside the arena) with the arena and the run record (tiermem.service.discarding)."""
+    from tiermem.service.server import Service
+
+    svc, *_ = _service(tmp_path, HBM)
+    svc.release()
+    left = tmp_path / "shm" / "unit.hbm"
+    left.write_bytes(b"\0" * 4096)
+    said = []
+    fresh = Service(str(tmp_path / "serve.yaml"), str(tmp_path / "s.sock"), fresh=True, say=said.append)
+    fresh.release()
+    assert not left.exists() and f"discarded {left}" in said, said

@@ -1,0 +1,190 @@
+"""The state a service keeps in HBM, and what a crash of the service may lose of it.
+
+The service's HBM is a block of its own (``tiermem.tiers.hbm_share``) that its trainer maps: a trainer's crash
+loses nothing there (the block is the service's; updates are out of place, journaled by the flip, as in DRAM). A
+crash of the service takes the block with it; its config's ``durability`` says what then:
+
+- ``checkpoint`` (the default): nothing is copied during a step. The restarted service finds the run's HBM gone,
+  names the run's newest checkpoint (as for an arena lost to a reboot) and its trainer resumes from there.
+- ``step``: each tensor the run keeps in HBM (but the gradient) has two copies in the arena, version v of a group
+  in copy v % 2; a group's new state is copied there before its update is journaled (the flip, or the CPU
+  worker's ``done``), so the copy of every journaled version is whole and the other copy holds the one before.
+  The gradients live in DRAM (placement pins them there: the redo of an update cut short needs them). The
+  restarted service makes a new block, puts each group's copy of its journaled version back and finishes the
+  committed update, as it does for state in DRAM.
+
+The block is the service's for its whole life, one for all its runs (``ServiceHbm``): torch counts the processes that
+opened a shared CUDA block and keeps a freed one allocated until they have all let go, which a killed trainer never
+does; a block per run would then stay allocated after each such run. A run that needs more replaces it.
+
+A service stopped cleanly (SIGTERM, Ctrl-C) loses nothing under either setting: once the update in flight is whole
+it writes its whole block to a file beside the arena (``<name>.hbm``), which the next start reads back into its new
+block and removes.
+
+    mirrors = Mirrors.allocate(store, specs)       # a new run with durability: step
+    mirrors.write(group, version, new_places)      # before the group's update is journaled
+    mirrors.restore(versions)                      # a restarted service, over its new block
+    save_block(store, path) / load_block(store, path)   # a clean stop, and the next start
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from tiermem.faults import HOOKS
+from tiermem.sizes import align_up
+from tiermem.specs import Group, TensorSpec
+from tiermem.tiers.extents import Extent
+from tiermem.tiers.hbm_share import OwnedBlock
+
+CHUNK = 256 << 20  # bytes of the block copied through host memory at a time (save_block, load_block)
+
+DURABILITY = {
+    "checkpoint": "durability: checkpoint (a crash of the service loses the state it keeps in HBM: the run then "
+                  "resumes from its last checkpoint)",
+    "step": "durability: step (the state kept in HBM is written through to DRAM within each step: a crash of the "
+            "service loses no step)",
+}
+
+
+class ServiceHbm:
+    """The service's HBM block, kept across its runs (see the module): ``hbm(nbytes)`` hands it out zeroed (a new
+    run's moments start at zero), made anew when a run needs more than it holds."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.block = device, None
+
+    def __call__(self, nbytes: int) -> OwnedBlock:
+        nbytes = align_up(nbytes, 4096)
+        if self.block is None or self.block.nbytes < nbytes:
+            self.close()
+            self.block = OwnedBlock(nbytes, self.device)
+        else:
+            self.block.tensor.zero_()
+        return self.block
+
+    def close(self) -> None:
+        if self.block is not None:
+            self.block.close()
+            self.block = None
+
+
+def durability_of(record: dict, in_hbm) -> str:
+    """What ``tiermem top`` says of a run's durability (its record's; a run with nothing in HBM loses no step)."""
+    if not in_hbm:
+        return "durability: no state in HBM (a crash of the service loses no step)"
+    return {"checkpoint": "durability: checkpoint (a crash of the service: HBM back from the last checkpoint)",
+            "step": "durability: step (HBM written through to DRAM each step)"}[record.get("durability", "checkpoint")]
+
+
+def on_device(store) -> list:
+    """The catalog entries that live in the store's device tier."""
+    dev = store.tiers.device_name
+    return [e for e in store.catalog.entries() if e.tier == dev]
+
+
+def mirrored(specs: list[TensorSpec], where: dict, device: str) -> list[TensorSpec]:
+    """The specs ``durability: step`` keeps copies of: those on the device tier, gradients aside."""
+    return [s for s in specs if where[(s.group, s.kind)] == device and s.kind != "grad"]
+
+
+def mirror_bytes(specs: list[TensorSpec], where: dict, device: str) -> int:
+    """Arena bytes the two copies take."""
+    return 2 * sum(align_up(s.nbytes, 4096) for s in mirrored(specs, where, device))
+
+
+class Mirrors:
+    """The arena's copies of the state a run keeps in HBM (``durability: step``; see the module)."""
+
+    def __init__(self, store, places: dict[str, list]):
+        self.store = store
+        self.places = {name: [Extent(int(o), int(n)) for o, n in two] for name, two in places.items()}
+        self.by_group: dict[Group, list[str]] = {}
+        for name in self.places:
+            self.by_group.setdefault(store.catalog[name].spec.group, []).append(name)
+
+    @classmethod
+    def allocate(cls, store, specs: list[TensorSpec]) -> Mirrors:
+        """Two copies of every tensor of ``specs`` that lives in HBM (but the gradients), in the arena."""
+        host, dev = store.tiers.host, store.tiers.device_name
+        places = {}
+        for s in specs:
+            e = store.catalog[s.name]
+            if e.tier == dev and s.kind != "grad":
+                places[s.name] = [[x.offset, x.nbytes] for x in (host.allocate(s.nbytes), host.allocate(s.nbytes))]
+        return cls(store, places)
+
+    def to_json(self) -> dict:
+        return {name: [[x.offset, x.nbytes] for x in two] for name, two in self.places.items()}
+
+    def reserve(self) -> None:
+        """Mark the copies' places taken in a reopened arena's allocator."""
+        for two in self.places.values():
+            for x in two:
+                self.store.tiers.host.allocator.reserve(x)
+
+    def write(self, g: Group, version: int, new: dict | None = None) -> None:
+        """Copy group ``g``'s tensors in HBM (those of ``new`` at their new places) into copy ``version % 2``;
+        returns once the bytes are there."""
+        names = self.by_group.get(g)
+        if not names:
+            return
+        host, cat, cuda = self.store.tiers.host, self.store.catalog, False
+        for n, name in enumerate(names):
+            if n == 1:
+                HOOKS.point("mirror", version, g)  # test hook: the copy half written
+            e = cat[name]
+            src = self.store.tiers.device.view(new.get(name, e.extent) if new else e.extent, e.spec.nbytes)
+            host.view(self.places[name][version % 2], e.spec.nbytes).copy_(src, non_blocking=src.is_cuda)
+            cuda = cuda or src.is_cuda
+        if cuda:
+            torch.cuda.current_stream(self.store.tiers.device.device).synchronize()
+
+    def restore(self, versions: dict) -> None:
+        """Put each group's copy of its journaled version (``versions``: group -> update) back in HBM."""
+        host, cat = self.store.tiers.host, self.store.catalog
+        dev = self.store.tiers.device
+        for name, two in self.places.items():
+            e = cat[name]
+            src = host.view(two[versions.get(e.spec.group, 0) % 2], e.spec.nbytes)
+            dev.view(e.extent, e.spec.nbytes).copy_(src)
+        if dev.is_cuda:
+            torch.cuda.synchronize(dev.device)
+
+
+def hbm_groups(store) -> set:
+    """The groups with weights, moments or compute copy in the store's device tier: its GPU worker's to update (the
+    CPU does not compute on HBM)."""
+    return {e.spec.group for e in on_device(store) if e.spec.kind != "grad"}
+
+
+
+def _whole(store) -> torch.Tensor:
+    dev = store.tiers.device
+    return dev.view(Extent(0, dev.capacity))
+
+
+def save_block(store, path: Path) -> None:
+    """Write the store's whole HBM block to ``path`` (a clean stop), atomically: a new name, then renamed."""
+    block, tmp = _whole(store), path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        for at in range(0, block.numel(), CHUNK):
+            f.write(block[at: at + CHUNK].cpu().numpy().tobytes())
+    os.replace(tmp, path)
+
+
+def load_block(store, path: Path) -> None:
+    """Read ``path`` (``save_block``'s) into the store's new HBM block, then remove it."""
+    block = _whole(store)
+    if path.stat().st_size != block.numel():
+        raise ValueError(f"{path} holds {path.stat().st_size} bytes, the run's HBM block {block.numel()}")
+    with open(path, "rb") as f:
+        for at in range(0, block.numel(), CHUNK):
+            piece = f.read(min(CHUNK, block.numel() - at))
+            block[at: at + len(piece)].copy_(torch.frombuffer(bytearray(piece), dtype=torch.uint8))
+    if block.is_cuda:
+        torch.cuda.synchronize(block.device)
+    path.unlink()
