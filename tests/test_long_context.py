@@ -162,9 +162,8 @@ def test_rows_cut_into_chunks_train_plain_pytorchs_weights(tmp_path, monkeypatch
 
 @pytest.mark.slow  # (two parity runs and plain PyTorch: seconds)
 def test_kept_layers_over_rows_cut_into_chunks_train_the_recomputes_weights(tmp_path, capsys, monkeypatch):
-    """tiermem_keep_activations over rows cut into chunks (tiermem_seq_chunk 8): auto, with room in HBM, keeps every
-    layer's attention graph (the plan counts it); the run ends with the recomputing run's weights bit for bit, and
-    plain PyTorch's to rounding."""
+    """tiermem_keep_activations over rows cut into chunks (tiermem_seq_chunk 8): every layer keeps its attention graph
+    (the plan says so); the run ends with the recomputing run's weights bit for bit, and plain PyTorch's to rounding."""
     from safetensors.torch import load_file
 
     from tests.test_train_parity import assert_same_weights, reference_training, run_cli
@@ -184,7 +183,7 @@ def test_kept_layers_over_rows_cut_into_chunks_train_the_recomputes_weights(tmp_
 
     monkeypatch.setattr(chunked, "forward", forward)
     runs = {}
-    for keep in (0, "auto"):
+    for keep in (0, 3):  # (3: every layer; what auto chooses at this toy size is the cost model's near-tie)
         out = tmp_path / f"k{keep}"
         assert run_cli(tmp_path, model_dir, data_dir, name, roomy, output_dir=str(out), tiermem_seq_chunk=8,
                        tiermem_keep_activations=keep) == 0
@@ -193,7 +192,7 @@ def test_kept_layers_over_rows_cut_into_chunks_train_the_recomputes_weights(tmp_
         assert_same_weights(out, ref, tied=False)
     assert "the activations of layers 0-2 kept (no recompute)" in said, said
     assert True in kept and False in kept  # (the rows were cut into chunks, kept in the second run)
-    assert all(torch.equal(runs["auto"][n], runs[0][n]) for n in runs[0])
+    assert all(torch.equal(runs[3][n], runs[0][n]) for n in runs[0])
 
 
 def test_a_bad_seq_chunk_and_a_load_balancing_loss_over_chunks_are_refused(tmp_path, capsys):
