@@ -97,3 +97,33 @@ def test_the_dpo_shape_run_is_pairs_and_planned_as_two_rows_a_pair(tmp_path, cap
     assert tiermem(["plan", str(tmp_path / "train.yaml"), "cutoff_len=2048", "--probe", "h200"]) == 0  # (the GPU's)
     out = capsys.readouterr().out
     assert "8 x 2 rows x 2048 tokens" in out and "stage dpo: DPO (sigmoid)" in out, out
+
+
+@pytest.mark.slow
+def test_a_service_benchmark_cut_short_leaves_no_arena(tmp_path):
+    """tools/bench_service.py stopped by SIGTERM (the GPU machine's `timeout`) during its attached run stops its
+    service and removes the stores' arenas: a 100 GiB arena left in /dev/shm made the next command's plan fail."""
+    import os
+    import signal
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    bench = subprocess.Popen([sys.executable, "tools/bench_service.py", "--small", "--planned", "--seq", "64",
+                              "--batch", "1", "--accum", "1", "--steps", "400", "--layers", "2", "--shm", str(shm)],
+                             cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        said = []
+        for line in bench.stdout:  # (the embedded run done, the attached one starting)
+            said.append(line)
+            if line.startswith("embedded:"):
+                break
+        deadline = 300
+        while not (shm / "bench-service.arena").exists() and deadline > 0 and bench.poll() is None:
+            deadline -= 1
+            subprocess.run(["sleep", "1"])
+        assert (shm / "bench-service.arena").exists(), "".join(said)
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=120) == 128 + signal.SIGTERM
+    finally:
+        bench.kill()
+    assert not [p for p in os.listdir(shm) if not p.endswith(".lock")], os.listdir(shm)

@@ -96,7 +96,22 @@ def attach(work: Path, svc_store: dict, run, env: dict) -> dict:
     return r
 
 
+def free_kept(stores: list[dict]) -> None:
+    """Remove what the benchmark's stores keep between processes (their arenas in RAM, the service's HBM block file,
+    their disk files): a benchmark cut short (``timeout``'s SIGTERM, Ctrl-C) leaves no 100 GiB arena to the next run."""
+    from tiermem.config import load_store_config
+    from tiermem.tiers.kept import arena_file, disk_files
+
+    for store in stores:
+        cfg = load_store_config(store)
+        hbm = Path(cfg.tiers.host_tier.path) / f"{cfg.store_name()}.hbm"  # (tiermem.service.recovery's)
+        for path in [arena_file(cfg), hbm, *disk_files(cfg)]:
+            path.unlink(missing_ok=True)
+
+
 def main() -> int:
+    # a SIGTERM (timeout's) unwinds as an exit: the service is stopped and the trainer killed by their cleanups
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--accum", type=int, default=4)
@@ -176,6 +191,16 @@ def main() -> int:
         shutil.rmtree(work / name, ignore_errors=True)  # the exported model
         return r
 
+    kept = [dict(store, name="bench-embedded"), dict(store, name="bench-service")]
+    try:
+        return measure(args, results, trainer, store, work, env)
+    finally:
+        free_kept(kept)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def measure(args, results: dict, trainer, store: dict, work: Path, env: dict) -> int:
+    """The embedded run, then one attached run per share and cpu_groups; the table last."""
     results["embedded"] = trainer("embedded", {"tiermem": dict(store, name="bench-embedded")})
     print(f"embedded: {results['embedded']}", flush=True)
 
@@ -207,7 +232,6 @@ def main() -> int:
         print(f"embedded gpu_share {args.share}; attached / embedded step time target 0.95-1.05")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
-    shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
