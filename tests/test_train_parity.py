@@ -205,6 +205,8 @@ def test_micro_batches_merged_into_larger_pieces_train_the_same_weights(tmp_path
     out = capsys.readouterr().out
     assert "pieces of 4 rows, each 2 micro-batches of 2 rows merged" in out, out
     assert ("each step runs as 2 layer-major passes" in out) == (passes == 2), out
+    args = yaml.safe_load((tmp_path / "out" / "training_args.yaml").read_text())
+    assert args["tiermem_physical_batch_size"] == 4 and args["per_device_train_batch_size"] == 2
     assert_same_weights(tmp_path / "out", ref, tied=False)
     log = [json.loads(line) for line in (tmp_path / "out" / "trainer_log.jsonl").read_text().splitlines()]
     assert [r["grad_norm"] for r in log] == pytest.approx(norms, rel=1e-5)
