@@ -68,6 +68,8 @@ def _join(group: list) -> tuple:
     if len(group) == 1:
         return group[0]
     width = max(b[0].shape[1] for b in group)
+    if all(len(b) == 3 and b[0].shape[1] == width for b in group):  # (rows without padding stay without a mask)
+        return torch.cat([b[0] for b in group]), torch.cat([b[1] for b in group]), sum(b[2] for b in group)
     ids, labels, masks = [], [], []
     for b in group:
         pad = width - b[0].shape[1]
