@@ -997,6 +997,59 @@ def test_micro_batches_run_in_pieces_where_hbm_is_short():
         search_pieces(4, w, plan_for({"gpu": 30 * GiB, "dram": 4 * GiB, "nvme": 4 * GiB}))
 
 
+def test_micro_batches_merged_pay_each_layers_cost_a_piece_the_fewer():
+    """Workload.in_pieces at a multiple of a micro-batch's rows: 8 micro-batches of 4 rows as 4 pieces of 8 (2
+    merged each): every layer's backward pays the cost a piece 4 times less, the working set and a kept graph
+    grow with a piece's rows, the loss's working set and the FLOPs' seconds stay."""
+    w = dataclasses.replace(workload(4, micro_batches=8), micro_rows=4, piece_seconds=0.002, layer_work_bytes=GiB,
+                            head_work_bytes=GiB // 2, working_bytes=GiB + GiB // 2, kept_bytes=100)
+    two = w.in_pieces(8)
+    assert (two.micro_batches, two.micro_rows, w.in_pieces(16).micro_batches) == (4, 8, 2)
+    assert all(two.bwd[i] == pytest.approx(w.bwd[i] - 4 * 0.002) for i in w.layers)
+    assert two.bwd["head"] == w.bwd["head"] and two.fwd == w.fwd and two.tokens == w.tokens
+    assert (two.layer_work_bytes, two.working_bytes, two.kept_bytes) == (2 * GiB, 2 * GiB + GiB // 2, 200)
+
+
+def merge_case(piece_seconds: float, layer_work: int):
+    """Micro-batches of 4 rows, 8 a step, the state fitting HBM beside them: (today's plan, the merges' plan)."""
+    from trainer.planning.run_plan import Shape, search_merges, search_pieces
+
+    specs = specs_for(8, 50_000_000, 20_000_000)
+    w = dataclasses.replace(workload(8, micro_batches=8), micro_rows=4, piece_seconds=piece_seconds,
+                            layer_work_bytes=layer_work, head_work_bytes=GiB, working_bytes=layer_work + GiB)
+
+    def plan_for(wk):
+        return plan_step(specs, store_cfg(), wk, machine(gpu_memory=80 * GiB),
+                         {"gpu": None, "dram": 40 * GiB, "nvme": 200 * GiB}, cuda=True)
+
+    best = search_pieces(4, w, plan_for)
+    return best, search_merges(Shape(4, 2048, 8), w, plan_for, best)
+
+
+def test_auto_merges_micro_batches_where_predicted_faster_and_fitting():
+    """tiermem_physical_batch_size auto (trainer.planning.run_plan.search_merges): where a layer's cost a piece
+    makes larger pieces predicted more than 5% faster and they fit HBM, pieces of 4 micro-batches (the fastest);
+    the plan line says so."""
+    from trainer.planning.run_plan import MERGE_GAIN, lines
+
+    best, merged = merge_case(0.02, GiB)
+    assert best.piece_rows == 4 and merged is not None
+    assert (merged.micro_rows, merged.piece_rows, merged.workload.micro_batches) == (4, 16, 2)
+    assert merged.prediction.step < best.prediction.step * (1 - MERGE_GAIN)
+    assert "pieces of 16 rows, each 4 micro-batches of 4 rows merged (tiermem_physical_batch_size)" in \
+        "\n".join(lines(merged))
+    assert "merged" not in "\n".join(lines(best))
+
+
+@pytest.mark.parametrize("piece_seconds,layer_work,why", [
+    (1e-5, GiB, "less than 5% faster"), (0.02, 50 * GiB, "larger pieces do not fit HBM")])
+def test_auto_keeps_the_micro_batch_whole_unless_merging_gains_and_fits(piece_seconds, layer_work, why):
+    """No merge where the prediction gains 5% or less (a small cost a piece), nor where 2 micro-batches' working set
+    does not fit HBM (the planner refuses the larger piece)."""
+    best, merged = merge_case(piece_seconds, layer_work)
+    assert best.piece_rows == 4 and merged is None, why
+
+
 def test_plan_says_where_the_boundary_activations_go(plan_yaml, capsys):
     """tiermem_activations: dram (every layer's input in the arena) in `tiermem plan`'s text and JSON, the arena's
     need counting them; gpu: none there."""

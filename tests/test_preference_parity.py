@@ -176,6 +176,15 @@ def test_pieces_of_one_pair_a_pass_each(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_pieces_of_two_micro_batches_merged_hold_whole_pairs(tmp_path, capsys):
+    """tiermem_physical_batch_size 8 with micro-batches of 2 pairs (4 rows): each piece merges a step's 2
+    micro-batches (4 whole pairs); the reference's forward, the losses and the step are plain PyTorch's."""
+    check_run(tmp_path, "llama", "sigmoid", tiermem_physical_batch_size=8)
+    out = capsys.readouterr().out
+    assert "pieces of 8 rows, each 2 micro-batches of 4 rows merged" in out, out
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sigmoid", "simpo"])
 def test_the_generic_path_trains_as_plain_pytorch(tmp_path, kind):
     """The preference head over the generic path's stages (transformers' own modules for the head)."""

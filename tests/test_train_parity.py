@@ -187,6 +187,48 @@ def test_a_micro_batch_computed_in_pieces_trains_the_same_weights(tmp_path, caps
     assert [r["loss"] for r in log] == pytest.approx(losses, rel=1e-5)
 
 
+@pytest.mark.parametrize("accum,budget,passes", [(2, None, 1), (4, "1KiB", 2)])
+def test_micro_batches_merged_into_larger_pieces_train_the_same_weights(tmp_path, capsys, monkeypatch, accum, budget,
+                                                                         passes):
+    """tiermem_physical_batch_size 4 with micro-batches of 2 rows: each piece is 2 consecutive micro-batches merged
+    (padded to its longest row, the padding masked), in one pass or (a small activation budget, 4 micro-batches a
+    step) a pass a piece; the loss, the norms and the weights are plain PyTorch's."""
+    monkeypatch.setitem(HP, "gradient_accumulation_steps", accum)
+    model_dir = save_tiny_model("llama", tmp_path / "model")
+    data_dir = tmp_path / "data"
+    name = write_tokenized_dataset(data_dir)
+    norms: list[float] = []
+    losses: list[float] = []
+    ref = reference_training(model_dir, data_dir, name, norms, losses)
+    over = {"tiermem_physical_batch_size": 4, **({"tiermem_activation_budget": budget} if budget else {})}
+    assert run_cli(tmp_path, model_dir, data_dir, name, nvme_moments(tmp_path), **over) == 0
+    out = capsys.readouterr().out
+    assert "pieces of 4 rows, each 2 micro-batches of 2 rows merged" in out, out
+    assert ("each step runs as 2 layer-major passes" in out) == (passes == 2), out
+    args = yaml.safe_load((tmp_path / "out" / "training_args.yaml").read_text())
+    assert args["tiermem_physical_batch_size"] == 4 and args["per_device_train_batch_size"] == 2
+    assert_same_weights(tmp_path / "out", ref, tied=False)
+    log = [json.loads(line) for line in (tmp_path / "out" / "trainer_log.jsonl").read_text().splitlines()]
+    assert [r["grad_norm"] for r in log] == pytest.approx(norms, rel=1e-5)
+    assert [r["loss"] for r in log] == pytest.approx(losses, rel=1e-5)
+
+
+@pytest.mark.parametrize("rows,valid", [(3, "valid: at most 2 (pieces of a micro-batch), or 4, 8"),
+                                        (16, "more than the step's 8 rows")])
+def test_a_physical_batch_size_that_does_not_divide_the_step_is_one_config_error(tmp_path, capsys, rows, valid):
+    """Larger than a micro-batch: a multiple of its rows dividing the step's, else one line naming the valid values."""
+    model_dir = save_tiny_model("llama", tmp_path / "model")
+    data_dir = tmp_path / "data"
+    name = write_tokenized_dataset(data_dir)
+    capsys.readouterr()
+    code = run_cli(tmp_path, model_dir, data_dir, name, nvme_moments(tmp_path), tiermem_physical_batch_size=rows,
+                   gradient_accumulation_steps=4)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith("tiermem-train: error: tiermem_physical_batch_size"), err
+    assert valid in err, err
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])

@@ -168,7 +168,8 @@ def run_tiermem(args, raw: dict, model_dir: Path, path: str = "template", around
         t0 = time.perf_counter()
         machine = run_plan.machine_for(scfg, dev, args.probe)
         plan = run_plan.make(mcfg, torch.bfloat16, scfg, run_plan.Shape(args.batch, args.seq, args.accum), machine,
-                             dev, args.loss_chunk, keep=getattr(args, "keep", 0), activations=activations)
+                             dev, args.loss_chunk, keep=getattr(args, "keep", 0), activations=activations,
+                             piece_rows=getattr(args, "physical", "auto"))
         run_plan.keep_activations(plan, getattr(args, "keep", 0), mcfg)
         t_plan = time.perf_counter() - t0
         for line in run_plan.lines(plan):
@@ -189,7 +190,10 @@ def run_tiermem(args, raw: dict, model_dir: Path, path: str = "template", around
     if keep == "auto":  # (the plan's choice, as tiermem-train takes it)
         keep = len(getattr(plan, "keep", ()) or ())
     act_host = ("dram", plan.act_host) if plan is not None and plan.act_host else (None, 0)
-    ex = Executor(store, mcfg, torch.bfloat16, opt, 1.0, args.loss_chunk, budget, keep, act_host=act_host)
+    physical = getattr(args, "physical", "auto")  # (tiermem_physical_batch_size: auto, the plan's pieces)
+    rows = plan.piece_rows if plan is not None and plan.piece_rows else None if physical == "auto" else int(physical)
+    ex = Executor(store, mcfg, torch.bfloat16, opt, 1.0, args.loss_chunk, budget, keep, piece_rows=rows,
+                  act_host=act_host)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     starts, results, opt_s = [], [], []
@@ -253,6 +257,9 @@ def main() -> None:
     ap.add_argument("--gpu-share", default="auto", help="tiermem optimizer.gpu_share (auto, or 0..1)")
     ap.add_argument("--passes", type=int, default=0,
                     help="tiermem: run each step as this many layer-major passes (partial gradients in DRAM between)")
+    ap.add_argument("--physical", default="auto",
+                    help="tiermem_physical_batch_size: rows a piece (fewer than --batch: pieces of a micro-batch; a "
+                         "multiple of it: micro-batches merged); auto: the plan's, as tiermem-train")
     ap.add_argument("--keep", type=keep_arg, default=0,
                     help="tiermem: layers (of those in HBM) whose activations are kept: no recompute in their backward "
                          "(auto: as many as the plan's HBM holds, as tiermem_keep_activations: auto)")

@@ -252,8 +252,25 @@ def _check_numbers(c: TrainConfig, bad) -> None:
             bad(f"num_train_epochs must be at most 1e9, got {c.num_train_epochs}")
 
 
+def _check_pieces(c: TrainConfig, bad) -> None:
+    """tiermem_physical_batch_size larger than a micro-batch: whole micro-batches merged, dividing the step's rows."""
+    rows, micro = c.tiermem_physical_batch_size, c.micro_rows
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows <= micro or micro <= 0:
+        return
+    step = micro * c.gradient_accumulation_steps
+    if rows % micro == 0 and step % rows == 0:
+        return
+    merged = [micro * k for k in range(2, c.gradient_accumulation_steps + 1) if c.gradient_accumulation_steps % k == 0]
+    shown = ", ".join(str(r) for r in merged[:12]) + (", ..." if len(merged) > 12 else "")
+    valid = f"at most {micro} (pieces of a micro-batch)" + (f", or {shown} (micro-batches merged)" if merged else "")
+    what = "more than the step's" if rows > step else "not a multiple of a micro-batch's rows dividing the step's"
+    bad(f"tiermem_physical_batch_size {rows} is {what} {step} rows (gradient_accumulation_steps "
+        f"{c.gradient_accumulation_steps} x {micro} rows a micro-batch); valid: {valid}")
+
+
 def _check_compute(c: TrainConfig, bad) -> None:
     """torch.compile's mode and backend (the keys' other values are checked as they are read)."""
+    _check_pieces(c, bad)
     if c.tiermem_activations == "dram" and c.tiermem_server:
         bad("tiermem_activations: dram is not supported yet with tiermem_server (the arena's room is the service's)")
     if c.torch_compile_mode not in (None, "default", "max-autotune-no-cudagraphs"):

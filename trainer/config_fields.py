@@ -224,11 +224,13 @@ class TrainConfig:
         "which layers are kept; kept or recomputed, the weights are the same bit for bit"))
     tiermem_physical_batch_size: int | Literal["auto"] = own("auto", convert=_whole_or_auto(1, "rows"), help=(
         "rows the GPU computes at once: a micro-batch runs as pieces of at most this many rows, each trimmed to "
-        "its longest row (the same step: the loss is the mean over all of its tokens, its gradient their sum; "
-        "per_device_train_batch_size still decides which rows make up a micro-batch). auto: the planner's, told "
-        "in the plan line: the micro-batch whole, or halves of it while a smaller piece is predicted faster or "
-        "the larger does not fit; whole while a load-balancing loss is on (a micro-batch's statistic) and in an "
-        "attached run"))
+        "its longest row, or, a multiple of a micro-batch's rows dividing the step's, as pieces of consecutive "
+        "micro-batches merged, each padded to its longest row (the same step: the loss is the mean over all of its "
+        "tokens, its gradient their sum; per_device_train_batch_size still decides which rows make up a "
+        "micro-batch). auto: the planner's, told in the plan line: the micro-batch whole, or halves of it while a "
+        "smaller piece is predicted faster or the larger does not fit, or 2 or 4 micro-batches merged where that "
+        "fits HBM and is predicted more than 5% faster; whole while a load-balancing loss is on (a micro-batch's "
+        "statistic) and in an attached run"))
     tiermem_seq_chunk: int | Literal["auto"] = own("auto", convert=_whole_or_auto(1, "tokens"), help=(
         "tokens a decoder layer computes at once over a long row (its norms, projections and feed-forward; the "
         "attention takes the whole row): auto cuts rows of more than 16,384 tokens into chunks of at most 8,192 "

@@ -151,6 +151,7 @@ def _text(cfg, scfg, mcfg, shape, machine, p, data: dict, elsewhere: dict | None
     from tiermem.plan.here import in_words
     from tiermem.sizes import format_size
     from trainer.planning import run_plan
+    from trainer.run import pieces
     from trainer.run.preference import describe
 
     pred = data["prediction"]
@@ -173,7 +174,8 @@ def _text(cfg, scfg, mcfg, shape, machine, p, data: dict, elsewhere: dict | None
             f"updates: {run_plan.updates_split(len(data['gpu_updates']), len(p.workload.groups))}; "
             f"{p.passes} pass{'es' if p.passes > 1 else ''} a step"
             + (f"; the activations of {run_plan.span(sorted(p.keep))} kept (no recompute)" if p.keep else "")
-            + (f"; {run_plan.activations_line(p)}" if p.act_host else ""),
+            + (f"; {run_plan.activations_line(p)}" if p.act_host else "")
+            + (f"; {told} (tiermem_physical_batch_size)" if (told := pieces.told(p.micro_rows, p.piece_rows)) else ""),
             f"predicted step: {pred['step_seconds']:.2f} s = {pred['tokens_per_s']:,.0f} tokens/s, "
             f"{run_plan.tflops_text(p.workload, pred['step_seconds'])}; MFU {pred['mfu']:.0%} "
             f"({pred['mfu_attention']:.0%} with attention) of {run_plan.figure(machine.gpu_peak / 1e12)} TFLOP/s; "
@@ -232,6 +234,8 @@ def _workload(path: str, mcfg, shape):
         raise ConfigError(f"--workload {path}: {e.strerror or e}") from None
     except (ValueError, KeyError) as e:
         raise ConfigError(f"--workload {path}: not a `tiermem plan --json` file ({e})") from None
+    if w.micro_rows and w.micro_rows != shape.rows:  # (planned in pieces: the step's micro-batches again)
+        w = w.in_pieces(shape.rows)
     if len(w.layers) != mcfg.num_layers or w.micro_batches != shape.micro_batches:
         raise ConfigError(f"--workload {path} measured {len(w.layers)} layers in {w.micro_batches} micro-batches a "
                           f"step; this run has {mcfg.num_layers} layers in {shape.micro_batches}")

@@ -90,17 +90,22 @@ class Workload:
         """The same step with each micro-batch of ``micro_rows`` rows computed as pieces of at most ``rows`` rows
         (``trainer.run.pieces``): more, smaller micro-batches, the same tokens and FLOPs, each layer's cost a piece
         (``piece_seconds``) for each further piece; a layer's working set and a kept graph shrink with a piece's rows
-        (the loss's does not: its logits are chunked anyway)."""
-        if not self.micro_rows or rows >= self.micro_rows:
+        (the loss's does not: its logits are chunked anyway). ``rows`` at least twice ``micro_rows``: pieces of
+        ``rows // micro_rows`` consecutive micro-batches merged (fewer, larger pieces: a layer's cost a piece the
+        fewer, its working set and a kept graph larger)."""
+        if not self.micro_rows or rows == self.micro_rows or self.micro_rows < rows < 2 * self.micro_rows:
             return self
-        n = -(-self.micro_rows // rows)  # (pieces a micro-batch)
+        if rows > self.micro_rows:
+            n = -(-self.micro_batches // (rows // self.micro_rows))  # (pieces a step)
+        else:
+            n = self.micro_batches * -(-self.micro_rows // rows)
         f = rows / self.micro_rows
         layer = int(self.layer_work_bytes * f)
         working = self.working_bytes - max(self.layer_work_bytes, self.head_work_bytes) \
             + max(layer, self.head_work_bytes)
-        more = (n - 1) * self.micro_batches * self.piece_seconds  # (each layer's cost of the further pieces)
+        more = (n - self.micro_batches) * self.piece_seconds  # (each layer's cost of the further, or fewer, pieces)
         bwd = {g: s + more if g in self.layers else s for g, s in self.bwd.items()}
-        return replace(self, micro_batches=self.micro_batches * n, working_bytes=working, bwd=bwd,
+        return replace(self, micro_batches=n, working_bytes=working, bwd=bwd,
                        kept_bytes=int(self.kept_bytes * f), micro_rows=rows, layer_work_bytes=layer,
                        notes=list(self.notes))
 

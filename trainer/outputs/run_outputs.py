@@ -44,7 +44,9 @@ class RunOutputs:
         ckpt.remove_partial(out)
         self.budget = activation_budget(cfg, store, plan)
         self.tb = open_writer(cfg, out) if lead else None  # report_to: tensorboard (sets cfg.logging_dir)
-        rows = min(piece_rows(cfg, plan) or cfg.per_device_train_batch_size, cfg.per_device_train_batch_size)
+        rows = piece_rows(cfg, plan) or cfg.per_device_train_batch_size
+        if rows < 2 * cfg.micro_rows:  # (else several micro-batches merged, as decided)
+            rows = min(rows, cfg.per_device_train_batch_size)
         args = dict(self.config(), tiermem_model_path="generic" if job.mcfg.generic else "template",
                     torch_compile=job.mcfg.compile is not None, tiermem_keep_activations=kept_layers(cfg, plan),
                     tiermem_physical_batch_size=rows, tiermem_seq_chunk=decided_chunk(cfg, rows),

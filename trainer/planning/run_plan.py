@@ -27,6 +27,9 @@ from trainer.planning import plan_workload
 from trainer.run import pieces
 from trainer.state import state_specs
 
+MERGES = (2, 4)  # micro-batches a piece may merge where auto finds it faster (tiermem_physical_batch_size)
+MERGE_GAIN = 0.05  # by more than this share of the step: a merge's larger working set is not worth less
+
 
 @dataclass
 class Shape:
@@ -61,7 +64,7 @@ def make(mcfg, dtype: torch.dtype, scfg: StoreConfig, shape: Shape, machine: Mac
         return None
 
     def measure(rows: int) -> Workload:
-        return plan_workload.build(mcfg, dtype, rows, shape.seq, shape.micro_batches * pieces.count(shape.rows, rows),
+        return plan_workload.build(mcfg, dtype, rows, shape.seq, pieces.in_step(shape.micro_batches, shape.rows, rows),
                                    machine, device, loss_chunk, time_it=time_it)
 
     def plan_for(w: Workload) -> Plan:
@@ -70,13 +73,23 @@ def make(mcfg, dtype: torch.dtype, scfg: StoreConfig, shape: Shape, machine: Mac
                          keep_auto=keep == "auto" and keeps_activations(mcfg) and mcfg.moe is None)
 
     if piece_rows != "auto" or not keeps_activations(mcfg):  # (a load-balancing loss is a micro-batch's)
-        rows = shape.rows if piece_rows == "auto" else min(int(piece_rows), shape.rows)
+        rows = shape.rows if piece_rows == "auto" else fixed_rows(int(piece_rows), shape.rows)
         w = workload.in_pieces(rows) if workload is not None else measure(rows)
         return _with_pieces(plan_for(w), shape.rows, rows)
     w = workload or measure(shape.rows)
     # (the CPU stand-in measures no working set: its micro-batches are cut only where they are refused whole)
-    best = search_pieces(shape.rows, w, plan_for, faster=device.type == "cuda" if cuda is None else cuda,
-                         unit=shape.unit)
+    faster = device.type == "cuda" if cuda is None else cuda
+    best = search_pieces(shape.rows, w, plan_for, faster=faster, unit=shape.unit)
+    merged = search_merges(shape, w, plan_for, best) if faster else None
+    if merged is not None:
+        if workload is not None or not time_it:
+            return merged
+        try:  # (timed at the merged pieces: not faster than the micro-batch whole, today's choice)
+            timed = _with_pieces(plan_for(measure(merged.piece_rows)), shape.rows, merged.piece_rows)
+            if timed.prediction.step < best.prediction.step:
+                return timed
+        except BudgetError:
+            pass
     if best.piece_rows == shape.rows or workload is not None or not time_it:
         return best
     # (timed at that shape; where its working set is larger than scaled, at a smaller one)
@@ -112,6 +125,30 @@ def search_pieces(rows: int, w: Workload, plan_for, faster: bool = True, unit: i
         raise refused or BudgetError(f"{w.micro_batches:,} micro-batches of {rows:,} rows are more than a step may "
                                      f"compute ({MAX_PIECES:,} pieces)")
     return best
+
+
+def fixed_rows(rows: int, micro_rows: int) -> int:
+    """The pieces' rows for tiermem_physical_batch_size ``rows``: at most a micro-batch's, or (a multiple of it,
+    trainer.config checks) several micro-batches merged."""
+    return rows if rows >= 2 * micro_rows else min(rows, micro_rows)
+
+
+def search_merges(shape: Shape, w: Workload, plan_for, best: Plan) -> Plan | None:
+    """The plan of pieces of 2 or 4 consecutive micro-batches merged (``MERGES``; those dividing the step's
+    micro-batches), the fastest, where it fits (``plan_for`` does not refuse it) and is predicted faster than
+    ``best`` (today's choice: the micro-batch whole or in pieces) by more than ``MERGE_GAIN``; else None."""
+    out = None
+    for k in MERGES:
+        if shape.micro_batches % k or k * shape.rows > shape.rows * shape.micro_batches:
+            continue
+        try:
+            plan = _with_pieces(plan_for(w.in_pieces(k * shape.rows)), shape.rows, k * shape.rows)
+        except BudgetError:
+            break  # (a larger piece needs more HBM still)
+        if plan.prediction.step < best.prediction.step * (1 - MERGE_GAIN) and (
+                out is None or plan.prediction.step < out.prediction.step):
+            out = plan
+    return out
 
 
 def _with_pieces(plan: Plan, micro_rows: int, rows: int) -> Plan:
@@ -254,10 +291,8 @@ def lines(plan: Plan, ga: int | None = None) -> list[str]:
         updates = "updates: as optimizer.gpu_share says (the prediction assumed the planner's split)"
     else:
         updates = f"updates: {updates_split(len(plan.gpu_updates), len(w.groups))}"
-    if plan.piece_rows and plan.piece_rows < plan.micro_rows:
-        n = pieces.count(plan.micro_rows, plan.piece_rows)
-        passes += (f"; each micro-batch of {plan.micro_rows} rows runs as {n} pieces of {plan.piece_rows} "
-                   f"row{'s' if plan.piece_rows > 1 else ''} (tiermem_physical_batch_size)")
+    if pieces.told(plan.micro_rows, plan.piece_rows):
+        passes += f"; {pieces.told(plan.micro_rows, plan.piece_rows)} (tiermem_physical_batch_size)"
     if plan.act_host:
         passes += f"; {activations_line(plan)}"
     out = [f"plan: {'; '.join(where_lines(plan))}", f"plan: {updates}; {passes}",
@@ -356,8 +391,8 @@ def service_plan_input(mcfg, dtype: torch.dtype, shape: Shape, loss_chunk: int, 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda") if cuda else torch.device("cpu")
     m = Machine.h200("for the workload's estimate when the layer is not timed")
-    rows = shape.rows if piece_rows == "auto" else min(int(piece_rows), shape.rows)
-    w = plan_workload.build(mcfg, dtype, rows, shape.seq, shape.micro_batches * pieces.count(shape.rows, rows), m,
+    rows = shape.rows if piece_rows == "auto" else fixed_rows(int(piece_rows), shape.rows)
+    w = plan_workload.build(mcfg, dtype, rows, shape.seq, pieces.in_step(shape.micro_batches, shape.rows, rows), m,
                             device, loss_chunk)
     if cuda:
         room = int(torch.cuda.get_device_properties(device).total_memory * (1 - HBM_RESERVE)) - (1 << 30)

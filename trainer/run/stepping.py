@@ -94,10 +94,8 @@ class Steps:
                 "tiermem_keep_activations asks for; only layers whose weights live in HBM can be, none with "
                 "a load-balancing loss): their backward skips the recompute")
         rows = cfg.micro_rows  # (stage dpo: two rows a pair)
-        if executor.piece_rows and executor.piece_rows < rows and not (plan is not None and plan.piece_rows):
-            say(f"note: each micro-batch of {rows} rows runs as {pieces.count(rows, executor.piece_rows)} pieces of "
-                f"{executor.piece_rows} row{'s' if executor.piece_rows > 1 else ''} "
-                "(tiermem_physical_batch_size)")  # (a plan's line says it otherwise)
+        if pieces.told(rows, executor.piece_rows) and not (plan is not None and plan.piece_rows):
+            say(f"note: {pieces.told(rows, executor.piece_rows)} (tiermem_physical_batch_size)")  # (else the plan's)
         if executor.last_passes > 1:
             say(f"note: a step's boundary activations exceed the activation budget "
                 f"({format_size(executor.activation_budget)}): each step runs as {executor.last_passes} "
