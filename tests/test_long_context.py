@@ -213,6 +213,12 @@ def test_a_bad_seq_chunk_and_a_load_balancing_loss_over_chunks_are_refused(tmp_p
     err = capsys.readouterr().err
     line = [x for x in err.splitlines() if "error" in x]
     assert len(line) == 1 and "over rows cut into sequence chunks (4 tokens a row) is not supported yet" in line[0], err
+    for rows in (1, 4):  # (a micro-batch cut into pieces, and two merged: the statistics are a micro-batch's)
+        assert run_cli(tmp_path, moe_dir, data_dir, name, {"tiers": {"gpu": {"device": "cpu"}}},
+                       tiermem_physical_batch_size=rows) == 2
+        line = [x for x in capsys.readouterr().err.splitlines() if "error" in x]
+        assert len(line) == 1 and f"moe_aux_loss_coef) with tiermem_physical_batch_size {rows} is not supported yet" \
+            in line[0], line
 
 
 @pytest.mark.parametrize("budget,chunk", [(None, None), pytest.param("1KiB", None, marks=pytest.mark.slow),

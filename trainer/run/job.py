@@ -128,6 +128,12 @@ def model_config(model_dir: Path, cfg: TrainConfig | None = None, depth: int | N
         cut = chunked.chunk_of(mcfg.seq_chunk, cfg.per_device_train_batch_size, cfg.cutoff_len)
         if cut is not None and mcfg.moe is not None and mcfg.moe.aux_loss_coef:
             raise ConfigError(chunked.router_refusal(cut))
+    rows = cfg.tiermem_physical_batch_size
+    if mcfg.moe is not None and mcfg.moe.aux_loss_coef and isinstance(rows, int) and rows != cfg.micro_rows:
+        raise ConfigError(f"a load-balancing loss (moe_aux_loss_coef) with tiermem_physical_batch_size {rows} is not "
+                          "supported yet: its statistics are a micro-batch's, and pieces of another size would count "
+                          f"them otherwise; set tiermem_physical_batch_size: auto (or {cfg.micro_rows}), or "
+                          "moe_aux_loss_coef: 0")
     return mcfg
 
 
