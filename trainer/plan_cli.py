@@ -98,7 +98,9 @@ def plan(args: argparse.Namespace, depth: int | None = None) -> tuple[dict, list
     scfg = store_config(cfg.tiermem, here=False)
     device = compute_device(scfg)
     shape = run_plan.Shape(cfg.micro_rows, cfg.cutoff_len, cfg.gradient_accumulation_steps, cfg.pair_rows)
-    measured, there = _workload(args.workload, mcfg, shape) if args.workload else (None, None)
+    measured, there, ran_pieces = _workload(args.workload, mcfg, shape) if args.workload else (None, None, None)
+    pieces = cfg.tiermem_physical_batch_size  # (auto: a run's own plan replayed keeps the pieces it ran)
+    pieces = ran_pieces if pieces == "auto" and ran_pieces is not None else pieces
     # (a run's plan replayed: the figures of the machine it ran on, unless a probe file is named; without a GPU and
     # without either, this machine's own: the CPU stand-in's; a machine file: the machine it describes)
     described = there is not None or bool(args.probe or scfg.probe) or args.machine is not None
@@ -122,13 +124,13 @@ def plan(args: argparse.Namespace, depth: int | None = None) -> tuple[dict, list
                               f"machine's memory ({format_size(machine.ram)})")
         p = run_plan.make(mcfg, dtype, scfg, shape, machine, device, cfg.loss_chunk_tokens, time_it=False,
                           budgets=budgets, cuda=True, keep=cfg.tiermem_keep_activations, workload=measured,
-                          piece_rows=cfg.tiermem_physical_batch_size, activations=activations_role(cfg))
+                          piece_rows=pieces, activations=activations_role(cfg))
     else:
         store_config(cfg.tiermem)  # (the DRAM budget against this machine's memory)
         budgets = run_plan.local_budgets(scfg, mcfg, dtype, cfg.output_dir, saves(cfg))
         p = run_plan.make(mcfg, dtype, scfg, shape, machine, device, cfg.loss_chunk_tokens, budgets=budgets,
                           keep=cfg.tiermem_keep_activations, workload=measured,
-                          piece_rows=cfg.tiermem_physical_batch_size, activations=activations_role(cfg))
+                          piece_rows=pieces, activations=activations_role(cfg))
     if p is None:
         raise ConfigError("the placement pins every kind to a tier: nothing to plan (leave some kind to auto)")
     run_plan.keep_activations(p, cfg.tiermem_keep_activations, mcfg)
@@ -220,8 +222,9 @@ def _disk_budget_line(scfg, machine, budgets: dict | None) -> list[str]:
 
 
 def _workload(path: str, mcfg, shape):
-    """(the step measured, the machine's figures) of a ``tiermem plan --json`` file or a run's tiermem_plan.json,
-    if it is this model's in as many micro-batches (one line otherwise; the figures None when absent)."""
+    """(the step measured, the machine's figures, the rows of the pieces it was planned in) of a ``tiermem plan
+    --json`` file or a run's tiermem_plan.json, if it is this model's in as many micro-batches (one line otherwise;
+    the figures and the pieces None when absent)."""
     import dataclasses
 
     from tiermem.plan.machine import Machine
@@ -239,9 +242,12 @@ def _workload(path: str, mcfg, shape):
     if len(w.layers) != mcfg.num_layers or w.micro_batches != shape.micro_batches:
         raise ConfigError(f"--workload {path} measured {len(w.layers)} layers in {w.micro_batches} micro-batches a "
                           f"step; this run has {mcfg.num_layers} layers in {shape.micro_batches}")
+    ran = data.get("piece_rows") if isinstance(data, dict) else None
+    ran = ran if isinstance(ran, int) and not isinstance(ran, bool) and 0 < ran <= shape.rows * shape.micro_batches \
+        and (ran <= shape.rows or ran % shape.rows == 0) else None
     m = data.get("machine")
     if not isinstance(m, dict):
-        return w, None  # (its tokens as measured: a run's packed rows may hold fewer than cutoff_len)
+        return w, None, ran  # (its tokens as measured: a run's packed rows may hold fewer than cutoff_len)
     names = {f.name for f in dataclasses.fields(Machine)}
     # (figures a plan of an earlier version did not carry: the H200's then)
     later = {"duplex", "copy_drag", "cpu_copy", "cpu_in_run", "nvme_both", "gpu_peak",
@@ -253,7 +259,7 @@ def _workload(path: str, mcfg, shape):
         raise ConfigError(f"--workload {path}: its machine figures are not a tiermem plan's")
     there = str(m["source"])
     there = there if len(there) <= 200 else there[:199] + "…"
-    return w, dataclasses.replace(Machine.from_json(m), source=f"{path} (there: {there})")
+    return w, dataclasses.replace(Machine.from_json(m), source=f"{path} (there: {there})"), ran
 
 
 def _bound(p) -> str:
