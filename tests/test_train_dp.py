@@ -61,7 +61,7 @@ def one_process(path: Path, capsys) -> list[tuple]:
     return STEP.findall(capsys.readouterr().out)
 
 
-def ranks(path: Path, n: int, timeout: float = 120, force: bool = False, **env) -> subprocess.CompletedProcess:
+def ranks(path: Path, n: int, timeout: float = 600, force: bool = False, **env) -> subprocess.CompletedProcess:
     """The run as ``n`` ranks: torchrun, or (``force``) FORCE_TORCHRUN=1 tiermem-train."""
     if force:
         cmd = [sys.executable, "-m", "trainer.cli", str(path)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -66,8 +67,13 @@ def test_a_checkpoint_with_state_in_hbm_resumes_on_two_ranks(tmp_path, tiny, cap
     rank's part back into its HBM and ends as the uninterrupted run."""
     ref = one_process(write_cfg(tmp_path, tiny, "one", 4, save_steps=3), capsys)
     path = write_cfg(tmp_path, tiny, "two", 2, save_steps=3, tiermem_dist_timeout=300, tiermem=tiermem(PINNED))
-    r = ranks(path, 2, TIERMEM_TEST_KILL_AT="part:3", TIERMEM_TEST_KILL_RANK="1")
-    assert r.returncode != 0 and (tmp_path / "two" / "checkpoint-3" / "state-rank1.zarr").is_dir(), r.stderr[-3000:]
+    for _ in range(3):  # (under load the lead may see the kill before it renames checkpoint-3 whole: again)
+        r = ranks(path, 2, TIERMEM_TEST_KILL_AT="part:3", TIERMEM_TEST_KILL_RANK="1")
+        assert r.returncode != 0, r.stderr[-3000:]
+        if (tmp_path / "two" / "checkpoint-3" / "state-rank1.zarr").is_dir():
+            break
+        shutil.rmtree(tmp_path / "two")
+    assert (tmp_path / "two" / "checkpoint-3" / "state-rank1.zarr").is_dir(), r.stderr[-3000:]
     assert not (tmp_path / "two" / "model.safetensors").exists()
     r = ranks(path, 2)
     assert r.returncode == 0, r.stderr[-3000:]
