@@ -100,12 +100,11 @@ def free_kept(stores: list[dict]) -> None:
     """Remove what the benchmark's stores keep between processes (their arenas in RAM, the service's HBM block file,
     their disk files): a benchmark cut short (``timeout``'s SIGTERM, Ctrl-C) leaves no 100 GiB arena to the next run."""
     from tiermem.config import load_store_config
-    from tiermem.tiers.kept import arena_file, disk_files
+    from tiermem.tiers.kept import arena_file, disk_files, hbm_file
 
     for store in stores:
         cfg = load_store_config(store)
-        hbm = Path(cfg.tiers.host_tier.path) / f"{cfg.store_name()}.hbm"  # (tiermem.service.recovery's)
-        for path in [arena_file(cfg), hbm, *disk_files(cfg)]:
+        for path in [arena_file(cfg), hbm_file(cfg), *disk_files(cfg)]:
             path.unlink(missing_ok=True)
 
 

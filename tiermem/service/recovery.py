@@ -15,12 +15,13 @@ from tiermem.service.journal import Journal, make_private
 from tiermem.service.runs import newest_checkpoint
 from tiermem.store.layout import reopen_store, spec_from_json
 from tiermem.tiers.extents import Extent
+from tiermem.tiers.kept import hbm_file
 
 
 class Recovery:
     def hbm_file(self) -> Path:
-        """Where a clean stop writes the run's HBM block (beside the arena: it lives as long)."""
-        return Path(self.cfg.tiers.host_tier.path) / f"{self.cfg.store_name()}.hbm"
+        """Where a clean stop writes the run's HBM block (``tiermem.tiers.kept.hbm_file``)."""
+        return hbm_file(self.cfg)
 
     def _save_hbm(self, run) -> None:
         """A clean stop with the update whole: write the run's HBM block beside the arena for the next start."""

@@ -1,5 +1,6 @@
-"""The files a store keeps on its tiers between processes, by the store's name: the host tier's arena and the
-storage tier's files (one per drive). What a service discards (``--fresh``) and what its stop line says to free."""
+"""The files a store keeps on its tiers between processes, by the store's name: the host tier's arena, the storage
+tier's files (one per drive) and a service's HBM block written at a clean stop. What a service discards
+(``--fresh``) and what its stop line says to free."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ from pathlib import Path
 def arena_file(cfg) -> Path:
     """The arena file of the store ``cfg`` (a StoreConfig) names, in its host tier's directory."""
     return Path(cfg.tiers.dram.path) / f"{cfg.store_name()}.arena"
+
+
+def hbm_file(cfg) -> Path:
+    """Where a service's clean stop writes its run's HBM block: beside the arena (it lives as long)."""
+    return Path(cfg.tiers.dram.path) / f"{cfg.store_name()}.hbm"
 
 
 def arena_dir(cfg) -> Path:

@@ -302,9 +302,10 @@ def _routers(model: nn.Module, config, layers: nn.ModuleList, raw: dict, where: 
         return (), None
     target, index = getattr(spec, "target_class", spec), getattr(spec, "index", 0)
     sparse = tuple(i for i, layer in enumerate(layers) if any(isinstance(m, target) for m in layer.modules()))
-    if not sparse or routed_experts(config) is None:
+    routed = routed_experts(config)
+    if not sparse or routed is None:
         return (), None
-    experts, top_k = routed_experts(config)
+    experts, top_k = routed
     has_loss = hasattr(model, "router_aux_loss_coef") and hasattr(sys.modules[type(model).__module__],
                                                                   "load_balancing_loss_func")
     coef = 0.0

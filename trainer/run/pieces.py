@@ -107,7 +107,6 @@ def in_step(micro_batches: int, rows: int, piece: int) -> int:
     return micro_batches * count(rows, piece)
 
 
-
 def told(rows: int, piece: int | None) -> str | None:
     """The pieces in words, for the plan line and the first step's note: ``each micro-batch of 4 rows runs as 2
     pieces of 2 rows`` or ``pieces of 8 rows, each 2 micro-batches of 4 rows merged``; None: micro-batches whole."""
