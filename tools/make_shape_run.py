@@ -6,7 +6,9 @@ starts from `tiermem_init: random`), a dataset of random token rows, and the tra
     tiermem-train /tmp/run8b/train.yaml          # or: tiermem plan /tmp/run8b/train.yaml
 
 Shapes: 3b and 8b (Llama 3.2-3B-like untied, Llama-3.1-8B), 14b (Qwen2.5-14B: hidden 5120, 48 layers,
-intermediate 13824, 40 heads, 8 KV heads, vocab 152064, untied), qwen3-30b-a3b (Qwen3-30B-A3B: hidden 2048,
+intermediate 13824, 40 heads, 8 KV heads, vocab 152064, untied), qwen3-8b (Qwen3-8B: hidden 4096, 36 layers,
+intermediate 12288, 32 heads, 8 KV heads, head_dim 128, q/k norms, vocab 151936, 40,960 positions, untied),
+qwen3-30b-a3b (Qwen3-30B-A3B: hidden 2048,
 48 layers of 128 experts of intermediate 768, top-8 renormalised, 32 heads, 4 KV heads, head_dim 128, vocab
 151936, the router's load-balancing loss on; 30.5 B params, 3.4 B active), qwen3-moe-24l (the same with 24
 layers: 15.6 B params) and gpt-oss-120b (hidden 2880, 36 layers of 128 experts of intermediate 2880, top-4, 64
@@ -19,6 +21,14 @@ of intermediate 2048 top-8 in 8 groups and a shared one, vocab 129280: 671 B par
 `--layers N` changes a shape's depth (DeepSeek-V3 keeps at most N - 1 dense layers first), `--experts N` the
 routed experts of a mixture of experts. Rows are `--seq` tokens each (4096); a
 step takes `--accum` micro-batches of `--batch` rows.
+
+`--format sharegpt` makes chat rows instead (stage sft, `--template`, default qwen): a tokenizer that needs no
+download (the quickstart's byte-level BPE, models/tiny-llama, with Qwen's chat tokens added; eos <|im_end|>) and
+sharegpt conversations of a short question and an answer of random words, each at least `--seq` tokens after the
+chat template, so that cutoff_len cuts each to exactly `--seq` tokens (checked with the trainer's own encoder):
+
+    python tools/make_shape_run.py --shape qwen3-8b --dir /tmp/long --format sharegpt --seq 204800 --accum 1 \
+        --steps 3
 
 `--stage dpo` makes preference pairs instead (tokenized, ranking: true): each a random prompt of a quarter of
 `--seq` tokens and two different random responses filling the rest, `--batch` pairs a micro-batch (2 x `--batch`
@@ -34,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from pathlib import Path
 
 import yaml
@@ -54,6 +65,13 @@ SHAPES = {
                           max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
                           output_router_logits=True, router_aux_loss_coef=0.001),
 }
+SHAPES["qwen3-8b"] = {  # (Qwen/Qwen3-8B's config.json: LLaMA-Factory's qwen3_full_sft*.yaml examples)
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
+    "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000, "rope_scaling": None,
+    "rms_norm_eps": 1e-6, "sliding_window": None, "use_sliding_window": False, "max_window_layers": 36,
+    "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False, "hidden_act": "silu",
+    "initializer_range": 0.02, "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645}
 SHAPES["qwen3-moe-24l"] = dict(SHAPES["qwen3-30b-a3b"], num_hidden_layers=24)
 SHAPES["gpt-oss-120b"] = {  # (openai/gpt-oss-120b's config.json, less its quantization)
     "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880,
@@ -90,7 +108,12 @@ SHAPES["deepseek-v3"] = {  # (deepseek-ai/DeepSeek-V3's config.json, less its fp
     "hidden_act": "silu", "initializer_range": 0.02, "bos_token_id": 0, "eos_token_id": 1}
 
 
-def main() -> None:
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # (the trainer's encoder checks the chat rows)
+QWEN_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # (Qwen's pad / eos, its chat turns)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), required=True)
     ap.add_argument("--dir", required=True, help="where the model, data and train.yaml go")
@@ -102,11 +125,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--nvme", help="tiers.nvme.path (the only tiermem setting)")
     ap.add_argument("--stage", choices=["pt", "dpo"], default="pt", help="pt: token rows; dpo: preference pairs")
+    ap.add_argument("--format", choices=["tokenized", "sharegpt"], default="tokenized",
+                    help="tokenized: token rows (--stage); sharegpt: chat rows of text and a tokenizer (stage sft)")
+    ap.add_argument("--template", default="qwen", help="--format sharegpt: the chat template")
     ap.add_argument("--set", nargs="*", default=[], help="more key=value for the YAML")
-    args = ap.parse_args()
-    d = Path(args.dir)
-    (d / "model").mkdir(parents=True, exist_ok=True)
-    (d / "data").mkdir(exist_ok=True)
+    return ap.parse_args(argv)
+
+
+def shape_of(args: argparse.Namespace) -> dict:
+    """The shape's config.json, cut to ``--layers`` and ``--experts``."""
     shape = dict(SHAPES[args.shape])
     if args.layers:
         shape["num_hidden_layers"] = args.layers
@@ -114,13 +141,20 @@ def main() -> None:
             shape["layer_types"] = shape["layer_types"][:args.layers]
         if "first_k_dense_replace" in shape:  # (DeepSeek-V3: its dense layers first, a mixture of experts after)
             shape["first_k_dense_replace"] = min(shape["first_k_dense_replace"], args.layers - 1)
+        if "max_window_layers" in shape:  # (Qwen3's)
+            shape["max_window_layers"] = args.layers
     if args.experts:
         key = next(k for k in ("num_experts", "n_routed_experts", "num_local_experts") if k in shape)
         shape[key] = args.experts
-    (d / "model" / "config.json").write_text(json.dumps(shape))
+    return shape
+
+
+def write_token_rows(d: Path, shape: dict, args: argparse.Namespace) -> None:
+    """``--batch`` x ``--accum`` x ``--steps`` rows of ``--seq`` random tokens (``--stage dpo``: pairs) as a
+    tokenized dataset, ``tokens``."""
     rng = random.Random(0)
     rows = args.batch * args.accum * args.steps
-    draw = lambda n: [rng.randrange(shape["vocab_size"]) for _ in range(n)]
+    draw = lambda n: [rng.randrange(shape["vocab_size"]) for _ in range(n)]  # noqa: E731
     with (d / "data" / "tokens.jsonl").open("w") as f:
         for _ in range(rows):
             if args.stage == "dpo":  # (a pair: a prompt, two responses)
@@ -135,7 +169,65 @@ def main() -> None:
                 f.write(json.dumps({"input_ids": draw(args.seq)}) + "\n")
     (d / "data" / "dataset_info.json").write_text(json.dumps(
         {"tokens": {"file_name": "tokens.jsonl", "formatting": "tokenized", "ranking": args.stage == "dpo"}}))
-    cfg = {"model_name_or_path": str(d / "model"), "tiermem_init": "random", "stage": args.stage, "dataset": "tokens",
+
+
+def write_tokenizer(model: Path, shape: dict) -> None:
+    """A tokenizer that needs no download: the quickstart's byte-level BPE (models/tiny-llama) with Qwen's chat
+    tokens added, eos <|im_end|> and pad <|endoftext|> as Qwen3's; config.json's bos and eos ids set to its."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_file(str(ROOT / "models" / "tiny-llama" / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_TOKENS])
+    if tok.get_vocab_size() > shape["vocab_size"]:
+        raise SystemExit(f"the tokenizer's {tok.get_vocab_size()} tokens do not fit vocab_size {shape['vocab_size']}")
+    tok.save(str(model / "tokenizer.json"))
+    (model / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "add_bos_token": False, "model_max_length": 1 << 20}, indent=1))
+    shape["bos_token_id"], shape["eos_token_id"] = (tok.token_to_id(t) for t in QWEN_TOKENS[::2])
+
+
+def write_chat_rows(d: Path, args: argparse.Namespace) -> None:
+    """``--batch`` x ``--accum`` x ``--steps`` sharegpt conversations (``chat``): a short question, an answer of
+    random words of the demo text; each at least ``--seq`` tokens after ``--template`` (every word is a token or
+    more), checked with the trainer's own encoder: cutoff_len ``--seq`` cuts each to exactly ``--seq`` tokens."""
+    from trainer.data.sft import encode_example
+    from trainer.data.templates import get_template
+    from trainer.data.tokenizer import load_tokenizer
+
+    tok, template = load_tokenizer(d / "model"), get_template(args.template)
+    rng = random.Random(0)
+    words = (ROOT / "data" / "demo_pt.txt").read_text().split()
+    rows = []
+    for i in range(args.batch * args.accum * args.steps):
+        question = f"Row {i}: go on with this text."
+        answer = " ".join(rng.choices(words, k=args.seq))
+        messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        ids, _ = encode_example(template, tok, messages, "", args.seq)
+        if len(ids) != args.seq:
+            raise SystemExit(f"chat row {i} is {len(ids)} tokens after the template, not {args.seq}")
+        rows.append({"conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]})
+    (d / "data" / "chat.json").write_text(json.dumps(rows))
+    (d / "data" / "dataset_info.json").write_text(json.dumps(
+        {"chat": {"file_name": "chat.json", "formatting": "sharegpt"}}))
+
+
+def write_run(d: Path, shape: dict, args: argparse.Namespace) -> Path:
+    """The model directory (config.json ``shape``; a tokenizer with ``--format sharegpt``), the dataset and
+    train.yaml under ``d``; train.yaml's path."""
+    (d / "model").mkdir(parents=True, exist_ok=True)
+    (d / "data").mkdir(exist_ok=True)
+    chat = args.format == "sharegpt"
+    if chat:
+        write_tokenizer(d / "model", shape)
+    (d / "model" / "config.json").write_text(json.dumps(shape))
+    if chat:
+        write_chat_rows(d, args)
+    else:
+        write_token_rows(d, shape, args)
+    cfg = {"model_name_or_path": str(d / "model"), "tiermem_init": "random",
+           "stage": "sft" if chat else args.stage, "dataset": "chat" if chat else "tokens",
+           **({"template": args.template} if chat else {}),
            "dataset_dir": str(d / "data"), "cutoff_len": args.seq, "output_dir": str(d / "out"),
            "overwrite_output_dir": True, "per_device_train_batch_size": args.batch,
            "gradient_accumulation_steps": args.accum, "max_steps": args.steps, "learning_rate": 1e-5,
@@ -146,7 +238,14 @@ def main() -> None:
         k, v = kv.split("=", 1)
         cfg[k] = yaml.safe_load(v)
     (d / "train.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    print(d / "train.yaml")
+    return d / "train.yaml"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    if args.format == "sharegpt" and args.stage != "pt":
+        raise SystemExit("--format sharegpt makes rows of stage sft (--stage is for token rows)")
+    print(write_run(Path(args.dir), shape_of(args), args))
 
 
 if __name__ == "__main__":
