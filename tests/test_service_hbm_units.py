@@ -22,18 +22,23 @@ from tiermem.tiers.hbm_share import MappedBlock, OwnedBlock
 HBM = {"param": "gpu", "grad": "gpu", "exp_avg": "gpu", "exp_avg_sq": "gpu"}
 
 
-def _service(tmp_path, placement, durability="checkpoint"):
-    """An in-process service over a one-tensor fp32 model, every update the trainer's, and a trainer connection."""
+def _service(tmp_path, placement, durability="checkpoint", device="cpu"):
+    """An in-process service over a one-tensor fp32 model, every update the trainer's, and a trainer connection
+    (``device`` cuda: its arena in /dev/shm, where CUDA pins the pages)."""
+    import os
+
     from tiermem.service.runs import Client
     from tiermem.service.server import Service
     from tiermem.store.layout import spec_to_json
 
     (tmp_path / "shm").mkdir()
+    shm = "/dev/shm" if device == "cuda" else str(tmp_path / "shm")
     cfg = tmp_path / "serve.yaml"
-    cfg.write_text(yaml.safe_dump({"name": "unit", "placement": placement, "durability": durability,
+    name = f"unit{os.getpid()}" if device == "cuda" else "unit"  # (/dev/shm: one of its own)
+    cfg.write_text(yaml.safe_dump({"name": name, "placement": placement, "durability": durability,
                                    "optimizer": {"gpu_share": 1},
-                                   "tiers": {"gpu": {"device": "cpu", "budget": "1MiB"},
-                                             "dram": {"path": str(tmp_path / "shm"), "budget": "1MiB"}}}))
+                                   "tiers": {"gpu": {"device": device, "budget": "1MiB"},
+                                             "dram": {"path": shm, "budget": "1MiB"}}}))
     svc = Service(str(cfg), str(tmp_path / "s.sock"), say=lambda _: None)
     specs = [TensorSpec(n, (4, 4), torch.float32, k, 0) for n, k in
              (("w", "param"), ("grad/w", "grad"), ("exp_avg/w", "exp_avg"), ("exp_avg_sq/w", "exp_avg_sq"))]
