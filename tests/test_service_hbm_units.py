@@ -192,10 +192,10 @@ def test_serve_fresh_discards_the_hbm_block_a_clean_stop_left(tmp_path):
     assert not left.exists() and f"discarded {left}" in said, said
 
 
-def _plans_of_the_3b_shape(tmp_path, keep="auto"):
-    """The 3B shape at 16 x 4096 tokens a step planned from the H200 machine's file, nothing timed: (embedded, as
-    ``tiermem plan --machine`` plans it; attached, as a service on that machine plans it from what its trainer
-    sends)."""
+def _plans_of(shape: str, tmp_path, keep="auto"):
+    """A model shape (tools/make_shape_run.py's) at 16 x 4096 tokens a step planned from the H200 machine's file,
+    nothing timed: (embedded, as ``tiermem plan --machine`` plans it; attached, as a service on that machine plans it
+    from what its trainer sends; what the service tells the trainer)."""
     import json
     import sys
     from pathlib import Path
@@ -210,9 +210,9 @@ def _plans_of_the_3b_shape(tmp_path, keep="auto"):
     sys.path.insert(0, str(root / "tools"))
     from make_shape_run import SHAPES
 
-    (tmp_path / "3b").mkdir()
-    (tmp_path / "3b" / "config.json").write_text(json.dumps(SHAPES["3b"]))
-    mcfg = model_config(tmp_path / "3b", None)
+    (tmp_path / shape).mkdir()
+    (tmp_path / shape / "config.json").write_text(json.dumps(SHAPES[shape]))
+    mcfg = model_config(tmp_path / shape, None)
     m = load_machine(root / "configs/machines/h200-pcie5-125g.yaml")
     scfg = store_config({"placement": "auto", "tiers": {"gpu": {"device": "auto"}}}, here=False)
     shape, chunk = run_plan.Shape(4, 4096, 4), 4096
@@ -222,19 +222,24 @@ def _plans_of_the_3b_shape(tmp_path, keep="auto"):
     w = plan_workload.build(mcfg, torch.bfloat16, 4, 4096, 4, m, cpu, chunk, time_it=False)
     asked = {"workload": w.to_json(), "hbm_room": int(m.gpu_memory * (1 - HBM_RESERVE)) - (1 << 30),
              "keep": keep == "auto"}
+    dram = run_plan.budgets_for(scfg, m)["dram"]  # (the machine's, not this one's)
     raw = load_store_config({"placement": "auto",
-                             "tiers": {"gpu": {"device": "auto"}, "dram": {"path": str(tmp_path)}}})
+                             "tiers": {"gpu": {"device": "auto"}, "dram": {"path": str(tmp_path), "budget": dram}}})
     plan, _, told = plan_run(state_specs(mcfg, torch.bfloat16), resolve_auto(raw, "service"), raw, asked, lambda: m,
                              cuda=True)
     return embedded, plan, told
 
 
-def test_an_attached_3b_run_is_planned_within_3_percent_of_the_embedded_one(tmp_path):
+@pytest.mark.parametrize("shape", ["3b", "8b"])
+def test_an_attached_run_is_planned_within_3_percent_of_the_embedded_one(tmp_path, shape):
     """The service plans the layers that keep their activations, as the embedded run does (issue 43): without them
     the attached 3B shape was predicted 1.069x its embedded twin from the H200's machine file (3.12 s against 2.92:
-    every layer recomputed, where the embedded run keeps 8), measured 1.107x on that machine."""
-    embedded, attached, told = _plans_of_the_3b_shape(tmp_path)
-    assert embedded.keep and attached.keep and told["keep"] == sorted(attached.keep)
+    every layer recomputed, where the embedded run keeps 8), measured 1.107x on that machine; now 1.027x (5 layers
+    kept: docs/service.md says what holds the rest). The 8B shape (its state beyond the H200 machine's RAM): 1.025x,
+    no layer kept (moving state off HBM for one more is not worth it there)."""
+    embedded, attached, told = _plans_of(shape, tmp_path)
+    assert embedded.keep and told["keep"] == sorted(attached.keep)
+    assert attached.keep or shape == "8b"
     ratio = attached.prediction.step / embedded.prediction.step
     assert ratio <= 1.03, (ratio, attached.prediction.step, embedded.prediction.step)
 
