@@ -207,7 +207,8 @@ def _plans_of(shape: str, tmp_path, keep="auto"):
     from trainer.state import state_specs, store_config
 
     root = Path(__file__).parent.parent
-    sys.path.insert(0, str(root / "tools"))
+    if str(root / "tools") not in sys.path:
+        sys.path.insert(0, str(root / "tools"))
     from make_shape_run import SHAPES
 
     (tmp_path / shape).mkdir()
@@ -215,9 +216,9 @@ def _plans_of(shape: str, tmp_path, keep="auto"):
     mcfg = model_config(tmp_path / shape, None)
     m = load_machine(root / "configs/machines/h200-pcie5-125g.yaml")
     scfg = store_config({"placement": "auto", "tiers": {"gpu": {"device": "auto"}}}, here=False)
-    shape, chunk = run_plan.Shape(4, 4096, 4), 4096
+    step, chunk = run_plan.Shape(4, 4096, 4), 4096  # (4 micro-batches of 4 rows of 4096 tokens)
     cpu = torch.device("cpu")
-    embedded = run_plan.make(mcfg, torch.bfloat16, scfg, shape, m, cpu, chunk, time_it=False,
+    embedded = run_plan.make(mcfg, torch.bfloat16, scfg, step, m, cpu, chunk, time_it=False,
                              budgets=run_plan.budgets_for(scfg, m), cuda=True, keep=keep)
     w = plan_workload.build(mcfg, torch.bfloat16, 4, 4096, 4, m, cpu, chunk, time_it=False)
     asked = {"workload": w.to_json(), "hbm_room": int(m.gpu_memory * (1 - HBM_RESERVE)) - (1 << 30),
