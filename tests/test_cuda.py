@@ -452,3 +452,32 @@ def test_activations_in_dram_on_cuda_train_as_plain_pytorch(tmp_path, where):
     for n, t in got.items():
         err = (t - ref[n]).norm() / ref[n].norm()
         assert err <= (1e-3 if n.endswith("k_proj.bias") else 1e-4), f"{n}: {err:.2e}"
+
+
+def test_a_flips_finite_check_is_read_off_the_default_stream(tmp_path, monkeypatch):
+    """The GPU worker of a service's run flips each group's out-of-place update on a thread of its own, which reads
+    the group's finite check there (issue 43): on a stream of the flips' own, not the thread's default stream, where
+    an attached trainer's forward computes and the read waited for every kernel queued (the worker waits for the
+    flip of the group before last, the forward for the worker: the GPU idle between layers). Here the service's own
+    GPU worker redoes the update its trainer owed, as when a trainer dies."""
+    from tests.test_service_hbm_units import HBM, _ok, _service
+    from tiermem.optim.store_adamw import StoreAdamW
+
+    read_on, check = [], StoreAdamW._nonfinite
+    monkeypatch.setattr(StoreAdamW, "_nonfinite", staticmethod(
+        lambda c: read_on.append(torch.cuda.current_stream()) or check(c)))
+    svc, client, theirs, hello = _service(tmp_path, HBM, device="cuda")
+    try:
+        _ok(svc.dispatch(client, hello))
+        _ok(svc.dispatch(client, {"op": "init", "id": 2, "run": "r1", "step": 0}))
+        _ok(svc.dispatch(client, {"op": "commit", "id": 3, "run": "r1", "step": 1, "lr": 0.1}))
+        assert svc.run.owed == {0}
+        with svc.lock:
+            svc._trainer_left(svc.run)  # (the service's GPU worker updates group 0 out of place, then flips it)
+        svc.run.wait()
+        assert svc.run.state.updated == 1 and svc.run.store.catalog.version(0) == 1
+        assert read_on and all(s != torch.cuda.default_stream() for s in read_on), read_on
+        svc._close_run(keep=False)
+    finally:
+        theirs.close()
+        svc.release()

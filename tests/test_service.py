@@ -202,8 +202,10 @@ def test_with_cpu_groups_last_the_trainer_takes_the_first_groups_and_the_run_is_
 
 def test_the_service_plans_a_run_from_its_trainers_step(env):
     """placement auto in the service's config: the trainer sends its step's workload, the service plans the run
-    as an embedded run is planned (HBM a tier: the tiny model's state all there, in the service's own block) and
-    both say the plan; the weights are the embedded run's."""
+    as an embedded run is planned (HBM a tier: the tiny model's state all there, in the service's own block; the
+    layers that keep their activations, skipping the recompute, chosen with it) and both say the plan; the trainer
+    keeps those layers' activations and the weights are the embedded run's. A trainer killed mid-update (group 0's
+    new state written in the service's HBM, not flipped to) is continued by the same command, bit-identically."""
     ref = env.reference()
     svc = env.service(placement="auto")
     try:
@@ -211,10 +213,21 @@ def test_the_service_plans_a_run_from_its_trainers_step(env):
         assert run.returncode == 0, run.stderr
         assert "plan: predicted step" in run.stdout, run.stdout
         assert "plan: gpu " in run.stdout and "store: gpu: " in run.stdout, run.stdout  # (the service's HBM)
+        assert "; the activations of layers 0-2 kept (no recompute)" in run.stdout, run.stdout
+        args = yaml.safe_load((env.tmp / "planned" / "training_args.yaml").read_text())
+        assert args["tiermem_keep_activations"] == 3  # (what the trainer's executor kept)
         svc.wait_for("planned for ")  # (the figures it planned for named: on a CPU, the H200's, said so)
         assert " pass a step" in svc.text and "pass(es)" not in svc.text, svc.text
         assert ("planned for the H200 machine's figures (no GPU here" in svc.text) == (not torch_cuda()), svc.text
         assert same(env.weights("planned"), ref)
+        killed = env.train("killed", kill_at="update:3:0")
+        assert killed.returncode == -signal.SIGKILL, killed.stderr
+        again = env.train("killed")
+        assert again.returncode == 0, again.stderr
+        assert "continuing the service's run at step 3" in again.stdout, again.stdout
+        assert "the activations of layers 0-2 kept" in again.stdout, again.stdout
+        assert same(env.weights("killed"), ref)
+        assert losses(env.tmp / "killed") == losses(env.tmp / "planned")
     finally:
         assert svc.stop() == 0
 

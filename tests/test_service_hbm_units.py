@@ -22,18 +22,23 @@ from tiermem.tiers.hbm_share import MappedBlock, OwnedBlock
 HBM = {"param": "gpu", "grad": "gpu", "exp_avg": "gpu", "exp_avg_sq": "gpu"}
 
 
-def _service(tmp_path, placement, durability="checkpoint"):
-    """An in-process service over a one-tensor fp32 model, every update the trainer's, and a trainer connection."""
+def _service(tmp_path, placement, durability="checkpoint", device="cpu"):
+    """An in-process service over a one-tensor fp32 model, every update the trainer's, and a trainer connection
+    (``device`` cuda: its arena in /dev/shm, where CUDA pins the pages)."""
+    import os
+
     from tiermem.service.runs import Client
     from tiermem.service.server import Service
     from tiermem.store.layout import spec_to_json
 
     (tmp_path / "shm").mkdir()
+    shm = "/dev/shm" if device == "cuda" else str(tmp_path / "shm")
     cfg = tmp_path / "serve.yaml"
-    cfg.write_text(yaml.safe_dump({"name": "unit", "placement": placement, "durability": durability,
+    name = f"unit{os.getpid()}" if device == "cuda" else "unit"  # (/dev/shm: one of its own)
+    cfg.write_text(yaml.safe_dump({"name": name, "placement": placement, "durability": durability,
                                    "optimizer": {"gpu_share": 1},
-                                   "tiers": {"gpu": {"device": "cpu", "budget": "1MiB"},
-                                             "dram": {"path": str(tmp_path / "shm"), "budget": "1MiB"}}}))
+                                   "tiers": {"gpu": {"device": device, "budget": "1MiB"},
+                                             "dram": {"path": shm, "budget": "1MiB"}}}))
     svc = Service(str(cfg), str(tmp_path / "s.sock"), say=lambda _: None)
     specs = [TensorSpec(n, (4, 4), torch.float32, k, 0) for n, k in
              (("w", "param"), ("grad/w", "grad"), ("exp_avg/w", "exp_avg"), ("exp_avg_sq/w", "exp_avg_sq"))]
@@ -185,3 +190,70 @@ def test_serve_fresh_discards_the_hbm_block_a_clean_stop_left(tmp_path):
     fresh = Service(str(tmp_path / "serve.yaml"), str(tmp_path / "s.sock"), fresh=True, say=said.append)
     fresh.release()
     assert not left.exists() and f"discarded {left}" in said, said
+
+
+def _plans_of(shape: str, tmp_path, keep="auto"):
+    """A model shape (tools/make_shape_run.py's) at 16 x 4096 tokens a step planned from the H200 machine's file,
+    nothing timed: (embedded, as ``tiermem plan --machine`` plans it; attached, as a service on that machine plans it
+    from what its trainer sends; what the service tells the trainer)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from tiermem.plan.machine_file import load_machine
+    from tiermem.plan.planner import HBM_RESERVE
+    from trainer.planning import plan_workload, run_plan
+    from trainer.run.job import model_config
+    from trainer.state import state_specs, store_config
+
+    root = Path(__file__).parent.parent
+    if str(root / "tools") not in sys.path:
+        sys.path.insert(0, str(root / "tools"))
+    from make_shape_run import SHAPES
+
+    (tmp_path / shape).mkdir()
+    (tmp_path / shape / "config.json").write_text(json.dumps(SHAPES[shape]))
+    mcfg = model_config(tmp_path / shape, None)
+    m = load_machine(root / "configs/machines/h200-pcie5-125g.yaml")
+    scfg = store_config({"placement": "auto", "tiers": {"gpu": {"device": "auto"}}}, here=False)
+    step, chunk = run_plan.Shape(4, 4096, 4), 4096  # (4 micro-batches of 4 rows of 4096 tokens)
+    cpu = torch.device("cpu")
+    embedded = run_plan.make(mcfg, torch.bfloat16, scfg, step, m, cpu, chunk, time_it=False,
+                             budgets=run_plan.budgets_for(scfg, m), cuda=True, keep=keep)
+    w = plan_workload.build(mcfg, torch.bfloat16, 4, 4096, 4, m, cpu, chunk, time_it=False)
+    asked = {"workload": w.to_json(), "hbm_room": int(m.gpu_memory * (1 - HBM_RESERVE)) - (1 << 30),
+             "keep": keep == "auto"}
+    dram = run_plan.budgets_for(scfg, m)["dram"]  # (the machine's, not this one's)
+    raw = load_store_config({"placement": "auto",
+                             "tiers": {"gpu": {"device": "auto"}, "dram": {"path": str(tmp_path), "budget": dram}}})
+    plan, _, told = plan_run(state_specs(mcfg, torch.bfloat16), resolve_auto(raw, "service"), raw, asked, lambda: m,
+                             cuda=True)
+    return embedded, plan, told
+
+
+@pytest.mark.parametrize("shape", ["3b", "8b"])
+def test_an_attached_run_is_planned_within_3_percent_of_the_embedded_one(tmp_path, shape):
+    """The service plans the layers that keep their activations, as the embedded run does (issue 43): without them
+    the attached 3B shape was predicted 1.069x its embedded twin from the H200's machine file (3.12 s against 2.92:
+    every layer recomputed, where the embedded run keeps 8), measured 1.107x on that machine; now 1.027x (5 layers
+    kept: docs/service.md says what holds the rest). The 8B shape (its state beyond the H200 machine's RAM): 1.025x,
+    no layer kept (moving state off HBM for one more is not worth it there)."""
+    embedded, attached, told = _plans_of(shape, tmp_path)
+    assert embedded.keep and told["keep"] == sorted(attached.keep)
+    assert attached.keep or shape == "8b"
+    ratio = attached.prediction.step / embedded.prediction.step
+    assert ratio <= 1.03, (ratio, attached.prediction.step, embedded.prediction.step)
+
+
+def test_a_plan_request_asks_for_kept_layers_with_true_or_false():
+    """``plan.keep`` (the trainer's tiermem_keep_activations is auto) is checked as every field a request reads; a
+    trainer of an earlier version, which does not send it, gets no kept layers, as then."""
+    from tiermem.service.requests import RequestError
+
+    raw = load_store_config({"placement": "auto", "tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "40GiB"}}})
+    asked = {"workload": workload(8).to_json(), "hbm_room": 40 * GiB}
+    specs = specs_for(8, 50_000_000, 100_000_000)
+    with pytest.raises(RequestError, match="'plan.keep' must be true") as e:
+        plan_run(specs, resolve_auto(raw, "service"), raw, dict(asked, keep="yes"), machine)
+    assert "\n" not in str(e.value)
+    assert plan_run(specs, resolve_auto(raw, "service"), raw, asked, machine)[2]["keep"] == []

@@ -122,7 +122,7 @@ def open_session(specs: list[TensorSpec], settings: OptimSettings, config: Store
     """The store for ``specs`` with its optimizer: opened here from ``config`` (its autos resolved by the
     caller; placed by ``plan``, the planner's, when given: its GPU-updated groups go to the optimizer's GPU
     worker), or attached to the service at ``server`` (``default``: this user's default socket) for run
-    ``run_id`` (which plans a new run from ``plan_input``, {workload, hbm_room}, when given; ``fresh``: a run the
+    ``run_id`` (which plans a new run from ``plan_input``, {workload, hbm_room, keep}, when given; ``fresh``: a run the
     service holds for ``run_id`` is discarded and this one starts anew, ``Session.replaced``)."""
     if server is not None:
         attached = attach(protocol.server_socket(server), run_id, label or {}, specs, settings, plan_input,

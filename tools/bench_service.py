@@ -70,6 +70,14 @@ def step_times(out: Path, skip: int = 2) -> dict:
             "steps": len(rows), "predicted_s": rows[-1].get("predicted_step_seconds")}
 
 
+def kept_layers(out: Path) -> int | None:
+    """The layers whose activations the run kept (no recompute), as its training_args.yaml says."""
+    import yaml
+
+    path = out / "training_args.yaml"
+    return yaml.safe_load(path.read_text()).get("tiermem_keep_activations") if path.is_file() else None
+
+
 def attach(work: Path, svc_store: dict, run, env: dict) -> dict:
     """Start `tiermem serve` with ``svc_store``, run the attached trainer (``run``), stop the service;
     the service's last line on its updates goes into the result."""
@@ -187,6 +195,7 @@ def main() -> int:
             raise SystemExit(f"{name} run failed (rc {rc})")
         r = step_times(work / name)
         r["wall_s"] = time.perf_counter() - t0
+        r["kept_layers"] = kept_layers(work / name)
         shutil.rmtree(work / name, ignore_errors=True)  # the exported model
         return r
 
@@ -217,14 +226,15 @@ def measure(args, results: dict, trainer, store: dict, work: Path, env: dict) ->
         results[name]["ratio_step_time"] = results[name]["step_s"] / results["embedded"]["step_s"]
         runs.append(name)
     print(f"\n{'run':22} {'step s':>8} {'tok/s':>9} {'compute':>8} {'wait xfer':>9} {'wait opt':>9} {'wall s':>7}"
-          f" {'/ embedded':>10} {'predicted':>9} {'/ predicted':>11}")
+          f" {'/ embedded':>10} {'predicted':>9} {'/ predicted':>11} {'kept':>4}")
     for name in runs:
         r = results[name]
         pred = r.get("predicted_s")
         print(f"{name:22} {r['step_s']:8.3f} {r['tokens_per_s']:9,.0f} {r['compute_s']:8.3f} "
               f"{r['wait_transfer_s']:9.3f} {r['wait_optimizer_s']:9.3f} {r['wall_s']:7.1f}"
               f" {r.get('ratio_step_time', 1.0):10.3f}"
-              + (f" {pred:9.3f} {r['step_s'] / pred:11.3f}" if pred else f" {'-':>9} {'-':>11}"))
+              + (f" {pred:9.3f} {r['step_s'] / pred:11.3f}" if pred else f" {'-':>9} {'-':>11}")
+              + f" {r.get('kept_layers') if r.get('kept_layers') is not None else '-':>4}")
     if args.planned:
         print(f"placement auto in both runs (the service planned the attached run; durability {args.durability})")
     else:

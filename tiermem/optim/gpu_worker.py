@@ -118,13 +118,24 @@ class GpuWorker:
 
         def flip():
             self.guard.flip(g, step, places)
-            if computed is not None:
-                computed.synchronize()
-            if self._nonfinite(check):
+            if self._found_nonfinite(check, computed):
                 raise NonFiniteUpdate(step, g)
             cat.bump(g, to=step)
 
         return self._flips.submit(flip)
+
+    def _found_nonfinite(self, check: tuple | None, computed) -> bool:
+        """Whether a group's ``check`` found a weight inf or NaN, read on the flip thread once ``computed`` (the
+        check's kernel on the optimizer's stream, or None) has run: on CUDA on a stream of the flips' own. On the
+        thread's default stream the read queued behind every kernel the trainer's forward had queued there (the
+        executor computes on that stream): each flip waited for the forward's queue, the worker waits for the flip
+        of the group before last, and the forward for the worker's next group, the GPU idle in between."""
+        if computed is not None:
+            computed.synchronize()
+        if self._flip_stream is None:
+            return self._nonfinite(check)
+        with torch.cuda.stream(self._flip_stream):
+            return self._nonfinite(check)
 
     def _grads_of(self, g: Group) -> dict:
         """The group's gradient on the GPU to update from: the one offered there, else a copy of its home's (the
@@ -263,9 +274,7 @@ class GpuWorker:
                 if home is not None:
                     home.result()
                 self.guard.flip(g, step, places)
-                if computed is not None:
-                    computed.synchronize()
-                if self._nonfinite(check):  # (journaled whole: a recovery does not redo it)
+                if self._found_nonfinite(check, computed):  # (journaled whole: a recovery does not redo it)
                     raise NonFiniteUpdate(step, g)
                 cat.bump(g, to=step)
 

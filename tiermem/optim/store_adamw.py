@@ -168,6 +168,7 @@ class StoreAdamW(GpuWorker):
         # here, in order, while the worker goes on with the next group
         self._flips = cf.ThreadPoolExecutor(1, "tiermem-optim-flip")
         self._stream = torch.cuda.Stream(store.device) if store.tiers.device.is_cuda else None
+        self._flip_stream = torch.cuda.Stream(store.device) if self._stream is not None and guard is not None else None
         self._pending: cf.Future | None = None
         self._error: BaseException | None = None
         self.last_step_seconds = 0.0  # the last finished step's update, from its start to the last bump

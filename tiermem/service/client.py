@@ -319,7 +319,7 @@ def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: Optim
            plan: dict | None = None, rank: int = 0, world: int = 1, owns: list | None = None,
            local_rank: int = 0, optimizer_type: type | None = None, fresh: bool = False) -> Attached:
     """Attach to the service at ``path`` for run ``run_id`` (created there if the service holds no run; with
-    ``plan``, {workload, hbm_room}, the service plans it). A rank of several (``rank`` of ``world``, rank 0
+    ``plan``, {workload, hbm_room, keep}, the service plans it). A rank of several (``rank`` of ``world``, rank 0
     first) says which groups it ``owns``: of each update's groups the service leaves to the trainers' GPU
     workers, it takes those. ``fresh`` (overwrite_output_dir): a run the service holds for this run id, with no
     trainer attached, is discarded and this one starts anew (``Attached.replaced``: the step it was at).

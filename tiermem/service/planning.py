@@ -4,8 +4,10 @@ GPU) and the HBM its step may use; the service plans with its own machine figure
 answers with the plan so the trainer runs and watches it (passes, activation budget, predicted step). HBM is
 counted for what a service's run needs there beside an embedded run's: room for two groups' new state (updates
 are out of place, as in DRAM) and the service's own CUDA context; with ``durability: step`` the gradients live in
-DRAM and each update's new state in HBM is copied there (the link's cost counted). Several ranks attached to one
-service keep no state in HBM yet.
+DRAM and each update's new state in HBM is copied there (the link's cost counted). Where the trainer asks
+(``keep``: its tiermem_keep_activations is auto), the layers that keep their forward's activations are chosen with
+the placement, as an embedded run's are, and told (``keep``). Several ranks attached to one service keep no state in
+HBM yet.
 
     plan, share, told = plan_run(specs, plan_cfg, raw_cfg, msg["plan"], machine)   # or None: the fixed rule
 """
@@ -70,11 +72,13 @@ def new_state_room(specs: list[TensorSpec], has_master: bool) -> int:
 
 
 def plan_run(specs: list[TensorSpec], plan_cfg: StoreConfig, raw_cfg: StoreConfig, asked,
-             machine, hbm: bool = True) -> tuple[Plan, float, dict] | None:
-    """The planner's plan of a new run from the trainer's ``asked`` ({workload, hbm_room}); None where the
+             machine, hbm: bool = True, cuda: bool | None = None) -> tuple[Plan, float, dict] | None:
+    """The planner's plan of a new run from the trainer's ``asked`` ({workload, hbm_room, keep}); None where the
     service places by its fixed rule (no workload sent, or a placement that pins every kind). ``machine`` is
-    called for the figures (measured once, when first needed); ``hbm`` False: no state in HBM. Returns the plan,
-    the share of groups the trainer's GPU worker updates, and what the trainer is told."""
+    called for the figures (measured once, when first needed); ``hbm`` False: no state in HBM; ``cuda``: plan for a
+    service on a CUDA GPU (None: whether the config's device is one; True on another machine: what a service there
+    would plan). Returns the plan, the share of groups the trainer's GPU worker updates, and what the trainer is
+    told."""
     if asked is None:
         return None
     pins = plan_cfg.pins()
@@ -82,7 +86,7 @@ def plan_run(specs: list[TensorSpec], plan_cfg: StoreConfig, raw_cfg: StoreConfi
     if all(s.kind in pins for s in specs):
         return None
     if not isinstance(asked, dict):
-        raise RequestError("'plan' must be an object: {workload, hbm_room}")
+        raise RequestError("'plan' must be an object: {workload, hbm_room, keep}")
     try:
         w = Workload.from_json(asked.get("workload"))
     except ValueError as e:
@@ -90,10 +94,14 @@ def plan_run(specs: list[TensorSpec], plan_cfg: StoreConfig, raw_cfg: StoreConfi
     room = asked.get("hbm_room")
     if not (isinstance(room, int) and not isinstance(room, bool) and 0 < room < 1 << 50):
         raise RequestError("'plan.hbm_room' must be the bytes of HBM the trainer's step may use")
+    keep = asked.get("keep", False)  # (a trainer of an earlier version does not ask: none kept, as it ran then)
+    if type(keep) is not bool:
+        raise RequestError("'plan.keep' must be true (the planner chooses the layers that keep their activations) "
+                           "or false")
     groups = {s.group for s in specs}
     if set(w.groups) != groups:
         raise RequestError("the workload's groups are not the specs' groups")
-    cuda = compute_device(plan_cfg).type == "cuda"
+    cuda = compute_device(plan_cfg).type == "cuda" if cuda is None else cuda
     budgets = {**default_budgets(plan_cfg), registry.primary(DEVICE): room}
     base = machine()  # (the service's CPU AdamW writes out of place or behind an undo copy)
     m = dataclasses.replace(base, assumed=list(base.assumed), cpu_adamw=base.cpu_adamw * CRASH_SAFE_CPU)
@@ -105,7 +113,7 @@ def plan_run(specs: list[TensorSpec], plan_cfg: StoreConfig, raw_cfg: StoreConfi
     has_master = any(s.kind == "master" for s in specs)
     taken = new_state_room(specs, has_master) + (SERVICE_CONTEXT if cuda else 0) if hbm else 0
     plan = plan_step(specs, cfg, w, m, budgets, cuda=False, hbm_state=hbm, gpu_worker=cuda, hbm_taken=taken,
-                     write_through=step)
+                     write_through=step, keep_auto=keep)
     explicit = raw_cfg.optimizer.gpu_share is not None
     # (the planner's split is a share of every group, those in HBM included: the GPU worker updates them)
     share = plan_cfg.optimizer.gpu_share if explicit or not cuda else len(plan.gpu_updates) / len(w.groups)
@@ -113,5 +121,5 @@ def plan_run(specs: list[TensorSpec], plan_cfg: StoreConfig, raw_cfg: StoreConfi
             "gpu_updates": None if explicit else sorted(plan.gpu_updates, key=str),
             "passes": plan.passes, "activation_budget": plan.activation_budget,
             "activation_bytes": plan.activation_bytes, "hbm_room": plan.hbm_room, "machine": m.to_json(),
-            "write_through": step}
+            "write_through": step, "keep": sorted(plan.keep)}
     return plan, share, told

@@ -379,11 +379,12 @@ def advice(plan: Plan, ga: int, bound_at, advised=None) -> str | None:
     return best[1] if best else None
 
 
-def service_plan_input(mcfg, dtype: torch.dtype, shape: Shape, loss_chunk: int, piece_rows="auto"):
+def service_plan_input(mcfg, dtype: torch.dtype, shape: Shape, loss_chunk: int, piece_rows="auto", keep=0):
     """What an attached trainer sends the service so that it plans the run: the step's workload, timed on this
-    process's GPU (the CPU stand-in's for a small model), and the HBM the step may use. ``piece_rows``
-    (tiermem_physical_batch_size): a number is the pieces' rows the workload is timed at; auto: the micro-batch's
-    own (the service plans the placement for the trainer's step as it is)."""
+    process's GPU (the CPU stand-in's for a small model), the HBM the step may use, and whether the planner chooses
+    the layers that keep their activations (``keep``, tiermem_keep_activations: auto, as ``make`` does for an
+    embedded run). ``piece_rows`` (tiermem_physical_batch_size): a number is the pieces' rows the workload is timed
+    at; auto: the micro-batch's own (the service plans the placement for the trainer's step as it is)."""
     import psutil
 
     from tiermem.plan.planner import HBM_RESERVE
@@ -398,13 +399,14 @@ def service_plan_input(mcfg, dtype: torch.dtype, shape: Shape, loss_chunk: int, 
         room = int(torch.cuda.get_device_properties(device).total_memory * (1 - HBM_RESERVE)) - (1 << 30)
     else:  # (the CPU stand-in's "GPU" is a share of host memory, as an embedded run's)
         room = psutil.virtual_memory().available // 4
-    return w, {"workload": w.to_json(), "hbm_room": int(room)}
+    keep_auto = keep == "auto" and keeps_activations(mcfg) and mcfg.moe is None
+    return w, {"workload": w.to_json(), "hbm_room": int(room), "keep": keep_auto}
 
 
 def from_service(told: dict, specs, w, micro_rows: int = 0) -> Plan:
     """The plan the service made of this run (``tiermem.service.planning``), as the run's own: placement, split,
-    passes and the prediction, made again here from the same figures (``w``: the workload sent, at the pieces'
-    rows; ``micro_rows``: a micro-batch's)."""
+    passes, the layers that keep their activations and the prediction, made again here from the same figures (``w``:
+    the workload sent, at the pieces' rows; ``micro_rows``: a micro-batch's)."""
     from tiermem.plan.costmodel import Layout, predict
     from tiermem.plan.planner import sizes
 
@@ -416,7 +418,9 @@ def from_service(told: dict, specs, w, micro_rows: int = 0) -> Plan:
     plan.passes, plan.gpu_updates = int(told["passes"]), gpu_updates
     plan.activation_budget, plan.activation_bytes = told.get("activation_budget"), int(told["activation_bytes"])
     plan.hbm_room, plan.machine, plan.workload, plan.params = int(told["hbm_room"]), m, w, params
-    layout = Layout(where, gpu_updates or set(), plan.passes, write_through=bool(told.get("write_through")))
+    plan.keep = frozenset(told.get("keep") or ())  # (a service of an earlier version chose none)
+    layout = Layout(where, gpu_updates or set(), plan.passes, keep=plan.keep,
+                    write_through=bool(told.get("write_through")))
     plan.prediction = predict(layout, w, m, group_bytes, params)
     return _with_pieces(plan, micro_rows or w.micro_rows, w.micro_rows)
 

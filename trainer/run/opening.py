@@ -35,7 +35,7 @@ def open_training_session(job, ranks, say) -> Session:
         return ranks.open_embedded(job, specs, settings, say)
     label = {"model": str(cfg.model_name_or_path), "output_dir": str(job.out.resolve())}
     workload, plan_input = run_plan.service_plan_input(mcfg, job.dtype, step_shape(job), cfg.loss_chunk_tokens,
-                                                       cfg.tiermem_physical_batch_size)
+                                                       cfg.tiermem_physical_batch_size, cfg.tiermem_keep_activations)
     run_id = run_identity(cfg, mcfg, job.dtype, job.rows)
     # (overwrite_output_dir as Hugging Face means it: the run starts afresh, the service's run of it discarded)
     session = ranks.attach(specs, settings, cfg.tiermem_server, run_id, label, plan_input,
@@ -48,6 +48,7 @@ def open_training_session(job, ranks, say) -> Session:
         if session.service_plan is not None:  # the service planned the run (as an embedded run plans)
             job.store_plan = run_plan.from_service(session.service_plan, specs, workload,
                                                    cfg.micro_rows)  # (stage dpo: two rows a pair)
+            run_plan.keep_activations(job.store_plan, cfg.tiermem_keep_activations, mcfg)  # (a number: as embedded)
             for line in run_plan.lines(job.store_plan):
                 say(line)
         if session.continues_at is None:  # a new run in the service (from the checkpoint it names, if it lost one)
