@@ -192,7 +192,7 @@ def test_serve_fresh_discards_the_hbm_block_a_clean_stop_left(tmp_path):
     assert not left.exists() and f"discarded {left}" in said, said
 
 
-def _plans_of(shape: str, tmp_path, keep="auto"):
+def _plans_of(shape: str, tmp_path, keep="auto", rows=4, seq=4096, micro_batches=4):
     """A model shape (tools/make_shape_run.py's) at 16 x 4096 tokens a step planned from the H200 machine's file,
     nothing timed: (embedded, as ``tiermem plan --machine`` plans it; attached, as a service on that machine plans it
     from what its trainer sends; what the service tells the trainer)."""
@@ -216,11 +216,11 @@ def _plans_of(shape: str, tmp_path, keep="auto"):
     mcfg = model_config(tmp_path / shape, None)
     m = load_machine(root / "configs/machines/h200-pcie5-125g.yaml")
     scfg = store_config({"placement": "auto", "tiers": {"gpu": {"device": "auto"}}}, here=False)
-    step, chunk = run_plan.Shape(4, 4096, 4), 4096  # (4 micro-batches of 4 rows of 4096 tokens)
+    step, chunk = run_plan.Shape(rows, seq, micro_batches), 4096  # (default: 4 micro-batches of 4 rows of 4096)
     cpu = torch.device("cpu")
     embedded = run_plan.make(mcfg, torch.bfloat16, scfg, step, m, cpu, chunk, time_it=False,
                              budgets=run_plan.budgets_for(scfg, m), cuda=True, keep=keep)
-    w = plan_workload.build(mcfg, torch.bfloat16, 4, 4096, 4, m, cpu, chunk, time_it=False)
+    w = plan_workload.build(mcfg, torch.bfloat16, rows, seq, micro_batches, m, cpu, chunk, time_it=False)
     asked = {"workload": w.to_json(), "hbm_room": int(m.gpu_memory * (1 - HBM_RESERVE)) - (1 << 30),
              "keep": keep == "auto"}
     dram = run_plan.budgets_for(scfg, m)["dram"]  # (the machine's, not this one's)
@@ -243,6 +243,22 @@ def test_an_attached_run_is_planned_within_3_percent_of_the_embedded_one(tmp_pat
     assert attached.keep or shape == "8b"
     ratio = attached.prediction.step / embedded.prediction.step
     assert ratio <= 1.03, (ratio, attached.prediction.step, embedded.prediction.step)
+
+
+def test_an_attached_run_never_plans_boundary_activations_in_dram(tmp_path):
+    """The attached trainer keeps every boundary activation in its own HBM (the arena it maps is the service's): a
+    service that planned some in DRAM (the 3B shape at one row of 524,288 tokens: 7 layers' inputs, 21.6 GiB) left
+    the trainer holding them on the GPU beyond its plan. Such a row is now refused in one line that says why and what
+    does place them in DRAM (tiermem-train without the service); a row whose activations fit on the GPU is planned
+    as before."""
+    from tiermem.errors import BudgetError
+
+    with pytest.raises(BudgetError, match="an attached run keeps its boundary activations in HBM") as e:
+        _plans_of("3b", tmp_path, rows=1, seq=524288, micro_batches=1)
+    assert "\n" not in str(e.value) and "without tiermem_server" in str(e.value)
+    (tmp_path / "short").mkdir()
+    _, plan, _ = _plans_of("3b", tmp_path / "short", rows=1, seq=131072, micro_batches=1)
+    assert plan.act_host == 0 and plan.prediction.step > 0
 
 
 def test_a_plan_request_asks_for_kept_layers_with_true_or_false():

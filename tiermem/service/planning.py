@@ -18,6 +18,7 @@ import copy
 import dataclasses
 
 from tiermem.config import StoreConfig
+from tiermem.errors import BudgetError
 from tiermem.plan.machine import Machine, machine_for
 from tiermem.plan.placement import Plan, default_budgets
 from tiermem.plan.planner import plan_step
@@ -112,8 +113,15 @@ def plan_run(specs: list[TensorSpec], plan_cfg: StoreConfig, raw_cfg: StoreConfi
         cfg.placement = {**(cfg.placement if isinstance(cfg.placement, dict) else {}), "grad": registry.primary(HOST)}
     has_master = any(s.kind == "master" for s in specs)
     taken = new_state_room(specs, has_master) + (SERVICE_CONTEXT if cuda else 0) if hbm else 0
-    plan = plan_step(specs, cfg, w, m, budgets, cuda=False, hbm_state=hbm, gpu_worker=cuda, hbm_taken=taken,
-                     write_through=step, keep_auto=keep)
+    # (boundary activations on the GPU only: the trainer keeps them in its own memory, and the arena it maps is the
+    # service's, with no room of the trainer's for them)
+    try:
+        plan = plan_step(specs, cfg, w, m, budgets, cuda=False, hbm_state=hbm, gpu_worker=cuda, hbm_taken=taken,
+                         write_through=step, keep_auto=keep, activations=DEVICE)
+    except BudgetError as e:
+        raise BudgetError(f"{e} (an attached run keeps its boundary activations in HBM: in DRAM they are not "
+                          "supported yet with a service; tiermem-train without tiermem_server places them there)") \
+            from None
     explicit = raw_cfg.optimizer.gpu_share is not None
     # (the planner's split is a share of every group, those in HBM included: the GPU worker updates them)
     share = plan_cfg.optimizer.gpu_share if explicit or not cuda else len(plan.gpu_updates) / len(w.groups)

@@ -114,5 +114,6 @@ def activations_home(cfg, store_plan=None) -> tuple:
         return registry.primary(HOST), store_plan.act_host
     if activations_role(cfg) == HOST:
         raise ConfigError("tiermem_activations: dram is not supported yet without the planner's placement (every kind "
-                          "pinned, or several ranks): leave a kind to the planner, or use auto")
+                          "pinned, several ranks, or a run attached to a service): leave a kind to the planner, or use "
+                          "auto")
     return None, 0
