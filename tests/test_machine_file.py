@@ -16,6 +16,7 @@ from tiermem.plan.machine import H200, Machine
 from tiermem.plan.machine_file import (
     ADAMW_A_THREAD,
     ATTENTION_OF_PEAK,
+    EXPERTS_OF_PEAK,
     STEP_OF_PEAK,
     describe,
     from_description,
@@ -25,7 +26,7 @@ from tiermem.plan.machine_file import (
 ROOT = Path(__file__).parent.parent
 BUNDLED = sorted((ROOT / "configs" / "machines").glob("*.yaml"))
 sys.path.insert(0, str(ROOT / "tools"))
-from make_shape_run import SHAPES  # noqa: E402
+from make_shape_run import SHAPES, parse, shape_of  # noqa: E402
 
 SMALL = {"name": "small", "gpu": {"memory": "80GiB", "bf16_tflops": 989},
          "link": {"h2d": 50, "d2h": 40}, "host": {"memory": "256GiB", "cores": 34},
@@ -90,10 +91,11 @@ def test_a_file_converts_each_figure_and_adds_its_disks_up(tmp_path):
     assert m.gpu_tflops == pytest.approx(989e12 * STEP_OF_PEAK) == pytest.approx(623e12)
     assert m.gpu_attention_tflops == pytest.approx(989e12 * ATTENTION_OF_PEAK) == pytest.approx(480e12)
     assert m.cpu_adamw == pytest.approx(ADAMW_A_THREAD * 32)  # (all cores but two)
-    assert "estimated: gpu_tflops, gpu_attention_tflops, cpu_adamw" in m.source
+    assert m.gpu_expert_tflops == pytest.approx(989e12 * EXPERTS_OF_PEAK) == pytest.approx(236e12)
+    assert "estimated: gpu_tflops, gpu_attention_tflops, cpu_adamw, gpu_expert_tflops" in m.source
     assert m.nvme_both == H200["nvme_both"] and "nvme_both" in m.assumed  # (one disk of two gave it: not all)
-    assert {"duplex", "copy_drag", "gpu_adamw", "cpu_copy", "cpu_in_run", "pass_cost", "gpu_piece_rate"} <= set(
-        m.assumed)
+    assert {"duplex", "copy_drag", "gpu_adamw", "cpu_copy", "cpu_in_run", "pass_cost", "gpu_piece_rate",
+            "gpu_expert_piece_rate", "gpu_expert_route_rate"} <= set(m.assumed)
 
 
 def test_several_gpus_are_planned_as_one_gpus_share(tmp_path):
@@ -150,8 +152,9 @@ def test_what_a_probe_saves_reads_back_as_the_same_figures(tmp_path):
     for k in ("h2d", "d2h", "nvme_read", "nvme_write", "cpu_adamw", "gpu_adamw", "gpu_memory", "ram", "disk_free"):
         assert getattr(back, k) == pytest.approx(getattr(m, k), rel=1e-3), k
     # (a file names the GPU's peak; a streamed layer's rate the probe did not give is estimated from it)
-    assert set(back.assumed) == set(m.assumed) - {"gpu_peak", "gpu_tflops", "gpu_attention_tflops"}
-    assert "estimated: gpu_tflops, gpu_attention_tflops" in back.source
+    assert set(back.assumed) == set(m.assumed) - {"gpu_peak", "gpu_tflops", "gpu_attention_tflops",
+                                                  "gpu_expert_tflops"}
+    assert "estimated: gpu_tflops, gpu_attention_tflops, gpu_expert_tflops" in back.source
 
 
 def test_a_files_pass_cost_and_cost_a_piece_are_read_and_saved_back(tmp_path):
@@ -165,6 +168,21 @@ def test_a_files_pass_cost_and_cost_a_piece_are_read_and_saved_back(tmp_path):
     plain = load_machine(write(tmp_path, SMALL, "plain.yaml"))
     assert (plain.gpu_piece_rate, plain.pass_cost) == (H200["gpu_piece_rate"], H200["pass_cost"])
     assert {"gpu_piece_rate", "pass_cost"} <= set(plain.assumed)
+
+
+def test_a_files_expert_figures_are_read_and_saved_back(tmp_path):
+    """gpu.expert_tflops, expert_piece_rate and expert_route_rate (a mixture of experts' routed experts) are the
+    file's, not assumed, and what a probe saves reads back the same; left out, the first is estimated from the peak,
+    the others are the H200's, assumed."""
+    gpu = dict(SMALL["gpu"], expert_tflops=200, expert_piece_rate=150, expert_route_rate=25)
+    m = load_machine(write(tmp_path, dict(SMALL, gpu=gpu)))
+    figures = ("gpu_expert_tflops", "gpu_expert_piece_rate", "gpu_expert_route_rate")
+    assert tuple(getattr(m, k) for k in figures) == (200e12, 150e9, 25e9) and not set(figures) & set(m.assumed)
+    back = from_description(describe(m, "p", "", 16), "p.yaml")
+    assert tuple(getattr(back, k) for k in figures) == (200e12, 150e9, 25e9) and not set(figures) & set(back.assumed)
+    plain = load_machine(write(tmp_path, SMALL, "plain.yaml"))
+    assert (plain.gpu_expert_piece_rate, plain.gpu_expert_route_rate) == (174e9, 20e9)
+    assert {"gpu_expert_piece_rate", "gpu_expert_route_rate"} <= set(plain.assumed)
 
 
 def test_top_reads_a_saved_machine_files_rows(tmp_path):
@@ -243,3 +261,48 @@ def test_our_machine_file_predicts_the_runs_we_measured_within_10_percent(tmp_pa
     rc, out, err = cli(capsys, "plan", cfg, "--machine", ROOT / "configs/machines/h200-pcie5-125g.yaml", "--json")
     assert rc == 0, err
     assert measured / json.loads(out)["prediction"]["step_seconds"] == pytest.approx(1.0, abs=0.10)
+
+
+def moe_yaml(tmp_path: Path, shape: str, layers: int, experts: int | None, **settings) -> Path:
+    """A training YAML of a mixture of experts' shape as the H200 runs made it (``tools/make_shape_run.py --shape
+    SHAPE --layers N [--experts E] --accum 64``): 64 micro-batches of one 4096-token row a step."""
+    argv = ["--shape", shape, "--dir", str(tmp_path), "--layers", str(layers)] + (
+        ["--experts", str(experts)] if experts else [])
+    cfg = train_yaml(tmp_path, "8b")  # (its YAML; its model is this shape)
+    (tmp_path / "8b" / "config.json").write_text(json.dumps(shape_of(parse(argv))))
+    data = yaml.safe_load(cfg.read_text())
+    data.update(per_device_train_batch_size=1, gradient_accumulation_steps=64, cutoff_len=4096, **settings)
+    cfg.write_text(yaml.safe_dump(data))
+    return cfg
+
+
+# the runs a FLOP count of a mixture of experts leaves something out of (docs/measurements.md, "gpt-oss measured"):
+# transformers' gpt-oss has no SDPA (its eager attention materialises every head's 4096 x 4096 scores), the template's
+# Qwen3-MoE layer stacks every expert's weights each forward, Qwen3-Next ran transformers' PyTorch fallback of its
+# linear attention (the GPU machine has neither flash-linear-attention nor causal-conv1d)
+MISSED = pytest.mark.xfail(strict=True, reason="not in the estimate: docs/measurements.md, gpt-oss measured")
+
+
+@pytest.mark.parametrize("shape,layers,experts,settings,measured,what", [
+    # gpt-oss-120B through the template: the step at 2-row pieces as the run merged them, the compute at 1-row pieces
+    # (its step waited on the disk, its update's state partly on NVMe beside ~60 GiB of page cache: not modelled)
+    pytest.param("gpt-oss-120b", 2, None, {"tiermem_physical_batch_size": 2}, 6.38, "step", id="oss-2l-template"),
+    pytest.param("gpt-oss-120b", 3, None, {"tiermem_physical_batch_size": 1}, 9.405, "compute",
+                 id="oss-3l-template-compute"),
+    pytest.param("qwen3-30b-a3b", 12, None, {"tiermem_model_path": "generic"}, 13.28, "step", id="qwen3moe-generic"),
+    pytest.param("deepseek-v3", 5, 64, {}, 23.57, "step", id="dsv3-5l-64e-generic"),
+    pytest.param("gpt-oss-120b", 2, None, {"tiermem_model_path": "generic"}, 14.58, "step", id="oss-2l-generic",
+                 marks=MISSED),
+    pytest.param("qwen3-30b-a3b", 12, None, {"tiermem_model_path": "template"}, 16.67, "step",
+                 id="qwen3moe-template", marks=MISSED),
+    pytest.param("qwen3-next-80b-a3b", 6, None, {}, 35.05, "step", id="qwen3next-6l-generic", marks=MISSED),
+])
+def test_our_machine_file_predicts_the_moe_runs_we_measured_within_10_percent(tmp_path, capsys, shape, layers,
+                                                                              experts, settings, measured, what):
+    """The mixture-of-experts runs on the H200 machine (fourteenth and fifteenth sessions), planned from its machine
+    file: a routed expert's FLOPs at the experts' rate, the routing's rows and every expert's cost a piece."""
+    cfg = moe_yaml(tmp_path, shape, layers, experts, **settings)
+    rc, out, err = cli(capsys, "plan", cfg, "--machine", ROOT / "configs/machines/h200-pcie5-125g.yaml", "--json")
+    assert rc == 0, err
+    pred = json.loads(out)["prediction"]
+    assert measured / pred["step_seconds" if what == "step" else "compute_seconds"] == pytest.approx(1.0, abs=0.10)

@@ -192,6 +192,8 @@ def test_a_model_larger_than_memory_is_described_without_its_weights():
     experts = 256 * 3 * 7168 * 2048
     assert cfg.num_params() - cfg.num_params(active=True) == experts - experts * 8 // 256
     assert cfg.layer_params(3) - cfg.layer_params(3, active=True) == experts - experts * 8 // 256  # (the planner's)
+    assert (cfg.expert_params(3), cfg.expert_params(3, active=True), cfg.expert_params(0)) == (
+        experts, experts * 8 // 256, 0)  # (the planner's routed experts' share, trainer.planning.plan_workload)
     # where transformers records no router logits (DeepSeek-V3 in 5.17: no MoeSpec), config.json still counts them
     unrecorded = dataclasses.replace(cfg, moe=None, routers=())
     assert unrecorded.num_params(active=True) == cfg.num_params(active=True)

@@ -251,7 +251,8 @@ def _workload(path: str, mcfg, shape):
     names = {f.name for f in dataclasses.fields(Machine)}
     # (figures a plan of an earlier version did not carry: the H200's then)
     later = {"duplex", "copy_drag", "cpu_copy", "cpu_in_run", "nvme_both", "gpu_peak",
-             "gpu_attention_tflops", "pass_cost", "gpu_piece_rate"}
+             "gpu_attention_tflops", "pass_cost", "gpu_piece_rate", "gpu_expert_tflops",
+             "gpu_expert_piece_rate", "gpu_expert_route_rate"}
     earlier = {"nvme_read_beside", "nvme_write_beside"}  # (figures a plan of an earlier version carried)
     rates = [k for k in (names | earlier) - {"disk_free", "source", "assumed"} if k in m]
     if not (names - later <= set(m) <= names | earlier) or not all(

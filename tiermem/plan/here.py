@@ -26,7 +26,9 @@ WORDS = {"h2d": "the link to the GPU", "d2h": "the link from the GPU", "nvme_rea
          "gpu_adamw": "GPU AdamW", "gpu_tflops": "GPU compute", "gpu_memory": "the GPU's memory", "ram": "RAM",
          "duplex": "the link both ways at once", "copy_drag": "compute beside copies",
          "gpu_attention_tflops": "the GPU's attention compute", "gpu_peak": "the GPU's peak rate (MFU's divisor)",
-         "pass_cost": "a pass's cost beyond the first", "gpu_piece_rate": "a layer's cost a piece"}
+         "pass_cost": "a pass's cost beyond the first", "gpu_piece_rate": "a layer's cost a piece",
+         "gpu_expert_tflops": "the GPU's routed experts' compute", "gpu_expert_piece_rate": "the experts' cost a piece",
+         "gpu_expert_route_rate": "the experts' routing"}
 
 
 def in_words(keys) -> str:
@@ -46,9 +48,13 @@ def cpu_machine(nvme_dir=None, gpu_budget: int | None = None) -> Machine:
     figures["gpu_adamw"] = figures["cpu_adamw"]
     figures["gpu_memory"] = gpu_budget or psutil.virtual_memory().available // 4
     figures["gpu_attention_tflops"] = figures["gpu_peak"] = figures["gpu_tflops"]  # (one rate: the CPU's matmuls)
+    figures["gpu_expert_tflops"] = figures["gpu_tflops"]
     # (a layer's cost a piece: its gradient added into the fp32 sum, ~10 bytes a parameter at the memory's copy rate;
     # no pass costs more than its work here: the stand-in's thread computes what it waits for)
     figures["gpu_piece_rate"], figures["pass_cost"] = figures["h2d"] / 10, 0.0
+    figures["gpu_expert_piece_rate"] = figures["gpu_piece_rate"]
+    figures["gpu_expert_route_rate"] = figures["gpu_piece_rate"] * H200["gpu_expert_route_rate"] / H200[
+        "gpu_piece_rate"]  # (the routing's rate to a piece's as on the H200)
     if nvme_dir:
         figures.update(disk_rates(nvme_dir, 64 << 20))
     return Machine(**{**H200, **figures}, source="this machine's own figures (no GPU here: the CPU stand-in computes; "

@@ -65,6 +65,18 @@ H200 = {
     # gradient added into the fp32 sum, and whatever else does not shrink with a piece's tokens. Fitted to the 14B
     # runs at 2048- and 8192-token pieces and the 8B's at 4096 (2.0 ms a piece of the 14B's 275 M-parameter layer)
     "gpu_piece_rate": 140e9,
+    # a sparse (mixture-of-experts) layer's routed experts, grouped matmuls over the tokens each expert is sent
+    # (the estimate's; a plan timed on the GPU times them): the FLOP/s their matmuls reach counting the recompute, in
+    # place of gpu_tflops for the experts' share of a token's FLOPs; the parameters a second of their cost each piece
+    # whatever its tokens (every expert's weights read by the grouped matmuls, every expert's gradient summed into the
+    # fp32 sum), in place of gpu_piece_rate for the experts' share of the layer; and the routing's rate, below. Fitted
+    # to gpt-oss-120B's layer through the template at 4096- and 8192-token pieces and Qwen3-30B-A3B's through the
+    # generic path (docs/measurements.md, "gpt-oss measured")
+    "gpu_expert_tflops": 236e12,
+    "gpu_expert_piece_rate": 174e9,
+    # elements a second of the routing's own work: each (token, expert) row of 2 I + H elements (the token gathered
+    # in, the expert's activation, its output weighted and scattered back), forward, recompute and backward
+    "gpu_expert_route_rate": 20e9,
 }
 
 
@@ -88,6 +100,9 @@ class Machine:
     copy_drag: float = H200["copy_drag"]  # the compute's slowdown while the link copies both ways
     pass_cost: float = H200["pass_cost"]  # seconds a group summed outside HBM costs each pass beyond the first
     gpu_piece_rate: float = H200["gpu_piece_rate"]  # params/s of a layer's fixed cost each piece (not timed)
+    gpu_expert_tflops: float = H200["gpu_expert_tflops"]  # FLOP/s of a sparse layer's routed experts a token
+    gpu_expert_piece_rate: float = H200["gpu_expert_piece_rate"]  # params/s of their cost each piece
+    gpu_expert_route_rate: float = H200["gpu_expert_route_rate"]  # elements/s of the routing's own work
     disk_free: int | None = None  # bytes free on the NVMe tier's disk, where the probe saw it
     source: str = "assumed"
     assumed: list[str] = field(default_factory=list)

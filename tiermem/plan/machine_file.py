@@ -3,14 +3,15 @@ whether it is this one or one we do not have. ``tiermem probe --save FILE`` writ
 measured (its rows beside, for ``tiermem top --probe``). docs/machines.md documents each field.
 
     gpu:   {count: 1, name: NVIDIA H200, memory: 141GiB, bf16_tflops: 989}     # + step/attention_tflops, adamw,
-                                                                              #   piece_rate, pass_ms
+                                                                              #   piece_rate, pass_ms, expert_tflops,
+                                                                              #   expert_piece_rate, expert_route_rate
     link:  {h2d: 55, d2h: 55}                                                 # GB/s each way, each GPU's; + duplex
     host:  {memory: 1.5TiB, cores: 96, adamw: 12}                             # G params/s; + copy, in_run
     nvme:  [{read: 14, write: 10, size: 7.68TB}, ...]                         # GB/s, each device; + both
 
 A figure the file leaves out is the H200 machine's (``tiermem.plan.machine.H200``), or estimated from the
-file's own (the CPU's AdamW rate from its cores, a streamed layer's matmuls' and attention's rates from the
-GPU's peak), and named in the plan's ``assumed`` or its source's "estimated". Several GPUs: the planner plans
+file's own (the CPU's AdamW rate from its cores, a streamed layer's matmuls', attention's and routed experts' rates
+from the GPU's peak), and named in the plan's ``assumed`` or its source's "estimated". Several GPUs: the planner plans
 one GPU's share (the host's memory, cores and disks divided evenly among them) and says so. Every mistake is
 one line naming the field (exit 2).
 """
@@ -31,6 +32,7 @@ GB = 1e9
 # (623 and 480 of 989: docs/machines.md), and its CPU AdamW a thread (4.0 G params/s on 14 threads)
 STEP_OF_PEAK = 623 / 989
 ATTENTION_OF_PEAK = 480 / 989
+EXPERTS_OF_PEAK = H200["gpu_expert_tflops"] / 1e12 / 989  # (a sparse layer's routed experts: 236 of 989)
 ADAMW_A_THREAD = H200["cpu_adamw"] / 14
 # the machine's GPU: its section here, and the cost model's resource of its compute (tiermem.plan.costmodel; not
 # the tier of that name: a plan's JSON names the resource so in ``busy_seconds`` and ``bound``, and this module,
@@ -40,7 +42,9 @@ GPU = "gpu"
 FIELDS = {  # section -> {field: (kind, required)}; kinds: size, rate (> 0), share (0-2), count, text, ms (>= 0)
     "gpu": {"count": ("count", False), "name": ("text", False), "memory": ("size", True),
             "bf16_tflops": ("rate", True), "step_tflops": ("rate", False), "attention_tflops": ("rate", False),
-            "adamw": ("rate", False), "piece_rate": ("rate", False), "pass_ms": ("ms", False)},
+            "adamw": ("rate", False), "piece_rate": ("rate", False), "pass_ms": ("ms", False),
+            "expert_tflops": ("rate", False), "expert_piece_rate": ("rate", False),
+            "expert_route_rate": ("rate", False)},
     "link": {"h2d": ("rate", True), "d2h": ("rate", True), "duplex": ("share", False),
              "copy_drag": ("share", False), "name": ("text", False)},
     "host": {"memory": ("size", True), "cores": ("count", True), "adamw": ("rate", False), "copy": ("rate", False),
@@ -94,10 +98,13 @@ def from_description(data: dict, where: str) -> Machine:
            "h2d": link["h2d"] * GB, "d2h": link["d2h"] * GB, "ram": host["memory"] // n,
            "cpu_adamw": host.get("adamw", ADAMW_A_THREAD / GB * _threads(host["cores"])) * GB / n}
     got["gpu_attention_tflops"] = gpu.get("attention_tflops", gpu["bf16_tflops"] * ATTENTION_OF_PEAK) * 1e12
+    got["gpu_expert_tflops"] = gpu.get("expert_tflops", gpu["bf16_tflops"] * EXPERTS_OF_PEAK) * 1e12
     given = {"gpu_memory", "gpu_peak", "h2d", "d2h", "ram"} | {k for k, f in (
-        ("gpu_tflops", "step_tflops"), ("gpu_attention_tflops", "attention_tflops"), ("cpu_adamw", "adamw"))
-        if f in (host if k == "cpu_adamw" else gpu)}
+        ("gpu_tflops", "step_tflops"), ("gpu_attention_tflops", "attention_tflops"), ("cpu_adamw", "adamw"),
+        ("gpu_expert_tflops", "expert_tflops")) if f in (host if k == "cpu_adamw" else gpu)}
     for key, section, field_, scale in (("gpu_adamw", gpu, "adamw", GB), ("gpu_piece_rate", gpu, "piece_rate", GB),
+                                        ("gpu_expert_piece_rate", gpu, "expert_piece_rate", GB),
+                                        ("gpu_expert_route_rate", gpu, "expert_route_rate", GB),
                                         ("pass_cost", gpu, "pass_ms", 1e-3), ("duplex", link, "duplex", 1),
                                         ("copy_drag", link, "copy_drag", 1), ("cpu_copy", host, "copy", GB / n),
                                         ("cpu_in_run", host, "in_run", 1)):
@@ -116,7 +123,7 @@ def from_description(data: dict, where: str) -> Machine:
     name = str(data.get("name") or Path(where).stem)
     share = (f"; one GPU's share of {n}: host memory, cores and disks divided evenly (several GPUs are not planned "
              f"together)") if n > 1 else ""
-    estimated = [k for k in ("gpu_tflops", "gpu_attention_tflops", "cpu_adamw") if k not in given]
+    estimated = [k for k in ("gpu_tflops", "gpu_attention_tflops", "cpu_adamw", "gpu_expert_tflops") if k not in given]
     how = f"; estimated: {', '.join(estimated)}" if estimated else ""
     return Machine(**{**H200, **got}, disk_free=free, source=f"machine file {where} ({name}{share}{how})",
                    assumed=sorted(k for k in H200 if k not in given and k not in estimated))
@@ -185,6 +192,9 @@ def describe(m: Machine, name: str, about: str, cores: int, rows: list | None = 
                ("gpu", "attention_tflops"): ("gpu_attention_tflops", round(m.gpu_attention_tflops / 1e12, 1)),
                ("gpu", "adamw"): ("gpu_adamw", gb(m.gpu_adamw)), ("link", "duplex"): ("duplex", round(m.duplex, 3)),
                ("gpu", "piece_rate"): ("gpu_piece_rate", gb(m.gpu_piece_rate)),
+               ("gpu", "expert_tflops"): ("gpu_expert_tflops", round(m.gpu_expert_tflops / 1e12, 1)),
+               ("gpu", "expert_piece_rate"): ("gpu_expert_piece_rate", gb(m.gpu_expert_piece_rate)),
+               ("gpu", "expert_route_rate"): ("gpu_expert_route_rate", gb(m.gpu_expert_route_rate)),
                ("gpu", "pass_ms"): ("pass_cost", round(m.pass_cost * 1e3, 3)),
                ("link", "copy_drag"): ("copy_drag", round(m.copy_drag, 3)),
                ("host", "adamw"): ("cpu_adamw", gb(m.cpu_adamw)), ("host", "copy"): ("cpu_copy", gb(m.cpu_copy)),

@@ -165,6 +165,12 @@ class ModelConfig:
             n += self.num_heads
         return n
 
+    def expert_params(self, layer: int = 0, active: bool = False) -> int:
+        """Parameters of decoder layer ``layer``'s routed experts (``active``: a token's top-k); 0 for a dense one."""
+        if not self.is_sparse(layer):
+            return 0
+        return (self.moe.top_k if active else self.moe.num_experts) * self.moe.expert_params(self.hidden_size)
+
     def num_params(self, active: bool = False) -> int:
         """All parameters, or (``active``) those one token computes with: what 6 N tokens counts."""
         emb = self.vocab_size * self.hidden_size

@@ -77,13 +77,21 @@ class GenericConfig:
         """Layer ``i``'s parameters (``active``: as ``num_params``), for the planner's FLOPs."""
         return self._count([w for w in self._weights if w.group == i], active)
 
+    def expert_params(self, i: int, active: bool = False) -> int:
+        """Layer ``i``'s routed experts' parameters (``active``: as ``num_params``), for the planner's estimate."""
+        return self._count([w for w in self._weights if w.group == i and self._routed(w)], active)
+
+    def _routed(self, w: Weight) -> bool:
+        """Whether ``w`` is a layer's routed experts' tensor (stacked on its first dimension)."""
+        return bool(self.experts) and ".experts." in w.name and w.shape[:1] == (self.experts[0],)
+
     def _count(self, weights: list[Weight], active: bool) -> int:
         n = 0.0
         for w in weights:
             k = 1
             for d in w.shape:
                 k *= d
-            if active and self.experts and ".experts." in w.name and w.shape[:1] == (self.experts[0],):
+            if active and self._routed(w):
                 k = k * self.experts[1] / self.experts[0]
             n += k
         return int(n)

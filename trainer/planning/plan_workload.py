@@ -4,8 +4,9 @@ the activations a pass keeps, for this model at this batch shape.
 On a CUDA device one decoder layer and the loss are timed at the run's micro-batch shape (random weights,
 a few seconds; the working set measured beside) through the model's stages (the template or the generic
 path; a sparse model's heaviest layer); elsewhere the compute is estimated from the FLOPs of the parameters
-a token computes with (a sparse layer's top-k experts) and the machine's figures, with each layer's cost a piece
-(its gradient summed: ``Machine.gpu_piece_rate``), and the memory from the shapes. The trainer corrects the
+a token computes with (a sparse layer's top-k experts, at the experts' own rate) and the machine's figures, with each
+layer's cost a piece (its gradient summed: ``Machine.gpu_piece_rate``; a sparse layer's experts at
+``gpu_expert_piece_rate``), and the memory from the shapes. The trainer corrects the
 compute from the first steps.
 """
 
@@ -46,20 +47,46 @@ def heaviest_layer(cfg) -> int:
     return max(sizes, key=lambda i: (sizes[i], -i)) if sizes else 0
 
 
-def layer_params(cfg, active: bool = False) -> int:
-    """Parameters of the heaviest layer; ``active``: those one token computes with (its top-k experts)."""
-    i = heaviest_layer(cfg)
-    if not cfg.generic:
-        return cfg.layer_params(i, active)
-    return sum(_numel(w.shape) for w in all_weights(cfg) if w.group == i)
+def layer_params(cfg, active: bool = False, layer: int | None = None) -> int:
+    """Parameters of decoder layer ``layer`` (None: the heaviest); ``active``: those one token computes with (its
+    top-k experts)."""
+    return cfg.layer_params(heaviest_layer(cfg) if layer is None else layer, active)
+
+
+def expert_params(cfg) -> int:
+    """The heaviest layer's routed experts' parameters; 0 for a dense model."""
+    return cfg.expert_params(heaviest_layer(cfg))
 
 
 def layer_seconds(cfg, seq: int, layer: int, machine: Machine) -> float:
-    """Seconds of layer ``layer``'s forward a token at sequence length ``seq``, estimated: the heaviest layer's
-    matmuls at the GPU's rate and this layer's causal attention (a third of its training count,
-    ``trainer.planning.flops``: its own window) at attention's."""
+    """Seconds of layer ``layer``'s forward a token at sequence length ``seq``, estimated: its matmuls at the GPU's
+    rate (its routed experts' at theirs: grouped, with the routing's gathers and scatter) and its causal attention (a
+    third of its training count, ``trainer.planning.flops``: its own window) at attention's."""
     attention = attention_flops_per_token([attention_layers(cfg)[layer]], seq)
-    return 2.0 * layer_params(cfg, active=True) / machine.gpu_tflops + attention / 3 / machine.gpu_attention_tflops
+    experts = cfg.expert_params(layer, active=True)
+    return (2.0 * (cfg.layer_params(layer, active=True) - experts) / machine.gpu_tflops
+            + 2.0 * experts / machine.gpu_expert_tflops + attention / 3 / machine.gpu_attention_tflops
+            + routed_width(cfg, layer) / 4 / machine.gpu_expert_route_rate)
+
+
+def routed_width(cfg, layer: int) -> float:
+    """Elements of a token's rows through layer ``layer``'s routed experts: top_k of them, each 2 I + H wide (the
+    token gathered in and its expert's output scattered back, H; the expert's activation, its gate and up, 2 I; I
+    from an expert's parameters, 3 H I); 0 for a dense layer."""
+    experts = cfg.expert_params(layer)
+    if not experts:
+        return 0.0
+    n, k = cfg.experts if cfg.generic else (cfg.moe.num_experts, cfg.moe.top_k)
+    inter = experts / n / (3 * cfg.hidden_size)
+    return k * (2 * inter + cfg.hidden_size)
+
+
+def piece_seconds(cfg, layer: int, machine: Machine) -> float:
+    """Seconds of layer ``layer``'s cost each piece it computes beyond its FLOPs, whatever the piece's tokens: its
+    weights' gradient summed (and the like) at the GPU's piece rate, its routed experts' (every expert's weights read
+    by the grouped matmuls, every expert's gradient summed) at the experts' piece rate."""
+    experts = cfg.expert_params(layer)
+    return (cfg.layer_params(layer) - experts) / machine.gpu_piece_rate + experts / machine.gpu_expert_piece_rate
 
 
 def head_flops(cfg) -> float:
@@ -116,13 +143,16 @@ def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, mach
         attention = machine.gpu_attention_tflops
         how = (f"estimated from FLOPs at {rate / 1e12:.3g} TFLOP/s"
                + (f", attention's at {attention / 1e12:.3g}" if attention != rate else "")
+               + (f", routed experts' at {machine.gpu_expert_tflops / 1e12:.3g}" if expert_params(cfg) else "")
                + (" (an assumed figure)" if "gpu_tflops" in machine.assumed else " (the machine's figure)"))
     fwd = fwd_l if isinstance(fwd_l, dict) else {i: fwd_l for i in range(cfg.num_layers)}
     bwd = bwd_l if isinstance(bwd_l, dict) else {i: bwd_l for i in range(cfg.num_layers)}
-    piece = layer_params(cfg) / machine.gpu_piece_rate  # (a layer's cost a piece: in the timings, else added)
+    # (a layer's cost a piece: in the timings, the heaviest layer's as every layer's; else each layer's, added)
+    pieces = {i: piece_seconds(cfg, heaviest_layer(cfg) if timed else i, machine) for i in bwd}
+    piece = sum(pieces.values()) / len(pieces)
     if timed is None:
         c = seq_chunk(cfg, rows, seq)  # (a long row's layer sums each chunk's gradient)
-        bwd = {i: s + micro_batches * (1 if c is None else -(-seq // c)) * piece for i, s in bwd.items()}
+        bwd = {i: s + micro_batches * (1 if c is None else -(-seq // c)) * pieces[i] for i, s in bwd.items()}
     fwd["head"], bwd["head"] = head / 3, 2 * head / 3
     fwd["embed"], bwd["embed"] = 0.0, embed_bwd
     dense, attention = flops_per_token(cfg, seq)
