@@ -243,6 +243,8 @@ AS_IT_RAN = {"tiermem_physical_batch_size": 2, "dram": "99GiB"}
     pytest.param("3b", 4, 4, 4096, 3.051, {}, id="3b-16x4096"),
     pytest.param("8b", 4, 4, 4096, 6.95, {}, id="8b-16x4096"),
     pytest.param("8b", 1, 1, 131072, 50.8, {}, id="8b-131072-row"),
+    # (fifteenth session: tools/gpu_long_check.sh, LLaMA-Factory's qwen3_full_sft_256k.yaml at its size)
+    pytest.param("qwen3-8b", 1, 1, 204800, 125.7, {"rope_scaling": "yarn"}, id="qwen3-8b-yarn-204800-row"),
     # (a piece of 4096 tokens: the cost a piece; measured before auto merged micro-batches: pinned whole as it ran)
     pytest.param("8b", 2, 8, 2048, 3.84, {"tiermem_physical_batch_size": 2}, id="8b-16x2048"),
     pytest.param("14b", 1, 429, 2048, 265.9, {}, id="14b-429x2048", marks=pytest.mark.slow),  # (10 s: 429 pieces)
