@@ -21,7 +21,7 @@ import torch
 from tiermem.config import StoreConfig
 from tiermem.plan.placement import Plan, default_budgets
 from tiermem.sizes import align_up
-from tiermem.specs import KINDS, TensorSpec
+from tiermem.specs import KINDS, MOMENTS, TensorSpec
 from tiermem.store.store import Store
 from tiermem.tiers import registry
 from tiermem.tiers.base import DEVICE, HOST, STORAGE, Making
@@ -137,7 +137,21 @@ def create_store(cfg: StoreConfig, specs: list[TensorSpec], plan: Plan, extra_ho
         cap[disk] = max(cap[disk], cfg.tiers[disk].budget)
     dev = registry.primary(DEVICE)
     store = Store(cfg, cap, plan=plan, owner=owner, block=hbm(cap[dev]) if cap[dev] and hbm is not None else None)
-    return store.create_all(specs, plan.where)
+    return store.create_all(update_order(specs), plan.where)
+
+
+def update_order(specs: list[TensorSpec]) -> list[TensorSpec]:
+    """``specs`` in the order a service's new store lays them out: what an update leaves where it is first, then
+    each group's weights and moments, which every update writes to new places, group by group. A group's old
+    state then leaves one hole where it goes, which the next group of its shape fills; in the specs' order (each
+    weight's param, master, gradient and moments side by side) it left holes between the tensors that stay, too
+    small for the next group's and too many for the room the service keeps (two groups' new state: issue 43)."""
+    moved = ("master" if any(s.kind == "master" for s in specs) else "param", *MOMENTS)
+    groups: dict = {}
+    for s in specs:
+        if s.kind in moved:
+            groups.setdefault(s.group, []).append(s)
+    return [s for s in specs if s.kind not in moved] + [s for ss in groups.values() for s in ss]
 
 
 def _in_order(tiers: dict) -> dict:
