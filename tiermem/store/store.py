@@ -395,12 +395,9 @@ class Store(StoreQueries, Scratch):
         return self._ordered((group, kind), run)
 
     def allocate_elsewhere(self, names: list[str]) -> dict[str, Extent]:
-        """New places for ``names`` on their home tiers, their current bytes left alone (the places an
-        out-of-place update writes to); raises OutOfSpace, having freed what it took, when a tier has no
-        room (a fragmented arena: the update then goes in place behind an undo copy). The largest tensors
-        are placed first (best fit decreasing): the small ones then fill what is left of the holes the large
-        ones took, where in the specs' order they took the holes a large one of the same group needed (a
-        mixture-of-experts layer's hundreds of experts, a small model's layers: docs/service.md)."""
+        """New places for ``names`` on their home tiers, their bytes left alone (an out-of-place update's), the largest
+        first (the small then fill what the large left of holes, not holes a large needed: docs/service.md); raises
+        OutOfSpace, having freed what it took, when a tier has no room (the update then goes in place)."""
         new: dict[str, Extent] = {}
         try:
             for name in sorted(names, key=lambda n: -self.catalog[n].spec.nbytes):
