@@ -7,11 +7,14 @@ owners, rows, the host's shared store and its counters, and what several ranks r
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -61,15 +64,29 @@ def one_process(path: Path, capsys) -> list[tuple]:
     return STEP.findall(capsys.readouterr().out)
 
 
+@contextmanager
+def one_launch_at_a_time():
+    """Hold the lock that launches of ranks take (across pytest's worker processes and copies of the suite beside
+    this one): two torchruns at once may draw the same free port for their rendezvous, and a rank that joins the
+    other run's store waits for good (a 600 s timeout was seen with the suite in two worker processes)."""
+    with open(Path(tempfile.gettempdir()) / "tiermem-tests-ranks.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def ranks(path: Path, n: int, timeout: float = 600, force: bool = False, **env) -> subprocess.CompletedProcess:
-    """The run as ``n`` ranks: torchrun, or (``force``) FORCE_TORCHRUN=1 tiermem-train."""
+    """The run as ``n`` ranks: torchrun, or (``force``) FORCE_TORCHRUN=1 tiermem-train; one launch at a time."""
     if force:
         cmd = [sys.executable, "-m", "trainer.cli", str(path)]
         env = dict(env, FORCE_TORCHRUN="1", NPROC_PER_NODE=str(n))
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", "-m",
                "trainer.cli", str(path)]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=child_env(**env))
+    with one_launch_at_a_time():
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=child_env(**env))
 
 
 def assert_same_weights(a: Path, b: Path, tol: float = 1e-5) -> None:
@@ -346,14 +363,15 @@ def test_two_hosts_of_two_ranks_match_one_process(tmp_path, tiny, capsys):
     path = write_cfg(tmp_path, tiny, "hosts", 1, save_steps=3, learning_rate=5e-3)
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={i}",
-                               "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={port}", "-m",
-                               "trainer.cli", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              cwd=ROOT, env=child_env()) for i in (0, 1)]
-    outs = [p.communicate(timeout=240) for p in procs]
+    with one_launch_at_a_time():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={i}",
+                                   "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={port}", "-m",
+                                   "trainer.cli", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, cwd=ROOT, env=child_env()) for i in (0, 1)]
+        outs = [p.communicate(timeout=240) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     assert STEP.findall(outs[0][0]) == ref and len(ref) == 6 and not STEP.findall(outs[1][0])
     assert_same_weights(tmp_path / "one", tmp_path / "hosts")
