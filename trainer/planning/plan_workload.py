@@ -148,7 +148,8 @@ def build(cfg, dtype: torch.dtype, rows: int, seq: int, micro_batches: int, mach
     fwd = fwd_l if isinstance(fwd_l, dict) else {i: fwd_l for i in range(cfg.num_layers)}
     bwd = bwd_l if isinstance(bwd_l, dict) else {i: bwd_l for i in range(cfg.num_layers)}
     # (a layer's cost a piece: in the timings, the heaviest layer's as every layer's; else each layer's, added)
-    pieces = {i: piece_seconds(cfg, heaviest_layer(cfg) if timed else i, machine) for i in bwd}
+    heavy = heaviest_layer(cfg) if timed else None  # (once: it reads every weight's shape)
+    pieces = {i: piece_seconds(cfg, i if heavy is None else heavy, machine) for i in bwd}
     piece = sum(pieces.values()) / len(pieces)
     if timed is None:
         c = seq_chunk(cfg, rows, seq)  # (a long row's layer sums each chunk's gradient)
