@@ -78,6 +78,20 @@ def kept_layers(out: Path) -> int | None:
     return yaml.safe_load(path.read_text()).get("tiermem_keep_activations") if path.is_file() else None
 
 
+def details(out: Path, log: Path) -> dict:
+    """Where a run's time went, beyond the step split: its plan's lines, where the GPU waited longest in its last
+    logged step (``waits_at``) and its optimizer's last update split (the stats file's)."""
+    rows = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
+    stats = out / "tiermem_stats.json"
+    data = json.loads(stats.read_text()) if stats.is_file() else {}
+    opt = data.get("run", data).get("optimizer", {})
+    lines = log.read_text().splitlines() if log.is_file() else []
+    return {"plan": [ln[:300] for ln in lines if ln.startswith(("plan:", "store:"))][:6],
+            "waits_at": next((r["waits_at"] for r in reversed(rows) if "waits_at" in r), {}),
+            "update_s": round(opt.get("last_update_s", 0.0), 4),
+            "update_split": {k: round(v, 4) for k, v in opt.get("split", {}).items() if v}}
+
+
 def attach(work: Path, svc_store: dict, run, env: dict) -> dict:
     """Start `tiermem serve` with ``svc_store``, run the attached trainer (``run``), stop the service;
     the service's last line on its updates goes into the result."""
@@ -196,6 +210,7 @@ def main() -> int:
         r = step_times(work / name)
         r["wall_s"] = time.perf_counter() - t0
         r["kept_layers"] = kept_layers(work / name)
+        r.update(details(work / name, work / f"{name}.log"))
         shutil.rmtree(work / name, ignore_errors=True)  # the exported model
         return r
 
@@ -235,6 +250,11 @@ def measure(args, results: dict, trainer, store: dict, work: Path, env: dict) ->
               f" {r.get('ratio_step_time', 1.0):10.3f}"
               + (f" {pred:9.3f} {r['step_s'] / pred:11.3f}" if pred else f" {'-':>9} {'-':>11}")
               + f" {r.get('kept_layers') if r.get('kept_layers') is not None else '-':>4}")
+    for name in runs:
+        r = results[name]
+        print(f"{name}: update {r['update_s']:.3f} s {r['update_split']}; waited longest at {r['waits_at']}")
+        for line in r["plan"]:
+            print(f"  {line}")
     if args.planned:
         print(f"placement auto in both runs (the service planned the attached run; durability {args.durability})")
     else:

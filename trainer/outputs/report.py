@@ -137,6 +137,10 @@ class Reporter:
                   "compute_seconds": round(compute, 4), "wait_transfer_seconds": round(xfer, 4),
                   "wait_optimizer_seconds": round(opt, 4)}
         record.update(figures)
+        waits = sorted(((round(v["transfer"] + v["optimizer"], 4), k) for k, v in w[-1].waits_by_phase.items()),
+                       reverse=True)
+        if waits and waits[0][0] >= 0.001:  # where the GPU stood idle the longest in the line's last step
+            record["waits_at"] = {k: v for v, k in waits[:6] if v >= 0.001}
         if self.predicted is not None:
             record["predicted_step_seconds"] = round(self.predicted, 4)
         if self.pauses is not None:  # (the garbage collector's pauses since the line before, a step)

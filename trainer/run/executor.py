@@ -61,7 +61,7 @@ class StepResult:
     seconds: float
     wait_transfer: float  # the GPU stood idle waiting for weights to arrive
     wait_optimizer: float  # ... waiting for the optimizer to finish a group's update
-    waits_by_phase: dict  # phase -> {"transfer": s, "optimizer": s} (forward, loss, backward)
+    waits_by_phase: dict  # "phase group" -> {"transfer": s, "optimizer": s} (phase: forward, loss, backward)
     figures: dict = field(default_factory=dict)  # an objective's figures of the step (stage dpo: the rewards...)
 
     @property
@@ -135,7 +135,9 @@ class Executor:
         view, on_opt, on_xfer = Prefetcher.take(req, self._drain)
         self._waits[0] += on_xfer
         self._waits[1] += on_opt
-        w = self._phase_waits.setdefault(phase, {"transfer": 0.0, "optimizer": 0.0})
+        if not on_xfer and not on_opt:
+            return view
+        w = self._phase_waits.setdefault(f"{phase} {req.group}", {"transfer": 0.0, "optimizer": 0.0})
         w["transfer"] += on_xfer
         w["optimizer"] += on_opt
         return view
