@@ -39,6 +39,23 @@ def test_an_attached_run_with_state_in_the_services_hbm_ends_as_embedded(env, pl
         assert svc.stop() == 0
 
 
+def test_unclipped_updates_in_hbm_read_the_gradients_home_and_leave_it_for_a_redo(env):  # noqa: F811 - fixture
+    """max_grad_norm 0: the fused AdamW then leaves the gradient as it is, so the trainer's GPU worker updates
+    from the gradient's home in the service's HBM, not from a copy; killed mid-update (group 1's new state written,
+    not flipped to), the service redoes the update from that home: the run ends as the embedded one."""
+    ref = env.reference(max_grad_norm=0)
+    svc = env.service(placement=HBM)
+    try:
+        killed = env.train("run", kill_at="update:3:1", max_grad_norm=0)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr
+        again = env.train("run", max_grad_norm=0)
+        assert again.returncode == 0, again.stderr
+        assert "groups the trainer left" in svc.text
+        assert same(env.weights("run"), ref)
+    finally:
+        assert svc.stop() == 0
+
+
 @pytest.mark.parametrize("durability", ["checkpoint", "step"])
 def test_trainer_killed_with_state_in_hbm_continues_bit_identically(env, durability):  # noqa: F811 - fixture
     """kill -9 of the trainer in the backward, after committing, and mid-update (group 0's new state written to

@@ -22,9 +22,9 @@ from tiermem.tiers.hbm_share import MappedBlock, OwnedBlock
 HBM = {"param": "gpu", "grad": "gpu", "exp_avg": "gpu", "exp_avg_sq": "gpu"}
 
 
-def _service(tmp_path, placement, durability="checkpoint", device="cpu"):
-    """An in-process service over a one-tensor fp32 model, every update the trainer's, and a trainer connection
-    (``device`` cuda: its arena in /dev/shm, where CUDA pins the pages)."""
+def _service(tmp_path, placement, durability="checkpoint", device="cpu", groups=1):
+    """An in-process service over a fp32 model of ``groups`` one-tensor groups (w, or w0, w1, ...), every update the
+    trainer's, and a trainer connection (``device`` cuda: its arena in /dev/shm, where CUDA pins the pages)."""
     import os
 
     from tiermem.service.runs import Client
@@ -40,10 +40,11 @@ def _service(tmp_path, placement, durability="checkpoint", device="cpu"):
                                    "tiers": {"gpu": {"device": device, "budget": "1MiB"},
                                              "dram": {"path": shm, "budget": "1MiB"}}}))
     svc = Service(str(cfg), str(tmp_path / "s.sock"), say=lambda _: None)
-    specs = [TensorSpec(n, (4, 4), torch.float32, k, 0) for n, k in
-             (("w", "param"), ("grad/w", "grad"), ("exp_avg/w", "exp_avg"), ("exp_avg_sq/w", "exp_avg_sq"))]
-    optim = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "has_master": False, "decay": {"w": True},
-             "groups": [0]}
+    ws = ["w"] if groups == 1 else [f"w{g}" for g in range(groups)]
+    specs = [TensorSpec(n, (4, 4), torch.float32, k, g) for g, w in enumerate(ws) for n, k in
+             ((w, "param"), (f"grad/{w}", "grad"), (f"exp_avg/{w}", "exp_avg"), (f"exp_avg_sq/{w}", "exp_avg_sq"))]
+    optim = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "has_master": False,
+             "decay": {w: True for w in ws}, "groups": list(range(groups))}
     hello = {"op": "hello", "id": 1, "run": "r1", "specs": [spec_to_json(s) for s in specs], "optim": optim}
     mine, theirs = socket.socketpair()
     return svc, Client(mine), theirs, hello
@@ -273,3 +274,55 @@ def test_a_plan_request_asks_for_kept_layers_with_true_or_false():
         plan_run(specs, resolve_auto(raw, "service"), raw, dict(asked, keep="yes"), machine)
     assert "\n" not in str(e.value)
     assert plan_run(specs, resolve_auto(raw, "service"), raw, asked, machine)[2]["keep"] == []
+
+
+def test_a_flip_asks_for_the_places_of_the_group_two_after_it(tmp_path, monkeypatch):
+    """The GPU worker of a service's run asks for the first two groups' places itself (an attached trainer's come
+    with its commit's reply) and for each later group's in the flip of the group two before it (one round trip a
+    group, made while the worker updates the next group); the service's reply to such a flip carries the places,
+    granted to that group. Here the service's own GPU worker updates the four groups its trainer owed, as when a
+    trainer dies; its updates end at the state's new places."""
+    from tiermem.service.journal import UndoGuard
+
+    asked, flipped = [], []
+    allocate, flip = UndoGuard.allocate, UndoGuard.flip
+    monkeypatch.setattr(UndoGuard, "allocate", lambda self, g, *a: asked.append(g) or allocate(self, g, *a))
+    monkeypatch.setattr(UndoGuard, "flip", lambda self, g, s, new, ahead=None: flipped.append(
+        (g, ahead and ahead[0])) or flip(self, g, s, new, ahead))
+    svc, client, theirs, hello = _service(tmp_path, HBM, groups=4)
+    try:
+        _ok(svc.dispatch(client, hello))
+        _ok(svc.dispatch(client, {"op": "init", "id": 2, "run": "r1", "step": 0}))
+        _ok(svc.dispatch(client, {"op": "commit", "id": 3, "run": "r1", "step": 1, "lr": 0.1}))
+        store = svc.run.store
+        before = {f"w{g}": store.catalog[f"w{g}"].extent.offset for g in range(4)}
+        with svc.lock:
+            svc._trainer_left(svc.run)
+        svc.run.wait()
+        assert svc.run.state.updated == 1
+        assert [store.catalog.version(g) for g in range(4)] == [1] * 4
+        assert sorted(asked) == [0, 1, 2, 3] and flipped == [(0, 2), (1, 3), (2, None), (3, None)], (asked, flipped)
+        assert all(store.catalog[w].extent.offset != off for w, off in before.items())  # (out of place)
+        svc._close_run(keep=False)
+        # the trainer's side of it: a flip with ``next`` is answered as alloc for that group
+        _ok(svc.dispatch(client, dict(hello, id=4, run="r2")))
+        _ok(svc.dispatch(client, {"op": "init", "id": 5, "run": "r2", "step": 0}))
+        granted = _ok(svc.dispatch(client, {"op": "commit", "id": 6, "run": "r2", "step": 1, "lr": 0.1,
+                                            "grant": [0, 1]}))["places"]  # (the first two groups' places)
+        assert [set(p) for p in granted] == [{f"{k}w{g}" for k in ("", "exp_avg/", "exp_avg_sq/")} for g in (0, 1)]
+        assert set(svc.run.grants) == {0, 1}
+        places = _ok(svc.dispatch(client, {"op": "alloc", "id": 7, "run": "r2", "step": 1, "group": 0}))["places"]
+        reply = _ok(svc.dispatch(client, {"op": "flip", "id": 8, "run": "r2", "step": 1, "group": 0, "places": places,
+                                          "next": 2}))
+        assert set(reply["places"]) == {"w2", "exp_avg/w2", "exp_avg_sq/w2"} and 2 in svc.run.grants, reply
+        bad = svc.dispatch(client, {"op": "flip", "id": 9, "run": "r2", "step": 1, "group": 2,
+                                    "places": reply["places"], "next": 0})  # (group 0 is no longer owed)
+        assert not bad["ok"] and "not owed" in bad["error"], bad
+        with svc.lock:  # (groups 1 and 3: the service's once its trainer is gone)
+            svc._trainer_left(svc.run)
+        svc.run.wait()
+        assert [svc.run.store.catalog.version(g) for g in range(4)] == [1] * 4
+        svc._close_run(keep=False)
+    finally:
+        theirs.close()
+        svc.release()

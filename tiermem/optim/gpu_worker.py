@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import math
 import time
 
 import torch
@@ -25,7 +26,13 @@ class GpuWorker:
         ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
         with ctx:
             incoming = self._fetch_state(groups[0]) if groups and not self._in_hbm(groups[0]) else None
-            leaving, handed, flipping = done_future(), [], []
+            leaving, handed = done_future(), []
+            # groups updated in HBM out of place: each one's places are asked for by the flip two before it (two
+            # groups' new places at most: the room the service keeps), on the flip thread; {group: future places}
+            elsewhere = [g for g in groups if self._in_hbm(g) and not self._in_place(g)]
+            ahead_of = dict(zip(elsewhere, elsewhere[2:]))
+            ahead, self._ahead = self._ahead, None
+            granted = {g: done_future(p) for g, p in (ahead[1] if ahead and ahead[0] == step else {}).items()}
             for n, g in enumerate(groups):
                 t0 = time.perf_counter()
                 if self._in_hbm(g):
@@ -35,12 +42,12 @@ class GpuWorker:
                     if self._in_place(g):
                         self._update_resident(g, step, lr, grad_scale)
                     else:
-                        if len(flipping) == 2:  # (two groups' new places at most: the room the service keeps)
-                            flipping.pop(0).result()
-                        flip = self._update_hbm_elsewhere(g, step, lr, grad_scale)
+                        flip = self._update_hbm_elsewhere(g, step, lr, grad_scale, granted.pop(g, None),
+                                                          ahead_of.get(g))
                         if flip is not None:
                             leaving = flip
-                            flipping.append(flip)
+                            if g in ahead_of:
+                                granted[ahead_of[g]] = flip
                         elif self.cpu_takes_over:  # (no room in HBM for the new state)
                             handed.append(self.update_on_cpu([g], step, lr, grad_scale))
                     self._split["gpu_in_place"] = self._split.get("gpu_in_place", 0.0) + time.perf_counter() - t0
@@ -65,6 +72,17 @@ class GpuWorker:
             for f in handed:
                 f.result()
 
+    def first_out_of_place(self, only, k: int = 2) -> list[Group]:
+        """The first ``k`` groups of an update of ``only`` that this worker writes out of place in HBM: those whose
+        places it asks for itself (the flips ask for the later ones' places)."""
+        return [g for g in self.groups
+                if g in only and g in self.on_gpu and self._in_hbm(g) and not self._in_place(g)][:k]
+
+    def grant_ahead(self, step: int, places: dict) -> None:
+        """Places for some groups' new state in update ``step`` (the first ones ``first_out_of_place`` named), got
+        ahead: the worker does not ask for them."""
+        self._ahead = (step, dict(places))
+
     def _in_place(self, g: Group) -> bool:
         return g in self.resident and self.guard is None
 
@@ -78,22 +96,33 @@ class GpuWorker:
         entries = [e for k in (self.p_kind, *MOMENTS, "param") for e in self.store.catalog.group_entries(g, k)]
         return bool(entries) and all(e.tier == self.hbm for e in entries)
 
-    def _update_hbm_elsewhere(self, g: Group, step: int, lr: float, grad_scale: float | None) -> cf.Future | None:
+    def _update_hbm_elsewhere(self, g: Group, step: int, lr: float, grad_scale: float | None,
+                              granted: cf.Future | None = None, ahead: Group | None = None) -> cf.Future | None:
         """AdamW of a group whose state lives in HBM, with a guard (a service's run): the weights and moments are
         copied to new places in HBM the guard allocates and updated there (a crash before the flip leaves the old
         ones whole), the compute copy is rewritten in place from the new master (a redo rewrites it); then the new
-        places are flipped to, as a streamed group's are. None when the guard found no room."""
+        places are flipped to, as a streamed group's are. ``granted``: a future for the group's places (the flip
+        of the group two before it asked for them), else they are asked for here; ``ahead``: the group whose places
+        this group's flip asks for. Returns the flip's future (its result: ``ahead``'s places), or None when the
+        guard found no room."""
         store, cat, pk, dev = self.store, self.store.catalog, self.p_kind, self.store.device
-        places = self.guard.allocate(g, step, self.state_names(g))
+        t0 = time.perf_counter()
+        places = granted.result() if granted is not None else self.guard.allocate(g, step, self.state_names(g))
+        self._split["gpu_wait_places"] = self._split.get("gpu_wait_places", 0.0) + time.perf_counter() - t0
         if places is None:
             return None
-        grads = self._grads_of(g)
-        new = {}
-        for k in (pk, *MOMENTS):
-            old = store.gpu_views(g, k)
-            for e in cat.group_entries(g, k):
-                new[e.spec.name] = t = store.view_at(e.spec.name, places[e.spec.name])
-                t.zero_() if k in MOMENTS and not e.valid else t.copy_(old[e.spec.name])
+        t1 = time.perf_counter()
+        grads = self._grads_of(g, grad_scale is not None)
+        entries = [e for k in (pk, *MOMENTS) for e in cat.group_entries(g, k)]
+        olds, news, new = self._elsewhere_views(g, entries, places)
+        srcs, dsts = [], []
+        for e, o, t in zip(entries, olds, news):
+            if e.spec.kind in MOMENTS and not e.valid:  # (the first update: the moments start at zero)
+                t.zero_()
+            else:
+                srcs.append(o)
+                dsts.append(t)
+        torch._foreach_copy_(dsts, srcs)
         lists = {True: ([], [], [], []), False: ([], [], [], [])}
         for e in cat.group_entries(g, pk):
             base = self._base(e.spec.name)
@@ -110,17 +139,24 @@ class GpuWorker:
         if check is not None and check[0].is_cuda:
             computed = torch.cuda.Event()
             computed.record()
+        t2 = time.perf_counter()
         if self._stream is not None:  # (written before the flip says so: nothing is copied after it)
             host_sync(self._stream)
+        t3 = time.perf_counter()
+        self._split["gpu_hbm_launch"] = self._split.get("gpu_hbm_launch", 0.0) + t2 - t1
+        self._split["gpu_hbm_sync"] = self._split.get("gpu_hbm_sync", 0.0) + t3 - t2
         if self.has_master:
             store.mark_valid(g, "param")
             cat.params_ready(g, step)
 
         def flip():
-            self.guard.flip(g, step, places)
+            t1 = time.perf_counter()
+            got = self.guard.flip(g, step, places, (ahead, self.state_names(ahead)) if ahead is not None else None)
+            self._split["flips"] = self._split.get("flips", 0.0) + time.perf_counter() - t1
             if self._found_nonfinite(check, computed):
                 raise NonFiniteUpdate(step, g)
             cat.bump(g, to=step)
+            return got
 
         return self._flips.submit(flip)
 
@@ -137,9 +173,32 @@ class GpuWorker:
         with torch.cuda.stream(self._flip_stream):
             return self._nonfinite(check)
 
-    def _grads_of(self, g: Group) -> dict:
-        """The group's gradient on the GPU to update from: the one offered there, else a copy of its home's (the
-        fused AdamW unscales it in place; the home stays for a redo)."""
+    def _elsewhere_views(self, g: Group, entries: list, places: dict) -> tuple:
+        """What an out-of-place update of a group living in HBM copies and computes on: its weights' and moments'
+        (``entries``) views where they are and at ``places`` (in the same order), and {name: view at places}.
+        Kept for the last two (where they are, places) pairs of the group: its updates go back and forth between
+        two places, and building a layer's views each update, tensor by tensor, held the worker in the
+        interpreter beside the trainer's forward (issue 43: 29 ms a group of the 3B shape, against 2 in place)."""
+        store, pk = self.store, self.p_kind
+        key = tuple((e.extent.offset, places[e.spec.name].offset) for e in entries)
+        kept = self._elsewhere_of.setdefault(g, {})
+        got = kept.get(key)
+        if got is not None:
+            for k in (pk, *MOMENTS):
+                store.settle(g, k)
+            return got
+        old = {n: t for k in (pk, *MOMENTS) for n, t in store.gpu_views(g, k).items()}
+        new = {e.spec.name: store.view_at(e.spec.name, places[e.spec.name]) for e in entries}
+        got = ([old[e.spec.name] for e in entries], [new[e.spec.name] for e in entries], new)
+        if len(kept) >= 2:
+            del kept[next(iter(kept))]
+        kept[key] = got
+        return got
+
+    def _grads_of(self, g: Group, unscaled: bool = True) -> dict:
+        """The group's gradient on the GPU to update from: the one offered there, else its home's in HBM, else a
+        copy of its home's; ``unscaled``: the fused AdamW unscales the gradient in place, so a home's is copied
+        (to a buffer the worker keeps, in one call: the home stays for a redo)."""
         store, dev = self.store, self.store.device
         offered = store.take_offer(g, "grad")
         if offered is not None:
@@ -147,12 +206,40 @@ class GpuWorker:
             if ready is not None:
                 torch.cuda.current_stream(dev).wait_event(ready)
             return dict(grads)
+        entries = store.catalog.group_entries(g, "grad")
+        if entries and all(e.tier == self.hbm for e in entries):
+            home = store.gpu_views(g, "grad")
+            if not unscaled:
+                return home
+            copies = self._grad_copies(g, entries)
+            torch._foreach_copy_([copies[e.spec.name] for e in entries], [home[e.spec.name] for e in entries])
+            return copies
         grads, reads = {}, []
         for e in store.catalog.group_entries(g, "grad"):
             grads[e.spec.name] = torch.empty(e.spec.shape, dtype=e.spec.dtype, device=dev)
             reads.append(store.read(e.spec.name, out=grads[e.spec.name], bulk=True))
         store.wait(all_of(reads), "optimizer_fetch")
         return grads
+
+    def _grad_copies(self, g: Group, entries) -> dict[str, torch.Tensor]:
+        """Views of one buffer the worker keeps (on its stream, one group's update after another's) for group g's
+        gradient: {name: view}, made once a group (and again when the buffer grows)."""
+        dtype, dev = entries[0].spec.dtype, self.store.device
+        if any(e.spec.dtype != dtype for e in entries):  # (mixed dtypes: a buffer a tensor)
+            return {e.spec.name: torch.empty(e.spec.shape, dtype=e.spec.dtype, device=dev) for e in entries}
+        sizes = [math.prod(e.spec.shape) for e in entries]
+        buf = self._grad_buffer
+        if buf is None or buf.numel() < sum(sizes) or buf.dtype != dtype:
+            self._grad_buffer = buf = torch.empty(sum(sizes), dtype=dtype, device=dev)
+            self._grad_views = {}
+        views = self._grad_views.get(g)
+        if views is None:
+            views, off = {}, 0
+            for e, n in zip(entries, sizes):
+                views[e.spec.name] = buf[off: off + n].view(e.spec.shape)
+                off += n
+            self._grad_views[g] = views
+        return views
 
     def _update_resident(self, g: Group, step: int, lr: float, grad_scale: float | None) -> None:
         """AdamW of a group whose whole state lives in HBM, in place on the optimizer's stream; its version

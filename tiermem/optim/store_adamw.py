@@ -158,6 +158,9 @@ class StoreAdamW(GpuWorker):
         # groups whose whole state lives in HBM: the GPU worker updates them there, in place
         self.resident = {g for g in self.groups if self._all_on_gpu(g)}
         self._resident_work_of: dict = {}  # group -> (where its tensors are, what its update computes on)
+        self._elsewhere_of: dict = {}  # group -> {(where, places): views} (GpuWorker._elsewhere_views)
+        self._grad_buffer: torch.Tensor | None = None  # a group's gradient copy (GpuWorker._grad_copies)
+        self._grad_views: dict = {}
         self.guard, self.offer_params, self.cpu_takes_over = guard, offer_params, cpu_takes_over
         # the GPU worker checks each group's new compute copy finite before its version moves on (module docstring)
         self.check_finite = True
@@ -170,6 +173,7 @@ class StoreAdamW(GpuWorker):
         self._stream = torch.cuda.Stream(store.device) if store.tiers.device.is_cuda else None
         self._flip_stream = torch.cuda.Stream(store.device) if self._stream is not None and guard is not None else None
         self._pending: cf.Future | None = None
+        self._ahead: tuple | None = None  # (update, {group: places}) got ahead for the GPU worker (grant_ahead)
         self._error: BaseException | None = None
         self.last_step_seconds = 0.0  # the last finished step's update, from its start to the last bump
         self.last_split: dict[str, float] = {}  # ... and where its time went

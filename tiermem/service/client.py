@@ -159,19 +159,26 @@ class RemoteGuard:
 
     def allocate(self, g: Group, step: int, names: list[str]) -> dict[str, Extent] | None:
         """Places for the group's new state; None when the service found no room and updates it itself."""
-        places = self.client.request("alloc", run=self.run, step=step, group=g)["places"]
+        return self.places(g, names, self.client.request("alloc", run=self.run, step=step, group=g)["places"])
+
+    def flip(self, g: Group, step: int, new: dict[str, Extent], ahead: tuple | None = None) -> dict | None:
+        """Journal group g's new places and make them its homes; with ``ahead`` ((group, names)), then
+        ``allocate`` that group, in the same round trip: its places (None: no room)."""
+        HOOKS.point("update", step, g)  # test hook: the new state is written, not yet journaled
+        reply = self.client.request("flip", run=self.run, step=step, group=g,
+                                    places={name: [ext.offset, ext.nbytes] for name, ext in new.items()},
+                                    **({"next": ahead[0]} if ahead is not None else {}))
+        for name, ext in new.items():
+            self.store.switch(name, ext, free=False)
+        return self.places(ahead[0], ahead[1], reply["places"]) if ahead is not None else None
+
+    @staticmethod
+    def places(g: Group, names: list[str], places: dict | None) -> dict[str, Extent] | None:
         if places is None:
             return None
         if set(places) != set(names):
             raise RuntimeError(f"the service allocated places for other tensors of group {g!r}")
         return {name: Extent(int(off), int(n)) for name, (off, n) in places.items()}
-
-    def flip(self, g: Group, step: int, new: dict[str, Extent]) -> None:
-        HOOKS.point("update", step, g)  # test hook: the new state is written, not yet journaled
-        self.client.request("flip", run=self.run, step=step, group=g,
-                            places={name: [ext.offset, ext.nbytes] for name, ext in new.items()})
-        for name, ext in new.items():
-            self.store.switch(name, ext, free=False)
 
 
 class RemoteOptimizer:
@@ -253,12 +260,20 @@ class RemoteOptimizer:
             for g in self.groups:
                 self.gate(g, step)
         self._t_commit = time.perf_counter()
-        reply = self.client.request("commit", run=self.run, step=step, lr=lr, grad_scale=grad_scale)
+        # the places of the first groups this process's GPU worker writes out of place come with the reply: the
+        # update's start, which the next forward waits for, makes no round trip of its own
+        first = self.local.first_out_of_place(self.mine) if self.local is not None and self.mine else []
+        reply = self.client.request("commit", run=self.run, step=step, lr=lr, grad_scale=grad_scale,
+                                    **({"grant": first} if first else {}))
         self.moved = bool(reply.get("layout"))
         if self.moved:  # re-placement moved optimizer state before this update
             apply_layout(self.store.catalog, reply["layout"])
         self.committed = step
         HOOKS.point("optimizer", step)
+        if first:
+            guard = self.local.guard
+            self.local.grant_ahead(step, {g: guard.places(g, self.local.state_names(g), p)
+                                          for g, p in zip(first, reply["places"])})
         if self.mine:
             return self.local.step(step, lr, grad_scale, only=self.mine)
         return done_future()

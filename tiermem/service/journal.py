@@ -282,7 +282,9 @@ class UndoGuard:
         except OutOfSpace:
             return None
 
-    def flip(self, g: Group, step: int, new: dict) -> None:
+    def flip(self, g: Group, step: int, new: dict, ahead: tuple | None = None) -> dict | None:
+        """Journal group g's new places, then switch to them; with ``ahead`` ((group, names)), then ``allocate``
+        that group's: its places (None: no room)."""
         if self.slow:
             time.sleep(self.slow)
         HOOKS.point("update", step, g)  # test hook: the new state is written, not yet journaled
@@ -294,6 +296,7 @@ class UndoGuard:
         self.journal.append("done", group=g, step=step, moves=moves)
         for name, ext in new.items():
             self.store.switch(name, ext)
+        return self.allocate(ahead[0], step, ahead[1]) if ahead is not None else None
 
     def restore(self, g: Group, crc: str | list | None = None) -> None:
         """Put the undo copy of group g back (recovery of an update cut short), after checking it against

@@ -23,9 +23,11 @@ Requests (JSON, ``op``):
                                                    ``resume``: the checkpoint to resume from, when the run's
                                                    state was lost)
   init {run}                                       the trainer has loaded the weights
-  commit {run, step, lr, grad_scale}               step's gradients are home: journal, then update
+  commit {run, step, lr, grad_scale, grant?}       step's gradients are home: journal, then update; places
+                                                   for the groups in ``grant`` (as alloc), in the reply
   alloc {run, step, group}                         places for an owed group's new master and moments
-  flip {run, step, group, places}                  they are written: journal, switch, publish the version
+  flip {run, step, group, places, next?}           they are written: journal, switch, publish the version;
+                                                   then as alloc for group ``next``, if given
   layout {run, names?}                             where tensors live now (before a save or an export)
   progress {run, live, store}                      the trainer's figures, for top and stats
   finish {run}                                     the run is done and exported: free its state

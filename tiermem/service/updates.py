@@ -41,7 +41,13 @@ class UpdateRequests:
                 run.pending = cf.Future()
             fut = opt.step(step, lr, scale, only=set(opt.groups) - run.owed)
             fut.add_done_callback(lambda f, run=run, step=step: self._updated(run, step, f))
-        return {"layout": layout_of(run.store)} if moved else {}
+            reply = {"layout": layout_of(run.store)} if moved else {}
+            grant = msg.get("grant")  # (the first groups the trainer writes out of place: their places now)
+            if grant is not None:
+                if not isinstance(grant, list) or len(grant) > 4:
+                    raise RequestError("grant: a list of at most 4 groups")
+                reply["places"] = [self._grant(client, dict(msg, group=g))["places"] for g in grant]
+        return reply
 
     def _updated(self, run: Run, step: int, fut) -> None:
         """The service's part of update ``step`` ended."""
@@ -77,24 +83,6 @@ class UpdateRequests:
             raise RequestError(f"group {str(g)[:40]!r} is not owed by the trainer for update {step}")
         return run, g, step
 
-    def _alloc(self, client: Client, msg: dict) -> dict:
-        """Places for the new master weights and moments of a group the trainer updates out of place. With
-        no room for them (a fragmented arena) the service takes the group: its CPU worker updates it in
-        place behind the undo copy, and the reply says so (places: null)."""
-        with self.lock:
-            run, g, step = self._owed(client, msg)
-            store, old = run.store, run.grants.pop(g, None)
-            if old is not None:
-                self._free_grant(run, old)
-            names = run.optimizer.state_names(g)
-            try:
-                places = store.allocate_elsewhere(names)
-            except OutOfSpace:
-                self._take_over(run, g, step)
-                return {"places": None}
-            run.grants[g] = (step, {n: (store.catalog[n].tier, places[n]) for n in names})
-            return {"places": {n: [ext.offset, ext.nbytes] for n, ext in places.items()}}
-
     def _take_over(self, run: Run, g, step: int) -> None:
         """The service updates owed group ``g`` on its CPU worker (call with the lock held)."""
         st = run.state
@@ -115,7 +103,10 @@ class UpdateRequests:
         fut.add_done_callback(done)
 
     def _flip(self, client: Client, msg: dict) -> dict:
-        """The trainer wrote a group's update where ``alloc`` said: journal it, make it the home, publish."""
+        """The trainer wrote a group's update where ``alloc`` said: journal it, make it the home, publish. With
+        ``next`` (a group the trainer owes), then as ``alloc`` for that group, in the same reply: the trainer's GPU
+        worker asks for a group's places as soon as the flip two groups before it frees room, without a round trip
+        of its own between groups."""
         with self.lock:
             run, g, step = self._owed(client, msg)
             step_of, places = run.grants.get(g, (None, {}))
@@ -129,7 +120,31 @@ class UpdateRequests:
             with run.update_lock:
                 run.owed.discard(g)
                 self._maybe_updated(run, step)
-        return {}
+            if msg.get("next") is None:
+                return {}
+            return self._grant(client, dict(msg, group=msg["next"]))
+
+    def _alloc(self, client: Client, msg: dict) -> dict:
+        """Places for the new master weights and moments of a group the trainer updates out of place. With
+        no room for them (a fragmented arena) the service takes the group: its CPU worker updates it in
+        place behind the undo copy, and the reply says so (places: null)."""
+        with self.lock:
+            return self._grant(client, msg)
+
+    def _grant(self, client: Client, msg: dict) -> dict:
+        """``alloc``'s work (call with the lock held)."""
+        run, g, step = self._owed(client, msg)
+        store, old = run.store, run.grants.pop(g, None)
+        if old is not None:
+            self._free_grant(run, old)
+        names = run.optimizer.state_names(g)
+        try:
+            places = store.allocate_elsewhere(names)
+        except OutOfSpace:
+            self._take_over(run, g, step)
+            return {"places": None}
+        run.grants[g] = (step, {n: (store.catalog[n].tier, places[n]) for n in names})
+        return {"places": {n: [ext.offset, ext.nbytes] for n, ext in places.items()}}
 
     def _free_grant(self, run: Run, grant) -> None:
         for tier, ext in grant[1].values():
