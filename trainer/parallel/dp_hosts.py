@@ -30,6 +30,10 @@ class HostSync:
         self.store, self.host, self.owner = session.store, session.host, session.owner
         self.groups = list(self.host.groups)
         self.state_kinds = ("master" if has_master else "param", *MOMENTS)
+        # the lead's saver's gate (rank 0 holds it, and writes what other hosts send into host 0's store): another
+        # host's update of a group lands here only once a checkpoint being written has read the group (else the
+        # checkpoint could hold the next update's weights of the groups owned elsewhere)
+        self.saver_gate = None
 
     def node(self, rank: int) -> int:
         return rank // self.world.local_size
@@ -65,6 +69,8 @@ class HostSync:
             takes = self.node(src) != self.here and world.local_rank == 0 and (kinds == ("param",) or self.here == 0)
             if not takes:
                 continue
+            if self.saver_gate is not None:
+                self.saver_gate(g, version)
             off, writes = 0, []
             for n, size in zip(names, sizes):
                 spec = store.spec(n)

@@ -390,6 +390,10 @@ class ManyHosts(HostRanks):
         self.sync = HostSync(self.world, session, job.cfg.bf16)
         return session
 
+    def hook_saver(self, saver, save_only_model: bool) -> None:
+        super().hook_saver(saver, save_only_model)
+        self.sync.saver_gate = saver.gate  # (the lead's: other hosts' updates wait for its reading)
+
     def after_step(self, version: int) -> None:
         self.sync.compute_copies(version)  # (every host's next forward reads the new weights)
 
