@@ -2,6 +2,8 @@
 # The service's GPU check, for the GPU machine (the `device` tool); each call fits its 10-minute limit:
 #   bash tools/gpu_service_check.sh tests    # the CUDA tests and the service's tests
 #   bash tools/gpu_service_check.sh more     # checkpoint + trainer CLI tests, the quickstart attached on the GPU
+#   bash tools/gpu_service_check.sh planned  # issue 43: bench_service --planned, the 3B and the 8B (NVMe in
+#                                            # /tmp/nvme) at 16x4096, with where each waited; ~450 s
 #   bash tools/gpu_service_check.sh bench    # bench_service at 16x4096 and 4x4096 tokens a step (OPTIM=1:
 #                                            # first bench_optim, the service's crash-safe CPU AdamW variants)
 #   (SHARE: the embedded run's gpu_share; ATTACHED_SHARE=0.7,1: one attached run per share;
@@ -20,6 +22,15 @@ if [ "${1:-tests}" = tests ]; then
   python3 -m pytest -q -rf -p no:cacheprovider tests/test_service.py -k "not ($KILLS)" > "$OUT/pytest_rest.log" 2>&1 &
   wait
   for f in cuda kills rest; do echo "$f: $(grep -E "^FAILED|passed|failed|skipped" "$OUT/pytest_$f.log" | cut -c1-300)"; done
+elif [ "$1" = planned ]; then
+  for shape in 3b 8b; do
+    rm -rf /dev/shm/tiermem* /dev/shm/bench* /tmp/nvme 2>/dev/null
+    python3 tools/bench_service.py --batch 4 --accum 4 --planned --steps 5 --shape $shape \
+      $([ $shape = 8b ] && echo --nvme /tmp/nvme) --json "$OUT/service_$shape.json" > "$OUT/service_$shape.txt" 2>&1
+    echo "$shape rc $?"
+  done
+  rm -rf /tmp/nvme
+  for shape in 3b 8b; do echo "-- $shape"; sed -n '/^run /,$p' "$OUT/service_$shape.txt" | cut -c1-330; done
 elif [ "$1" = more ]; then
   python3 -m pytest -q -rf -p no:cacheprovider tests/test_checkpoint.py tests/test_train_cli.py \
     > "$OUT/pytest_more.log" 2>&1; grep -E "^FAILED|passed|failed" "$OUT/pytest_more.log" | cut -c1-300
