@@ -128,6 +128,23 @@ def test_a_resumed_run_logs_the_steps_its_killed_trainer_took_but_did_not_log(tm
     assert (killed / "trainer_log.pending.jsonl").read_text() == ""
 
 
+def test_trainer_log_says_where_the_gpu_waited_longest(tmp_path):
+    """A record's ``waits_at``: the phase and group of the line's last step where the GPU stood idle longest,
+    waiting for weights or an update (both summed), largest first, 1 ms or more; none when it did not wait."""
+    from trainer.outputs.report import Reporter
+    from trainer.run.executor import StepResult
+
+    waits = {"forward 3": {"transfer": 0.0, "optimizer": 0.020},
+             "forward embed": {"transfer": 0.004, "optimizer": 0.003},
+             "backward 5": {"transfer": 0.0004, "optimizer": 0.0}}
+    rep = Reporter(tmp_path, 2, 1000, lambda text: None)
+    rep.step(1, StepResult(1.0, 1.0, 100, 0.5, 0.0044, 0.023, waits), 0.1, 0.5, 1.0, False, 1)
+    rep.step(2, StepResult(1.0, 1.0, 100, 0.5, 0.0, 0.0, {}), 0.1, 1.0, 2.0, True, 1)
+    rows = [json.loads(line) for line in (tmp_path / "trainer_log.jsonl").read_text().splitlines()]
+    assert rows[0]["waits_at"] == {"forward 3": 0.02, "forward embed": 0.007}
+    assert "waits_at" not in rows[1]
+
+
 def test_an_out_of_memory_line_says_where_in_the_step():
     """The GPU's out-of-memory line names the phase, the layer and the pass it ran out in (the 14B run's said
     only "in step 1")."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import itertools
 import math
 import time
 
@@ -75,8 +76,8 @@ class GpuWorker:
     def first_out_of_place(self, only, k: int = 2) -> list[Group]:
         """The first ``k`` groups of an update of ``only`` that this worker writes out of place in HBM: those whose
         places it asks for itself (the flips ask for the later ones' places)."""
-        return [g for g in self.groups
-                if g in only and g in self.on_gpu and self._in_hbm(g) and not self._in_place(g)][:k]
+        return list(itertools.islice((g for g in self.groups if g in only and g in self.on_gpu and self._in_hbm(g)
+                                      and not self._in_place(g)), k))
 
     def grant_ahead(self, step: int, places: dict) -> None:
         """Places for some groups' new state in update ``step`` (the first ones ``first_out_of_place`` named), got
