@@ -270,14 +270,14 @@ def kernels_note(model: nn.Module, layers: nn.ModuleList) -> str | None:
 
     module = sys.modules[type(model).__module__]
     bound = {}  # function name -> (its package, whether the fast one is bound)
-    for fn in vars(module).values():
+    for name, fn in vars(module).items():
         while callable(fn):  # (through any wrapper transformers' hub kernels put around it)
             free = getattr(getattr(fn, "__code__", None), "co_freevars", ())
             if "is_new_implementation" in free and "package" in free:
                 cells = dict(zip(free, fn.__closure__))
-                bound[fn.__name__] = (cells["package"].cell_contents, cells["is_new_implementation"].cell_contents)
+                bound[name] = (cells["package"].cell_contents, cells["is_new_implementation"].cell_contents)
                 break
-            fn = getattr(fn, "__wrapped__", None)
+            fn = _wrapped_in(fn)
     called = set()  # the global names the layers' modules' methods use
     for cls in {type(m) for m in layers.modules()}:
         for fn in vars(cls).values():
@@ -294,6 +294,20 @@ def kernels_note(model: nn.Module, layers: nn.ModuleList) -> str | None:
     return (f"note: the linear attention runs transformers' PyTorch fallback for {', '.join(sorted(used))}"
             + (f" (the fast kernels of {' and '.join(fast)} for the rest)" if fast else "")
             + f": exact but slower; pip install {' '.join(slow)} for the fast kernels")
+
+
+def _wrapped_in(fn):
+    """The function a wrapper calls: ``__wrapped__`` (functools.wraps), or the ``func`` a module-like wrapper's
+    forward closes over (transformers >= 5.25 with the ``kernels`` package installed makes each hub-kernel function
+    such a module); None when there is none."""
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is not None:
+        return inner
+    forward = getattr(type(fn), "forward", None)
+    code = getattr(forward, "__code__", None)
+    if code is None or "func" not in code.co_freevars or not forward.__closure__:
+        return None
+    return forward.__closure__[code.co_freevars.index("func")].cell_contents
 
 
 def _routers(model: nn.Module, config, layers: nn.ModuleList, raw: dict, where: str):
