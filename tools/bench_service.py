@@ -63,11 +63,14 @@ def fit_layers(shape: dict, want: int, shm: Path) -> int:
 
 def step_times(out: Path, skip: int = 2) -> dict:
     rows = [json.loads(line) for line in (out / "trainer_log.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "step_seconds" in r][skip:]
+    every = [r for r in rows if "step_seconds" in r]
+    rows = every[skip:]
     med = lambda k: statistics.median(r[k] for r in rows)
     return {"step_s": med("step_seconds"), "tokens_per_s": med("throughput"), "compute_s": med("compute_seconds"),
             "wait_transfer_s": med("wait_transfer_seconds"), "wait_optimizer_s": med("wait_optimizer_seconds"),
-            "steps": len(rows), "predicted_s": rows[-1].get("predicted_step_seconds")}
+            "steps": len(rows), "predicted_s": rows[-1].get("predicted_step_seconds"),
+            "each_s": [round(r["step_seconds"], 3) for r in every],
+            "finite": all(r.get(k) is None or r[k] == r[k] for r in every for k in ("loss", "grad_norm"))}
 
 
 def kept_layers(out: Path) -> int | None:
@@ -253,6 +256,7 @@ def measure(args, results: dict, trainer, store: dict, work: Path, env: dict) ->
     for name in runs:
         r = results[name]
         print(f"{name}: update {r['update_s']:.3f} s {r['update_split']}; waited longest at {r['waits_at']}")
+        print(f"  each step (s): {r['each_s']}; loss and grad norm finite: {r['finite']}")
         for line in r["plan"]:
             print(f"  {line}")
     if args.planned:
