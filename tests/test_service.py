@@ -74,12 +74,13 @@ def env(tmp_path):
     (tmp_path / "shm").mkdir()
 
     def service_config(placement=PLACEMENT, device="cpu", shm=None, share="auto", cpu_groups="spread",
-                       durability="checkpoint") -> Path:
+                       durability="checkpoint", gpu_budget=None) -> Path:
         path = tmp_path / "serve.yaml"
+        gpu = {"device": device, **({"budget": gpu_budget} if gpu_budget else {})}
         path.write_text(yaml.safe_dump({
             "name": f"t{os.getpid()}", "placement": placement, "durability": durability,
             "optimizer": {"gpu_share": share, "cpu_groups": cpu_groups},
-            "tiers": {"gpu": {"device": device}, "dram": {"path": str(shm or tmp_path / "shm"), "budget": "64MiB"},
+            "tiers": {"gpu": gpu, "dram": {"path": str(shm or tmp_path / "shm"), "budget": "64MiB"},
                       "nvme": {"path": str(tmp_path / "nvme"), "budget": "64MiB", "backend": "posix"}}}))
         return path
 
@@ -98,8 +99,9 @@ def env(tmp_path):
         tmp, sock = tmp_path, sock_dir / "s.sock"
 
         def service(self, placement=PLACEMENT, device="cpu", shm=None, share="auto", cpu_groups="spread",
-                    durability="checkpoint", **kw) -> Service:
-            return Service(service_config(placement, device, shm, share, cpu_groups, durability), self.sock, **kw)
+                    durability="checkpoint", gpu_budget=None, **kw) -> Service:
+            return Service(service_config(placement, device, shm, share, cpu_groups, durability, gpu_budget),
+                           self.sock, **kw)
 
         def reference(self, device="cpu", **over) -> dict:
             name = f"embedded-{device}" + "".join(f"-{k}" for k in over)

@@ -169,9 +169,10 @@ class StoreConfig:
         "copy quickly at start (about 4 s)"))
     durability: Literal["checkpoint", "step"] = setting("checkpoint", help=(
         "a service's (`tiermem serve`): what a crash of the service may lose of the state it keeps in HBM (a "
-        "trainer's crash loses nothing in any tier). checkpoint: nothing is copied during a step; the run's "
-        "HBM-resident groups come back from its last checkpoint. step: they are written through to DRAM within "
-        "each step (the planner counts the copy; grad is kept in DRAM): a crash loses no step. An embedded run "
+        "trainer's crash loses nothing in any tier). checkpoint: nothing is copied during a step; the run resumes "
+        "from its last checkpoint (so the service's CPU worker updates in place, at the plain CPU AdamW rate). "
+        "step: the state kept in HBM is written through to DRAM each step (the planner counts the copy; grad is kept "
+        "in DRAM): a crash loses no step. An embedded run "
         "refuses step (its state lives and dies with its process)"))
 
     # (not a key) the dotted keys the config gives a value of its own, neither null nor auto (``tiers.dram.path``,

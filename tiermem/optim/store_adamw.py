@@ -16,9 +16,9 @@ When a group has fp32 ``master`` weights the update also writes the new compute 
 bf16) from them; without ``master`` the ``param`` tensors are the weights and are updated in place.
 
 With a ``guard`` (the service, ``tiermem.service.journal``) an update must survive a crash at any point: the GPU
-worker writes the new weights and moments out of place and the guard switches to them; the CPU worker
-does the same when they all live in DRAM and the arena has room (``tiermem.adamw``'s chunked update,
-about the in-place traffic), else it updates in place behind the guard's undo copy.
+worker writes the new weights and moments out of place and the guard switches to them; the CPU worker too
+where they live in DRAM and the arena has room (``tiermem.optim.kernels``), else in place behind the guard's
+undo copy, or plainly in place where the service's crash loses the run anyway.
 
 Semantics are ``torch.optim.AdamW``'s: decoupled weight decay (only for tensors flagged to decay), bias
 correction, fp32 moments; gradients may be divided by ``grad_scale`` (global-norm clipping).
@@ -135,11 +135,11 @@ class StoreAdamW(GpuWorker):
     ``RemoteGuard``) every update survives a crash at any point: ``guard.begin(group, update, views)``
     before the CPU worker changes a group in place, ``guard.done(group, update)`` once all of its new state
     is home; ``guard.allocate(group, update, names)`` -> places for the GPU worker's out-of-place write
-    (None: no room), ``guard.flip(group, update, extents)`` after it wrote them. ``offer_params``: hand
-    GPU-updated compute copies to the next fetch (an embedded run's; the service's trainer is another
-    process). ``cpu_takes_over``: a group the guard finds no room for is updated by this optimizer's CPU
-    worker (an attached trainer's is not: its service takes such a group itself).
-    """
+    (None: no room), ``guard.flip(group, update, extents)`` after it wrote them; ``guard.in_place``: the CPU
+    worker updates in place without ``begin`` (its service's crash loses the run anyway). ``offer_params``: hand
+    GPU-updated compute copies to the next fetch (an embedded run's, not a service's). ``cpu_takes_over``: a
+    group the guard finds no room for is updated by this optimizer's CPU worker (an attached trainer's is not:
+    its service takes such a group itself)."""
 
     def __init__(self, store, groups: list[Group], decay: dict[str, bool], cfg: AdamWConfig, has_master: bool,
                  *, gpu_share: float | None = None, cpu_groups: str | None = None, on_gpu=None,
@@ -350,7 +350,7 @@ class StoreAdamW(GpuWorker):
             views = {k: f.result() for k, f in staged.pop(g).items()}
             self._split["cpu_staging"] += time.perf_counter() - ts
             self._wait_gate(g, step)
-            if self.guard is not None:
+            if self.guard is not None and not getattr(self.guard, "in_place", False):
                 new = self._places_elsewhere(g)
                 if new is not None:
                     self._update_out_of_place(g, views, new, step, lr, grad_scale)
@@ -438,7 +438,7 @@ class StoreAdamW(GpuWorker):
 
     def _update_out_of_place(self, g: Group, views, new: dict, step: int, lr: float, grad_scale) -> None:
         """CPU AdamW into ``new`` places (the old state and the gradient keep their bytes), then the guard
-        journals and switches to them: crash-safe without an undo copy (see tiermem.adamw)."""
+        journals and switches to them: crash-safe without an undo copy (see tiermem.optim.kernels)."""
         store, cat, pk = self.store, self.store.catalog, self.p_kind
         rows: dict[bool, list] = {True: [], False: []}
         for e in cat.group_entries(g, pk):

@@ -5,7 +5,8 @@ loses nothing there (the block is the service's; updates are out of place, journ
 crash of the service takes the block with it; its config's ``durability`` says what then:
 
 - ``checkpoint`` (the default): nothing is copied during a step. The restarted service finds the run's HBM gone,
-  names the run's newest checkpoint (as for an arena lost to a reboot) and its trainer resumes from there.
+  names the run's newest checkpoint (as for an arena lost to a reboot) and its trainer resumes from there. So
+  the service's CPU worker need not be crash-safe: it updates in place (``lost_with_service``).
 - ``step``: each tensor the run keeps in HBM (but the gradient) has two copies in the arena, version v of a group
   in copy v % 2; a group's new state is copied there before its update is journaled (the flip, or the CPU
   worker's ``done``), so the copy of every journaled version is whole and the other copy holds the one before.
@@ -70,6 +71,15 @@ class ServiceHbm:
         if self.block is not None:
             self.block.close()
             self.block = None
+
+
+def lost_with_service(record: dict) -> bool:
+    """Whether a crash of the service loses the run's whole state (its recovery names the newest checkpoint and
+    discards the arena): state kept in HBM under ``durability: checkpoint``, unless a clean stop saved the block.
+    Then nothing the service alone changes needs to survive its crash: its CPU worker updates in place, with no
+    undo copy and no new places (a trainer's crash still loses nothing: the trainer's own updates stay out of
+    place)."""
+    return bool(record.get("hbm_capacity")) and record.get("durability", "checkpoint") != "step"
 
 
 def durability_of(record: dict, in_hbm) -> str:

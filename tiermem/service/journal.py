@@ -242,10 +242,12 @@ class UndoGuard:
     (journal the new places, then switch to them) after the GPU worker wrote it out of place."""
 
     def __init__(self, store, journal: Journal, extent: Extent | None, has_master: bool, epoch: int = 0,
-                 mirrors=None):
+                 mirrors=None, in_place: bool = False):
         """``mirrors`` (``durability: step``, ``tiermem.service.hbm.Mirrors``): a group's new state in HBM is copied
-        to DRAM before its update is journaled."""
+        to DRAM before its update is journaled. ``in_place``: a crash of this process loses the run's state anyway
+        (``tiermem.service.hbm.lost_with_service``): the CPU worker updates in place, without ``begin``."""
         self.store, self.journal, self.extent, self.epoch = store, journal, extent, epoch
+        self.in_place = in_place
         self.mirrors = mirrors
         self.kinds = undo_kinds(has_master)
         self.slow = HOOKS.slow_update  # test hook: seconds per group

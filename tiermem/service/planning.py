@@ -103,9 +103,10 @@ def plan_run(specs: list[TensorSpec], plan_cfg: StoreConfig, raw_cfg: StoreConfi
     if set(w.groups) != groups:
         raise RequestError("the workload's groups are not the specs' groups")
     cuda = compute_device(plan_cfg).type == "cuda" if cuda is None else cuda
-    budgets = {**default_budgets(plan_cfg), registry.primary(DEVICE): room}
-    base = machine()  # (the service's CPU AdamW writes out of place or behind an undo copy)
-    m = dataclasses.replace(base, assumed=list(base.assumed), cpu_adamw=base.cpu_adamw * CRASH_SAFE_CPU)
+    capped = raw_cfg.tiers.device_tier.budget if raw_cfg.tiers.device_tier is not None else None
+    # (the service's tiers.gpu.budget, where set, caps the HBM the trainer's step may use)
+    budgets = {**default_budgets(plan_cfg), registry.primary(DEVICE): room if capped is None else min(room, capped)}
+    base = machine()
     cfg = copy.deepcopy(plan_cfg)  # (the service's own store has no slots; its trainer streams through these)
     cfg.tiers.device_tier.slots = raw_cfg.tiers.device_tier.slots
     step = hbm and raw_cfg.durability == "step"
@@ -116,8 +117,16 @@ def plan_run(specs: list[TensorSpec], plan_cfg: StoreConfig, raw_cfg: StoreConfi
     # (boundary activations on the GPU only: the trainer keeps them in its own memory, and the arena it maps is the
     # service's, with no room of the trainer's for them)
     try:
-        plan = plan_step(specs, cfg, w, m, budgets, cuda=False, hbm_state=hbm, gpu_worker=cuda, hbm_taken=taken,
-                         write_through=step, keep_auto=keep, activations=DEVICE)
+        # the service's CPU AdamW runs in place where its crash loses the run's state anyway (state in HBM under
+        # durability: checkpoint, ``tiermem.service.hbm.lost_with_service``), else crash-safe: out of place or
+        # behind an undo copy, slower; a plan for the fast one that keeps nothing in HBM is made again for the other
+        for fast in ([True, False] if hbm and not step else [False]):
+            m = base if fast else dataclasses.replace(base, assumed=list(base.assumed),
+                                                      cpu_adamw=base.cpu_adamw * CRASH_SAFE_CPU)
+            plan = plan_step(specs, cfg, w, m, budgets, cuda=False, hbm_state=hbm, gpu_worker=cuda, hbm_taken=taken,
+                             write_through=step, keep_auto=keep, activations=DEVICE)
+            if registry.primary(DEVICE) in plan.where.values():
+                break
     except BudgetError as e:
         raise BudgetError(f"{e} (an attached run keeps its boundary activations in HBM: in DRAM they are not "
                           "supported yet with a service; tiermem-train without tiermem_server places them there)") \

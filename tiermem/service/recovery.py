@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from tiermem.errors import UserError
-from tiermem.service.hbm import Mirrors, load_block, save_block
+from tiermem.service.hbm import Mirrors, load_block, lost_with_service, save_block
 from tiermem.service.journal import Journal, make_private
 from tiermem.service.runs import newest_checkpoint
 from tiermem.store.layout import reopen_store, spec_from_json
@@ -62,7 +62,7 @@ class Recovery:
             self._discard_recorded()
             return
         hbm, saved = record.get("hbm_capacity", 0), self.hbm_file()
-        if hbm and not saved.is_file() and record.get("durability", "checkpoint") != "step":
+        if lost_with_service(record) and not saved.is_file():
             self._state_gone(record, journal, "the part of it kept in HBM died with the last service process "
                                               "(durability: checkpoint)")
             return

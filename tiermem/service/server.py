@@ -70,7 +70,7 @@ from tiermem.service.config import (
     shared_disk,
 )
 from tiermem.service.discarding import Discarding
-from tiermem.service.hbm import DURABILITY, Mirrors, ServiceHbm, hbm_groups, mirror_bytes, on_device
+from tiermem.service.hbm import DURABILITY, Mirrors, ServiceHbm, hbm_groups, lost_with_service, mirror_bytes, on_device
 from tiermem.service.journal import Journal, UndoGuard, state_dir, undo_bytes, write_atomic
 from tiermem.service.listening import Listening
 from tiermem.service.monitor import Monitoring
@@ -152,12 +152,18 @@ class Service(UpdateRequests, Replacement, Recovery, Monitoring, Listening, Disc
         journal = journal or Journal(self.journal_path)
         settings = OptimSettings.from_json(record["optim"])
         undo = Extent(*record["undo"]) if record["undo"] is not None else None
-        guard = UndoGuard(store, journal, undo, settings.has_master, record.get("epoch", 0), mirrors)
+        guard = UndoGuard(store, journal, undo, settings.has_master, record.get("epoch", 0), mirrors,
+                          in_place=lost_with_service(record))
         # (offer_params False: the trainer is another process, nothing to hand over on the GPU)
         on_gpu = record.get("plan", {}).get("gpu_updates")  # (the planner's split, when it planned the run)
         optimizer = settings.optimizer(store, gpu_share=record["gpu_share"], guard=guard, offer_params=False,
                                        **({"on_gpu": on_gpu} if on_gpu is not None else {}))
         optimizer.resplit(optimizer.on_gpu | hbm_groups(store))  # (a group with state in HBM is the GPU worker's)
+        cpu = len(set(optimizer.groups) - optimizer.on_gpu)
+        if guard.in_place and cpu:
+            self.say(f"the service's CPU worker updates its {cpu} group{'s' if cpu != 1 else ''} in place: a crash of "
+                     "the service loses the state kept in HBM, and the run then resumes from its newest checkpoint "
+                     "(durability: checkpoint)")
         return Run(record, specs, store, journal, optimizer, guard)
 
     def _new_run(self, msg: dict) -> Run:
