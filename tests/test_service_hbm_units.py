@@ -369,3 +369,94 @@ def test_the_services_cpu_worker_updates_in_place_only_where_its_crash_loses_the
     finally:
         theirs.close()
         svc.release()
+
+
+def test_the_service_splits_the_updates_again_at_its_cpu_workers_measured_rate(tmp_path):
+    """The 8B shape planned by a service that believed its CPU AdamW at 0.6 of the H200 machine's rate: the trainer's
+    GPU worker streams 16 groups' state through PCIe beside the forward. Its CPU worker measured 0.6 of the planned
+    seconds (as the H200's in-place update did: 0.55 s for 0.90 planned): the split found again gives it 11 more
+    groups (the GPU worker streams 5), predicted no slower; near the plan's rate, or before two updates, none."""
+    import dataclasses
+
+    from tiermem.plan import machine_file
+    from tiermem.service.planning import split_again
+
+    load = machine_file.load_machine
+    try:
+        machine_file.load_machine = lambda path: dataclasses.replace(load(path), cpu_adamw=load(path).cpu_adamw * 0.6)
+        _, plan, _ = _plans_of("8b", tmp_path)
+    finally:
+        machine_file.load_machine = load
+    planned = plan.prediction.busy["cpu"]
+    assert len(plan.gpu_updates) == 29
+    found = split_again(plan, [planned * 0.6] * 2)
+    assert found is not None and len(found) == 18 and found < set(plan.gpu_updates)
+    assert split_again(plan, [planned * 0.95, planned * 1.05]) is None and split_again(plan, [planned * 0.6]) is None
+
+
+def test_a_split_found_again_is_told_with_one_commit_and_taken_at_the_next(tmp_path, monkeypatch):
+    """The service's split found again (``split_again``, once its CPU worker has done two updates) goes to the trainer
+    with the commit's reply (``next_split``: the trainer's next backward keeps those groups' gradients on its GPU) and
+    both take it at the next commit: the groups the trainer then owes are the new ones, the service's CPU worker
+    updates the rest, and the run's record keeps it for a restarted service."""
+    import json
+    import types
+
+    from tiermem.service import updates
+
+    svc, client, theirs, hello = _service(tmp_path, {k: "dram" for k in HBM}, groups=4)
+    try:
+        _ok(svc.dispatch(client, hello))
+        _ok(svc.dispatch(client, {"op": "init", "id": 2, "run": "r1", "step": 0}))
+        run = svc.run
+        assert run.trainer.groups == {0, 1, 2, 3}
+        run.plan = types.SimpleNamespace(prediction=types.SimpleNamespace(busy={"cpu": 1.0}), gpu_updates={0, 1, 2, 3})
+        asked = []
+        monkeypatch.setattr(updates, "split_again", lambda plan, seen: asked.append(list(seen)) or {0, 1})
+        replies = []
+        for step in (1, 2, 3, 4):
+            replies.append(_ok(svc.dispatch(client, {"op": "commit", "id": 10 + step, "run": "r1", "step": step,
+                                                     "lr": 0.1})))
+            if step <= 2:
+                assert "next_split" not in replies[-1]
+                run.cpu_seen.append(0.5)  # (what the CPU worker's updates would have measured)
+            assert run.owed == ({0, 1} if step == 4 else {0, 1, 2, 3})
+            with svc.lock:  # (the trainer's groups: the service's own GPU worker does them, as for a gone trainer)
+                svc._trainer_left(svc.run)
+            run.wait()
+        assert replies[2]["next_split"] == [0, 1] and asked == [[0.5, 0.5]]
+        assert run.trainer.groups == {0, 1} and run.optimizer.on_gpu == {0, 1}
+        assert json.loads(svc.record_path.read_text())["plan"]["gpu_updates"] == [0, 1]
+        assert [run.store.catalog.version(g) for g in range(4)] == [4] * 4
+        svc._close_run(keep=False)
+    finally:
+        theirs.close()
+        svc.release()
+
+
+def test_the_trainer_takes_a_split_found_again_from_its_next_backward(tmp_path):
+    """The trainer's side of a split found again: the commit whose reply carries ``next_split`` still updates the
+    groups it started with; from then on the backward keeps the new groups' gradients on the GPU (``grads_on_gpu``)
+    and the next commit hands the GPU worker the new split before its update."""
+    import types
+
+    from tiermem.futures import done_future
+    from tiermem.service.client import RemoteOptimizer
+
+    calls = []
+    client = types.SimpleNamespace(error=None, lost=False, on_version=None,
+                                   request=lambda op, **f: calls.append(("commit", f["step"])) or (
+                                       {"next_split": ["a"]} if f["step"] == 3 else {}))
+    local = types.SimpleNamespace(on_gpu={"a", "b"}, failure=None, check=lambda: None,
+                                  first_out_of_place=lambda mine: [],
+                                  resplit=lambda on_gpu: calls.append(("resplit", sorted(on_gpu))),
+                                  step=lambda step, lr, scale, only: calls.append(("update", step, sorted(only)))
+                                  or done_future())
+    store = types.SimpleNamespace(flush=lambda kind: None, in_device_memory=lambda g, kind: False)
+    opt = RemoteOptimizer(client, store, ["a", "b", "c"], "r1", 2, local)
+    assert opt.grads_on_gpu("b")
+    opt.step(3, 0.1)
+    assert not opt.grads_on_gpu("b") and opt.grads_on_gpu("a")  # (the next backward's)
+    opt.step(4, 0.1)
+    assert calls == [("commit", 3), ("update", 3, ["a", "b"]), ("resplit", ["a"]), ("commit", 4),
+                     ("update", 4, ["a"])], calls

@@ -13,6 +13,8 @@ environment at import time.
 - ``TIERMEM_TEST_SLOW_UPDATE=SECONDS``: the service takes this much longer over each group's update (a
   kill then lands inside an update).
 - ``TIERMEM_TEST_SLOW_SAVE=SECONDS``: a checkpoint's writer takes this much longer over each group.
+- ``TIERMEM_TEST_SPLIT_ON_CPU=1``: a service on the CPU stand-in splits a planned run's updates again at its CPU
+  worker's measured rate, as one on CUDA does.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class Hooks:
     hold_at: str | None = None
     slow_update: float = 0.0  # seconds added to each group's update in the service
     slow_save: float = 0.0  # seconds added to each group a checkpoint writes
+    split_on_cpu: bool = False  # a service splits updates again on the CPU stand-in too
 
     def point(self, name: str, *key) -> None:
         """The process is at ``name:key``: die or hold there if a test asked for it."""
@@ -55,3 +58,4 @@ def install_from_env(environ=None) -> None:
     HOOKS.hold_at = env.get("TIERMEM_TEST_HOLD_AT") or None
     HOOKS.slow_update = float(env.get("TIERMEM_TEST_SLOW_UPDATE") or 0)
     HOOKS.slow_save = float(env.get("TIERMEM_TEST_SLOW_SAVE") or 0)
+    HOOKS.split_on_cpu = env.get("TIERMEM_TEST_SPLIT_ON_CPU") == "1"

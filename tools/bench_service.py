@@ -118,6 +118,8 @@ def attach(work: Path, svc_store: dict, run, env: dict) -> dict:
         if "finished at step" in line:
             print(line)
             r["service_updates"] = line
+        elif "planned for" in line or "in place:" in line or "from the next update" in line:
+            print(line[:400])  # (the service's plan, its CPU worker in place, the updates split again)
     return r
 
 

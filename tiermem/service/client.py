@@ -194,6 +194,7 @@ class RemoteOptimizer:
         self.client, self.store, self.groups, self.run = client, store, list(groups), run_id
         self.committed, self.local, self.gpu_share = committed, local, gpu_share
         self.mine = set(local.on_gpu) if local is not None else set()
+        self._split_next = False  # the service split the updates again: this process's GPU worker takes ``mine``
         self.gate: Gate | None = None  # a checkpoint saver's: commits wait until it has read the state
         self.last_step_seconds = 0.0
         self.last_split: dict = {}
@@ -260,6 +261,9 @@ class RemoteOptimizer:
             for g in self.groups:
                 self.gate(g, step)
         self._t_commit = time.perf_counter()
+        if self._split_next:  # (told with the last commit's reply; this step's backward kept to it)
+            self.local.resplit(self.mine)
+            self._split_next = False
         # the places of the first groups this process's GPU worker writes out of place come with the reply: the
         # update's start, which the next forward waits for, makes no round trip of its own
         first = self.local.first_out_of_place(self.mine) if self.local is not None and self.mine else []
@@ -274,8 +278,13 @@ class RemoteOptimizer:
             guard = self.local.guard
             self.local.grant_ahead(step, {g: guard.places(g, self.local.state_names(g), p)
                                           for g, p in zip(first, reply["places"])})
-        if self.mine:
-            return self.local.step(step, lr, grad_scale, only=self.mine)
+        mine = set(self.mine)
+        if reply.get("next_split") is not None and self.local is not None:
+            # the service measured its CPU worker and split the updates again, from the next one on: the next
+            # backward keeps those groups' gradients on this GPU (``grads_on_gpu``)
+            self.mine, self._split_next = set(reply["next_split"]), True
+        if mine:
+            return self.local.step(step, lr, grad_scale, only=mine)
         return done_future()
 
     def wait(self) -> None:

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import statistics
 
 from tiermem.config import StoreConfig
 from tiermem.errors import BudgetError
+from tiermem.plan.costmodel import predict
 from tiermem.plan.machine import Machine, machine_for
 from tiermem.plan.placement import Plan, default_budgets
-from tiermem.plan.planner import plan_step
+from tiermem.plan.planner import TIE, layout_of, plan_step, resplit
 from tiermem.plan.resolve import compute_device
 from tiermem.plan.workload import Workload
 from tiermem.service.requests import RequestError
@@ -36,6 +38,8 @@ CRASH_SAFE_CPU = 0.37
 # HBM the service's own CUDA context and allocator take on the trainer's GPU beside its block (its trainer's room,
 # measured in the trainer's process, does not see them)
 SERVICE_CONTEXT = 1 << 30
+SPLIT_AFTER = 2  # the service's own updates measured before its split is tried again at their rate
+SPLIT_OFF = 0.1  # ... when they took this much longer or shorter than planned
 
 
 def service_machine(cfg: StoreConfig) -> Machine:
@@ -140,3 +144,25 @@ def plan_run(specs: list[TensorSpec], plan_cfg: StoreConfig, raw_cfg: StoreConfi
             "activation_bytes": plan.activation_bytes, "hbm_room": plan.hbm_room, "machine": m.to_json(),
             "write_through": step, "keep": sorted(plan.keep)}
     return plan, share, told
+
+
+def split_again(plan: Plan, cpu_seen: list[float]) -> set | None:
+    """The groups the trainer's GPU worker should update (those with state in HBM among them) for ``plan``'s
+    placement at the rate the service's CPU worker measured (``cpu_seen``: its seconds of AdamW and compute copy in
+    each of its updates), where that rate is more than SPLIT_OFF off the plan's: the split ``resplit`` finds at it
+    (of near-equal ones, the CPU's largest share), when it is predicted no slower than the plan's split at that rate
+    (streaming a group's state through the GPU worker costs more beside the forward than the cost model counts).
+    None: keep the split (too few updates seen, the rate as planned, or nothing better)."""
+    planned = plan.prediction.busy.get("cpu", 0.0)
+    if len(cpu_seen) < SPLIT_AFTER or planned <= 0:
+        return None
+    slower = statistics.median(cpu_seen[-SPLIT_AFTER:]) / planned
+    if abs(slower - 1) <= SPLIT_OFF:
+        return None
+    m = dataclasses.replace(plan.machine, cpu_adamw=plan.machine.cpu_adamw / slower,
+                            cpu_copy=plan.machine.cpu_copy / slower)
+    found = resplit(plan, plan.workload, m)
+    if found is None or found[0] == set(plan.gpu_updates):
+        return None
+    now = predict(layout_of(plan), plan.workload, m, plan.group_bytes, plan.params)
+    return set(found[0]) if found[1].step <= now.step * (1 + TIE) else None

@@ -67,6 +67,12 @@ class Run:
     update_lock: threading.Lock = field(default_factory=threading.Lock)  # owed, own_done, pending's completion
     updates: int = 0  # updates run by this service process, and where their time went
     update_seconds: dict = field(default_factory=dict)
+    # the planner's plan of a run it split (one trainer, CUDA), the seconds of the service's CPU worker in each of its
+    # updates, and the split found again at their rate: told with one commit's reply, taken at the next commit
+    plan: object = None
+    cpu_seen: list = field(default_factory=list)
+    next_split: set | None = None
+    split_tried: bool = False
 
     def wait(self) -> None:
         if self.pending is not None:

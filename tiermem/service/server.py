@@ -55,6 +55,7 @@ from pathlib import Path
 
 from tiermem.config import StoreConfig
 from tiermem.errors import UserError
+from tiermem.faults import HOOKS
 from tiermem.optim import OptimSettings
 from tiermem.plan.placement import make_plan
 from tiermem.plan.resolve import compute_device
@@ -216,7 +217,11 @@ class Service(UpdateRequests, Replacement, Recovery, Monitoring, Listening, Disc
             if told is not None:
                 record["plan"] = told
             write_atomic(self.record_path, record)
-            return self._make_run(record, specs, store, mirrors=mirrors)
+            run = self._make_run(record, specs, store, mirrors=mirrors)
+            if told is not None and told["gpu_updates"] is not None and one and (
+                    compute_device(self.plan_cfg).type == "cuda" or HOOKS.split_on_cpu):
+                run.plan = plan  # (split again once its CPU worker's rate is measured: tiermem.service.updates)
+            return run
         except BaseException:
             store.close()
             raise
@@ -318,6 +323,7 @@ class Service(UpdateRequests, Replacement, Recovery, Monitoring, Listening, Disc
                     on_gpu = [g for g in run.optimizer.groups if g in run.optimizer.on_gpu]
                 client.groups = frozenset(g for g in on_gpu if world == 1 or g in owns)
                 run.trainer, run.peers, run.world = client, {}, world
+                run.next_split = None  # (a split told to the trainer before: this one keeps the run's as it is)
                 run.store.catalog.on_bump = lambda g, v, r=run: self._tell_all(r, {
                     "ev": "version", "group": g, "version": v, "layout": layout_of(r.store, g)})
                 self.say(f"trainer pid {client.pid} attached to run {label_of(run)} at step {run.state.committed}"

@@ -6,7 +6,11 @@ the groups it takes over for want of room, and what a trainer that leaves still 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import statistics
 
+from tiermem.service.hbm import hbm_groups
+from tiermem.service.journal import write_atomic
+from tiermem.service.planning import SPLIT_AFTER, split_again
 from tiermem.service.requests import RequestError, field_of, finite_of, is_key
 from tiermem.service.runs import Client, Run
 from tiermem.store.layout import layout_of
@@ -35,6 +39,12 @@ class UpdateRequests:
                 run.store.mark_valid(g, "grad")
             run.journal.append("commit", sync=True, step=step, lr=lr, grad_scale=scale)
             opt = run.optimizer
+            if run.next_split is not None:  # (told with the last commit's reply: the trainer's backward kept to it)
+                opt.resplit(run.next_split | hbm_groups(run.store))
+                client.groups = frozenset(opt.on_gpu)
+                run.plan.gpu_updates, run.next_split = set(opt.on_gpu), None
+                run.record.setdefault("plan", {})["gpu_updates"] = sorted(opt.on_gpu, key=str)
+                write_atomic(self.record_path, run.record)  # (a restarted service splits as this one did)
             with run.update_lock:
                 run.owed = set(opt.on_gpu)  # the trainer's GPU worker updates these (alloc, flip)
                 run.own_done = False
@@ -47,7 +57,25 @@ class UpdateRequests:
                 if not isinstance(grant, list) or len(grant) > 4:
                     raise RequestError("grant: a list of at most 4 groups")
                 reply["places"] = [self._grant(client, dict(msg, group=g))["places"] for g in grant]
+            if run.plan is not None and not run.split_tried and len(run.cpu_seen) >= SPLIT_AFTER and run.world == 1 \
+                    and client.groups:
+                self._split_again(run, reply)
         return reply
+
+    def _split_again(self, run: Run, reply: dict) -> None:
+        """Once the service's CPU worker has done SPLIT_AFTER updates: where its rate is off the plan's, the split of
+        the updates for that rate (``split_again``), told to the trainer now (``next_split``: its next backward keeps
+        those groups' gradients on its GPU) and taken by both at the next commit (call with the lock held)."""
+        run.split_tried = True
+        found = split_again(run.plan, run.cpu_seen)
+        if found is None:
+            return
+        run.next_split = set(found)
+        n, seen = len(found), statistics.median(run.cpu_seen[-SPLIT_AFTER:])
+        self.say(f"the CPU worker's updates took {seen:.2f}s, {run.plan.prediction.busy.get('cpu', 0.0):.2f}s "
+                 f"planned: from the next update the trainer's GPU worker updates {n} group{'s' if n != 1 else ''}, "
+                 f"the service's CPU {len(run.optimizer.groups) - n}")
+        reply["next_split"] = [g for g in run.optimizer.groups if g in found]
 
     def _updated(self, run: Run, step: int, fut) -> None:
         """The service's part of update ``step`` ended."""
@@ -55,6 +83,9 @@ class UpdateRequests:
             self._failed(run, step, fut.exception())
             return
         seconds, split = run.optimizer.update_figures()
+        cpu = split.get("cpu_adamw", 0.0) + split.get("cpu_compute_copy", 0.0)
+        if cpu > 0 and len(run.cpu_seen) < SPLIT_AFTER:
+            run.cpu_seen.append(cpu)
         run.updates += 1
         for k, v in {"total": seconds, **split}.items():
             run.update_seconds[k] = run.update_seconds.get(k, 0.0) + v
