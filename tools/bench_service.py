@@ -1,7 +1,7 @@
 """Benchmark: a trainer attached to `tiermem serve` against the same run embedded, same command.
 
-    python3 tools/bench_service.py [--batch 4] [--accum 4] [--seq 4096] [--steps 6] [--layers N] [--json FILE]
-                                   [--share S] [--attached-share S1,S2,...]  # one attached run per share
+    python3 tools/bench_service.py [--batch 4] [--accum 4] [--seq 4096] [--steps 6] [--skip 2] [--layers N]
+                                   [--json FILE] [--share S] [--attached-share S1,S2,...]  # one attached run per share
                                    [--attached-cpu-groups spread,last]  # ... per share and cpu_groups
                                    [--planned]  # both runs placed by the planner (the service plans the attached one)
                                    [--shape 3b|8b] [--nvme DIR]  # the model; an NVMe tier (state > host RAM)
@@ -143,6 +143,8 @@ def main() -> int:
     ap.add_argument("--accum", type=int, default=4)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--skip", type=int, default=2, help="steps left out of the medians (the pipeline filling; "
+                    "the service splits its updates again from update 4: --skip 4 measures the split)")
     ap.add_argument("--layers", type=int, help="decoder layers (default: the shape's, cut to fit /dev/shm)")
     ap.add_argument("--shm", default="/dev/shm")
     ap.add_argument("--json")
@@ -212,7 +214,7 @@ def main() -> int:
         if rc != 0:
             print((work / f"{name}.log").read_text()[-3000:])
             raise SystemExit(f"{name} run failed (rc {rc})")
-        r = step_times(work / name)
+        r = step_times(work / name, args.skip)
         r["wall_s"] = time.perf_counter() - t0
         r["kept_layers"] = kept_layers(work / name)
         r.update(details(work / name, work / f"{name}.log"))
