@@ -70,7 +70,8 @@ class UpdateRequests:
         found = split_again(run.plan, run.cpu_seen)
         if found is None:
             return
-        run.next_split = set(found)
+        found = set(found) | hbm_groups(run.store)  # (as the service's optimizer takes it)
+        run.next_split = found
         n, seen = len(found), statistics.median(run.cpu_seen[-SPLIT_AFTER:])
         self.say(f"the CPU worker's updates took {seen:.2f}s, {run.plan.prediction.busy.get('cpu', 0.0):.2f}s "
                  f"planned: from the next update the trainer's GPU worker updates {n} group{'s' if n != 1 else ''}, "
