@@ -457,6 +457,9 @@ def test_the_trainer_takes_a_split_found_again_from_its_next_backward(tmp_path):
     assert opt.grads_on_gpu("b")
     opt.step(3, 0.1)
     assert not opt.grads_on_gpu("b") and opt.grads_on_gpu("a")  # (the next backward's)
+    assert opt.take_notes() == ["plan: the service measured its CPU worker and split the updates again: from update 4 "
+                                "this trainer's GPU updates 1 of 3 groups, the service the others"]
+    assert opt.take_notes() == []
     opt.step(4, 0.1)
     assert calls == [("commit", 3), ("update", 3, ["a", "b"]), ("resplit", ["a"]), ("commit", 4),
                      ("update", 4, ["a"])], calls

@@ -195,6 +195,7 @@ class RemoteOptimizer:
         self.committed, self.local, self.gpu_share = committed, local, gpu_share
         self.mine = set(local.on_gpu) if local is not None else set()
         self._split_next = False  # the service split the updates again: this process's GPU worker takes ``mine``
+        self.notes: list[str] = []  # lines for the trainer to print (``take_notes``)
         self.gate: Gate | None = None  # a checkpoint saver's: commits wait until it has read the state
         self.last_step_seconds = 0.0
         self.last_split: dict = {}
@@ -283,9 +284,17 @@ class RemoteOptimizer:
             # the service measured its CPU worker and split the updates again, from the next one on: the next
             # backward keeps those groups' gradients on this GPU (``grads_on_gpu``)
             self.mine, self._split_next = set(reply["next_split"]), True
+            self.notes.append(f"plan: the service measured its CPU worker and split the updates again: from update "
+                              f"{step + 1} this trainer's GPU updates {len(self.mine)} of {len(self.groups)} groups, "
+                              "the service the others")
         if mine:
             return self.local.step(step, lr, grad_scale, only=mine)
         return done_future()
+
+    def take_notes(self) -> list[str]:
+        """The lines for the trainer to print since the last call (a split of the updates found again)."""
+        out, self.notes = self.notes, []
+        return out
 
     def wait(self) -> None:
         """Until every group holds the last committed update."""

@@ -39,6 +39,8 @@ class PlanWatcher:
                 _plan_measured(self.out / "tiermem_plan.json", watch.measured)
                 if watch.resplit_to is not None:  # (from the next step's backward on)
                     self.optimizer.resplit(watch.resplit_to)
+        for line in getattr(self.optimizer, "take_notes", list)():  # (an attached run's: its service's split)
+            say(line)
         links, was = now["links"], before["links"]
         self.report.live["link_bytes_per_step"] = {k: n - was.get(k, 0) for k, n in links.items() if n > was.get(k, 0)}
         self.report.live["disk_busy_s_per_step"] = busy  # (either way: top's NVMe busy)
