@@ -111,12 +111,19 @@ def test_service_killed_with_durability_step_comes_back_from_its_copies(env, poi
 def test_service_killed_with_durability_checkpoint_resumes_from_a_checkpoint(env):  # noqa: F811 - the fixture
     """durability: checkpoint: the service dies mid-update 5 and its HBM with it; the restarted service says the
     run's state is gone and names checkpoint-4; the rerun trainer resumes from there and ends bit-identically."""
+    _killed_in_update_5_resumes_from_checkpoint_4(env, "update:5:0", placement=HBM)
+
+
+def _killed_in_update_5_resumes_from_checkpoint_4(env, point: str, **service) -> None:  # noqa: F811 - the fixture
+    """The service (``service``: its settings) killed at ``point`` of update 5 under durability: checkpoint with state
+    in its HBM: the trainer saved checkpoint-4 before stopping, the restarted service says the state is gone and
+    names it, and the rerun resumes from it, ending as the embedded run."""
     ref = env.reference()
-    svc = env.service(placement=HBM, env={"TIERMEM_TEST_KILL_AT": "update:5:0"})
+    svc = env.service(**service, env={"TIERMEM_TEST_KILL_AT": point})
     lost = env.train("run", save_steps=2, extra_env={"TIERMEM_TEST_SLOW_SAVE": "0.4"})
     assert svc.proc.wait(timeout=60) == -signal.SIGKILL and lost.returncode == 1, lost.stderr
     assert "saved checkpoint-4 before stopping" in lost.stdout, lost.stdout + lost.stderr
-    svc = env.service(placement=HBM)
+    svc = env.service(**service)
     try:
         assert "kept in HBM died with the last service process" in svc.text and "checkpoint-4" in svc.text, svc.text
         again = env.train("run", save_steps=2)
@@ -171,16 +178,4 @@ def test_the_services_cpu_updates_in_place_where_its_crash_loses_the_run(env):  
         assert same(env.weights("whole"), ref)
     finally:
         assert svc.stop() == 0
-    svc = env.service(placement="auto", gpu_budget="900KiB", env={"TIERMEM_TEST_KILL_AT": "update:5:2"})
-    lost = env.train("run", save_steps=2, extra_env={"TIERMEM_TEST_SLOW_SAVE": "0.4"})
-    assert svc.proc.wait(timeout=60) == -signal.SIGKILL and lost.returncode == 1, lost.stderr
-    assert "saved checkpoint-4 before stopping" in lost.stdout, lost.stdout + lost.stderr
-    svc = env.service(placement="auto", gpu_budget="900KiB")
-    try:
-        assert "kept in HBM died with the last service process" in svc.text and "checkpoint-4" in svc.text, svc.text
-        again = env.train("run", save_steps=2)
-        assert again.returncode == 0, again.stderr
-        assert "checkpoint-4 at step 4" in again.stdout, again.stdout
-        assert same(env.weights("run"), ref)
-    finally:
-        assert svc.stop() == 0
+    _killed_in_update_5_resumes_from_checkpoint_4(env, "update:5:2", placement="auto", gpu_budget="900KiB")
