@@ -219,7 +219,9 @@ def run_tiermem(args, raw: dict, model_dir: Path, path: str = "template", around
             "compute_s": sum(s.compute for s in splits) / n,
             "wait_transfer_s": sum(s.wait_transfer for s in splits) / n,
             "wait_optimizer_s": sum(s.wait_optimizer for s in splits) / n,
-            "waits_by_phase": {ph: {k: sum(s.waits_by_phase.get(ph, {}).get(k, 0.0) for s in splits) / n
+            # (the executor keys its waits "phase group": summed here by phase)
+            "waits_by_phase": {ph: {k: sum(w[k] for s in splits for at, w in s.waits_by_phase.items()
+                                           if at.split(" ", 1)[0] == ph) / n
                                     for k in ("transfer", "optimizer")} for ph in ("forward", "loss", "backward")},
             "optimizer_busy_s": statistics.median(opt_s or [opt.last_step_seconds]),
             "optimizer_split": opt.last_split, "optimizer_threads": opt.threads, "gpu_share": opt.gpu_share,
