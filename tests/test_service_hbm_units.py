@@ -463,3 +463,24 @@ def test_the_trainer_takes_a_split_found_again_from_its_next_backward(tmp_path):
     opt.step(4, 0.1)
     assert calls == [("commit", 3), ("update", 3, ["a", "b"]), ("resplit", ["a"]), ("commit", 4),
                      ("update", 4, ["a"])], calls
+
+
+def test_a_commit_with_a_bad_grant_is_refused_before_it_is_journaled(tmp_path):
+    """``grant`` that is not a short list of groups: the commit is refused in one line and nothing of it is journaled
+    or started (the same step commits afterwards)."""
+    svc, client, theirs, hello = _service(tmp_path, HBM)
+    try:
+        _ok(svc.dispatch(client, hello))
+        _ok(svc.dispatch(client, {"op": "init", "id": 2, "run": "r1", "step": 0}))
+        bad = svc.dispatch(client, {"op": "commit", "id": 3, "run": "r1", "step": 1, "lr": 0.1, "grant": "all"})
+        assert not bad["ok"] and "grant: a list of at most 4 groups" in bad["error"], bad
+        assert svc.run.state.committed == 0 and not svc.run.owed
+        _ok(svc.dispatch(client, {"op": "commit", "id": 4, "run": "r1", "step": 1, "lr": 0.1, "grant": [0]}))
+        assert svc.run.state.committed == 1
+        with svc.lock:  # (the group the trainer owed: the service's own worker updates it)
+            svc._trainer_left(svc.run)
+        svc.run.wait()
+        svc._close_run(keep=False)
+    finally:
+        theirs.close()
+        svc.release()

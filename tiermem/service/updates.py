@@ -32,6 +32,9 @@ class UpdateRequests:
             if run.error:
                 raise RequestError(f"the optimizer failed: {run.error}; fix the cause and restart the service: "
                                    "it recovers the last committed step")
+            grant = msg.get("grant")  # (the first groups the trainer writes out of place: their places in the reply)
+            if grant is not None and (not isinstance(grant, list) or len(grant) > 4):
+                raise RequestError("grant: a list of at most 4 groups")  # (before anything is journaled)
             run.wait()  # the last update is whole (its last journal line may still be on its way)
             moved = self._move_state(run) if self.pending_config is not None else False
             run.journal.compact()
@@ -52,10 +55,7 @@ class UpdateRequests:
             fut = opt.step(step, lr, scale, only=set(opt.groups) - run.owed)
             fut.add_done_callback(lambda f, run=run, step=step: self._updated(run, step, f))
             reply = {"layout": layout_of(run.store)} if moved else {}
-            grant = msg.get("grant")  # (the first groups the trainer writes out of place: their places now)
             if grant is not None:
-                if not isinstance(grant, list) or len(grant) > 4:
-                    raise RequestError("grant: a list of at most 4 groups")
                 reply["places"] = [self._grant(client, dict(msg, group=g))["places"] for g in grant]
             if run.plan is not None and not run.split_tried and len(run.cpu_seen) >= SPLIT_AFTER and run.world == 1 \
                     and client.groups:
