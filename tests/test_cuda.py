@@ -481,3 +481,30 @@ def test_a_flips_finite_check_is_read_off_the_default_stream(tmp_path, monkeypat
     finally:
         theirs.close()
         svc.release()
+
+
+def test_a_ranks_part_of_the_services_hbm_is_mapped_at_its_base_on_cuda():
+    """The service's device tier of several ranks on CUDA (both parts on this GPU here; on cuda:r with several
+    GPUs): another process maps part 1 by CUDA IPC at its base, as rank 1's trainer does, and writes through it;
+    the service reads those bytes at the group's extent, and part 0 is untouched."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.procs import ROOT, child_env
+    from tiermem.tiers.hbm_parts import PART_SPAN, PartedGpuTier, Parts
+    from tiermem.tiers.hbm_share import OwnedBlock
+
+    dev = torch.device("cuda", 0)
+    blocks = [OwnedBlock(1 << 20, dev), OwnedBlock(1 << 20, dev)]
+    tier = PartedGpuTier(Parts(blocks, [1 << 20, 1 << 20], {"a": 0, "b": 1}))
+    a, b = tier.allocate_for("a", 4096), tier.allocate_for("b", 4096)
+    desc = tier.describe_part(1)
+    assert desc["base"] == PART_SPAN and b.offset >= PART_SPAN
+    code = ("import json, sys, torch\nfrom tiermem.tiers.gpu import GpuTier\nfrom tiermem.tiers.extents import Extent\n"
+            "t = GpuTier.map_shared(json.loads(sys.argv[1]), torch.device('cuda', 0), 512, 2)\n"
+            f"t.view(Extent({b.offset}, 4096)).fill_(5)\ntorch.cuda.synchronize()\nt.close()\n")
+    subprocess.run([sys.executable, "-c", code, json.dumps(desc)], check=True, cwd=ROOT, env=child_env(), timeout=120)
+    assert (tier.view(b) == 5).all() and not tier.view(a).any()
+    for blk in blocks:
+        blk.close()

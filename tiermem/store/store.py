@@ -109,11 +109,15 @@ class Store(StoreQueries, Scratch):
         if self.tier(tier) is None:
             raise BudgetError(f"cannot place {spec.name} on {tier}: that tier is not configured")
         try:
-            extent = self.tier(tier).allocate(spec.nbytes)
+            extent = self._room(tier, spec.nbytes, spec.group)
         except OutOfSpace:
             raise BudgetError(f"{tier} tier is full: no room for {spec.name} ({format_size(spec.nbytes)}); "
                               f"raise tiers.{tier}.budget") from None
         return self.catalog.add(spec, tier, extent)
+
+    def _room(self, tier: str, nbytes: int, group: Group) -> Extent:
+        """A place on ``tier`` for a tensor of ``group`` (a parted device tier's in its owner's part: hbm_parts)."""
+        return getattr(self.tier(tier), "allocate_for", lambda _, n: self.tier(tier).allocate(n))(group, nbytes)
 
     def delete(self, name: str) -> cf.Future:
         """Remove tensor ``name`` and free its place, after every earlier operation on its group and kind."""
@@ -219,7 +223,7 @@ class Store(StoreQueries, Scratch):
         tensor's other operations: for state nothing else touches meanwhile (``move`` orders it)."""
         entry = self.catalog[name]
         try:
-            extent = self.tier(tier).allocate(entry.spec.nbytes)
+            extent = self._room(tier, entry.spec.nbytes, entry.spec.group)
         except (OutOfSpace, BudgetError, AttributeError):
             raise BudgetError(f"cannot move {name} to {tier}: no room there") from None
         new = Location(tier, extent, entry.spec.nbytes)
@@ -319,9 +323,8 @@ class Store(StoreQueries, Scratch):
         return dict(kept[1])
 
     def offer(self, group: Group, kind: str, tensors: dict[str, torch.Tensor]) -> None:
-        """Say that ``tensors`` (GPU memory) hold the current bytes of the group's ``kind`` tensors, so the
-        next ``fetch`` copies from them on the GPU instead of over PCIe (the GPU-side optimizer offers the
-        compute copy it has just made). Any later write to the group's ``kind`` withdraws the offer."""
+        """Say that ``tensors`` (GPU memory) hold the group's ``kind`` tensors' current bytes: the next ``fetch`` copies
+        them on the GPU, not over PCIe (the GPU worker's new compute copy); a later write withdraws the offer."""
         self._offered[(group, kind)] = (dict(tensors), event_now(*tensors.values()))
 
     def take_offer(self, group: Group, kind: str):
@@ -329,12 +332,9 @@ class Store(StoreQueries, Scratch):
         return self._offered.pop((group, kind), None)
 
     def stage(self, group: Group, kind: str) -> cf.Future:
-        """The group's tensors of ``kind`` in memory the CPU (DRAM) or GPU can compute on.
-
-        Tensors on a memory tier (DRAM, the GPU's) are handed out as views. Those on a storage tier (NVMe) are
-        read into temporary extents of the host tier (the arena) that stages them; ``release(write_back=True)``
-        writes them back and frees the extents.
-        """
+        """The group's tensors of ``kind`` in memory the CPU (DRAM) or GPU can compute on: views of those on a memory
+        tier; those on a storage tier (NVMe) read into temporary extents of the host tier (the arena) that stages
+        them, which ``release(write_back=True)`` writes back and frees."""
         entries = self.catalog.group_entries(group, kind)
         views, temps = {}, []
         host = self.tiers.host
@@ -402,7 +402,7 @@ class Store(StoreQueries, Scratch):
         try:
             for name in sorted(names, key=lambda n: -self.catalog[n].spec.nbytes):
                 e = self.catalog[name]
-                new[name] = self.tier(e.tier).allocate(e.spec.nbytes)
+                new[name] = self._room(e.tier, e.spec.nbytes, e.spec.group)
         except OutOfSpace:
             for name, ext in new.items():
                 self.tier(self.catalog[name].tier).free(ext)

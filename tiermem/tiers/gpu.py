@@ -7,7 +7,9 @@ by host memory, so the tests run the same code paths on the CPU.
 
 A service's store lays its tier on a block of its own that another process may map (``Making.block``:
 ``tiermem.tiers.hbm_share``), and its trainer's tier maps it (``map_shared``) below streaming slots of its own: offsets
-below the mapped block's size are the service's block, the slots lie above it.
+below the mapped block's size are the service's block, the slots lie above it. A run of several ranks attached to
+one service keeps each rank's state in HBM on its own GPU (``tiermem.tiers.hbm_parts``): the service's tier holds
+one block a rank, and rank r's tier maps its part at that part's base, its slots above it.
 """
 
 from __future__ import annotations
@@ -80,12 +82,17 @@ class GpuTier:
 
     @classmethod
     def make(cls, section: GpuTierConfig, capacity: int, at: Making) -> GpuTier:
+        from tiermem.tiers.hbm_parts import PartedGpuTier, Parts
+
+        if isinstance(at.block, Parts):  # (a service's run of several ranks: a block on each rank's GPU)
+            return PartedGpuTier(at.block)
         return cls(at.device, capacity, at.slot_bytes, at.n_slots, block=at.block if capacity > 0 else None)
 
     @classmethod
     def map_shared(cls, desc: dict, device: torch.device, slot_bytes: int, n_slots: int) -> GpuTier:
-        """A trainer's tier: the service's block (``describe``) mapped here, its streaming slots above it."""
-        return cls(device, 0, slot_bytes, n_slots, mapped=MappedBlock(desc, device))
+        """A trainer's tier: the service's block (``describe``; of several ranks, this rank's part of it, at the
+        part's ``base``) mapped here, its streaming slots above it."""
+        return cls(device, 0, slot_bytes, n_slots, mapped=MappedBlock(desc, device), base=int(desc.get("base", 0)))
 
     def describe(self, section: GpuTierConfig, chosen: bool = False) -> dict | None:
         """What another process needs to map this tier's block (one laid on a shared block; None otherwise)."""
@@ -103,11 +110,11 @@ class GpuTier:
         pass
 
     def __init__(self, device: torch.device, resident_bytes: int, slot_bytes: int, n_slots: int,
-                 block: OwnedBlock | None = None, mapped: MappedBlock | None = None):
+                 block: OwnedBlock | None = None, mapped: MappedBlock | None = None, base: int = 0):
         """``block``: a block of this process's another process may map, to lay the tier on (its owner closes it);
         ``mapped``: another process's block, mapped below this tier's own slots (which alone this process
-        allocates)."""
-        self.device = device
+        allocates); ``base``: the offset of the tier's first byte (a rank's part of a service's HBM)."""
+        self.device, self.base = device, base
         self.slot_bytes = align_up(slot_bytes, ALIGN) if n_slots else 0
         self._mapped, self._block = mapped, block
         self._split = align_up(mapped.tensor.numel(), ALIGN) if mapped is not None else 0  # (the mapped block's)
@@ -123,8 +130,8 @@ class GpuTier:
         except torch.OutOfMemoryError:
             raise BudgetError(f"GPU tier: cannot allocate {format_size(own)} on {device}; "
                               "lower tiers.gpu.budget or place fewer groups on the GPU") from None
-        self.allocator = ExtentAllocator(max(self.capacity, ALIGN), ALIGN)
-        self._slots = [Slot(i, self._reserve_slot(self._split + i * self.slot_bytes)) for i in range(n_slots)]
+        self.allocator = ExtentAllocator(max(self.capacity, ALIGN), ALIGN, base=base)
+        self._slots = [Slot(i, self._reserve_slot(base + self._split + i * self.slot_bytes)) for i in range(n_slots)]
         self._free = list(self._slots)
         self._cond = threading.Condition()
         self.slot_wait_seconds = 0.0
@@ -158,9 +165,12 @@ class GpuTier:
 
     def view(self, extent: Extent, nbytes: int | None = None) -> torch.Tensor:
         n = extent.nbytes if nbytes is None else nbytes
-        if extent.offset < self._split:
-            return self._mapped.tensor[extent.offset: extent.offset + n]
-        at = extent.offset - self._split
+        at = extent.offset - self.base
+        if at < 0:
+            raise ValueError(f"extent at {extent.offset} lies in another rank's part of the service's HBM")
+        if at < self._split:
+            return self._mapped.tensor[at: at + n]
+        at -= self._split
         return self._buffer[at: at + n]
 
     def sync(self) -> None:

@@ -251,5 +251,5 @@ class Mover:
 
 def _same_buffer(t: torch.Tensor, gpu) -> bool:
     """True when ``t`` is a view into the GPU tier's buffer (the CPU stand-in has host tensors there)."""
-    buf = gpu.view(Extent(0, gpu.capacity))
+    buf = gpu.view(Extent(getattr(gpu, "base", 0), gpu.capacity))  # (a rank's part of a service's HBM: at its base)
     return buf.device == t.device and buf.data_ptr() <= t.data_ptr() < buf.data_ptr() + max(gpu.capacity, 1)
