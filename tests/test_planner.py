@@ -240,8 +240,9 @@ def test_a_trainers_workload_goes_to_the_service_and_back_or_is_refused_in_one_l
     plan, share, told = plan_run(specs, cfg, raw, {"workload": w.to_json(), "hbm_room": 8 * GiB},
                                  lambda: machine())
     assert share == 0 and "gpu" in {t for _, _, t in told["where"]} and told["passes"] == plan.passes  # (HBM a tier)
-    _, _, told = plan_run(specs, cfg, raw, {"workload": w.to_json(), "hbm_room": 8 * GiB}, machine, hbm=False)
-    assert {t for _, _, t in told["where"]} <= {"dram", "nvme"}  # (several ranks: no state in HBM yet)
+    _, _, told = plan_run(specs, cfg, raw, {"workload": w.to_json(), "hbm_room": 8 * GiB}, machine,
+                          owners={g: n % 2 for n, g in enumerate(["embed", *range(4), "head"])})
+    assert all(t != "gpu" for _, k, t in told["where"] if k == "param")  # (several ranks: each reads every group's)
     assert plan_run(specs, cfg, raw, None, machine) is None  # nothing sent: the fixed rule
     bad = [("a list", "must be an object"), ({"workload": {}, "hbm_room": 1}, "workload.layers"),
            ({"workload": dict(w.to_json(), tokens=-1), "hbm_room": 1}, "workload.tokens"),

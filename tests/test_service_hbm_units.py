@@ -99,30 +99,23 @@ def test_the_services_hbm_is_mapped_by_its_trainer_and_updated_out_of_place(tmp_
         svc.release()
 
 
-def test_state_in_hbm_for_several_ranks_is_refused_in_one_line(tmp_path):
-    svc, client, theirs, hello = _service(tmp_path, HBM)
-    try:
-        reply = svc.dispatch(client, dict(hello, world=2, owns=[0]))
-        assert not reply["ok"] and "not supported yet" in reply["error"] and "\n" not in reply["error"], reply
-    finally:
-        theirs.close()
-        svc.release()
-
-
-def _plan(durability="checkpoint", hbm=True):
+def _plan(durability="checkpoint", owners=None):
     raw = load_store_config({"placement": "auto", "durability": durability,
                              "tiers": {"gpu": {"device": "cpu"}, "dram": {"budget": "40GiB"},
                                        "nvme": {"path": "/nonexistent/tiermem", "budget": "200GiB"}}})
     asked = {"workload": workload(8).to_json(), "hbm_room": 40 * GiB}
     specs = specs_for(8, 50_000_000, 100_000_000)
-    return plan_run(specs, resolve_auto(raw, "service"), raw, asked, machine, hbm=hbm)[0]
+    return plan_run(specs, resolve_auto(raw, "service"), raw, asked, machine, owners=owners)[0]
 
 
 def test_the_service_plans_an_attached_run_with_hbm_as_a_tier():
-    """One rank: state in HBM, as an embedded run; several ranks (hbm False): none. durability: step: every gradient
-    in the arena, and the write-through's bytes on the link from the GPU."""
-    plain, none, step = _plan(), _plan(hbm=False), _plan("step")
-    assert "gpu" in plain.where.values() and "gpu" not in none.where.values()
+    """One rank: state in HBM, as an embedded run; several ranks (``owners``): a group's state in its owner's HBM,
+    never its compute copy. durability: step: every gradient in the arena, and the write-through's bytes on the
+    link from the GPU."""
+    owners = {g: n % 2 for n, g in enumerate(["embed", *range(8), "head"])}
+    plain, ranks, step = _plan(), _plan(owners=owners), _plan("step")
+    assert "gpu" in plain.where.values() and "gpu" in ranks.where.values() and ranks.owners == owners
+    assert all(t != "gpu" for (g, k), t in ranks.where.items() if k == "param")
     assert any(t == "gpu" for (g, k), t in step.where.items() if k != "grad")
     assert all(t == "dram" for (g, k), t in step.where.items() if k == "grad")
     in_hbm = sum(b for (g, k), b in step.group_bytes.items() if step.where[(g, k)] == "gpu")

@@ -13,7 +13,10 @@
 #   bash tools/gpu_dp_check.sh service # `tiermem serve` (configs/tiermem/dram.yaml) and 2 GPUs attached to it
 #                                      # (tiermem_server): the 3B shape at 16 x 4096 tokens a step per GPU, STEPS
 #                                      # (default 6), bf16: tokens/s and the steps' losses, beside the curve's 1 GPU
-#   bash tools/gpu_dp_check.sh tests   # tests/test_train_dp*.py and tests/test_cuda.py on this machine
+#   bash tools/gpu_dp_check.sh service_hbm  # the same, the service's placement auto (issue 43): it plans each rank's
+#                                      # groups' state into its block on that rank's GPU; the store line and where
+#                                      # the service put its blocks
+#   bash tools/gpu_dp_check.sh tests   # tests/test_train_dp*.py, test_service_ranks*.py and test_cuda.py here
 # Details under $OUT; a short table prints last.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -73,23 +76,29 @@ big)
   summary+=("${LAYERS:-68}-layer 14b shape, 2 GPUs: $(median_tps /tmp/dp_big/out/trainer_log.jsonl) tokens/s; \
 $(grep -E '^store:' "$OUT/big.txt" | head -1)")
   ;;
-service)
-  python3 -m tiermem.cli serve --config configs/tiermem/dram.yaml --socket /tmp/dp_svc.sock --fresh \
+service|service_hbm)
+  conf=configs/tiermem/dram.yaml
+  if [ "$1" = service_hbm ]; then  # (placement auto: state in each rank's HBM, the service's blocks)
+    conf=/tmp/serve_hbm.yaml; printf 'name: tiermem-hbm\ntiers: {gpu: {device: auto}, dram: {path: /dev/shm}}\n' > $conf
+  fi
+  python3 -m tiermem.cli serve --config $conf --socket /tmp/dp_svc.sock --fresh \
     > "$OUT/serve.txt" 2>&1 &
   svc=$!
   for _ in $(seq 120); do grep -q "listening on" "$OUT/serve.txt" && break; sleep 1; done
   python3 tools/make_shape_run.py --shape 3b --dir /tmp/dp_svc --seq 4096 --batch 4 --accum 4 \
     --steps "${STEPS:-6}" --set logging_steps=1 tiermem_server=/tmp/dp_svc.sock tiermem=null > /dev/null
   torchrun --standalone --nproc-per-node 2 -m trainer.cli /tmp/dp_svc/train.yaml > "$OUT/service.txt" 2>&1
-  echo "== 2 GPUs attached: exit $?"; grep -E "^attached|^plan:|^step [0-9]+/|error" "$OUT/service.txt" | tail -10
+  echo "== 2 GPUs attached: exit $?"; grep -E "^attached|^plan:|^store:|^step [0-9]+/|error" "$OUT/service.txt" | tail -12
+  nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader  # (the service's blocks, on each GPU)
   kill $svc; wait $svc; tail -6 "$OUT/serve.txt"
-  summary+=("3B 16x4096/GPU, 2 GPUs attached to a service: $(median_tps /tmp/dp_svc/out/trainer_log.jsonl) tokens/s")
+  summary+=("3B 16x4096/GPU, 2 GPUs attached to a service ($1): $(median_tps /tmp/dp_svc/out/trainer_log.jsonl) \
+tokens/s; $(grep -E '^store:' "$OUT/service.txt" | head -1)")
   ;;
 tests)
   python3 -m pytest -q -rf -p no:cacheprovider tests/test_train_dp.py tests/test_train_dp_hbm.py tests/test_cuda.py \
-    > "$OUT/pytest_dp.log" 2>&1
+    tests/test_service_ranks_hbm.py tests/test_service_ranks_units.py > "$OUT/pytest_dp.log" 2>&1
   summary+=("tests: $(grep -E "passed|failed" "$OUT/pytest_dp.log" | tail -1)")
   ;;
-*) echo "usage: bash tools/gpu_dp_check.sh curve|speed|big|service|tests"; exit 2 ;;
+*) echo "usage: bash tools/gpu_dp_check.sh curve|speed|big|service|service_hbm|tests"; exit 2 ;;
 esac
 echo "== summary"; printf '%s\n' "${summary[@]}"

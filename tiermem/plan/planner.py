@@ -13,8 +13,8 @@ from the last groups first while DRAM is short. The streamed groups' updates are
 fastest; a streamed group the GPU updates needs HBM of its own (its gradient waits there from the backward,
 three groups' state are in flight), so a split is taken only where that room is left, and a layout that
 leaves it is tried too. Kinds the placement pins (``{exp_avg_sq: nvme}``) stay where they are pinned. A
-service's run of several ranks keeps no state in HBM (``hbm_state=False``); one of one rank keeps it in the
-service's own block (``write_through`` with its durability: step).
+service's run keeps its state in HBM in the service's own blocks (``write_through`` with its durability: step), its
+ranks' as an embedded run's ranks' (``owners``).
 
 Several ranks of a host (``owners``: group -> owning rank) each have an HBM of the same size: a group's
 optimizer-side state (grad, master, exp_avg, exp_avg_sq) may live in its owner's, never its compute copy (every
@@ -104,7 +104,7 @@ def plan_step(specs: list[TensorSpec], cfg: StoreConfig, w: Workload, m: Machine
               keep_auto: bool = False, hbm_taken: int = 0, owners: dict | None = None, activations: str = "auto",
               write_through: bool = False) -> Plan:
     """The fastest predicted placement of ``specs`` for steps of ``w`` on machine ``m`` (see the module).
-    ``hbm_state`` False: no state in HBM (several ranks of a service); HBM holds the activations, the slots and the
+    ``hbm_state`` False: no state in HBM (several hosts' stores); HBM holds the activations, the slots and the
     GPU worker's copies. ``gpu_worker`` False: the CPU updates every group that does not live in HBM (a service
     without CUDA). ``hbm_taken``: bytes of HBM the run takes for something else the whole step (several ranks: the
     gradients in flight to their owners; a service: room for new state, its CUDA context). ``keep_auto``

@@ -17,7 +17,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,7 +31,10 @@ from tiermem.service import protocol
 from tiermem.service.config import DISK_FIELD
 from tiermem.specs import Group, TensorSpec
 from tiermem.store.layout import apply_layout, attach_store, spec_from_json, spec_to_json
+from tiermem.tiers import registry
+from tiermem.tiers.base import DEVICE
 from tiermem.tiers.extents import Extent
+from tiermem.tiers.hbm_parts import part_of
 
 
 class ServiceLost(UserError):
@@ -208,9 +211,8 @@ class RemoteOptimizer:
         self.gate = gate
 
     def set_part_gate(self, gate: Gate | None) -> None:
-        """Not with a service: it keeps no state in a trainer's HBM, so no trainer writes a part of a checkpoint."""
-        raise UserError("a checkpoint written in parts by a service's ranks is not supported yet: several ranks "
-                        "attached to one service keep no state in HBM")
+        """Not of one trainer: it saves the whole checkpoint (a rank of several: ``RankRemoteOptimizer``)."""
+        raise UserError("a checkpoint part is written by a rank of several; one trainer saves the whole checkpoint")
 
     def expect_save(self, step: int) -> None:
         """Nothing to hold: the commit of update ``step + 1`` waits for this process's saver (``set_gate``)."""
@@ -326,6 +328,8 @@ class Attached:
     resume: dict | None = None  # the service lost this run's state: {checkpoint, step} to resume from
     plan: dict | None = None  # the service's plan of the run (tiermem.service.planning), when it planned it
     replaced: int | None = None  # asked to start afresh: the step of this run's state the service discarded
+    remote: set = field(default_factory=set)  # several ranks: names in the other ranks' HBM (not in this store)
+    own_hbm: set = field(default_factory=set)  # ... and in this rank's (it loads them, writes its checkpoint part)
 
     def request(self, op: str, **fields) -> dict:
         return self.client.request(op, run=self.run, **fields)
@@ -350,12 +354,15 @@ class Attached:
 
 def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: OptimSettings,
            plan: dict | None = None, rank: int = 0, world: int = 1, owns: list | None = None,
-           local_rank: int = 0, optimizer_type: type | None = None, fresh: bool = False) -> Attached:
+           local_rank: int = 0, optimizer_type: type | None = None, fresh: bool = False,
+           owners: dict | None = None) -> Attached:
     """Attach to the service at ``path`` for run ``run_id`` (created there if the service holds no run; with
     ``plan``, {workload, hbm_room, keep}, the service plans it). A rank of several (``rank`` of ``world``, rank 0
     first) says which groups it ``owns``: of each update's groups the service leaves to the trainers' GPU
-    workers, it takes those. ``fresh`` (overwrite_output_dir): a run the service holds for this run id, with no
-    trainer attached, is discarded and this one starts anew (``Attached.replaced``: the step it was at).
+    workers, it takes those; rank 0 says every group's owner (``owners``): the service keeps a group's state in HBM
+    on its owner's GPU, and each rank maps its own part (its store leaves the others' out: ``Attached.remote``).
+    ``fresh`` (overwrite_output_dir): a run the service holds for this run id, with no trainer attached, is
+    discarded and this one starts anew (``Attached.replaced``: the step it was at).
 
     The trainer computes on the service config's device tier's ``device`` (the CPU when there is no CUDA); a rank of
     several on CUDA, on ``cuda:local_rank``."""
@@ -364,6 +371,7 @@ def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: Optim
         reply = client.request("hello", run=run_id, label=label, specs=[spec_to_json(s) for s in specs],
                                optim=optim.to_json(), pid=os.getpid(), rank=rank, world=world,
                                **({"owns": list(owns)} if owns is not None else {}),
+                               **({"owners": [[g, r] for g, r in owners.items()]} if owners is not None else {}),
                                **({"plan": plan} if plan is not None else {}),
                                **({"fresh": True} if fresh else {}))
         cfg = load_store_config(reply["config"], "the service's config")
@@ -374,8 +382,9 @@ def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: Optim
         if {s.name: s for s in theirs} != {s.name: s for s in specs}:
             raise UserError("the service's run holds other tensors than this model's; restart the service with "
                             "--fresh to discard its run")
-        store = attach_store(cfg, theirs, reply["layout"], reply["arena"], reply[DISK_FIELD], device,
-                             cfg.tiers.device_tier.slots, device_desc=reply.get("hbm"))
+        remote = other_parts(reply["layout"], rank) if world > 1 else set()
+        store = attach_store(cfg, [s for s in theirs if s.name not in remote], reply["layout"], reply["arena"],
+                             reply[DISK_FIELD], device, cfg.tiers.device_tier.slots, device_desc=reply.get("hbm"))
     except BaseException:
         client.close()
         raise
@@ -387,5 +396,13 @@ def attach(path, run_id: str, label: dict, specs: list[TensorSpec], optim: Optim
         local = optim.optimizer(store, on_gpu=mine, guard=RemoteGuard(client, store, run_id), cpu_takes_over=False)
     opt = (optimizer_type or RemoteOptimizer)(client, store, optim.groups, run_id, reply["committed"], local,
                                               float(reply.get("gpu_share", 0.0)))
+    own = {n for n, (t, _, _) in reply["layout"].items() if t == registry.primary(DEVICE) and n not in remote}
     return Attached(client, store, opt, run_id, reply["initialized"], reply["committed"], reply.get("resume"),
-                    reply.get("plan"), reply.get("replaced"))
+                    reply.get("plan"), reply.get("replaced"), remote, own if world > 1 else set())
+
+
+def other_parts(layout: dict, rank: int) -> set:
+    """The names of the tensors other ranks keep in their part of the service's HBM (``tiermem.tiers.hbm_parts``):
+    this rank's store leaves them out, as an embedded rank's does."""
+    dev = registry.primary(DEVICE)
+    return {n for n, (t, offset, _) in layout.items() if t == dev and part_of(int(offset)) != rank}

@@ -14,6 +14,9 @@ crash of the service takes the block with it; its config's ``durability`` says w
   restarted service makes a new block, puts each group's copy of its journaled version back and finishes the
   committed update, as it does for state in DRAM.
 
+A run of several ranks keeps each rank's groups' state in a block on that rank's GPU (``ServiceHbm.parts``,
+``tiermem.tiers.hbm_parts``); all of the above holds for each block.
+
 The block is the service's for its whole life, one for all its runs (``ServiceHbm``): torch counts the processes that
 opened a shared CUDA block and keeps a freed one allocated until they have all let go, which a killed trainer never
 does; a block per run would then stay allocated after each such run. A run that needs more replaces it.
@@ -39,6 +42,7 @@ from tiermem.faults import HOOKS
 from tiermem.sizes import align_up
 from tiermem.specs import Group, TensorSpec
 from tiermem.tiers.extents import Extent
+from tiermem.tiers.hbm_parts import Parts
 from tiermem.tiers.hbm_share import OwnedBlock
 
 CHUNK = 256 << 20  # bytes of the block copied through host memory at a time (save_block, load_block)
@@ -52,25 +56,50 @@ DURABILITY = {
 
 
 class ServiceHbm:
-    """The service's HBM block, kept across its runs (see the module): ``hbm(nbytes)`` hands it out zeroed (a new
-    run's moments start at zero), made anew when a run needs more than it holds."""
+    """The service's HBM blocks, kept across its runs (see the module): ``hbm(nbytes)`` hands out its block (one
+    rank: on the config's device), zeroed (a new run's moments start at zero), made anew when a run needs more than
+    it holds; ``parts(sizes, owners)`` a run of several ranks' (``tiermem.tiers.hbm_parts``): rank r's on its
+    GPU (cuda:r, as the ranks compute on cuda:LOCAL_RANK; the CPU stand-in's in host memory, one a rank)."""
 
     def __init__(self, device: torch.device):
-        self.device, self.block = device, None
+        self.device, self.blocks = device, {}
 
-    def __call__(self, nbytes: int) -> OwnedBlock:
-        nbytes = align_up(nbytes, 4096)
-        if self.block is None or self.block.nbytes < nbytes:
-            self.close()
-            self.block = OwnedBlock(nbytes, self.device)
+    @property
+    def block(self) -> OwnedBlock | None:
+        """The block of a run of one rank (or rank 0's)."""
+        return self.blocks.get(self._key(self.device, 0))
+
+    @staticmethod
+    def _key(device: torch.device, rank: int) -> str:
+        """One block a GPU (the CPU stand-in: one a rank)."""
+        return f"cuda:{device.index or 0}" if device.type == "cuda" else f"{device}/{rank}"
+
+    def __call__(self, nbytes: int, device: torch.device | None = None, rank: int = 0) -> OwnedBlock:
+        device = self.device if device is None else device
+        nbytes, key = align_up(nbytes, 4096), self._key(device, rank)
+        block = self.blocks.get(key)
+        if block is None or block.nbytes < nbytes:
+            if block is not None:
+                block.close()
+            block = self.blocks[key] = OwnedBlock(nbytes, device)
         else:
-            self.block.tensor.zero_()
-        return self.block
+            block.tensor.zero_()
+        return block
+
+    def rank_device(self, rank: int) -> torch.device:
+        """The GPU rank ``rank`` of several computes on (the CPU stand-in: the CPU)."""
+        return torch.device("cuda", rank) if self.device.type == "cuda" else self.device
+
+    def parts(self, sizes: list[int], owners: dict) -> Parts:
+        """Blocks for a run of several ranks: ``sizes[r]`` bytes on rank r's GPU (none where it is 0)."""
+        sizes = [align_up(n, 4096) for n in sizes]
+        blocks = [self(n, self.rank_device(r), r) if n else None for r, n in enumerate(sizes)]
+        return Parts(blocks, sizes, owners)
 
     def close(self) -> None:
-        if self.block is not None:
-            self.block.close()
-            self.block = None
+        for block in self.blocks.values():
+            block.close()
+        self.blocks = {}
 
 
 def lost_with_service(record: dict) -> bool:
@@ -142,16 +171,17 @@ class Mirrors:
         names = self.by_group.get(g)
         if not names:
             return
-        host, cat, cuda = self.store.tiers.host, self.store.catalog, False
+        host, cat, devices = self.store.tiers.host, self.store.catalog, set()
         for n, name in enumerate(names):
             if n == 1:
                 HOOKS.point("mirror", version, g)  # test hook: the copy half written
             e = cat[name]
             src = self.store.tiers.device.view(new.get(name, e.extent) if new else e.extent, e.spec.nbytes)
             host.view(self.places[name][version % 2], e.spec.nbytes).copy_(src, non_blocking=src.is_cuda)
-            cuda = cuda or src.is_cuda
-        if cuda:
-            torch.cuda.current_stream(self.store.tiers.device.device).synchronize()
+            if src.is_cuda:
+                devices.add(src.device)  # (a run of several ranks: the group's owner's GPU)
+        for d in devices:
+            torch.cuda.current_stream(d).synchronize()
 
     def restore(self, versions: dict) -> None:
         """Put each group's copy of its journaled version (``versions``: group -> update) back in HBM."""
@@ -161,8 +191,7 @@ class Mirrors:
             e = cat[name]
             src = host.view(two[versions.get(e.spec.group, 0) % 2], e.spec.nbytes)
             dev.view(e.extent, e.spec.nbytes).copy_(src)
-        if dev.is_cuda:
-            torch.cuda.synchronize(dev.device)
+        dev.sync()
 
 
 def hbm_groups(store) -> set:
@@ -172,29 +201,35 @@ def hbm_groups(store) -> set:
 
 
 
-def _whole(store) -> torch.Tensor:
+def _blocks(store) -> list[torch.Tensor]:
+    """The store's HBM, block by block: its one block, or each rank's part of a run of several."""
     dev = store.tiers.device
-    return dev.view(Extent(0, dev.capacity))
+    if hasattr(dev, "part_views"):
+        return [t for _, t in dev.part_views()]
+    return [dev.view(Extent(0, dev.capacity))]
 
 
 def save_block(store, path: Path) -> None:
-    """Write the store's whole HBM block to ``path`` (a clean stop), atomically: a new name, then renamed."""
-    block, tmp = _whole(store), path.with_name(path.name + ".tmp")
+    """Write the store's whole HBM (each rank's part in turn) to ``path`` (a clean stop), atomically: a new name,
+    then renamed."""
+    tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        for at in range(0, block.numel(), CHUNK):
-            f.write(block[at: at + CHUNK].cpu().numpy().tobytes())
+        for block in _blocks(store):
+            for at in range(0, block.numel(), CHUNK):
+                f.write(block[at: at + CHUNK].cpu().numpy().tobytes())
     os.replace(tmp, path)
 
 
 def load_block(store, path: Path) -> None:
-    """Read ``path`` (``save_block``'s) into the store's new HBM block, then remove it."""
-    block = _whole(store)
-    if path.stat().st_size != block.numel():
-        raise ValueError(f"{path} holds {path.stat().st_size} bytes, the run's HBM block {block.numel()}")
+    """Read ``path`` (``save_block``'s) into the store's new HBM, then remove it."""
+    blocks = _blocks(store)
+    total = sum(b.numel() for b in blocks)
+    if path.stat().st_size != total:
+        raise ValueError(f"{path} holds {path.stat().st_size} bytes, the run's HBM {total}")
     with open(path, "rb") as f:
-        for at in range(0, block.numel(), CHUNK):
-            piece = f.read(min(CHUNK, block.numel() - at))
-            block[at: at + len(piece)].copy_(torch.frombuffer(bytearray(piece), dtype=torch.uint8))
-    if block.is_cuda:
-        torch.cuda.synchronize(block.device)
+        for block in blocks:
+            for at in range(0, block.numel(), CHUNK):
+                piece = f.read(min(CHUNK, block.numel() - at))
+                block[at: at + len(piece)].copy_(torch.frombuffer(bytearray(piece), dtype=torch.uint8))
+    store.tiers.device.sync()
     path.unlink()

@@ -6,8 +6,9 @@ counted for what a service's run needs there beside an embedded run's: room for 
 are out of place, as in DRAM) and the service's own CUDA context; with ``durability: step`` the gradients live in
 DRAM and each update's new state in HBM is copied there (the link's cost counted). Where the trainer asks
 (``keep``: its tiermem_keep_activations is auto), the layers that keep their forward's activations are chosen with
-the placement, as an embedded run's are, and told (``keep``). Several ranks attached to one service keep no state in
-HBM yet.
+the placement, as an embedded run's are, and told (``keep``). Several ranks attached to one service are planned as an
+embedded run's ranks are (``owners``): a group's state but its compute copy in its owner's HBM (the part of the
+service's HBM on that rank's GPU, ``tiermem.tiers.hbm_parts``), within each rank's room.
 
     plan, share, told = plan_run(specs, plan_cfg, raw_cfg, msg["plan"], machine)   # or None: the fixed rule
 """
@@ -48,21 +49,15 @@ def service_machine(cfg: StoreConfig) -> Machine:
     return machine_for(cfg, compute_device(cfg))
 
 
-def hbm_budgets(cfg: StoreConfig, hbm: bool) -> dict:
-    """The fixed rule's budgets for a service's run: the config's (``hbm`` False: none in HBM, and a placement that
-    names HBM refused)."""
-    budgets = default_budgets(cfg)
-    if hbm:
-        return budgets
-    check_hbm_plan(cfg.pins(), hbm)
-    return dict(budgets, **{registry.primary(DEVICE): 0})
-
-
-def check_hbm_plan(where: dict, hbm: bool) -> None:
-    """Refuse, in one line, state in HBM (``where``'s values: tiers) for a run of several ranks (``hbm`` False)."""
-    if not hbm and registry.primary(DEVICE) in where.values():
-        raise RequestError(f"state in HBM ({registry.primary(DEVICE)}) for several ranks attached to one service is "
-                           "not supported yet: place every kind on the arena or NVMe in the service's config")
+def check_hbm_plan(where: dict, owners: dict | None) -> None:
+    """Refuse, in one line, the compute copy in HBM for a run of several ranks (``owners``; ``where``: a plan's
+    (group, kind) -> tier, or pins' kind -> tier): every rank's forward reads every group's, and each rank maps its
+    own part of the service's HBM only."""
+    on = [k[1] if isinstance(k, tuple) else k for k, t in where.items() if t == registry.primary(DEVICE)]
+    if owners is not None and "param" in on:
+        raise RequestError(f"the compute copy (param) in HBM ({registry.primary(DEVICE)}) for several ranks attached "
+                           "to one service is not supported yet: every rank reads every group's; place param on "
+                           "the arena or NVMe in the service's config")
 
 
 def new_state_room(specs: list[TensorSpec], has_master: bool) -> int:
@@ -77,17 +72,17 @@ def new_state_room(specs: list[TensorSpec], has_master: bool) -> int:
 
 
 def plan_run(specs: list[TensorSpec], plan_cfg: StoreConfig, raw_cfg: StoreConfig, asked,
-             machine, hbm: bool = True, cuda: bool | None = None) -> tuple[Plan, float, dict] | None:
+             machine, owners: dict | None = None, cuda: bool | None = None) -> tuple[Plan, float, dict] | None:
     """The planner's plan of a new run from the trainer's ``asked`` ({workload, hbm_room, keep}); None where the
     service places by its fixed rule (no workload sent, or a placement that pins every kind). ``machine`` is
-    called for the figures (measured once, when first needed); ``hbm`` False: no state in HBM; ``cuda``: plan for a
-    service on a CUDA GPU (None: whether the config's device is one; True on another machine: what a service there
-    would plan). Returns the plan, the share of groups the trainer's GPU worker updates, and what the trainer is
-    told."""
+    called for the figures (measured once, when first needed); ``owners`` (several ranks: group -> rank): each
+    rank's groups' state in its own HBM, each rank's room the trainer's; ``cuda``: plan for a service on a CUDA GPU
+    (None: whether the config's device is one; True on another machine: what a service there would plan). Returns
+    the plan, the share of groups the trainers' GPU workers update, and what the trainer is told."""
     if asked is None:
         return None
     pins = plan_cfg.pins()
-    check_hbm_plan(pins, hbm)
+    check_hbm_plan(pins, owners)
     if all(s.kind in pins for s in specs):
         return None
     if not isinstance(asked, dict):
@@ -99,6 +94,9 @@ def plan_run(specs: list[TensorSpec], plan_cfg: StoreConfig, raw_cfg: StoreConfi
     room = asked.get("hbm_room")
     if not (isinstance(room, int) and not isinstance(room, bool) and 0 < room < 1 << 50):
         raise RequestError("'plan.hbm_room' must be the bytes of HBM the trainer's step may use")
+    more = asked.get("taken", 0)  # (several ranks: HBM a rank's step takes beside, the gradients in flight)
+    if not (type(more) is int and 0 <= more < 1 << 50):
+        raise RequestError("'plan.taken' must be the bytes of HBM a rank's step takes beside the plan's")
     keep = asked.get("keep", False)  # (a trainer of an earlier version does not ask: none kept, as it ran then)
     if type(keep) is not bool:
         raise RequestError("'plan.keep' must be true (the planner chooses the layers that keep their activations) "
@@ -113,22 +111,22 @@ def plan_run(specs: list[TensorSpec], plan_cfg: StoreConfig, raw_cfg: StoreConfi
     base = machine()
     cfg = copy.deepcopy(plan_cfg)  # (the service's own store has no slots; its trainer streams through these)
     cfg.tiers.device_tier.slots = raw_cfg.tiers.device_tier.slots
-    step = hbm and raw_cfg.durability == "step"
+    step = raw_cfg.durability == "step"
     if step and "grad" not in pins:  # (the redo of an update a crash cut short needs its gradient)
         cfg.placement = {**(cfg.placement if isinstance(cfg.placement, dict) else {}), "grad": registry.primary(HOST)}
     has_master = any(s.kind == "master" for s in specs)
-    taken = new_state_room(specs, has_master) + (SERVICE_CONTEXT if cuda else 0) if hbm else 0
+    taken = new_state_room(specs, has_master) + (SERVICE_CONTEXT if cuda else 0) + more
     # (boundary activations on the GPU only: the trainer keeps them in its own memory, and the arena it maps is the
     # service's, with no room of the trainer's for them)
     try:
         # the service's CPU AdamW runs in place where its crash loses the run's state anyway (state in HBM under
         # durability: checkpoint, ``tiermem.service.hbm.lost_with_service``), else crash-safe: out of place or
         # behind an undo copy, slower; a plan for the fast one that keeps nothing in HBM is made again for the other
-        for fast in ([True, False] if hbm and not step else [False]):
+        for fast in ([True, False] if not step else [False]):
             m = base if fast else dataclasses.replace(base, assumed=list(base.assumed),
                                                       cpu_adamw=base.cpu_adamw * CRASH_SAFE_CPU)
-            plan = plan_step(specs, cfg, w, m, budgets, cuda=False, hbm_state=hbm, gpu_worker=cuda, hbm_taken=taken,
-                             write_through=step, keep_auto=keep, activations=DEVICE)
+            plan = plan_step(specs, cfg, w, m, budgets, cuda=False, hbm_state=True, gpu_worker=cuda, hbm_taken=taken,
+                             write_through=step, keep_auto=keep, activations=DEVICE, owners=owners)
             if registry.primary(DEVICE) in plan.where.values():
                 break
     except BudgetError as e:

@@ -12,6 +12,7 @@ from pathlib import Path
 from tiermem.errors import UserError
 from tiermem.service.hbm import Mirrors, load_block, lost_with_service, save_block
 from tiermem.service.journal import Journal, make_private
+from tiermem.service.ranks import recorded_owners
 from tiermem.service.runs import newest_checkpoint
 from tiermem.store.layout import reopen_store, spec_from_json
 from tiermem.tiers.extents import Extent
@@ -68,7 +69,8 @@ class Recovery:
             return
         specs = [spec_from_json(s) for s in record["specs"]]
         store = reopen_store(self.plan_cfg, specs, state.layout(record), record["nvme_capacity"], self.arena_owner(),
-                             device_capacity=hbm, hbm=self.hbm)
+                             device_capacity=hbm, hbm=self.hbm, parts=record.get("hbm_parts"),
+                             owners=recorded_owners(record))
         mirrors = Mirrors(store, record["mirrors"]) if record.get("mirrors") else None
         if mirrors is not None:
             mirrors.reserve()

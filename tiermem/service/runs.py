@@ -99,14 +99,14 @@ def no_room_note(in_place: int, taken: int) -> str:
     return out
 
 
-def room_for_new_state(specs: list[TensorSpec], plan, kinds: tuple[str, ...], tier: str) -> int:
-    """Room for the new state of the groups being written out of place on ``tier`` (twice the largest:
-    one per worker)."""
+def room_for_new_state(specs: list[TensorSpec], plan, kinds: tuple[str, ...], tier: str, workers: int = 2) -> int:
+    """Room for the new state of the groups being written out of place on ``tier``: the largest group's, once per
+    worker (the service's CPU worker and each trainer's GPU worker)."""
     per: dict = {}
     for (g, k), t in plan.where.items():
         if k in kinds and t == tier:
             per[g] = per.get(g, 0) + plan.group_bytes[(g, k)]
-    return 2 * max(per.values(), default=0)
+    return workers * max(per.values(), default=0)
 
 
 def newest_checkpoint(record: dict) -> tuple[Path | None, str]:

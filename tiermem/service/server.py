@@ -14,11 +14,13 @@ place). The service pushes each group's new version to its trainer.
 A run of several ranks of one host (``trainer.parallel.dp_service``): every rank attaches, rank 0 first (the run's
 trainer: it loads, commits, finishes); each says which groups it owns, and its GPU worker takes those of the
 trainers' share; the versions go to every rank. A rank done says ``leave``; a rank lost otherwise detaches
-the whole run (the service finishes what the trainers owed, as for one trainer).
+the whole run (the service finishes what the trainers owed, as for one trainer). State the plan keeps in HBM lives
+on its group's owner's GPU, in the service's block there; each rank maps its own (``tiermem.service.ranks``).
 
 Requests (JSON, ``op``):
   hello {run, label, specs, optim, rank, world,    attach; creates the run or rejoins it (rank 0), or joins
-         owns}                                     rank 0's (another rank); layout and the groups of the
+         owns, owners}                             rank 0's (another rank; rank 0 of several says every
+                                                   group's owner); layout and the groups of the
                                                    trainers' share this rank takes in the reply (and
                                                    ``resume``: the checkpoint to resume from, when the run's
                                                    state was lost)
@@ -57,7 +59,7 @@ from tiermem.config import StoreConfig
 from tiermem.errors import UserError
 from tiermem.faults import HOOKS
 from tiermem.optim import OptimSettings
-from tiermem.plan.placement import make_plan
+from tiermem.plan.placement import default_budgets, make_plan
 from tiermem.plan.resolve import compute_device
 from tiermem.schema import to_plain
 from tiermem.service import protocol
@@ -76,7 +78,8 @@ from tiermem.service.journal import Journal, UndoGuard, state_dir, undo_bytes, w
 from tiermem.service.listening import Listening
 from tiermem.service.monitor import Monitoring
 from tiermem.service.owner import Ownership
-from tiermem.service.planning import check_hbm_plan, hbm_budgets, plan_run, service_machine
+from tiermem.service.planning import check_hbm_plan, plan_run, service_machine
+from tiermem.service.ranks import check_owns, check_rejoin, hbm_of, owners_of
 from tiermem.service.recovery import Recovery
 from tiermem.service.replace import Replacement
 from tiermem.service.requests import RequestError, field_of, is_key, object_of
@@ -182,28 +185,31 @@ class Service(UpdateRequests, Replacement, Recovery, Monitoring, Listening, Disc
         groups = {s.group for s in specs}
         if not all(is_key(g) for g in optim.groups) or set(optim.groups) != groups:
             raise RequestError("optim.groups must list every group of the specs once")
-        one = msg.get("world", 1) == 1  # (several ranks: no state in HBM yet)
-        planned = plan_run(specs, self.plan_cfg, self.cfg, msg.get("plan"), self._machine, hbm=one)
+        world = msg.get("world", 1)
+        owners = owners_of(msg, optim.groups, world) if world > 1 else None  # (several ranks: whose HBM holds what)
+        planned = plan_run(specs, self.plan_cfg, self.cfg, msg.get("plan"), self._machine, owners=owners)
         if planned is not None:  # the trainer sent its step: the planner's placement, split and passes
             plan, share, told = planned
             self.say(f"planned for {plan.machine.source}: predicted step {plan.prediction.step:.2f}s, {plan.passes} "
                      f"pass{'es' if plan.passes > 1 else ''} a step, the trainer's GPU worker updating {share:.0%} of "
                      "the groups")
         else:  # (no workload sent, or every kind pinned: the fixed rule)
-            plan, told = make_plan(specs, self.plan_cfg, ("param",), hbm_budgets(self.cfg, one)), None
+            plan, told = make_plan(specs, self.plan_cfg, ("param",), default_budgets(self.cfg), owners), None
             share = gpu_share(self.plan_cfg)
-        check_hbm_plan(plan.where, one)
+        check_hbm_plan(plan.where, owners)
         undo = undo_bytes(specs, optim.has_master)  # any group may have to go in place (no room elsewhere)
         moved = ("master" if optim.has_master else "param", *MOMENTS)
         # both workers write out of place
         host, disk, device = registry.primary(HOST), shared_disk(), registry.primary(DEVICE)
-        spare = {t: room_for_new_state(specs, plan, moved, t) for t in (host, disk, device)}
+        # (several ranks: each rank's GPU worker writes its groups' new state in the arena; in HBM, in its own part)
+        spare = {t: room_for_new_state(specs, plan, moved, t, 2 if t == device else world + 1)
+                 for t in (host, disk, device)}
         step = self.cfg.durability == "step"
         copies = mirror_bytes(specs, plan.where, device) if step else 0
         for p in (self.record_path, self.journal_path, self.hbm_file()):
             p.unlink(missing_ok=True)
-        store = create_store(self.plan_cfg, specs, plan, undo + spare[host] + copies, spare[disk],
-                             self.arena_owner(), spare[device], self.hbm)
+        store, parts = create_store(self.plan_cfg, specs, plan, undo + spare[host] + copies, spare[disk],
+                                    self.arena_owner(), spare[device], self.hbm, owners, world)
         try:
             ext = store.tiers.host.allocate(undo) if undo else None
             mirrors = Mirrors.allocate(store, specs) if step else None
@@ -213,12 +219,15 @@ class Service(UpdateRequests, Replacement, Recovery, Monitoring, Listening, Disc
                       "undo": [ext.offset, ext.nbytes] if ext else None, "optim": optim.to_json(), "gpu_share": share,
                       "nvme_capacity": store.tiers[disk].capacity if disk in store.tiers else 0,
                       "hbm_capacity": store.tiers.device.capacity if on_device(store) else 0,
-                      "durability": self.cfg.durability, "mirrors": mirrors.to_json() if mirrors else None}
+                      "durability": self.cfg.durability, "mirrors": mirrors.to_json() if mirrors else None,
+                      "world": world}
+            if owners is not None and on_device(store):  # (each rank's part of the HBM, on its GPU)
+                record.update(hbm_parts=parts, owners=[[g, owners[g]] for g in optim.groups])
             if told is not None:
                 record["plan"] = told
             write_atomic(self.record_path, record)
             run = self._make_run(record, specs, store, mirrors=mirrors)
-            if told is not None and told["gpu_updates"] is not None and one and (
+            if told is not None and told["gpu_updates"] is not None and world == 1 and (
                     compute_device(self.plan_cfg).type == "cuda" or HOOKS.split_on_cpu):
                 run.plan = plan  # (split again once its CPU worker's rate is measured: tiermem.service.updates)
             return run
@@ -306,6 +315,7 @@ class Service(UpdateRequests, Replacement, Recovery, Monitoring, Listening, Disc
                 if rank in run.peers:
                     raise RequestError(f"run {label_of(run)} already has rank {rank} attached (pid "
                                        f"{run.peers[rank].pid})")
+                check_owns(run.record, rank, owns)
                 client.rank, client.groups = rank, frozenset(g for g in on_gpu if g in owns)
                 run.peers[rank] = client
                 self.say(f"rank {rank} (pid {client.pid}) attached to run {label_of(run)}")
@@ -317,6 +327,8 @@ class Service(UpdateRequests, Replacement, Recovery, Monitoring, Listening, Disc
                     raise RequestError(f"update {run.state.committed} of run {label_of(run)} failed in the service: "
                                        f"{run.error}; fix the cause and restart the service: it recovers the last "
                                        "committed step")
+                if run is not None:
+                    check_rejoin(run.record, world, msg)
                 if run is None:
                     run = self.run = self._new_run(msg)
                     self.say(f"new run {label_of(run)}: {len(run.specs)} tensors")
@@ -335,8 +347,7 @@ class Service(UpdateRequests, Replacement, Recovery, Monitoring, Listening, Disc
                     "layout": layout_of(run.store), "specs": run.record["specs"],
                     "arena": {"name": cfg.store_name(), "dir": cfg.tiers.host_tier.path},
                     DISK_FIELD: shared_description(run.store.tiers.get(disk), cfg.tiers[disk]),
-                    "hbm": shared_description(run.store.tiers.device, cfg.tiers.device_tier) if on_device(run.store)
-                    else None,
+                    "hbm": hbm_of(run.store, cfg.tiers.device_tier, rank) if on_device(run.store) else None,
                     "config": to_plain(cfg), "gpu_share": run.record["gpu_share"], "plan": run.record.get("plan"),
                     "trainer_groups": [g for g in run.optimizer.groups if g in client.groups], "replaced": replaced}
 

@@ -120,13 +120,21 @@ def device_bytes(specs: list[TensorSpec], where: dict) -> int:
     return sum(align_up(s.nbytes, align) for s in specs if where[(s.group, s.kind)] == dev)
 
 
+def device_bytes_by_rank(specs: list[TensorSpec], where: dict, owners: dict, world: int) -> list[int]:
+    """``device_bytes`` of each rank's groups (several ranks: a group's state in HBM lives on its owner's GPU)."""
+    return [device_bytes([s for s in specs if owners[s.group] == r], where) for r in range(world)]
+
+
 def create_store(cfg: StoreConfig, specs: list[TensorSpec], plan: Plan, extra_host: int, extra_disk: int = 0,
-                 owner: dict | None = None, extra_device: int = 0, hbm=None) -> Store:
+                 owner: dict | None = None, extra_device: int = 0, hbm=None, owners: dict | None = None,
+                 world: int = 1) -> Store:
     """The service's store for a new run: the arena (the host tier) sized to ``plan`` (+ ``extra_host``), the NVMe
     file (the first storage tier's) to its budget when one is set (room to move optimizer state there later),
     else to the plan (+ ``extra_disk``), and the HBM the plan gives to state (+ ``extra_device``), laid on the block
     ``hbm(nbytes)`` hands out (the service's, which its trainer maps: ``tiermem.tiers.hbm_share``). The arena is
-    pinned when the config's GPU device is CUDA; its header records ``owner`` (the service)."""
+    pinned when the config's GPU device is CUDA; its header records ``owner`` (the service). A run of ``world``
+    ranks (``owners``: group -> rank) keeps each rank's groups' HBM state on that rank's GPU, ``extra_device``
+    beside each (``hbm.parts``: ``tiermem.tiers.hbm_parts``). Returns the store and the HBM's bytes by rank."""
     host, disk = _shared_tiers()
     cap = plan.need()
     on_device = device_bytes(specs, plan.where)
@@ -135,9 +143,16 @@ def create_store(cfg: StoreConfig, specs: list[TensorSpec], plan: Plan, extra_ho
     cap[disk] = cap[disk] + extra_disk if cap[disk] else 0
     if cfg.tiers[disk] is not None and cfg.tiers[disk].budget is not None:
         cap[disk] = max(cap[disk], cfg.tiers[disk].budget)
-    dev = registry.primary(DEVICE)
-    store = Store(cfg, cap, plan=plan, owner=owner, block=hbm(cap[dev]) if cap[dev] and hbm is not None else None)
-    return store.create_all(update_order(specs), plan.where)
+    dev, block, parts = registry.primary(DEVICE), None, [cap[registry.primary(DEVICE)]]
+    if cap[dev] and hbm is not None:
+        if world > 1:
+            parts = [n + extra_device if n else 0 for n in device_bytes_by_rank(specs, plan.where, owners, world)]
+            block = hbm.parts(parts, owners)
+            parts = list(block.sizes)
+        else:
+            block = hbm(cap[dev])
+    store = Store(cfg, cap, plan=plan, owner=owner, block=block)
+    return store.create_all(update_order(specs), plan.where), parts
 
 
 def update_order(specs: list[TensorSpec]) -> list[TensorSpec]:
@@ -165,10 +180,12 @@ def _close_all(tiers: dict) -> None:
 
 
 def reopen_store(cfg: StoreConfig, specs: list[TensorSpec], layout: dict[str, list], disk_capacity: int,
-                 owner: dict | None = None, device_capacity: int = 0, hbm=None) -> Store:
+                 owner: dict | None = None, device_capacity: int = 0, hbm=None, parts: list | None = None,
+                 owners: dict | None = None) -> Store:
     """The service's store over the arena and NVMe file a previous service process left behind (its arena's header
-    then names this process, and ``owner``), and HBM of ``device_capacity`` on the block ``hbm(nbytes)`` hands out
-    (the old one died with that process: the caller puts back what it held)."""
+    then names this process, and ``owner``), and HBM of ``device_capacity`` on the block ``hbm(nbytes)`` hands out,
+    or (a run of several ranks) of ``parts[r]`` on rank r's GPU (the old ones died with that process: the caller
+    puts back what they held)."""
     name, t = cfg.store_name(), cfg.tiers
     device = torch.device(t.device_tier.device)
     (host, disk), dev = _shared_tiers(), registry.primary(DEVICE)
@@ -177,7 +194,9 @@ def reopen_store(cfg: StoreConfig, specs: list[TensorSpec], layout: dict[str, li
         tiers[host] = registry.tier_type(host).reopen_left(t[host], name, 0, device, owner=owner)
         if disk_capacity:
             tiers[disk] = registry.tier_type(disk).reopen_left(t[disk], name, disk_capacity, device)
-        block = hbm(device_capacity) if device_capacity and hbm is not None else None
+        block = None
+        if device_capacity and hbm is not None:
+            block = hbm.parts(parts, owners) if parts is not None and len(parts) > 1 else hbm(device_capacity)
         tiers[dev] = registry.tier_type(dev).make(t[dev], device_capacity, Making(name, device, block=block))
     except BaseException:
         _close_all(tiers)

@@ -403,7 +403,7 @@ class ManyHosts(HostRanks):
 
 class ServiceRanks(Several):
     """The ranks of one host attached to its service (``trainer.parallel.dp_service``): the service is the host's
-    store and CPU worker; no state in HBM."""
+    store and CPU worker; a group's state it keeps in HBM lives on its owner's GPU, in the service's block there."""
 
     @property
     def loads_checkpoint(self) -> bool:
@@ -421,3 +421,31 @@ class ServiceRanks(Several):
         from trainer.parallel.dp_service import loaded
 
         loaded(self.session, start, groups)
+
+    def held(self) -> set | None:
+        if not self.session.remote:
+            return None
+        return set(self.session.store.names())
+
+    def hook_saver(self, saver, save_only_model: bool) -> None:
+        from trainer.parallel.dp_service import PartMarks
+
+        session = self.session
+        if session.remote and not save_only_model:  # (the other ranks' HBM: their parts)
+            saver.remote, saver.parts = session.remote, session.parts
+            saver.wait_part = PartMarks(saver.out, self.world).wait_part
+
+    def part_saver(self, job):
+        from trainer.parallel.checkpoint_part import PartSaver
+        from trainer.parallel.dp_service import PartMarks
+
+        session, world = self.session, self.world
+        if not session.own_hbm:
+            return None
+        marks = PartMarks(job.out, world)
+        part = PartSaver(session.store, job.mcfg, job.out, world.rank, session.own_hbm, job.cfg.bf16,
+                         lambda n: marks.announce(world.rank, n))
+        if not part.holds_state:
+            return None
+        session.optimizer.set_part_gate(part.gate)
+        return part
