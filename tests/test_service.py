@@ -723,7 +723,7 @@ def test_the_ranks_of_a_run_of_several_each_take_the_groups_they_own(tmp_path):
     svc, client, other, theirs, hello, err = _unit_service(tmp_path, 1)
     peer = dict(hello, rank=1, world=2, owns=[])
     assert "before rank 0" in err(other, peer)
-    reply = ok(svc.dispatch(client, dict(hello, world=2, owns=[0])))
+    reply = ok(svc.dispatch(client, dict(hello, world=2, owns=[0], owners=[[0, 0]])))
     assert reply["trainer_groups"] == [0]
     assert "before rank 0" in err(other, dict(peer, world=3))  # (another world than rank 0's)
     assert ok(svc.dispatch(other, peer))["trainer_groups"] == []

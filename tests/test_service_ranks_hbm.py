@@ -1,38 +1,24 @@
 """Several ranks attached to one service with state in HBM (issue 43), on the CPU through gloo: the service holds a
 block for each rank ("HBM" in host memory on the stand-in), each group's state in its owner's; each rank maps its
 own part. Two ranks against one embedded process with the same global batch: the same steps and weights, the same
-checkpointed state (rank 1's part written by rank 1); a killed rank leaves its part intact in the service, and the
-same command continues the run; a checkpoint written in parts resumes after the service's crash."""
+checkpointed state (rank 1's part written by rank 1); a checkpoint written in parts resumes after the service's
+crash (a killed rank: tests/test_train_dp.py, its service's run with state in HBM)."""
 
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.test_service import Service
-from tests.test_train_dp import STEP, assert_same_weights, one_process, ranks, tiny, write_cfg  # noqa: F401
+from tests.test_train_dp import STEP, assert_same_weights, one_process, ranks, service_config, tiny, write_cfg  # noqa: F401 (tiny: the fixture)
 from tests.test_train_dp_hbm import same_state
 
-IN_HBM = {"param": "dram", "grad": "gpu", "exp_avg": "gpu", "exp_avg_sq": "gpu"}
 
-
-def hbm_service_config(tmp_path: Path, placement: dict | None = None, durability: str = "checkpoint") -> Path:
-    (tmp_path / "shm").mkdir(exist_ok=True)
-    path = tmp_path / "serve-hbm.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": f"dph{os.getpid()}", "placement": placement or IN_HBM, "durability": durability,
-        "optimizer": {"gpu_share": 0.5, "cpu_groups": "spread"},
-        "tiers": {"gpu": {"device": "cpu"}, "dram": {"path": str(tmp_path / "shm"), "budget": "64MiB"}}}))
-    return path
-
-
-def _service(tmp_path: Path, **kw) -> tuple[Service, Path]:
+def _service(tmp_path: Path) -> tuple[Service, Path]:
     sock = Path(tempfile.mkdtemp(prefix="tm-")) / "s.sock"  # (Unix socket paths are limited to 107 bytes)
-    return Service(hbm_service_config(tmp_path, **kw), sock), sock
+    return Service(service_config(tmp_path, hbm=True), sock), sock
 
 
 @pytest.mark.slow
@@ -57,27 +43,6 @@ def test_two_ranks_keep_their_state_in_the_services_hbm_and_match_one_process(tm
 
 
 @pytest.mark.slow
-def test_a_killed_rank_leaves_its_hbm_part_with_the_service_and_the_rerun_continues(tmp_path, tiny, capsys):  # noqa: F811
-    """Rank 1 killed mid-step: the service keeps each rank's part of its HBM (and finishes what the trainers owed
-    there); the same command continues the run at its last committed step and ends as one embedded process."""
-    one_process(write_cfg(tmp_path, tiny, "one", 4), capsys)
-    svc, sock = _service(tmp_path)
-    try:
-        cfg = write_cfg(tmp_path, tiny, "two", 2, tiermem_server=str(sock), tiermem=None, tiermem_dist_timeout=300)
-        r = ranks(cfg, 2, TIERMEM_TEST_KILL_AT="backward:5", TIERMEM_TEST_KILL_RANK="1")
-        assert r.returncode != 0
-        svc.wait_for("the run's other ranks with it")
-        r = ranks(cfg, 2)
-        assert r.returncode == 0, (r.stderr[-3000:], svc.text)
-        assert "continuing the service's run at step 4" in r.stdout, r.stdout
-        assert [s for s, _, _ in STEP.findall(r.stdout)] == ["5", "6"]
-        assert_same_weights(tmp_path / "one", tmp_path / "two")
-        svc.wait_for("finished at step 6")
-    finally:
-        assert svc.stop() == 0, svc.text
-
-
-@pytest.mark.slow
 def test_a_checkpoint_written_in_parts_resumes_two_ranks_of_a_new_service(tmp_path, tiny, capsys):  # noqa: F811
     """A service's crash with state in its ranks' HBM (durability: checkpoint) loses it: the restarted service names
     the newest checkpoint, written in parts, and the same command resumes from there to the uninterrupted end."""
@@ -90,7 +55,7 @@ def test_a_checkpoint_written_in_parts_resumes_two_ranks_of_a_new_service(tmp_pa
         assert r.returncode != 0 and whole and all((c / "state-rank1.zarr").is_dir() for c in whole), whole
     finally:
         svc.stop(9)
-    svc = Service(hbm_service_config(tmp_path), sock)
+    svc = Service(service_config(tmp_path, hbm=True), sock)
     try:
         assert "died with the last service process" in svc.text, svc.text
         r = ranks(cfg, 2)

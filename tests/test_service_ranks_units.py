@@ -98,6 +98,8 @@ def test_the_hello_of_several_ranks_says_the_owners_and_tells_each_rank_its_part
         svc._detach(svc.run)
         reply = svc.dispatch(client, dict(hello, world=3, owns=[0], owners=[[0, 0], [1, 1]]))
         assert not reply["ok"] and "each of its 2 ranks" in reply["error"], reply
+        reply = svc.dispatch(client, dict(hello, world=2, owns=[1], owners=[[0, 1], [1, 0]]))
+        assert not reply["ok"] and "owned by other ranks" in reply["error"], reply
         svc._close_run(keep=False)
     finally:
         theirs.close()
@@ -110,6 +112,19 @@ def test_the_compute_copy_in_hbm_for_several_ranks_is_refused_in_one_line(tmp_pa
     try:
         reply = svc.dispatch(client, dict(hello, world=2, owns=[0], owners=[[0, 0], [1, 1]]))
         assert not reply["ok"] and "not supported yet" in reply["error"] and "\n" not in reply["error"], reply
+    finally:
+        theirs.close()
+        svc.release()
+
+
+def test_a_run_with_state_in_one_trainers_hbm_is_not_rejoined_by_several_ranks(tmp_path):
+    svc, client, theirs, hello = _service(tmp_path, IN_HBM, groups=2)
+    try:
+        _ok(svc.dispatch(client, hello))
+        svc._detach(svc.run)
+        reply = svc.dispatch(client, dict(hello, world=2, owns=[0], owners=[[0, 0], [1, 1]]))
+        assert not reply["ok"] and "on its trainer's GPU" in reply["error"] and "\n" not in reply["error"], reply
+        svc._close_run(keep=False)
     finally:
         theirs.close()
         svc.release()

@@ -435,31 +435,39 @@ def test_two_ranks_attached_to_a_service_match_one_process(tmp_path, tiny, capsy
         assert svc.stop() == 0, svc.text
 
 
-def service_config(tmp_path: Path) -> Path:
+IN_HBM = {"param": "dram", "grad": "gpu", "exp_avg": "gpu", "exp_avg_sq": "gpu"}
+
+
+def service_config(tmp_path: Path, hbm: bool = False) -> Path:
+    """The service's config: the moments on NVMe, or (``hbm``) the gradients and moments in each owner's part of
+    the service's HBM (its CPU stand-in: host memory, a block a rank)."""
     (tmp_path / "shm").mkdir(exist_ok=True)
     path = tmp_path / "serve.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": f"dp{os.getpid()}", "placement": {"param": "dram", "grad": "dram", "master": "dram",
-                                                   "exp_avg": "nvme", "exp_avg_sq": "nvme"},
-        "optimizer": {"gpu_share": 0.5, "cpu_groups": "spread"},
-        "tiers": {"gpu": {"device": "cpu"}, "dram": {"path": str(tmp_path / "shm"), "budget": "64MiB"},
-                  "nvme": {"path": str(tmp_path / "nvme-svc"), "budget": "64MiB", "backend": "posix"}}}))
+    tiers = {"gpu": {"device": "cpu"}, "dram": {"path": str(tmp_path / "shm"), "budget": "64MiB"}}
+    placement = IN_HBM
+    if not hbm:
+        tiers["nvme"] = {"path": str(tmp_path / "nvme-svc"), "budget": "64MiB", "backend": "posix"}
+        placement = {"param": "dram", "grad": "dram", "master": "dram", "exp_avg": "nvme", "exp_avg_sq": "nvme"}
+    path.write_text(yaml.safe_dump({"name": f"dp{os.getpid()}", "placement": placement,
+                                    "optimizer": {"gpu_share": 0.5, "cpu_groups": "spread"}, "tiers": tiers}))
     return path
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("hbm", [False, True])
 def test_a_rank_killed_while_attached_to_a_service_detaches_the_run_and_the_rerun_continues_it(tmp_path, tiny,
-                                                                                                  capsys):
+                                                                                                  capsys, hbm):
     """Rank 1 killed mid-step: the ranks stop with one line naming it, the service detaches the run (finishing
     the update the trainers owed) and keeps it at its last committed step; the same command continues it there
-    and ends as one embedded process."""
+    and ends as one embedded process. With state in the service's HBM (``hbm``), each rank's part, the killed
+    rank's too, stays with the service."""
     import tempfile
 
     from tests.test_service import Service
 
     one_process(write_cfg(tmp_path, tiny, "one", 4), capsys)
     sock = Path(tempfile.mkdtemp(prefix="tm-")) / "s.sock"
-    svc = Service(service_config(tmp_path), sock)
+    svc = Service(service_config(tmp_path, hbm), sock)
     try:
         # (a collective's timeout well beyond what a loaded machine's slow rank takes: the kill is seen at once, by
         # the dead peer's closed connection, not by the timeout; the bound below only shows it was not the timeout)

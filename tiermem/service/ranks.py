@@ -40,15 +40,17 @@ def recorded_owners(record: dict) -> dict | None:
 
 
 def check_rejoin(record: dict, world: int, msg: dict) -> None:
-    """Rank 0 attaches to a run the service holds: one keeping state in its ranks' HBM takes as many ranks, each
-    group owned by the same one (each rank's state lives on its own GPU)."""
+    """Rank 0 attaches to a run the service holds: one keeping state in HBM takes as many ranks as it was made for,
+    each group owned by the same one (each rank's state lives on its own GPU)."""
+    was = record.get("world", 1)
+    if record.get("hbm_capacity") and world != was:
+        held = "its trainer's GPU" if was == 1 else f"the GPU of each of its {was} ranks"
+        raise RequestError(f"the service's run keeps state in HBM on {held}; attach it with {was} "
+                           f"rank{'s' if was > 1 else ''} (this trainer has {world}), or restart the service with "
+                           "--fresh to discard it")
     owners = recorded_owners(record)
     if owners is None:
         return
-    was = record.get("world", 1)
-    if world != was:
-        raise RequestError(f"the service's run keeps state in the HBM of each of its {was} ranks; attach it with "
-                           f"{was} ranks (this trainer has {world}), or restart the service with --fresh to discard it")
     if owners_of(msg, list(owners), world) != owners:
         raise RequestError("the service's run has its groups owned by other ranks than this trainer's; restart the "
                            "service with --fresh to discard it")
