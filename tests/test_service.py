@@ -810,6 +810,8 @@ def test_with_no_room_for_the_trainers_share_the_service_updates_it(tmp_path):
         raise OutOfSpace("full")
 
     store.dram.allocate = full
+    said: list[str] = []
+    svc.say = said.append
     for step in (1, 2):
         grad = torch.randn(4, 4)
         store.write("grad/w", grad).result()
@@ -835,6 +837,8 @@ def test_with_no_room_for_the_trainers_share_the_service_updates_it(tmp_path):
     from tiermem.service.runs import no_room_note as _no_room
 
     assert (svc.run.taken_count, svc.run.optimizer.no_room) == (1, 2)
+    assert [x for x in said if "no room" in x] == [  # (said once a run, when the trainer's first finds none)
+        "update 1: no room for group 0's new state (full); the service updates such a group itself, in place (slower)"]
     assert _no_room(3, 1) == ("; 3 group updates went in place for want of room in the arena; 1 of the trainer's "
                               "were handed to the service for want of room") and _no_room(0, 0) == ""
     svc._close_run(keep=False)

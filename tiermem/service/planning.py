@@ -37,7 +37,7 @@ from tiermem.tiers.base import DEVICE, HOST
 # AdamW on the same cores: 0.26-0.38x measured on the H200 host (docs/measurements.md, tools/bench_optim.py)
 CRASH_SAFE_CPU = 0.37
 # HBM the service's own CUDA context and allocator take on the trainer's GPU beside its block (its trainer's room,
-# measured in the trainer's process, does not see them)
+# measured in the trainer's process, does not see them), and the block's slack for new state (runs.SLACK_CAP)
 SERVICE_CONTEXT = 1 << 30
 SPLIT_AFTER = 2  # the service's own updates measured before its split is tried again at their rate
 SPLIT_OFF = 0.1  # ... when they took this much longer or shorter than planned

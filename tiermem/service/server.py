@@ -202,7 +202,7 @@ class Service(UpdateRequests, Replacement, Recovery, Monitoring, Listening, Disc
         # both workers write out of place
         host, disk, device = registry.primary(HOST), shared_disk(), registry.primary(DEVICE)
         # (several ranks: each rank's GPU worker writes its groups' new state in the arena; in HBM, in its own part)
-        spare = {t: room_for_new_state(specs, plan, moved, t, 2 if t == device else world + 1)
+        spare = {t: room_for_new_state(specs, plan, moved, t, 2 if t == device else world + 1, slack=t == device)
                  for t in (host, disk, device)}
         step = self.cfg.durability == "step"
         copies = mirror_bytes(specs, plan.where, device) if step else 0

@@ -172,7 +172,10 @@ class UpdateRequests:
         names = run.optimizer.state_names(g)
         try:
             places = store.allocate_elsewhere(names)
-        except OutOfSpace:
+        except OutOfSpace as e:
+            if not run.taken_count:  # (said once a run: the finish line counts them)
+                self.say(f"update {step}: no room for group {g}'s new state ({e}); the service updates such a "
+                         f"group itself, in place (slower){grants_note(run.grants)}")
             self._take_over(run, g, step)
             return {"places": None}
         run.grants[g] = (step, {n: (store.catalog[n].tier, places[n]) for n in names})
@@ -203,3 +206,8 @@ class UpdateRequests:
                 self._maybe_updated(run, step)
 
         fut.add_done_callback(redone)
+
+
+def grants_note(grants: dict) -> str:
+    """What the trainers hold of the room for new state when one found none (the groups granted places)."""
+    return f"; places held for group{'s' if len(grants) != 1 else ''} {', '.join(map(str, grants))}" if grants else ""
