@@ -127,7 +127,7 @@ def device_bytes_by_rank(specs: list[TensorSpec], where: dict, owners: dict, wor
 
 def create_store(cfg: StoreConfig, specs: list[TensorSpec], plan: Plan, extra_host: int, extra_disk: int = 0,
                  owner: dict | None = None, extra_device: int = 0, hbm=None, owners: dict | None = None,
-                 world: int = 1) -> Store:
+                 world: int = 1) -> tuple[Store, list[int]]:
     """The service's store for a new run: the arena (the host tier) sized to ``plan`` (+ ``extra_host``), the NVMe
     file (the first storage tier's) to its budget when one is set (room to move optimizer state there later),
     else to the plan (+ ``extra_disk``), and the HBM the plan gives to state (+ ``extra_device``), laid on the block
