@@ -454,13 +454,14 @@ def service_config(tmp_path: Path, hbm: bool = False) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("hbm", [False, True])
+@pytest.mark.parametrize("hbm,kill_at", [(False, "backward:5"), (True, "backward:5"), (True, "update:4:1")])
 def test_a_rank_killed_while_attached_to_a_service_detaches_the_run_and_the_rerun_continues_it(tmp_path, tiny,
-                                                                                                  capsys, hbm):
+                                                                                                  capsys, hbm, kill_at):
     """Rank 1 killed mid-step: the ranks stop with one line naming it, the service detaches the run (finishing
     the update the trainers owed) and keeps it at its last committed step; the same command continues it there
     and ends as one embedded process. With state in the service's HBM (``hbm``), each rank's part, the killed
-    rank's too, stays with the service."""
+    rank's too, stays with the service; killed mid-update (its group 1's new state written in its part, not yet
+    flipped), the service updates that group and the rest rank 1 owed there itself."""
     import tempfile
 
     from tests.test_service import Service
@@ -473,7 +474,7 @@ def test_a_rank_killed_while_attached_to_a_service_detaches_the_run_and_the_reru
         # the dead peer's closed connection, not by the timeout; the bound below only shows it was not the timeout)
         cfg = write_cfg(tmp_path, tiny, "two", 2, tiermem_server=str(sock), tiermem=None, tiermem_dist_timeout=300)
         t0 = time.monotonic()
-        r = ranks(cfg, 2, TIERMEM_TEST_KILL_AT="backward:5", TIERMEM_TEST_KILL_RANK="1")
+        r = ranks(cfg, 2, TIERMEM_TEST_KILL_AT=kill_at, TIERMEM_TEST_KILL_RANK="1")
         assert r.returncode != 0 and time.monotonic() - t0 < 290
         lines = [x for x in r.stderr.splitlines() if x.startswith("tiermem-train: error:")]
         assert len(lines) == 1 and "rank 1 (pid" in lines[0], r.stderr[-3000:]
