@@ -2,7 +2,8 @@
 block for each rank ("HBM" in host memory on the stand-in), each group's state in its owner's; each rank maps its
 own part. Two ranks against one embedded process with the same global batch: the same steps and weights, the same
 checkpointed state (rank 1's part written by rank 1); a checkpoint written in parts resumes after the service's
-crash (a killed rank: tests/test_train_dp.py, its service's run with state in HBM)."""
+crash under durability: checkpoint, and under durability: step the restarted service puts every rank's part back
+from its copies (a killed rank: tests/test_train_dp.py, its service's run with state in HBM)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,32 @@ def test_a_checkpoint_written_in_parts_resumes_two_ranks_of_a_new_service(tmp_pa
         r = ranks(cfg, 2)
         assert r.returncode == 0, (r.stderr[-3000:], svc.text)
         assert f"resumed from {whole[-1]}" in r.stdout, r.stdout
+        assert_same_weights(tmp_path / "one", tmp_path / "two")
+    finally:
+        assert svc.stop() == 0, svc.text
+
+
+@pytest.mark.slow
+def test_a_service_killed_with_durability_step_puts_every_ranks_part_back(tmp_path, tiny, capsys):  # noqa: F811
+    """durability: step with state in two ranks' parts of the service's HBM: the service dies flipping group 1's
+    update 3 (rank 1's part; its new state written, not journaled); the restarted one makes the blocks anew, puts
+    each group's journaled version back from its copies in the arena, redoes update 3, and the same command
+    continues the run there, ending as one embedded process."""
+    import signal
+
+    one_process(write_cfg(tmp_path, tiny, "one", 4), capsys)
+    sock = Path(tempfile.mkdtemp(prefix="tm-")) / "s.sock"
+    conf = service_config(tmp_path, hbm=True, durability="step")
+    svc = Service(conf, sock, env={"TIERMEM_TEST_KILL_AT": "update:3:1"})
+    cfg = write_cfg(tmp_path, tiny, "two", 2, tiermem_server=str(sock), tiermem=None)
+    r = ranks(cfg, 2)
+    assert svc.proc.wait(timeout=60) == -signal.SIGKILL and r.returncode != 0, svc.text
+    svc = Service(conf, sock)
+    try:
+        assert "from its copies in DRAM" in svc.text and "step 3 committed" in svc.text, svc.text
+        r = ranks(cfg, 2)
+        assert r.returncode == 0, (r.stderr[-3000:], svc.text)
+        assert "continuing the service's run at step 3" in r.stdout, r.stdout
         assert_same_weights(tmp_path / "one", tmp_path / "two")
     finally:
         assert svc.stop() == 0, svc.text

@@ -438,17 +438,18 @@ def test_two_ranks_attached_to_a_service_match_one_process(tmp_path, tiny, capsy
 IN_HBM = {"param": "dram", "grad": "gpu", "exp_avg": "gpu", "exp_avg_sq": "gpu"}
 
 
-def service_config(tmp_path: Path, hbm: bool = False) -> Path:
+def service_config(tmp_path: Path, hbm: bool = False, durability: str = "checkpoint") -> Path:
     """The service's config: the moments on NVMe, or (``hbm``) the gradients and moments in each owner's part of
-    the service's HBM (its CPU stand-in: host memory, a block a rank)."""
+    the service's HBM (its CPU stand-in: host memory, a block a rank; ``durability: step``: the gradients in the
+    arena)."""
     (tmp_path / "shm").mkdir(exist_ok=True)
     path = tmp_path / "serve.yaml"
     tiers = {"gpu": {"device": "cpu"}, "dram": {"path": str(tmp_path / "shm"), "budget": "64MiB"}}
-    placement = IN_HBM
+    placement = IN_HBM if durability == "checkpoint" else dict(IN_HBM, grad="dram")
     if not hbm:
         tiers["nvme"] = {"path": str(tmp_path / "nvme-svc"), "budget": "64MiB", "backend": "posix"}
         placement = {"param": "dram", "grad": "dram", "master": "dram", "exp_avg": "nvme", "exp_avg_sq": "nvme"}
-    path.write_text(yaml.safe_dump({"name": f"dp{os.getpid()}", "placement": placement,
+    path.write_text(yaml.safe_dump({"name": f"dp{os.getpid()}", "placement": placement, "durability": durability,
                                     "optimizer": {"gpu_share": 0.5, "cpu_groups": "spread"}, "tiers": tiers}))
     return path
 
