@@ -81,9 +81,6 @@ class PartedAllocator:
     def fragmentation(self) -> float:
         return max((a.fragmentation() for a in self.parts), default=0.0)
 
-    def live_extents(self) -> list[Extent]:
-        return [x for a in self.parts for x in a.live_extents()]
-
 
 class PartedGpuTier:
     """The service's device tier of a run of several ranks (see the module): no streaming slots (the service
@@ -111,10 +108,6 @@ class PartedGpuTier:
     @property
     def owner(self) -> bool:
         return True
-
-    @property
-    def n_parts(self) -> int:
-        return len(self._blocks)
 
     def part_bytes(self) -> list[int]:
         """Each part's capacity, rank by rank (a run's record keeps them: a restarted service makes them again)."""
@@ -151,9 +144,6 @@ class PartedGpuTier:
         b = self._blocks[rank] if rank < len(self._blocks) else None
         return None if b is None else {**b.export(), "bytes": self.allocator.parts[rank].capacity,
                                        "base": base_of(rank)}
-
-    def describe(self, section, chosen: bool = False) -> dict | None:
-        return self.describe_part(0)
 
     def sync(self) -> None:
         if self.is_cuda:
